@@ -1,0 +1,35 @@
+# `make demo` and `make test` each do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-gpu bench lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/adaptmem demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/batch_search.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check adaptmem tests benchmarks
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,171 @@
+"""Device resolution, free/total memory probes and size parsing."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+__all__ = [
+    "resolve_device",
+    "default_device",
+    "memory_info",
+    "free_memory",
+    "empty_cache",
+    "synchronize",
+    "parse_size",
+    "format_bytes",
+]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, name: str = "size") -> int:
+    """Bytes from an int or a string such as ``"1.5GiB"``, ``"512MB"`` or ``"4096"``.
+
+    Raises:
+        TypeError: ``value`` is neither an int nor a string (``bool`` is refused too).
+        ValueError: the string cannot be parsed, or the size is negative.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
+            f"{name} must be a number of bytes (int) or a string like '512MiB', "
+            f"got {type(value).__name__} {value!r}"
+        )
+    if isinstance(value, str):
+        match = _SIZE_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name}={value!r} is not a size: write bytes as an int or a string like "
+                f"'512MiB', '1.5GiB' or '20GB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+            )
+        number = float(match.group(1)) * _UNITS[unit]
+    else:
+        number = float(value)
+    if number < 0 or number != number:
+        raise ValueError(f"{name} must be zero or more bytes, got {value!r}")
+    return int(number)
+
+
+def format_bytes(n: float) -> str:
+    """A short human-readable size: ``format_bytes(3 * 2**20) == '3.0 MiB'``."""
+    sign = "-" if n < 0 else ""
+    n = abs(float(n))
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def default_device() -> torch.device:
+    """The current accelerator if there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return torch.device("xpu", xpu.current_device())
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_device(device: Any, name: str = "device") -> torch.device:
+    """A concrete ``torch.device`` (with an index for accelerators) from user input.
+
+    ``None`` means the current accelerator, else the CPU. An unknown device type, an
+    accelerator that is not available, or an index past the last device raises ValueError.
+    """
+    if device is None:
+        return default_device()
+    if isinstance(device, int) and not isinstance(device, bool):
+        device = f"cuda:{device}"
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"{name} must be a torch.device, a string like 'cuda:0' or 'cpu', or None, "
+            f"got {type(device).__name__} {device!r}"
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"{name}={device!r} is not a device torch knows: use 'cpu', 'cuda', 'cuda:1', ..."
+        ) from exc
+    if dev.type == "meta":
+        raise ValueError(f"{name}={device!r}: the meta device holds no data; pick 'cpu' or 'cuda'")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name}={device!r} but CUDA is not available here; use 'cpu' or None")
+        index = torch.cuda.current_device() if dev.index is None else dev.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{name}={device!r} but only {torch.cuda.device_count()} CUDA device(s) exist"
+            )
+        return torch.device("cuda", index)
+    module = getattr(torch, dev.type, None)
+    available = getattr(module, "is_available", None)
+    if dev.type == "mps":
+        available = torch.backends.mps.is_available
+    if available is None or not available():
+        raise ValueError(f"{name}={device!r} is not available on this machine; use 'cpu' or None")
+    return dev
+
+
+def memory_info(device: torch.device) -> tuple[int, int]:
+    """``(free, total)`` bytes on ``device``; for the CPU, under any adaptmem CPU limit."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    if device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
+        free, total = torch.xpu.mem_get_info(device)
+        return int(free), int(total)
+    if device.type == "mps":
+        total = int(torch.mps.recommended_max_memory())
+        return max(0, total - int(torch.mps.driver_allocated_memory())), total
+    from .cpu_memory import cpu_memory_info
+
+    return cpu_memory_info()
+
+
+def free_memory(device: torch.device) -> int:
+    """Free bytes on ``device`` (see ``memory_info``)."""
+    return memory_info(device)[0]
+
+
+def empty_cache(device: torch.device | None = None) -> None:
+    """Return cached allocator blocks of accelerators already in use to the driver."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    if device is not None and device.type == "mps":
+        torch.mps.empty_cache()
+    if device is not None and device.type == "xpu":
+        torch.xpu.empty_cache()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device``; a no-op for the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type in ("mps", "xpu"):
+        getattr(torch, device.type).synchronize()

@@ -1,0 +1,60 @@
+"""The exception classes adaptmem raises; all derive from AdaptmemError."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = [
+    "AdaptmemError",
+    "OutOfMemoryError",
+    "PlacementError",
+    "LoadError",
+    "oom_error_for",
+]
+
+
+class AdaptmemError(RuntimeError):
+    """Root of every error adaptmem raises on its own account."""
+
+
+class OutOfMemoryError(AdaptmemError):
+    """Memory ran out and adaptmem could not adapt further.
+
+    Instances raised by adaptmem are also instances of the original out-of-memory type
+    (``torch.OutOfMemoryError``, ``MemoryError``, ...), so existing ``except`` clauses keep
+    working. ``phase`` says where memory ran out: ``"compute"`` (inside the user's function)
+    or ``"transfer"`` (while moving weights to a device).
+    """
+
+    phase: str = "compute"
+
+
+class PlacementError(AdaptmemError):
+    """A model could not be paged, chunked or split as asked."""
+
+
+class LoadError(AdaptmemError):
+    """A checkpoint could not be read or does not match the model."""
+
+
+_oom_types: dict[type[BaseException], type[OutOfMemoryError]] = {}
+_oom_types_lock = threading.Lock()
+
+
+def oom_error_for(original: BaseException) -> type[OutOfMemoryError]:
+    """The OutOfMemoryError subclass that is also an instance of ``type(original)``."""
+    base = type(original)
+    if issubclass(base, OutOfMemoryError):
+        return base
+    with _oom_types_lock:
+        cls = _oom_types.get(base)
+        if cls is None:
+            try:
+                cls = type(f"OutOfMemoryError[{base.__name__}]", (OutOfMemoryError, base), {})
+                # Constructed with one message argument whatever the original took.
+                cls.__init__ = RuntimeError.__init__  # type: ignore[assignment,misc]
+            except TypeError:  # an incompatible layout (an OSError subclass, say)
+                cls = OutOfMemoryError
+            cls.__module__ = __name__
+            _oom_types[base] = cls
+        return cls

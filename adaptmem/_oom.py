@@ -1,0 +1,74 @@
+"""Recognising out-of-memory errors, and clearing up after a failed attempt."""
+
+from __future__ import annotations
+
+import gc
+import traceback
+
+import torch
+
+from ._devices import empty_cache
+
+__all__ = ["is_oom", "oom_phase", "drop_frames", "free_caches", "OOM_MESSAGES"]
+
+# Matched against every string argument of a RuntimeError, case-sensitively, because these are
+# the exact words the backends print (checked against their sources and real failures).
+OOM_MESSAGES: tuple[tuple[str, str], ...] = (
+    ("CUDA out of memory", "CUDA caching allocator"),
+    ("CUDA error: out of memory", "CUDA driver (AcceleratorError)"),
+    ("HIP out of memory", "ROCm caching allocator"),
+    ("HIP error: out of memory", "ROCm driver"),
+    ("MPS backend out of memory", "Apple MPS allocator"),
+    ("XPU out of memory", "Intel XPU allocator"),
+    ("CUBLAS_STATUS_ALLOC_FAILED", "cuBLAS workspace allocation"),
+    ("CUDNN_STATUS_ALLOC_FAILED", "cuDNN workspace allocation"),
+    ("CUDNN_STATUS_NOT_SUPPORTED", "cuDNN, which reports a failed workspace this way"),
+    ("CUDNN_STATUS_INTERNAL_ERROR", "cuDNN, whose workspace failure can surface this way"),
+    ("DefaultCPUAllocator: can't allocate memory", "CPU allocator"),
+    ("DefaultCPUAllocator: not enough memory", "CPU allocator (Windows)"),
+    ("PT_DEVMEM Allocation failed", "Habana HPU allocator"),
+)
+
+
+def _message_match(exc: BaseException) -> bool:
+    for arg in exc.args:
+        if isinstance(arg, str):
+            for needle, _ in OOM_MESSAGES:
+                if needle in arg:
+                    return True
+    return False
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True when ``exc`` means memory ran out: the OOM types first, then the messages.
+
+    >>> is_oom(MemoryError())
+    True
+    >>> is_oom(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes."))
+    True
+    >>> is_oom(ValueError("CUDA out of memory"))
+    False
+    """
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    return isinstance(exc, RuntimeError) and _message_match(exc)
+
+
+def oom_phase(exc: BaseException) -> str:
+    """``"transfer"`` if memory ran out while adaptmem moved weights, else ``"compute"``."""
+    return getattr(exc, "phase", "compute")
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Release the locals of every frame a failed attempt left in ``exc``'s tracebacks."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__context__ or exc.__cause__  # type: ignore[assignment]
+
+
+def free_caches(device: torch.device | None) -> None:
+    """Collect garbage, then hand cached device memory back before the next attempt."""
+    gc.collect()
+    empty_cache(device)

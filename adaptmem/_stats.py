@@ -1,0 +1,67 @@
+"""Counters every engine reports through: plain numbers, printable, comparable."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from ._devices import format_bytes
+
+__all__ = ["Stats", "PagingStats", "PlacementStats", "LoadStats"]
+
+
+@dataclass
+class Stats:
+    """Base for engine counters: ``as_dict()``, ``reset()`` and a readable ``str``."""
+
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+
+    def reset(self) -> None:
+        for f in fields(self):
+            if not f.name.startswith("_"):
+                setattr(self, f.name, f.default_factory() if callable(f.default_factory)
+                        else f.default)  # type: ignore[misc]
+
+    def __str__(self) -> str:
+        parts = []
+        for k, v in self.as_dict().items():
+            parts.append(f"{k}={format_bytes(v)}" if k.endswith("bytes") or "bytes_" in k
+                         else f"{k}={v}")
+        return f"{type(self).__name__}(" + ", ".join(parts) + ")"
+
+
+@dataclass
+class PagingStats(Stats):
+    """What a Pager did. A prefetch miss is a unit compute had to wait for."""
+
+    bytes_moved: int = 0
+    transfers: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    refinements: int = 0
+    peak_device_bytes: int = 0
+    forwards: int = 0
+
+
+@dataclass
+class PlacementStats(Stats):
+    """What a Chunker or Splitter did at unit boundaries."""
+
+    boundary_crossings: int = 0
+    bytes_converted: int = 0
+    forwards: int = 0
+
+
+@dataclass
+class LoadStats(Stats):
+    """What a load read, from where, and how long it took."""
+
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes_read: int = 0
+    bytes_by_device: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0

@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from adaptmem import adaptive
+from adaptmem._planner import Plan, module_sizes, paging_units, record_execution_order
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(100, 16)
+        self.body = nn.Linear(16, 16)
+        self.lm_head = nn.Linear(16, 100, bias=False)
+        self.lm_head.weight = self.wte.weight
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.body(self.wte(ids)) * self.scale)
+
+
+def test_sizes_count_tied_tensors_once_and_are_dtype_aware() -> None:
+    model = Tied()
+    sizes = module_sizes(model)
+    expected = (100 * 16 + 16 * 16 + 16 + 16) * 4
+    assert sizes.total_bytes == expected
+    assert sizes.tensors["wte.weight"].aliases == ("lm_head.weight",)
+    assert sizes.subtree_bytes["lm_head"] == 100 * 16 * 4
+    assert sizes.own_bytes("") == 16 * 4
+    assert sizes.own_bytes("", torch.float16) == 16 * 2
+
+
+def test_units_descend_only_where_a_module_is_too_large() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), nn.Linear(64, 4))
+    sizes = module_sizes(model)
+    whole = paging_units(sizes, None)
+    assert [u.module for u in whole] == [""]
+    coarse = paging_units(sizes, sizes.subtree_bytes["0"])
+    assert [u.module for u in coarse] == ["0", "1"]
+    fine = paging_units(sizes, 64 * 64 * 4 + 64 * 4)
+    assert [u.module for u in fine] == ["0.0", "0.1", "1"]
+    assert sum(u.nbytes for u in fine) == sizes.total_bytes
+
+
+def test_tied_weight_is_owned_by_one_unit_and_borrowed_by_the_other() -> None:
+    units = paging_units(module_sizes(Tied()), 0)
+    owners = [u for u in units if "wte.weight" in u.tensors]
+    borrowers = [u for u in units if "wte.weight" in u.borrowed]
+    assert len(owners) == 1 and [u.module for u in borrowers] == ["lm_head"]
+    assert [u.name for u in units][0] == "<root> (own)"
+
+
+def test_plan_uses_execution_order_not_registration_order() -> None:
+    class HeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 2)
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    with torch.device("meta"):
+        model = HeadFirst()
+        x = torch.empty(1, 8)
+    assert record_execution_order(model, x) == ["", "body", "head"]
+    p = adaptive.plan(model, unit_bytes=0, example_inputs=x)
+    assert [u.module for u in p.units] == ["body", "head"]
+
+
+def test_plan_places_a_prefix_per_device_and_round_trips() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
+    layer = 256 * 256 * 4 + 256 * 4
+    p = adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None})
+    assert p.device_map == {"0": "cuda:0", "1": "cuda:0", "2": "cpu", "3": "cpu"}
+    # Capacity counts bytes in the dtype placed there: in fp16 twice as many layers fit.
+    half = adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None},
+                         dtype={"cuda:0": torch.float16})
+    assert half.device_map == {"": "cuda:0"}
+    again = Plan.from_dict(json.loads(p.to_json()))
+    assert again.to_dict() == p.to_dict()
+    text = str(p)
+    assert "cuda:0" in text and "totals" in text
+
+
+def test_plan_rejects_what_is_not_a_module() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        adaptive.plan("resnet50")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unit_bytes"):
+        adaptive.plan(nn.Linear(2, 2), unit_bytes="lots")
