@@ -16,6 +16,9 @@ __all__ = [
     "synchronize",
     "parse_size",
     "format_bytes",
+    "map_tensors",
+    "to_device",
+    "first_tensor_device",
 ]
 
 _UNITS = {
@@ -169,3 +172,61 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type in ("mps", "xpu"):
         getattr(torch, device.type).synchronize()
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and namedtuples; other
+    values come back as they were (the same object when nothing inside changed)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [map_tensors(x, fn) for x in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [map_tensors(x, fn) for x in obj]
+    if isinstance(obj, dict):
+        out = {k: map_tensors(v, fn) for k, v in obj.items()}
+        if all(out[k] is v for k, v in obj.items()):
+            return obj
+        try:
+            return type(obj)(out)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return out
+    return obj
+
+
+def to_device(
+    obj: Any,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    non_blocking: bool = False,
+) -> Any:
+    """Move every tensor in ``obj`` (nested) to ``device``; floating tensors also to ``dtype``
+    when given (integer and bool tensors keep theirs). Tensors already there are untouched."""
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        target = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if t.device == device and t.dtype == target:
+            return t
+        return t.to(device=device, dtype=target, non_blocking=non_blocking)
+
+    return map_tensors(obj, move)
+
+
+def first_tensor_device(obj: Any) -> torch.device | None:
+    """The device of the first tensor found in nested ``obj``, or None."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    if isinstance(obj, (tuple, list)):
+        for x in obj:
+            d = first_tensor_device(x)
+            if d is not None:
+                return d
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            d = first_tensor_device(x)
+            if d is not None:
+                return d
+    return None
