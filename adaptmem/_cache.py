@@ -55,8 +55,8 @@ class SizeRecord:
 
     def next_size(self, initial: int) -> int:
         """The size a new call should try first (never above ``initial``)."""
-        with self._lock:
-            fits, fails = self.fits, self.fails
+        # Read without the lock: a torn read between two writers only changes one probe.
+        fits, fails = self.fits, self.fails
         if fits is None:
             return initial if fails is None else max(1, min(initial, fails // 2))
         ceiling = min(initial + 1, fails) if fails is not None else initial + 1
@@ -78,6 +78,9 @@ class SizeRecord:
 
     def after_success(self, size: int) -> None:
         """Record that ``size`` ran to completion."""
+        fits, fails = self.fits, self.fails
+        if fits is not None and size <= fits and (fails is None or fails > size):
+            return  # nothing new: the settled path takes no lock
         with self._lock:
             if self.fits is None or size > self.fits:
                 self.fits = size
@@ -184,20 +187,39 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     search; a bucket with more free memory climbs again from there.
     """
 
-    def __init__(self, depth: int = 8, refresh_seconds: float = 0.5) -> None:
+    def __init__(self, depth: int = 4, refresh_seconds: float = 0.5) -> None:
         super().__init__()
         self.depth = depth
         self._buckets = _FreeMemoryBuckets(refresh_seconds)
+        self._codes: set[Any] = set()
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
         frame = caller if caller is not None else sys._getframe(2)
-        site = []
+        # Ids, not code objects: hashing a code object hashes its contents on every call.
+        # The code objects of every recorded site are kept alive, so an id is never reused.
+        site: list[Any] = [function, context]
         for _ in range(self.depth):
             if frame is None:
                 break
-            site.append((frame.f_code, frame.f_lasti))
+            site.append(id(frame.f_code))
+            site.append(frame.f_lasti)
             frame = frame.f_back
-        return (function, context, tuple(site)), self._buckets.bucket(device)
+        return tuple(site), self._buckets.bucket(device)
+
+    def record(
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+    ) -> SizeRecord:
+        key = self.key(function, context, device, caller)
+        record = self._records.get(key)
+        if record is None:
+            frame = caller
+            for _ in range(self.depth):
+                if frame is None:
+                    break
+                self._codes.add(frame.f_code)
+                frame = frame.f_back
+            record = super().record(function, context, device, caller)
+        return record
 
     def _seed(self, key: Any) -> SizeRecord:
         site, bucket = key

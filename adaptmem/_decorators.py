@@ -13,7 +13,8 @@ import torch
 
 from ._cache import BatchsizeCache, _check_cache, resolve_cache
 from ._devices import resolve_device
-from ._retry import run_range, run_sized
+from ._oom import is_oom, oom_phase
+from ._retry import log_probe, run_range, run_sized
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 
@@ -118,13 +119,22 @@ class _Batch(_Adaptive):
         self._check_call(args, kwargs)
         cache, record = self._record(caller)
         func = self._func
-        if bound:
-            attempt = lambda size: func(*bound, size, *args, **kwargs)  # noqa: E731
+        size = record.next_size(self.initial)
+        if record.fits is not None and size > record.fits:
+            log_probe(record, size, self._name, "batchsize")
+        # The success path: one attempt, no closure, no gc, no probing.
+        try:
+            result = func(*bound, size, *args, **kwargs)
+        except Exception as exc:
+            if not is_oom(exc) or oom_phase(exc) == "transfer":
+                raise
+            failure = exc
         else:
-            attempt = lambda size: func(size, *args, **kwargs)  # noqa: E731
+            record.after_success(size)
+            return result
         return run_sized(
-            attempt, record.next_size(self.initial), record, floor=self.floor,
-            name=self._name, what="batchsize", device=self.device, cache=cache,
+            lambda s: func(*bound, s, *args, **kwargs), size, record, floor=self.floor,
+            name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
         )[0]
 
 

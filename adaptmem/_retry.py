@@ -13,7 +13,7 @@ from ._devices import default_device, format_bytes, free_memory
 from ._errors import oom_error_for
 from ._oom import drop_frames, free_caches, is_oom, oom_phase
 
-__all__ = ["run_sized", "run_range", "logger"]
+__all__ = ["run_sized", "run_range", "log_probe", "logger"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -28,6 +28,13 @@ def _free_text(device: torch.device | None) -> str:
         return "free memory unknown"
 
 
+def log_probe(record: SizeRecord, size: int, name: str, what: str) -> None:
+    """Log a call that tries a size above the largest known to fit (climbing back)."""
+    fits = record.fits
+    if fits is not None and size > fits:
+        logger.info("%s: probing %s=%d (largest that fitted so far: %d)", name, what, size, fits)
+
+
 def run_sized(
     attempt: Callable[[int], T],
     size: int,
@@ -38,6 +45,7 @@ def run_sized(
     what: str,
     device: torch.device | None,
     cache: BatchsizeCache,
+    failure: BaseException | None = None,
 ) -> tuple[T, int]:
     """Call ``attempt(size)``; on an out-of-memory error in compute, shrink and call again.
 
@@ -46,24 +54,23 @@ def run_sized(
     and SystemExit are never caught. Before each retry the failed attempt's frames are
     cleared, garbage is collected and device caches are emptied. An OOM at ``floor`` raises
     adaptmem's OutOfMemoryError, which is also an instance of the original error's type.
+    ``failure`` is the OOM of a first attempt at ``size`` the caller already made.
     """
     tried: list[int] = []
-    if record.fits is not None and size > record.fits:
-        logger.info("%s: probing %s=%d (largest that fitted so far: %d)", name, what, size,
-                    record.fits)
     while True:
-        failure: BaseException | None = None
-        try:
-            result = attempt(size)
-        except Exception as exc:
-            if not is_oom(exc) or oom_phase(exc) == "transfer":
-                raise
-            failure = exc
-        else:
-            record.after_success(size)
-            if tried:
-                logger.info("%s: %s=%d fits (after %s ran out of memory)", name, what, size, tried)
-            return result, size
+        if failure is None:
+            try:
+                result = attempt(size)
+            except Exception as exc:
+                if not is_oom(exc) or oom_phase(exc) == "transfer":
+                    raise
+                failure = exc
+            else:
+                record.after_success(size)
+                if tried:
+                    logger.info("%s: %s=%d fits (after %s ran out of memory)",
+                                name, what, size, tried)
+                return result, size
         # Out of the except block, so nothing keeps the failed attempt's frames alive.
         tried.append(size)
         drop_frames(failure)
@@ -85,6 +92,7 @@ def run_sized(
             name, what, size, _free_text(device), what, new_size,
         )
         size = new_size
+        failure = None
 
 
 def run_range(
@@ -106,6 +114,7 @@ def run_range(
     """
     results: list[Any] = []
     step = record.next_size(initial)
+    log_probe(record, step, name, "step")
     position = start
     while position < end:
         span = min(step, end - position)
