@@ -1,0 +1,742 @@
+"""The pager: weights live in host memory and reach the device just before they are used.
+
+Per distinct tensor there is a slot: the Parameter or buffer object itself (identity never
+changes), its host master (pinned when the target is an accelerator) and, while it is
+needed, a device copy. Loading a tensor assigns ``tensor.data = copy``; releasing assigns
+``tensor.data = master`` and drops the copy. The master is never written back.
+
+Forward pre-hooks acquire what a module needs and post-hooks release it (reference counts,
+so tied tensors and nested units are on the device once). The first forward runs with a
+``TorchFunctionMode`` probe that loads any weight a module reads without calling its owner
+(``MultiheadAttention`` reading ``out_proj.weight``) and records it; from then on those
+needs are acquired by hooks, in an execution order used for prefetching.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from collections.abc import Iterator
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from ._devices import (
+    first_tensor_device,
+    format_bytes,
+    free_memory,
+    parse_size,
+    resolve_device,
+    to_device,
+)
+from ._errors import OutOfMemoryError, PlacementError, oom_error_for
+from ._oom import free_caches, is_oom
+from ._planner import Plan, module_sizes, order_units, paging_units, split_unit
+from ._stats import PagingStats
+from ._transfer import Transfer, transfer_for
+
+__all__ = ["Pager", "page"]
+
+logger = logging.getLogger("adaptmem")
+
+# Every module of every paged model, so a model (or a part of one) is never paged twice.
+_PAGED: weakref.WeakKeyDictionary[nn.Module, Pager] = weakref.WeakKeyDictionary()
+
+_HOST, _PENDING, _LOADED = 0, 1, 2
+
+# Reading these from a weight does not need its values, so the probe leaves it on the host.
+_METADATA = frozenset({
+    "shape", "dtype", "device", "is_cuda", "is_cpu", "is_mps", "is_xpu", "is_meta",
+    "requires_grad", "ndim", "layout", "is_sparse", "is_quantized", "names", "size", "dim",
+    "numel", "nelement", "stride", "element_size", "itemsize", "nbytes", "is_floating_point",
+    "is_complex", "is_contiguous", "data_ptr", "get_device", "storage_offset", "grad_fn",
+    "is_leaf", "_version", "__len__",
+})
+
+_quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
+
+
+def _is_metadata(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name in _METADATA
+
+
+class _Slot:
+    """One distinct tensor: the registered object, its host master, its device copy."""
+
+    __slots__ = ("name", "tensor", "master", "original", "origin", "nbytes", "copy", "ticket",
+                 "state", "refs", "resident")
+
+    def __init__(self, name: str, tensor: torch.Tensor, master: torch.Tensor,
+                 original: torch.Tensor | None, origin: torch.device) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.master = master
+        self.original = original  # the data to put back, when the master is not a copy
+        self.origin = origin
+        self.nbytes = master.numel() * master.element_size()
+        self.copy: torch.Tensor | None = None
+        self.ticket: Any = None
+        self.state = _HOST
+        self.refs = 0
+        self.resident = False
+
+
+class _Frame:
+    __slots__ = ("module", "name", "slots")
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module = module
+        self.name = name
+        self.slots: list[_Slot] = []
+
+
+class _NoRoom(Exception):
+    """A fetch did not fit (budget, or an OOM that survived one retry)."""
+
+    def __init__(self, need: int, oom: BaseException | None = None) -> None:
+        super().__init__(need)
+        self.need = need
+        self.oom = oom
+
+
+class _Probe(TorchFunctionMode):
+    """First-forward watcher: every weight an op receives is loaded and recorded."""
+
+    def __init__(self, pager: Pager) -> None:
+        super().__init__()
+        self.pager = pager
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.pager._learning and not _is_metadata(func):
+            self.pager._touch(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Pager:
+    """A model whose weights are paged to ``device`` module by module; see ``page``.
+
+    Attributes:
+        plan: the units in execution order, each ``"resident"`` or ``"paged"``; refinements
+            made at run time are listed in ``plan.refinements``.
+        stats: a ``PagingStats`` with bytes moved, transfers, prefetch hits and misses,
+            refinements and the peak device bytes held for weights.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, *, unit_bytes: int | None,
+                 prefetch: int, resident_bytes: int | None, device_budget: int | None,
+                 pin_memory: bool, output_device: torch.device | None) -> None:
+        self.model = model
+        self.device = device
+        self.prefetch = prefetch
+        self.budget = device_budget
+        self.output_device = output_device
+        self._stats = PagingStats()
+        self._transfer: Transfer = transfer_for(device)
+        self._sizes = module_sizes(model)
+        self._modules = dict(model.named_modules())
+        self._name_of = {id(m): n for n, m in self._modules.items()}
+        self._device_bytes = 0
+        self._stack: list[_Frame] = []
+        self._handles: dict[int, tuple[Any, Any]] = {}
+        self._needs: dict[int, tuple[_Slot, ...]] = {}
+        self._schedule: list[int] = []
+        self._cursor = 0
+        self._input_device: torch.device | None = None
+        self._learning = True
+        self._probe: _Probe | None = None
+        self._calls: list[str] = []
+        self._direct: dict[str, set[str]] | None = None
+        self._enclosing: dict[str, set[str]] | None = None
+        self._removed = False
+
+        units = paging_units(self._sizes, unit_bytes)
+        self._slots = self._make_slots(pin_memory)
+        self._slot_by_id = {id(s.tensor): s for s in self._slots.values()}
+        self._units = units
+        self._options = {
+            "device": str(device), "unit_bytes": unit_bytes, "prefetch": prefetch,
+            "resident_bytes": resident_bytes, "device_budget": device_budget,
+        }
+        self.plan = Plan("page", [], self._sizes.total_bytes, dict(self._options))
+        # Nothing above touched the model; from here on it is paged.
+        for s in self._slots.values():
+            if s.original is None:
+                s.tensor.data = s.master
+        for m in self._modules.values():
+            _PAGED[m] = self
+        self._make_resident(resident_bytes)
+        self._compute_needs()
+        for m in self._modules.values():
+            self._hook(m)
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _make_slots(self, pin_memory: bool) -> dict[str, _Slot]:
+        pin = pin_memory and self.device.type == "cuda"
+        tensors = {}
+        for mod_name, module in self._modules.items():
+            for registry in (module._parameters, module._buffers):
+                for attr, t in registry.items():
+                    full = f"{mod_name}.{attr}" if mod_name else attr
+                    if t is not None and full in self._sizes.tensors:
+                        tensors[full] = t
+        slots = {}
+        for name, t in tensors.items():
+            data = t.data
+            master, original = data, data
+            if data.device.type != "cpu":
+                master, original = data.to("cpu"), None
+            if pin:
+                try:
+                    master = master.pin_memory()
+                    original = None
+                except RuntimeError:  # pinned memory is a scarce resource; pageable works
+                    pass
+            slots[name] = _Slot(name, t, master, original, data.device)
+        return slots
+
+    def _make_resident(self, resident_bytes: int | None) -> None:
+        total = self._sizes.total_bytes
+        if resident_bytes is None:  # "auto"
+            room = self._room()
+            if total <= room:
+                allowance = room
+            else:
+                working = (self.prefetch + 2) * max((u.nbytes for u in self._units), default=0)
+                allowance = max(0, room - working)
+        else:
+            allowance = resident_bytes
+        used = 0
+        placed = []
+        for unit in self._units:
+            slots = [self._slots[n] for n in unit.tensors]
+            need = sum(s.nbytes for s in slots)
+            resident = bool(slots) and used + need <= allowance
+            if resident:
+                try:
+                    copies, ticket = self._transfer.start([s.master for s in slots])
+                    self._transfer.wait(ticket, copies)
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    logger.info("adaptmem page: %s did not fit on %s while making it resident "
+                                "(%s); it is paged instead", unit.name, self.device, exc)
+                    resident = False
+                    allowance = used
+            if resident:
+                with _quiet():
+                    for s, c in zip(slots, copies, strict=True):
+                        s.copy, s.state, s.resident = c, _LOADED, True
+                        s.tensor.data = c
+                used += need
+                self._add_device_bytes(need)
+            placed.append(replace(unit, placement="resident" if resident else "paged"))
+        self._units = placed
+        self.plan.units = list(placed)
+
+    def _room(self) -> int:
+        if self.budget is not None:
+            return self.budget
+        free = free_memory(self.device)
+        # Leave room for activations; on the CPU the masters share the same memory.
+        return int(free * (0.5 if self.device.type == "cpu" else 0.8))
+
+    def _compute_needs(self) -> None:
+        """Which slots each module acquires, from the units and what the probe learned."""
+        heads: dict[str, set[str]] = {}
+        for u in self._units:
+            heads.setdefault(u.module, set()).update(u.tensors, u.borrowed)
+        needs: dict[int, tuple[_Slot, ...]] = {}
+        rank = {n: i for i, n in enumerate(self._slots)}
+        for name, module in self._modules.items():
+            mine = set(heads.get(name, ()))
+            if not self._learning and self._direct is not None and self._enclosing is not None:
+                extra = self._direct.get(name, set()) - mine
+                for outer in self._enclosing.get(name, ()):
+                    extra -= heads.get(outer, set())
+                mine |= extra
+            slots = [self._slots[n] for n in mine if not self._slots[n].resident]
+            if slots:
+                needs[id(module)] = tuple(sorted(slots, key=lambda s: rank[s.name]))
+        self._needs = needs
+        if not self._learning:
+            self._schedule = [id(self._modules[n]) for n in self._calls
+                              if id(self._modules[n]) in needs]
+            for m in self._modules.values():
+                if id(m) in needs:
+                    self._hook(m)
+
+    def _hook(self, module: nn.Module) -> None:
+        if id(module) in self._handles:
+            return
+        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
+        self._handles[id(module)] = (pre, post)
+
+    def _unhook_idle(self) -> None:
+        for mid in [mid for mid in self._handles if mid not in self._needs]:
+            if mid == id(self.model):
+                continue
+            for h in self._handles.pop(mid):
+                h.remove()
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        root = module is self.model
+        if root:
+            args, kwargs = self._begin_forward(args, kwargs)
+        name = self._name_of.get(id(module), "")
+        frame = _Frame(module, name)
+        if self._learning:
+            self._calls.append(name)
+            if self._enclosing is not None:
+                outer = {f.name for f in self._stack}
+                seen = self._enclosing.get(name)
+                self._enclosing[name] = outer if seen is None else seen & outer
+        self._stack.append(frame)
+        if id(module) in self._needs:
+            with _quiet():
+                self._acquire(frame)
+                if not self._learning and self.prefetch:
+                    self._prefetch_after(id(module))
+        return (args, kwargs) if root else None
+
+    def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if self._stack and self._stack[-1].module is module:
+            with _quiet():
+                self._release(self._stack.pop())
+        if module is not self.model:
+            return None
+        failed = output is None and sys.exc_info()[1] is not None
+        self._end_forward(failed)
+        if failed:
+            return None
+        target = self.output_device or self._input_device
+        if target is not None and target != self.device:
+            output = to_device(output, target)
+        return output
+
+    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self._removed:
+            raise PlacementError("this Pager was removed; page the model again to use it")
+        if self._stack:  # a forward interrupted past the hooks (KeyboardInterrupt)
+            with _quiet():
+                while self._stack:
+                    self._release(self._stack.pop())
+        self._stats.forwards += 1
+        self._cursor = 0
+        self._settle(block=False)
+        if self._learning:
+            self._calls = []
+            self._direct, self._enclosing = {}, {}
+            self._probe = _Probe(self)
+            self._probe.__enter__()
+        self._input_device = first_tensor_device((args, kwargs))
+        return to_device((args, kwargs), self.device)
+
+    def _end_forward(self, failed: bool) -> None:
+        if self._probe is None:
+            return
+        probe, self._probe = self._probe, None
+        if torch.overrides._get_current_function_mode() is probe:
+            probe.__exit__(None, None, None)
+        if failed:
+            self._direct = self._enclosing = None
+            return
+        self._learning = False
+        first: dict[str, None] = dict.fromkeys(self._calls)
+        self._units = order_units(self._units, list(first))
+        self.plan.units = list(self._units)
+        self._compute_needs()
+        self._unhook_idle()
+
+    # -- acquiring and releasing -----------------------------------------------------------
+
+    def _acquire(self, frame: _Frame) -> None:
+        while True:
+            needs = self._needs.get(id(frame.module), ())
+            missing = [s for s in needs if s.state != _LOADED]
+            if not missing:
+                break
+            try:
+                self._bring_in(missing, keep=needs)
+                break
+            except _NoRoom as exc:
+                if not self._refine(frame.name, exc):
+                    self._give_up(frame.name, missing, exc)
+        for s in needs:
+            s.refs += 1
+        frame.slots.extend(needs)
+
+    def _bring_in(self, missing: list[_Slot], keep: tuple[_Slot, ...] | list[_Slot]) -> None:
+        absent = [s for s in missing if s.state == _HOST]
+        need = sum(s.nbytes for s in absent)
+        if absent:
+            if not self._fits(need):
+                self._drop_pending(keep)
+                if not self._fits(need):
+                    raise _NoRoom(need)
+            try:
+                self._fetch(absent)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                self._drop_pending(keep)
+                free_caches(self.device)
+                try:
+                    self._fetch(absent)
+                except Exception as again:
+                    if not is_oom(again):
+                        raise
+                    free_caches(self.device)
+                    raise _NoRoom(need, again) from None
+        tickets: dict[int, list[_Slot]] = {}
+        for s in missing:
+            tickets.setdefault(id(s.ticket), []).append(s)
+        groups = [(group[0].ticket, [s.copy for s in group]) for group in tickets.values()]
+        waited = self._transfer.wait(groups, demand=bool(absent))
+        if waited:
+            self._stats.prefetch_misses += 1
+        elif waited is not None:
+            self._stats.prefetch_hits += 1
+        for s in missing:
+            s.tensor.data = s.copy  # type: ignore[assignment]
+            s.state, s.ticket = _LOADED, None
+
+    def _fetch(self, slots: list[_Slot]) -> None:
+        copies, ticket = self._transfer.start([s.master for s in slots])
+        nbytes = 0
+        for s, c in zip(slots, copies, strict=True):
+            s.copy, s.ticket, s.state = c, ticket, _PENDING
+            nbytes += s.nbytes
+        self._add_device_bytes(nbytes)
+        self._stats.transfers += 1
+        self._stats.bytes_moved += nbytes
+
+    def _fits(self, need: int) -> bool:
+        return self.budget is None or self._device_bytes + need <= self.budget
+
+    def _add_device_bytes(self, n: int) -> None:
+        self._device_bytes += n
+        if self._device_bytes > self._stats.peak_device_bytes:
+            self._stats.peak_device_bytes = self._device_bytes
+
+    def _unload(self, s: _Slot) -> None:
+        if s.state == _LOADED:
+            s.tensor.data = s.master
+        s.copy, s.ticket, s.state = None, None, _HOST
+        self._device_bytes -= s.nbytes
+
+    def _drop_pending(self, keep: Any) -> None:
+        kept = {id(s) for s in keep}
+        for s in self._slots.values():
+            if s.state == _PENDING and id(s) not in kept:
+                self._unload(s)
+
+    def _release(self, frame: _Frame) -> None:
+        for s in frame.slots:
+            s.refs -= 1
+            if s.refs == 0 and not s.resident:
+                self._unload(s)
+
+    def _prefetch_after(self, mid: int) -> None:
+        n = len(self._schedule)
+        if n < 2:
+            return
+        pos = self._find(mid)
+        if pos is None:
+            return
+        for k in range(1, min(self.prefetch, n - 1) + 1):
+            ahead = [s for s in self._needs.get(self._schedule[(pos + k) % n], ())
+                     if s.state == _HOST]
+            if not ahead:
+                continue
+            if not self._fits(sum(s.nbytes for s in ahead)):
+                return
+            try:
+                self._fetch(ahead)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                return  # prefetching is an optimisation; the demand path adapts
+
+    def _find(self, mid: int) -> int | None:
+        sched, n, start = self._schedule, len(self._schedule), self._cursor
+        for i in range(n):
+            pos = (start + i) % n
+            if sched[pos] == mid:
+                self._cursor = pos + 1
+                return pos
+        return None
+
+    # -- the first forward's probe ---------------------------------------------------------
+
+    def _touch(self, args: Any, kwargs: Any) -> None:
+        if not self._stack or self._direct is None:
+            return
+        frame = self._stack[-1]
+        for t in tree_leaves((args, kwargs)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = self._slot_by_id.get(id(t))
+            if s is None:
+                continue
+            self._direct.setdefault(frame.name, set()).add(s.name)
+            if s.state != _LOADED:
+                with _quiet():
+                    try:
+                        self._bring_in([s], keep=frame.slots)
+                    except _NoRoom as exc:
+                        self._give_up(frame.name, [s], exc)
+                    s.refs += 1
+                    frame.slots.append(s)
+
+    # -- granularity fallback --------------------------------------------------------------
+
+    def _refine(self, module: str, cause: _NoRoom) -> bool:
+        for i, unit in enumerate(self._units):
+            if unit.module != module or unit.own or unit.placement == "resident":
+                continue
+            parts = split_unit(self._sizes, unit)
+            if not parts:
+                return False
+            parts = [replace(p, placement="paged") for p in parts]
+            self._units[i:i + 1] = parts
+            self.plan.units = list(self._units)
+            why = "out of memory" if cause.oom is not None else "over device_budget"
+            record = {"unit": unit.name, "bytes": unit.nbytes, "reason": why,
+                      "into": [p.name for p in parts]}
+            self.plan.refinements.append(record)
+            self._stats.refinements += 1
+            logger.info(
+                "adaptmem page: unit %s (%s) did not fit on %s (%s; %s of weights held, "
+                "%s free): split into %d units", unit.name, format_bytes(unit.nbytes),
+                self.device, why, format_bytes(self._device_bytes),
+                format_bytes(free_memory(self.device)), len(parts))
+            self._compute_needs()
+            for p in parts:
+                self._hook(self._modules[p.module])
+            return True
+        return False
+
+    def _give_up(self, module: str, missing: list[_Slot], cause: _NoRoom) -> None:
+        largest = max(missing, key=lambda s: s.nbytes)
+        held = self._device_bytes
+        limit = (f"device_budget={format_bytes(self.budget)}" if self.budget is not None
+                 else f"{format_bytes(free_memory(self.device))} free")
+        message = (
+            f"adaptmem page: module {module or '<root>'!r} needs {format_bytes(cause.need)} of "
+            f"weights on {self.device} at once (largest tensor {largest.name!r}, "
+            f"{format_bytes(largest.nbytes)}), but with {format_bytes(held)} already held "
+            f"(resident units and running parents) it does not fit under {limit}. "
+            f"It cannot be split further: raise device_budget, lower resident_bytes, or free "
+            f"device memory."
+        )
+        if cause.oom is not None:
+            err = oom_error_for(cause.oom)(message)
+            err.phase = "transfer"
+            raise err from cause.oom
+        err = OutOfMemoryError(message)
+        err.phase = "transfer"
+        raise err
+
+    # -- public ----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> PagingStats:
+        """What the pager did so far (on a GPU, reading it waits for queued copies)."""
+        self._settle(block=True)
+        return self._stats
+
+    def _settle(self, block: bool) -> None:
+        hits, misses = self._transfer.settle(block)
+        self._stats.prefetch_hits += hits
+        self._stats.prefetch_misses += misses
+
+    def remove(self) -> None:
+        """Put every parameter and buffer back as it was (bitwise, same device and dtype),
+        remove the hooks and release device memory. Calling it again does nothing."""
+        if self._removed:
+            return
+        self._removed = True
+        if self._probe is not None:
+            self._end_forward(failed=True)
+        for pre, post in self._handles.values():
+            pre.remove()
+            post.remove()
+        self._handles.clear()
+        self._stack.clear()
+        with _quiet():
+            for s in self._slots.values():
+                if s.original is not None:
+                    s.tensor.data = s.original
+                else:
+                    s.tensor.data = torch.empty_like(s.master, device=s.origin).copy_(s.master)
+                s.copy = s.ticket = None
+                s.state = _HOST
+        self._device_bytes = 0
+        for m in self._modules.values():
+            if _PAGED.get(m) is self:
+                del _PAGED[m]
+
+    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+        """Where checkpoint values go, for ``adaptive.load`` on a paged model.
+
+        Returns ``{canonical name: tensors}``: names as ``module_sizes(model).tensors`` gives
+        them (the first ``named_modules()`` path plus the attribute; tie aliases are not
+        repeated). Copy a checkpoint value into every listed tensor in place (``copy_``):
+        the host master first, then the device copy when the tensor is resident. Call it
+        outside a forward; the tensors keep their shape, dtype and device.
+        """
+        out = {}
+        for name, s in self._slots.items():
+            targets = [s.master]
+            if s.resident and s.copy is not None:
+                targets.append(s.copy)
+            out[name] = targets
+        return out
+
+    def __enter__(self) -> Pager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        paged = sum(u.nbytes for u in self._units if u.placement == "paged")
+        return (f"Pager(device={str(self.device)!r}, units={len(self._units)}, "
+                f"paged={format_bytes(paged)}, resident="
+                f"{format_bytes(self._sizes.total_bytes - paged)})")
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    training = [n or "<root>" for n, m in model.named_modules() if m.training]
+    if training:
+        raise PlacementError(
+            f"adaptive.page is for inference, but {len(training)} module(s) are in training "
+            f"mode (first: {training[0]!r}); call model.eval() first")
+    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
+    if meta:
+        raise PlacementError(
+            f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so "
+            f"there are no weights to page; build it with adaptive.load(model, checkpoint) "
+            f"or load real weights before paging")
+    for m in model.modules():
+        owner = _PAGED.get(m)
+        if owner is not None and not owner._removed:
+            if owner.model is model:
+                what = "this model is already paged"
+            elif m is model:
+                what = "this model is part of a paged model"
+            else:
+                what = "a submodule of this model is already paged"
+            raise PlacementError(
+                f"{what}; call .remove() on that Pager before paging again")
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _size_option(value: Any, name: str, auto_ok: bool = True) -> int | None:
+    if auto_ok and value == "auto":
+        return None
+    return parse_size(value, name)
+
+
+def page(
+    model: nn.Module,
+    device: Any = None,
+    *,
+    unit_bytes: int | str | None = "auto",
+    prefetch: int = 1,
+    resident_bytes: int | str = "auto",
+    device_budget: int | str | None = None,
+    pin_memory: bool = True,
+    output_device: Any = None,
+) -> Pager:
+    """Page ``model``'s weights to ``device`` just in time, and return the ``Pager``.
+
+    Weights stay in host memory (pinned when the device is an accelerator); each part of
+    the model is copied to the device right before it runs and released after, while the
+    next ``prefetch`` parts are already on their way. Call the model as before.
+
+    Args:
+        model: a model in eval mode with real (not meta) weights, anywhere.
+        device: where compute runs; None means the current accelerator, else the CPU.
+        unit_bytes: the largest group of weights paged together ("64MiB"); "auto" for
+            the coarsest units that fit the working budget; None for one unit.
+        prefetch: how many units ahead are copied while one runs (0 turns it off).
+        resident_bytes: bytes of units kept on the device for good; "auto" keeps as many as
+            free memory allows after room for the paged working set, 0 pages everything.
+        device_budget: a cap on the device bytes the pager uses for weights (None: free
+            memory decides). Units that do not fit under it are split at run time.
+        pin_memory: pin the host masters when the device is an accelerator.
+        output_device: where outputs go; None returns them on the inputs' device.
+
+    Returns:
+        A ``Pager`` with ``.plan``, ``.stats`` and ``.remove()``; also a context manager.
+
+    Raises:
+        TypeError: ``model`` is not a module, or a size is neither int nor string.
+        ValueError: an unknown device, or a negative or unparsable size or ``prefetch``.
+        PlacementError: the model is in training mode, has meta tensors, or is (part of)
+            a model already paged. The model is untouched in every case.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
+        ...                           torch.nn.Linear(8, 2)).eval()
+        >>> x = torch.randn(3, 8)
+        >>> expected = net(x)
+        >>> with adaptive.page(net, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        ...     torch.equal(net(x), expected)
+        True
+    """
+    _check_model(model)
+    dev = resolve_device(device, "device")
+    out_dev = None if output_device is None else resolve_device(output_device, "output_device")
+    units = None if unit_bytes is None else _size_option(unit_bytes, "unit_bytes")
+    resident = _size_option(resident_bytes, "resident_bytes")
+    budget = None if device_budget is None else parse_size(device_budget, "device_budget")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"prefetch must be an int number of units, got {prefetch!r}")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 or more units, got {prefetch}; 0 turns it off")
+    if budget is not None and resident is not None and resident > budget:
+        raise ValueError(
+            f"resident_bytes={format_bytes(resident)} is more than device_budget="
+            f"{format_bytes(budget)}; lower resident_bytes or raise device_budget")
+    if unit_bytes == "auto":
+        units = _auto_unit_bytes(model, dev, prefetch, resident, budget)
+    return Pager(model, dev, unit_bytes=units, prefetch=prefetch, resident_bytes=resident,
+                 device_budget=budget, pin_memory=pin_memory, output_device=out_dev)
+
+
+def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,
+                     resident: int | None, budget: int | None) -> int | None:
+    """The coarsest unit size whose working set (``prefetch + 2`` units) fits."""
+    total = module_sizes(model).total_bytes
+    if budget is not None:
+        room = budget
+    else:
+        room = int(free_memory(device) * (0.5 if device.type == "cpu" else 0.8))
+    if resident is None and total <= room:
+        return None
+    working = room - resident if resident is not None else room // 2
+    return max(0, working) // (prefetch + 2)
