@@ -109,7 +109,8 @@ class _NoRoom(Exception):
 
 
 class _Probe(TorchFunctionMode):
-    """First-forward watcher: every weight an op receives is loaded and recorded."""
+    """Watches a forward: every weight an op receives is loaded (and, in the first
+    forward, recorded) before the op runs."""
 
     def __init__(self, pager: Pager) -> None:
         super().__init__()
@@ -117,7 +118,7 @@ class _Probe(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if self.pager._learning and not _is_metadata(func):
+        if not _is_metadata(func):
             self.pager._touch(args, kwargs)
         return func(*args, **kwargs)
 
@@ -157,6 +158,8 @@ class Pager:
         self._calls: list[str] = []
         self._direct: dict[str, set[str]] | None = None
         self._enclosing: dict[str, set[str]] | None = None
+        self._seen: set[str] = set()
+        self._relearn = False
         self._removed = False
 
         units = paging_units(self._sizes, unit_bytes)
@@ -168,16 +171,20 @@ class Pager:
             "resident_bytes": resident_bytes, "device_budget": device_budget,
         }
         self.plan = Plan("page", [], self._sizes.total_bytes, dict(self._options))
-        # Nothing above touched the model; from here on it is paged.
-        for s in self._slots.values():
-            if s.original is None:
-                s.tensor.data = s.master
+        # Nothing above touched the model; from here on it is paged, or put back on failure.
         for m in self._modules.values():
             _PAGED[m] = self
-        self._make_resident(resident_bytes)
-        self._compute_needs()
-        for m in self._modules.values():
-            self._hook(m)
+        try:
+            for s in self._slots.values():
+                if s.original is None:
+                    s.tensor.data = s.master
+            self._make_resident(resident_bytes)
+            self._compute_needs()
+            for m in self._modules.values():
+                self._hook(m)
+        except BaseException:
+            self.remove()
+            raise
 
     # -- set-up ---------------------------------------------------------------------------
 
@@ -284,7 +291,10 @@ class Pager:
         self._handles[id(module)] = (pre, post)
 
     def _unhook_idle(self) -> None:
-        for mid in [mid for mid in self._handles if mid not in self._needs]:
+        # Modules the first forward never called keep their hooks (free until called): if a
+        # later forward takes that path, the probe comes back for it.
+        seen = {id(self._modules[n]) for n in self._seen}
+        for mid in [mid for mid in self._handles if mid not in self._needs and mid in seen]:
             if mid == id(self.model):
                 continue
             for h in self._handles.pop(mid):
@@ -298,6 +308,12 @@ class Pager:
             args, kwargs = self._begin_forward(args, kwargs)
         name = self._name_of.get(id(module), "")
         frame = _Frame(module, name)
+        if not self._learning and name not in self._seen and self._probe is None:
+            # A path the first forward did not take: watch the rest of this forward, and
+            # learn again from the next one.
+            self._probe = _Probe(self)
+            self._probe.__enter__()
+            self._relearn = True
         if self._learning:
             self._calls.append(name)
             if self._enclosing is not None:
@@ -330,13 +346,18 @@ class Pager:
     def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self._removed:
             raise PlacementError("this Pager was removed; page the model again to use it")
-        if self._stack:  # a forward interrupted past the hooks (KeyboardInterrupt)
+        if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
             with _quiet():
                 while self._stack:
                     self._release(self._stack.pop())
+            self._end_forward(failed=True)
         self._stats.forwards += 1
         self._cursor = 0
         self._settle(block=False)
+        if self._relearn:
+            self._relearn, self._learning = False, True
+            for m in self._modules.values():
+                self._hook(m)
         if self._learning:
             self._calls = []
             self._direct, self._enclosing = {}, {}
@@ -351,10 +372,13 @@ class Pager:
         probe, self._probe = self._probe, None
         if torch.overrides._get_current_function_mode() is probe:
             probe.__exit__(None, None, None)
+        if not self._learning:  # a probe for an unseen path; the next forward relearns
+            return
         if failed:
             self._direct = self._enclosing = None
             return
         self._learning = False
+        self._seen = set(self._calls)
         first: dict[str, None] = dict.fromkeys(self._calls)
         self._units = order_units(self._units, list(first))
         self.plan.units = list(self._units)
@@ -483,7 +507,7 @@ class Pager:
     # -- the first forward's probe ---------------------------------------------------------
 
     def _touch(self, args: Any, kwargs: Any) -> None:
-        if not self._stack or self._direct is None:
+        if not self._stack:
             return
         frame = self._stack[-1]
         for t in tree_leaves((args, kwargs)):
@@ -492,7 +516,8 @@ class Pager:
             s = self._slot_by_id.get(id(t))
             if s is None:
                 continue
-            self._direct.setdefault(frame.name, set()).add(s.name)
+            if self._learning and self._direct is not None:
+                self._direct.setdefault(frame.name, set()).add(s.name)
             if s.state != _LOADED:
                 with _quiet():
                     try:

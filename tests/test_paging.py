@@ -21,6 +21,17 @@ from adaptmem._paging import _is_metadata
 from adaptmem._planner import module_sizes
 from adaptmem._transfer import SyncTransfer
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """One intra-op thread: these are tiny forwards, and on a busy 2-core machine thread
+    hand-offs cost far more than the arithmetic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # -- the zoo ---------------------------------------------------------------------------------
 
 
@@ -581,3 +592,30 @@ def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
             torch.cuda.synchronize()
     stats = pager.stats
     assert stats.prefetch_misses < 0.1 * (stats.prefetch_hits + stats.prefetch_misses)
+
+
+def test_a_path_the_first_forward_did_not_take_is_watched_and_learned() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.common = nn.Linear(8, 8)
+            self.rare = ReadsChildWeight(8)
+
+        def forward(self, x: torch.Tensor, rare: bool = False) -> torch.Tensor:
+            x = self.common(x)
+            return self.rare(x) if rare else x
+
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    x = torch.randn(2, 8)
+    expected = model(x, rare=True)
+    probe = HostMasterProbe(_storages(model) - {model.rare.gate.untyped_storage().data_ptr()})
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        with probe, torch.no_grad():
+            model(x)  # learns without the rare branch
+            assert torch.equal(model(x, rare=True), expected)  # watched by the probe
+            assert torch.equal(model(x, rare=True), expected)  # relearned
+            assert torch.equal(model(x, rare=True), expected)
+        assert {"rare.inner.weight", "rare.inner.bias"} <= {
+            s.name for s in pager._needs[id(model.rare)]}
+    assert probe.offenders == []
