@@ -274,7 +274,7 @@ def order_units(units: Sequence[Unit], order: Sequence[str]) -> list[Unit]:
     """``units`` sorted by when their module first ran (``order``: module names, first call
     first). A parent's own tensors come before its children; modules that never ran keep
     their registration order, after those that did."""
-    first = {}
+    first: dict[str, int] = {}
     for i, name in enumerate(order):
         first.setdefault(name, i)
     never = len(first)

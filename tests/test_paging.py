@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 
 from adaptmem import adaptive
 from adaptmem._errors import OutOfMemoryError, PlacementError
-from adaptmem._paging import _is_metadata
 from adaptmem._planner import module_sizes
+from adaptmem._probe import is_metadata
 from adaptmem._transfer import SyncTransfer
 
 
@@ -88,7 +88,7 @@ class HostMasterProbe(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not _is_metadata(func):
+        if not is_metadata(func):
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages:
                     self.offenders.append(getattr(func, "__name__", str(func)))
@@ -619,3 +619,51 @@ def test_a_path_the_first_forward_did_not_take_is_watched_and_learned() -> None:
         assert {"rare.inner.weight", "rare.inner.bias"} <= {
             s.name for s in pager._needs[id(model.rare)]}
     assert probe.offenders == []
+
+
+class DeferredTransfer(SyncTransfer):
+    """Speaks the interface the way the CUDA stream transfer does: hits and misses of
+    prefetched copies are only known later, from settle()."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.unsettled = 0
+        self.demands = 0
+
+    def wait(self, groups: Any, demand: bool) -> bool | None:
+        assert isinstance(demand, bool) and groups
+        for _ticket, copies in groups:
+            assert all(isinstance(c, torch.Tensor) for c in copies)
+        if demand:
+            self.demands += 1
+            return True
+        self.unsettled += 1
+        return None
+
+    def settle(self, block: bool = True) -> tuple[int, int]:
+        if not block:
+            return 0, 0
+        hits, self.unsettled = self.unsettled, 0
+        return hits, 0
+
+
+def test_pager_speaks_the_transfer_interface_with_deferred_hits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import adaptmem._pager
+
+    monkeypatch.setattr(adaptmem._pager, "transfer_for", DeferredTransfer)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)]).eval()
+    layer = 16 * 16 * 4 + 16 * 4
+    x = torch.randn(2, 16)
+    expected = model(x)
+    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer) as pager:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x), expected)
+        transfer = pager._transfer
+        assert isinstance(transfer, DeferredTransfer)
+        stats = pager.stats  # settles
+    assert stats.prefetch_misses == transfer.demands - 1  # minus making unit 0 resident
+    assert stats.prefetch_hits > 0 and transfer.unsettled == 0
