@@ -42,7 +42,9 @@ PAGED: weakref.WeakKeyDictionary[nn.Module, Pager] = weakref.WeakKeyDictionary()
 
 _HOST, _PENDING, _LOADED = 0, 1, 2
 
+# The pager's own tensor work is invisible to users' TorchFunctionModes (and to the probe).
 _quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
+_modes_enabled = getattr(torch.overrides, "_is_torch_function_mode_enabled", lambda: True)
 
 
 class _Slot:
@@ -72,7 +74,7 @@ class _Frame:
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
         self.name = name
-        self.slots: list[_Slot] = []
+        self.slots: list[_Slot] | tuple[_Slot, ...] = ()
 
 
 class _NoRoom(Exception):
@@ -267,32 +269,50 @@ class Pager:
         root = module is self.model
         if root:
             args, kwargs = self._begin_forward(args, kwargs)
-        name = self._name_of.get(id(module), "")
+        mid = id(module)
+        name = self._name_of.get(mid, "")
         frame = _Frame(module, name)
-        if not self._learning and name not in self._seen and self._probe is None:
-            # A path the first forward did not take: watch the rest of this forward, and
-            # learn again from the next one.
-            self._probe = Probe(self)
-            self._probe.__enter__()
-            self._relearn = True
-        if self._learning:
-            self._calls.append(name)
-            if self._enclosing is not None:
-                outer = {f.name for f in self._stack}
-                seen = self._enclosing.get(name)
-                self._enclosing[name] = outer if seen is None else seen & outer
+        if not self._learning:  # the steady state: keep this path short
+            if name not in self._seen and self._probe is None:
+                self._watch_unseen_path()
+            self._stack.append(frame)
+            if mid in self._needs:
+                if _modes_enabled():
+                    with _quiet():
+                        self._acquire(frame)
+                        if self.prefetch:
+                            self._prefetch_after(mid)
+                else:
+                    self._acquire(frame)
+                    if self.prefetch:
+                        self._prefetch_after(mid)
+            return (args, kwargs) if root else None
+        self._calls.append(name)
+        if self._enclosing is not None:
+            outer = {f.name for f in self._stack}
+            seen = self._enclosing.get(name)
+            self._enclosing[name] = outer if seen is None else seen & outer
         self._stack.append(frame)
-        if id(module) in self._needs:
+        if mid in self._needs:
             with _quiet():
                 self._acquire(frame)
-                if not self._learning and self.prefetch:
-                    self._prefetch_after(id(module))
         return (args, kwargs) if root else None
 
+    def _watch_unseen_path(self) -> None:
+        """A path the first forward did not take: watch the rest of this forward with the
+        probe, and learn again from the next one."""
+        self._probe = Probe(self)
+        self._probe.__enter__()
+        self._relearn = True
+
     def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        if self._stack and self._stack[-1].module is module:
-            with _quiet():
-                self._release(self._stack.pop())
+        stack = self._stack
+        if stack and stack[-1].module is module:
+            if _modes_enabled():
+                with _quiet():
+                    self._release(stack.pop())
+            else:
+                self._release(stack.pop())
         if module is not self.model:
             return None
         failed = output is None and sys.exc_info()[1] is not None
@@ -362,7 +382,7 @@ class Pager:
                     self._give_up(frame.name, missing, exc)
         for s in needs:
             s.refs += 1
-        frame.slots.extend(needs)
+        frame.slots = needs
 
     def _bring_in(self, missing: list[_Slot], keep: tuple[_Slot, ...] | list[_Slot]) -> None:
         absent = [s for s in missing if s.state == _HOST]
@@ -386,12 +406,15 @@ class Pager:
                         raise
                     free_caches(self.device)
                     raise _NoRoom(need, again) from None
-        tickets: dict[int, list[_Slot]] = {}
-        for s in missing:
-            tickets.setdefault(id(s.ticket), []).append(s)
-        groups = [(group[0].ticket, [s.copy for s in group if s.copy is not None])
-                  for group in tickets.values()]
-        waited = self._transfer.wait(groups, demand=bool(absent))
+        ticket = missing[0].ticket
+        if all(s.ticket is ticket for s in missing):  # the usual case: one prefetch or fetch
+            groups = [(ticket, [s.copy for s in missing])]
+        else:
+            tickets: dict[int, list[_Slot]] = {}
+            for s in missing:
+                tickets.setdefault(id(s.ticket), []).append(s)
+            groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
+        waited = self._transfer.wait(groups, demand=bool(absent))  # type: ignore[arg-type]
         if waited:
             self._stats.prefetch_misses += 1
         elif waited is not None:
@@ -459,6 +482,9 @@ class Pager:
 
     def _find(self, mid: int) -> int | None:
         sched, n, start = self._schedule, len(self._schedule), self._cursor
+        if start < n and sched[start] == mid:
+            self._cursor = start + 1
+            return start
         for i in range(n):
             pos = (start + i) % n
             if sched[pos] == mid:
@@ -487,7 +513,7 @@ class Pager:
                     except _NoRoom as exc:
                         self._give_up(frame.name, [s], exc)
                     s.refs += 1
-                    frame.slots.append(s)
+                    frame.slots = [*frame.slots, s]
 
     # -- granularity fallback --------------------------------------------------------------
 

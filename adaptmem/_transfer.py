@@ -44,9 +44,11 @@ class SyncTransfer(Transfer):
     """Copies on the caller's thread; every ticket is ready at once."""
 
     def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        # empty_like keeps the master's strides (channels_last stays channels_last), and on
-        # the CPU it gives a distinct tensor, so the paging path is real there too.
-        return [torch.empty_like(h, device=self.device).copy_(h) for h in hosts], None
+        # Both keep the master's strides (channels_last stays channels_last); on the CPU
+        # clone gives a distinct tensor, so the paging path is real there too.
+        if self.device.type == "cpu":
+            return [h.clone() for h in hosts], None
+        return [h.to(self.device, copy=True) for h in hosts], None
 
     def wait(self, groups: Sequence[tuple[Any, Sequence[torch.Tensor]]],
              demand: bool) -> bool | None:
