@@ -385,6 +385,20 @@ class Pager:
         frame.slots = needs
 
     def _bring_in(self, missing: list[_Slot], keep: tuple[_Slot, ...] | list[_Slot]) -> None:
+        ticket = missing[0].ticket
+        if ticket is not None or missing[0].state == _PENDING:
+            # The usual steady state: everything was prefetched together.
+            if all(s.state == _PENDING and s.ticket is ticket for s in missing):
+                waited = self._transfer.wait([(ticket, [s.copy for s in missing])], False)  # type: ignore[misc]
+                if waited:
+                    self._stats.prefetch_misses += 1
+                elif waited is not None:
+                    self._stats.prefetch_hits += 1
+                for s in missing:
+                    s.tensor.data = s.copy  # type: ignore[assignment]
+                    s.state = _LOADED
+                    s.ticket = None
+                return
         absent = [s for s in missing if s.state == _HOST]
         need = sum(s.nbytes for s in absent)
         if absent:
@@ -454,24 +468,35 @@ class Pager:
                 self._unload(s)
 
     def _release(self, frame: _Frame) -> None:
+        freed = 0
         for s in frame.slots:
             s.refs -= 1
-            if s.refs == 0 and not s.resident:
-                self._unload(s)
+            if s.refs == 0 and not s.resident:  # _unload, inlined: this runs per unit
+                s.tensor.data = s.master
+                s.copy = None
+                s.state = _HOST
+                freed += s.nbytes
+        self._device_bytes -= freed
 
     def _prefetch_after(self, mid: int) -> None:
-        n = len(self._schedule)
+        sched = self._schedule
+        n = len(sched)
         if n < 2:
             return
-        pos = self._find(mid)
-        if pos is None:
-            return
+        pos = self._cursor
+        if pos < n and sched[pos] == mid:
+            self._cursor = pos + 1
+        else:
+            found = self._find(mid)
+            if found is None:
+                return
+            pos = found
+        needs = self._needs
         for k in range(1, min(self.prefetch, n - 1) + 1):
-            ahead = [s for s in self._needs.get(self._schedule[(pos + k) % n], ())
-                     if s.state == _HOST]
+            ahead = [s for s in needs.get(sched[(pos + k) % n], ()) if s.state == _HOST]
             if not ahead:
                 continue
-            if not self._fits(sum(s.nbytes for s in ahead)):
+            if self.budget is not None and not self._fits(sum(s.nbytes for s in ahead)):
                 return
             try:
                 self._fetch(ahead)
