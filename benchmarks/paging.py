@@ -187,7 +187,7 @@ def cpu_rows(quick: bool) -> list[dict[str, Any]]:
         engines[0] = Engine("adaptmem page", _adaptmem("cpu", unit_bytes="16MiB",
                                                        resident_bytes=0))
         rows += _compare("ResNet-101 224x224, batch 1", resnet, torch.randn(1, 3, 224, 224),
-                         engines, rounds=2 if quick else 5, per_round=1, hooks_reference=False)
+                         engines, rounds=2 if quick else 10, per_round=1, hooks_reference=False)
     return rows
 
 
@@ -361,8 +361,9 @@ def gpu_table(rows: list[dict[str, Any]]) -> str:
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{platform.system()} {platform.release()}, {os.cpu_count()} CPU cores ({cpu}), "
-            f"{gpu}; torch {torch.__version__}, Python {platform.python_version()}")
+    load = f", load average {os.getloadavg()[0]:.1f} at start" if hasattr(os, "getloadavg") else ""
+    return (f"{platform.system()} {platform.release()}, {os.cpu_count()} CPU cores ({cpu}"
+            f"{load}), {gpu}; torch {torch.__version__}, Python {platform.python_version()}")
 
 
 def write_section(text: str) -> None:

@@ -582,7 +582,7 @@ def test_gpu_real_oom_under_a_memory_fraction_triggers_refinement() -> None:
 def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).eval()  # 4 MiB each
-    x = torch.randn(8192, 1024)  # compute per layer well above a 4 MiB copy
+    x = torch.randn(32768, 1024)  # ~70 GFLOP per layer: well above one 4 MiB copy
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0, prefetch=2) as pager:
         with torch.no_grad():
             model(x)
