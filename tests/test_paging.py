@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torchvision
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from models import ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
 from strategies import DIM, module_trees
@@ -667,3 +667,30 @@ def test_pager_speaks_the_transfer_interface_with_deferred_hits(
         stats = pager.stats  # settles
     assert stats.prefetch_misses == transfer.demands - 1  # minus making unit 0 resident
     assert stats.prefetch_hits > 0 and transfer.unsettled == 0
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=module_trees(), share=st.floats(0.0, 1.2), prefetch=st.integers(0, 2))
+def test_any_device_budget_gives_the_unpaged_output_within_budget_or_a_transfer_error(
+    tree: nn.Module, share: float, prefetch: int
+) -> None:
+    budget = int(module_sizes(tree).total_bytes * share)
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        expected = tree(x)
+    before = {k: v.clone() for k, v in tree.state_dict().items()}
+    with adaptive.page(tree, "cpu", unit_bytes=None, resident_bytes=0, prefetch=prefetch,
+                       device_budget=budget) as pager, torch.no_grad():
+        try:
+            outputs = [tree(x), tree(x)]
+        except OutOfMemoryError as err:
+            event("does not fit")
+            assert err.phase == "transfer" and "device_budget" in str(err)
+        else:
+            event("refined" if pager.stats.refinements else "fits as planned")
+            assert all(torch.equal(out, expected) for out in outputs)
+            assert pager.stats.peak_device_bytes <= budget
+    after = tree.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(tree(x), expected)
