@@ -194,7 +194,7 @@ class Pager:
             resident = bool(slots) and used + need <= allowance
             if resident:
                 try:
-                    copies, ticket = self._transfer.start([s.master for s in slots])
+                    copies, ticket = self._start([s.master for s in slots])
                     self._transfer.wait([(ticket, copies)], demand=True)
                 except Exception as exc:
                     if not is_oom(exc):
@@ -438,7 +438,7 @@ class Pager:
             s.state, s.ticket = _LOADED, None
 
     def _fetch(self, slots: list[_Slot]) -> None:
-        copies, ticket = self._transfer.start([s.master for s in slots])
+        copies, ticket = self._start([s.master for s in slots])
         nbytes = 0
         for s, c in zip(slots, copies, strict=True):
             s.copy, s.ticket, s.state = c, ticket, _PENDING
@@ -446,6 +446,14 @@ class Pager:
         self._add_device_bytes(nbytes)
         self._stats.transfers += 1
         self._stats.bytes_moved += nbytes
+
+    def _start(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        if torch.is_inference_mode_enabled():
+            # A copy made under inference_mode is an inference tensor, which a later forward
+            # with autograd on could not use; prefetches cross forward boundaries.
+            with torch.inference_mode(False):
+                return self._transfer.start(hosts)
+        return self._transfer.start(hosts)
 
     def _fits(self, need: int) -> bool:
         return self.budget is None or self._device_bytes + need <= self.budget
@@ -615,7 +623,7 @@ class Pager:
             post.remove()
         self._handles.clear()
         self._stack.clear()
-        with _quiet():
+        with _quiet(), torch.inference_mode(False):
             for s in self._slots.values():
                 if s.original is not None:
                     s.tensor.data = s.original

@@ -120,8 +120,11 @@ def page(
             f"{format_bytes(budget)}; lower resident_bytes or raise device_budget")
     if unit_bytes == "auto":
         units = _auto_unit_bytes(model, dev, prefetch, resident, budget)
-    return Pager(model, dev, unit_bytes=units, prefetch=prefetch, resident_bytes=resident,
-                 device_budget=budget, pin_memory=pin_memory, output_device=out_dev)
+    # Masters and resident copies must be ordinary tensors even when page() is called
+    # under inference_mode, or the model could not run with autograd on afterwards.
+    with torch.inference_mode(False):
+        return Pager(model, dev, unit_bytes=units, prefetch=prefetch, resident_bytes=resident,
+                     device_budget=budget, pin_memory=pin_memory, output_device=out_dev)
 
 
 def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,

@@ -694,3 +694,19 @@ def test_any_device_budget_gives_the_unpaged_output_within_budget_or_a_transfer_
     assert all(torch.equal(before[k], after[k]) for k in before)
     with torch.no_grad():
         assert torch.equal(tree(x), expected)
+
+
+def test_inference_mode_forwards_leave_a_model_usable_with_autograd_on() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).eval()
+    x = torch.randn(2, 8)
+    expected = model(x).detach()
+    with torch.inference_mode():
+        pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=300)
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)  # ends by prefetching the next forward's start
+    assert torch.equal(model(x).detach(), expected)
+    with torch.inference_mode():
+        pager.remove()
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    assert torch.equal(model(x).detach(), expected)
