@@ -119,8 +119,11 @@ class Pager:
         self._learning = True
         self._probe: Probe | None = None
         self._calls: list[str] = []
-        self._direct: dict[str, set[str]] | None = None
-        self._enclosing: dict[str, set[str]] | None = None
+        # What watched forwards saw, accumulated over all of them: the tensors ops received
+        # while each module was the innermost one running, and the modules always running
+        # around each module when it was called.
+        self._direct: dict[str, set[str]] = {}
+        self._enclosing: dict[str, set[str]] = {}
         self._seen: set[str] = set()
         self._relearn = False
         self._removed = False
@@ -230,7 +233,7 @@ class Pager:
         rank = {n: i for i, n in enumerate(self._slots)}
         for name, module in self._modules.items():
             mine = set(heads.get(name, ()))
-            if not self._learning and self._direct is not None and self._enclosing is not None:
+            if not self._learning:
                 extra = self._direct.get(name, set()) - mine
                 for outer in self._enclosing.get(name, ()):
                     extra -= heads.get(outer, set())
@@ -288,10 +291,9 @@ class Pager:
                         self._prefetch_after(mid)
             return (args, kwargs) if root else None
         self._calls.append(name)
-        if self._enclosing is not None:
-            outer = {f.name for f in self._stack}
-            seen = self._enclosing.get(name)
-            self._enclosing[name] = outer if seen is None else seen & outer
+        outer = {f.name for f in self._stack}
+        seen = self._enclosing.get(name)
+        self._enclosing[name] = outer if seen is None else seen & outer
         self._stack.append(frame)
         if mid in self._needs:
             with _quiet():
@@ -341,7 +343,6 @@ class Pager:
                 self._hook(m)
         if self._learning:
             self._calls = []
-            self._direct, self._enclosing = {}, {}
             self._probe = Probe(self)
             self._probe.__enter__()
         self._input_device = first_tensor_device((args, kwargs))
@@ -355,11 +356,10 @@ class Pager:
             probe.__exit__(None, None, None)
         if not self._learning:  # a probe for an unseen path; the next forward relearns
             return
-        if failed:
-            self._direct = self._enclosing = None
+        if failed:  # what it saw stays learned; the next forward watches again
             return
         self._learning = False
-        self._seen = set(self._calls)
+        self._seen |= set(self._calls)
         first: dict[str, None] = dict.fromkeys(self._calls)
         self._units = order_units(self._units, list(first))
         self.plan.units = list(self._units)
@@ -537,7 +537,7 @@ class Pager:
             s = self._slot_by_id.get(id(t))
             if s is None:
                 continue
-            if self._learning and self._direct is not None:
+            if self._learning:
                 self._direct.setdefault(frame.name, set()).add(s.name)
             if s.state != _LOADED:
                 with _quiet():

@@ -616,6 +616,9 @@ def test_a_path_the_first_forward_did_not_take_is_watched_and_learned() -> None:
             assert torch.equal(model(x, rare=True), expected)  # watched by the probe
             assert torch.equal(model(x, rare=True), expected)  # relearned
             assert torch.equal(model(x, rare=True), expected)
+            for rare in (False, True, False, True):  # both paths known: no more relearning
+                model(x, rare=rare)
+                assert not pager._learning and not pager._relearn and pager._probe is None
         assert {"rare.inner.weight", "rare.inner.bias"} <= {
             s.name for s in pager._needs[id(model.rare)]}
     assert probe.offenders == []
