@@ -300,7 +300,7 @@ def gpu_rows(quick: bool) -> list[dict[str, Any]]:
             torch.cuda.empty_cache()
         activations = max(0, peak_res - weights)
         cap = weights // 4  # the device holds 25% of the weights, plus activation room
-        bound = max(t_res, (weights - 0) / bandwidth)
+        bound = max(t_res, weights / bandwidth)  # resident_bytes=0: every byte is paged
         rows.append({"workload": name, "mode": "fully resident", "time": t_res,
                      "peak": peak_res, "gbps": float("nan"), "bound": bound})
         total = torch.cuda.mem_get_info(device)[1]
