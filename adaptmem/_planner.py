@@ -485,7 +485,7 @@ def plan(
         >>> import torch
         >>> from adaptmem import adaptive
         >>> with torch.device("meta"):
-        ...     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 10))
+        ...     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
         >>> p = adaptive.plan(net, devices={"cuda:0": "5MiB", "cpu": None})
         >>> p.device_map
         {'0': 'cuda:0', '1': 'cpu'}

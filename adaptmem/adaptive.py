@@ -1,18 +1,41 @@
 """The namespace users import: ``from adaptmem import adaptive``. Re-exports only."""
 
 from . import cpu_memory
+from ._cache import (
+    BatchsizeCache,
+    GlobalBatchsizeCache,
+    NoBatchsizeCache,
+    StacktraceMemoryBatchsizeCache,
+    get_default_cache,
+    set_default_cache,
+)
+from ._decorators import batch, chunked, execute, explicit
+from ._decorators import range as range  # noqa: A004 - mirrors toma's name
 from ._errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._oom import is_oom
 from ._paging import Pager, page
 from ._planner import Plan, plan
 
 __all__ = [
     "AdaptmemError",
+    "BatchsizeCache",
+    "GlobalBatchsizeCache",
     "LoadError",
+    "NoBatchsizeCache",
     "OutOfMemoryError",
     "Pager",
     "Plan",
     "PlacementError",
+    "StacktraceMemoryBatchsizeCache",
+    "batch",
+    "chunked",
     "cpu_memory",
+    "execute",
+    "explicit",
+    "get_default_cache",
+    "is_oom",
     "page",
     "plan",
+    "range",
+    "set_default_cache",
 ]

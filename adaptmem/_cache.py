@@ -1,0 +1,276 @@
+"""Batch-size caches: what size to try next, per function and context.
+
+A cache maps a key to a ``SizeRecord``: the largest size known to fit and the smallest
+known to fail. Which key a call gets is what distinguishes the caches:
+
+- ``StacktraceMemoryBatchsizeCache`` (default): the call site (code objects and instruction
+  offsets of the innermost frames) plus a bucket of the free memory on the device in use.
+- ``GlobalBatchsizeCache``: one record per decorated function.
+- ``NoBatchsizeCache``: nothing is remembered; every call starts from the initial size.
+
+One cache instance can serve many functions: records are keyed by the function's code too.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ._devices import default_device, free_memory
+
+__all__ = [
+    "SizeRecord",
+    "BatchsizeCache",
+    "StacktraceMemoryBatchsizeCache",
+    "GlobalBatchsizeCache",
+    "NoBatchsizeCache",
+    "set_default_cache",
+    "get_default_cache",
+    "shared_cache",
+    "resolve_cache",
+]
+
+# Repeated calls stop probing once the size in use is within this fraction of the ceiling.
+SETTLE_FRACTION = 0.9
+
+
+class SizeRecord:
+    """What is known about sizes for one key: ``fits`` worked, ``fails`` ran out of memory.
+
+    ``next_size`` bisects between them, so repeated calls settle within 10% of the largest
+    size that fits. All methods are thread-safe.
+    """
+
+    __slots__ = ("fits", "fails", "_lock")
+
+    def __init__(self, fits: int | None = None, fails: int | None = None) -> None:
+        self.fits = fits
+        self.fails = fails
+        self._lock = threading.Lock()
+
+    def next_size(self, initial: int) -> int:
+        """The size a new call should try first (never above ``initial``)."""
+        with self._lock:
+            fits, fails = self.fits, self.fails
+        if fits is None:
+            return initial if fails is None else max(1, min(initial, fails // 2))
+        ceiling = min(initial + 1, fails) if fails is not None else initial + 1
+        if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
+            return min(fits, initial)
+        return (fits + ceiling) // 2
+
+    def after_failure(self, size: int, floor: int) -> int:
+        """Record that ``size`` ran out of memory; return the size to retry with."""
+        with self._lock:
+            if self.fails is None or size < self.fails:
+                self.fails = size
+            if self.fits is not None and self.fits >= size:
+                self.fits = None  # it fitted before; memory is tighter now
+            fits = self.fits
+        if fits is not None and fits < size:
+            return max(floor, fits)
+        return max(floor, size // 2)
+
+    def after_success(self, size: int) -> None:
+        """Record that ``size`` ran to completion."""
+        with self._lock:
+            if self.fits is None or size > self.fits:
+                self.fits = size
+            if self.fails is not None and self.fails <= size:
+                self.fails = None
+
+    def copy_for(self, more_memory: bool) -> SizeRecord:
+        """A seed for a neighbouring memory bucket: with more memory the old failure is no
+        longer known to fail (so calls climb again); with less, the old success is a guess."""
+        with self._lock:
+            return SizeRecord(self.fits, None if more_memory else self.fails)
+
+    def __repr__(self) -> str:
+        return f"SizeRecord(fits={self.fits}, fails={self.fails})"
+
+
+class BatchsizeCache:
+    """Base class: override ``key`` to decide which calls share a record."""
+
+    def __init__(self) -> None:
+        self._records: dict[Any, SizeRecord] = {}
+        self._lock = threading.Lock()
+
+    def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
+        """The key of the current call; ``caller`` is the frame that called the function."""
+        raise NotImplementedError
+
+    def record(
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+    ) -> SizeRecord:
+        """The record for the current call, created on first use."""
+        key = self.key(function, context, device, caller)
+        record = self._records.get(key)
+        if record is None:
+            with self._lock:
+                record = self._records.get(key)
+                if record is None:
+                    record = self._seed(key)
+                    self._records[key] = record
+        return record
+
+    def _seed(self, key: Any) -> SizeRecord:
+        return SizeRecord()
+
+    def clear(self) -> None:
+        """Forget every size learned so far."""
+        with self._lock:
+            self._records.clear()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+
+class GlobalBatchsizeCache(BatchsizeCache):
+    """One record per decorated function (and ``context``), wherever it is called from."""
+
+    def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
+        return (function, context)
+
+
+class NoBatchsizeCache(BatchsizeCache):
+    """Remembers nothing: every call starts at the initial size and halves from there."""
+
+    def record(
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+    ) -> SizeRecord:
+        return SizeRecord()
+
+    def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
+        return None
+
+
+class _FreeMemoryBuckets:
+    """Free memory per device, bucketed in quarter-octaves and re-read at most every
+    ``interval`` seconds, so the success path costs one clock read, not a driver call."""
+
+    def __init__(self, interval: float = 0.5, per_octave: int = 4) -> None:
+        self.interval = interval
+        self.per_octave = per_octave
+        self._cached: dict[Any, tuple[float, int]] = {}
+
+    def bucket(self, device: torch.device | None) -> int:
+        now = time.monotonic()
+        hit = self._cached.get(device)
+        if hit is not None and now - hit[0] < self.interval:
+            return hit[1]
+        free = free_memory(device if device is not None else default_device())
+        bucket = int(math.log2(max(free, 1 << 20)) * self.per_octave)
+        self._cached[device] = (now, bucket)
+        return bucket
+
+    def invalidate(self) -> None:
+        self._cached.clear()
+
+
+class StacktraceMemoryBatchsizeCache(BatchsizeCache):
+    """Default: one record per call site and free-memory bucket.
+
+    The call site is the code objects and instruction offsets of the ``depth`` innermost
+    frames above the decorated function (``sys._getframe``; no ``inspect.stack``, no line
+    numbers). Free memory is bucketed in quarter-octaves of the device in use and re-read at
+    most every half second. A call in a bucket never seen before starts from the nearest
+    known bucket of the same call site, so noise that flips a bucket does not restart the
+    search; a bucket with more free memory climbs again from there.
+    """
+
+    def __init__(self, depth: int = 8, refresh_seconds: float = 0.5) -> None:
+        super().__init__()
+        self.depth = depth
+        self._buckets = _FreeMemoryBuckets(refresh_seconds)
+
+    def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
+        frame = caller if caller is not None else sys._getframe(2)
+        site = []
+        for _ in range(self.depth):
+            if frame is None:
+                break
+            site.append((frame.f_code, frame.f_lasti))
+            frame = frame.f_back
+        return (function, context, tuple(site)), self._buckets.bucket(device)
+
+    def _seed(self, key: Any) -> SizeRecord:
+        site, bucket = key
+        nearest = None
+        for (other_site, other_bucket), record in self._records.items():
+            if other_site == site and (
+                nearest is None or abs(other_bucket - bucket) < abs(nearest[0] - bucket)
+            ):
+                nearest = (other_bucket, record)
+        if nearest is None:
+            return SizeRecord()
+        return nearest[1].copy_for(more_memory=bucket > nearest[0])
+
+    def memory_changed(self) -> None:
+        """Re-read free memory on the next call (called after an out-of-memory error)."""
+        self._buckets.invalidate()
+
+
+_default_lock = threading.Lock()
+_default_cache: type[BatchsizeCache] | BatchsizeCache = StacktraceMemoryBatchsizeCache
+_shared: dict[type[BatchsizeCache], BatchsizeCache] = {}
+
+
+def _check_cache(cache: Any, name: str) -> None:
+    ok = isinstance(cache, BatchsizeCache) or (
+        isinstance(cache, type) and issubclass(cache, BatchsizeCache)
+    )
+    if not ok:
+        raise TypeError(
+            f"{name} must be a BatchsizeCache subclass or instance, such as "
+            f"adaptive.GlobalBatchsizeCache, got {cache!r}"
+        )
+
+
+def shared_cache(cls: type[BatchsizeCache]) -> BatchsizeCache:
+    """The process-wide instance of ``cls`` used by functions that did not pick a cache."""
+    cache = _shared.get(cls)
+    if cache is None:
+        with _default_lock:
+            cache = _shared.setdefault(cls, cls())
+    return cache
+
+
+def resolve_cache(cache: Any) -> BatchsizeCache:
+    """The cache instance a call uses: ``cache`` itself, a shared instance of a class, or
+    (for None) the current default, looked up at call time."""
+    if cache is None:
+        cache = _default_cache
+    if isinstance(cache, BatchsizeCache):
+        return cache
+    return shared_cache(cache)
+
+
+def set_default_cache(cache: type[BatchsizeCache] | BatchsizeCache) -> None:
+    """Make ``cache`` (a class or an instance) the cache of every function that did not pick
+    one, including functions decorated before this call.
+
+    Raises:
+        TypeError: ``cache`` is not a BatchsizeCache class or instance.
+
+    Example:
+        >>> from adaptmem import adaptive
+        >>> adaptive.set_default_cache(adaptive.GlobalBatchsizeCache)
+        >>> adaptive.get_default_cache() is adaptive.GlobalBatchsizeCache
+        True
+        >>> adaptive.set_default_cache(adaptive.StacktraceMemoryBatchsizeCache)
+    """
+    global _default_cache
+    _check_cache(cache, "cache")
+    with _default_lock:
+        _default_cache = cache
+
+
+def get_default_cache() -> type[BatchsizeCache] | BatchsizeCache:
+    """The cache class (or instance) used by functions that did not pick one."""
+    return _default_cache

@@ -1,0 +1,391 @@
+"""The adaptive decorators: batch, range, chunked, and their execute / explicit forms."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from ._cache import BatchsizeCache, _check_cache, resolve_cache
+from ._devices import resolve_device
+from ._retry import run_range, run_sized
+
+__all__ = ["batch", "range", "chunked", "execute", "explicit"]
+
+
+def _check_size(value: Any, name: str, example: str) -> int:
+    if value is None:
+        raise TypeError(f"{name} is required: write {example}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be 1 or more, got {value}; write {example}")
+    return value
+
+
+def _check_callable(func: Any, decorator: str) -> None:
+    if not callable(func):
+        raise TypeError(
+            f"{decorator} decorates a function; got {type(func).__name__} {func!r}. "
+            f"Write @{decorator}(...) above a def, or {decorator}(...)(function)"
+        )
+
+
+def _function_key(func: Any) -> Any:
+    # Closures re-created per call share their code, so they share sizes (and don't leak).
+    return getattr(getattr(func, "__func__", func), "__code__", func)
+
+
+def _positional_limit(func: Callable[..., Any], leading: int) -> tuple[str, int | None]:
+    """The injected parameter's name, and how many positional arguments a caller may pass
+    (None when the function takes ``*args`` or has no readable signature)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return "", None
+    if params and params[0].name in ("self", "cls"):
+        params = params[1:]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return (positional[0].name if positional else ""), None
+    if len(positional) < leading:
+        raise TypeError(
+            f"{getattr(func, '__qualname__', func)} must take the injected "
+            f"{'batch size' if leading == 1 else 'start and end'} as its first "
+            f"parameter{'s' if leading > 1 else ''}; its signature is {inspect.signature(func)}"
+        )
+    return positional[0].name, len(positional) - leading
+
+
+class _Adaptive:
+    """Shared state of a decorated function: its cache, sizes and argument checks."""
+
+    kind = ""
+    leading = 1
+
+    def __init__(
+        self, func: Callable[..., Any], initial: int, floor: int, cache: Any, context: Any,
+        device: Any,
+    ) -> None:
+        functools.update_wrapper(self, func)
+        self.__wrapped__ = func
+        self._func = func
+        self._key = _function_key(func)
+        self.initial = initial
+        self.floor = floor
+        self.cache = cache
+        self.context = context
+        self.device = None if device is None else resolve_device(device)
+        self._name = getattr(func, "__qualname__", repr(func))
+        self._injected, self._limit = _positional_limit(func, self.leading)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        return _BoundAdaptive(self, obj)
+
+    def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._injected and self._injected in kwargs:
+            raise TypeError(
+                f"{self._name}() got {self._injected}= from the caller, but "
+                f"@adaptive.{self.kind} passes it: call {self._name}(...) without it"
+            )
+        if self._limit is not None and len(args) > self._limit:
+            raise TypeError(
+                f"{self._name}() takes {self._limit} positional argument(s) after the injected "
+                f"{self._injected!r} but got {len(args)}; @adaptive.{self.kind} passes "
+                f"{self._injected!r} itself, so leave it out of the call"
+            )
+
+    def _record(self, caller: Any) -> tuple[BatchsizeCache, Any]:
+        cache = resolve_cache(self.cache)
+        return cache, cache.record(self._key, self.context, self.device, caller)
+
+
+class _Batch(_Adaptive):
+    kind = "batch"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(sys._getframe(1), args, kwargs, ())
+
+    def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             bound: tuple[Any, ...]) -> Any:
+        self._check_call(args, kwargs)
+        cache, record = self._record(caller)
+        func = self._func
+        if bound:
+            attempt = lambda size: func(*bound, size, *args, **kwargs)  # noqa: E731
+        else:
+            attempt = lambda size: func(size, *args, **kwargs)  # noqa: E731
+        return run_sized(
+            attempt, record.next_size(self.initial), record, floor=self.floor,
+            name=self._name, what="batchsize", device=self.device, cache=cache,
+        )[0]
+
+
+class _Range(_Adaptive):
+    kind = "range"
+    leading = 2
+
+    def __call__(self, start: int, end: int, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._run(sys._getframe(1), (start, end, *args), kwargs, ())
+
+    def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             bound: tuple[Any, ...]) -> list[Any]:
+        if len(args) < 2:
+            raise TypeError(f"{self._name}() needs start and end: call {self._name}(0, n, ...)")
+        start, end, *rest = args
+        for label, value in (("start", start), ("end", end)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
+        if end < start:
+            raise ValueError(f"end ({end}) is before start ({start}); the range is [start, end)")
+        self._check_call(tuple(rest), kwargs)
+        cache, record = self._record(caller)
+        func = self._func
+        return run_range(
+            lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end, record,
+            initial=self.initial, floor=self.floor, name=self._name, device=self.device,
+            cache=cache,
+        )
+
+
+class _Chunked(_Adaptive):
+    kind = "chunked"
+    leading = 3
+
+    def __init__(self, func: Callable[..., Any], initial: int, floor: int, cache: Any,
+                 context: Any, device: Any, dimension: int) -> None:
+        self.dimension = dimension
+        super().__init__(func, initial, floor, cache, context, device)
+
+    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._run(sys._getframe(1), (tensor, *args), kwargs, ())
+
+    def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             bound: tuple[Any, ...]) -> torch.Tensor:
+        tensor, *rest = args
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{self._name}() needs a tensor first, got {type(tensor).__name__}")
+        dim = self.dimension
+        if not -tensor.dim() <= dim < max(tensor.dim(), 1):
+            raise ValueError(
+                f"dimension={dim} is out of range for a tensor of shape {tuple(tensor.shape)}; "
+                f"use -{tensor.dim()}..{tensor.dim() - 1}"
+            )
+        self._check_call(tuple(rest), kwargs)
+        cache, record = self._record(caller)
+        func = self._func
+        run_range(
+            lambda s, e: func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs),
+            0, tensor.shape[dim], record, initial=self.initial, floor=self.floor,
+            name=self._name, device=self.device, cache=cache,
+        )
+        return tensor
+
+
+class _BoundAdaptive:
+    """A decorated method bound to its instance: the size goes after ``self``."""
+
+    __slots__ = ("_adaptive", "_obj")
+
+    def __init__(self, adaptive: _Adaptive, obj: Any) -> None:
+        self._adaptive = adaptive
+        self._obj = obj
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
+
+
+def _factory(
+    cls: type[_Adaptive], func: Any, initial: Any, floor: Any, cache: Any, context: Any,
+    device: Any, names: tuple[str, str], extra: dict[str, Any],
+) -> Any:
+    initial_name, floor_name = names
+    example = f"@adaptive.{cls.kind}({initial_name}=512)"
+    if func is not None and not callable(func):
+        raise TypeError(
+            f"adaptive.{cls.kind} takes its sizes as keywords: write {example}, "
+            f"got {func!r} as the first argument"
+        )
+    if func is not None and initial is None:
+        raise TypeError(f"adaptive.{cls.kind} needs {initial_name}: write {example}")
+    initial = _check_size(initial, initial_name, example)
+    floor = _check_size(floor, floor_name, example)
+    if floor > initial:
+        raise ValueError(
+            f"{floor_name} ({floor}) is larger than {initial_name} ({initial}); "
+            f"lower {floor_name} or raise {initial_name}"
+        )
+    if cache is not None:
+        _check_cache(cache, "cache")
+
+    def decorate(f: Callable[..., Any]) -> Any:
+        _check_callable(f, f"adaptive.{cls.kind}")
+        return cls(f, initial, floor, cache, context, device, **extra)
+
+    return decorate(func) if func is not None else decorate
+
+
+def batch(
+    func: Callable[..., Any] | None = None,
+    *,
+    initial_batchsize: int | None = None,
+    min_batchsize: int = 1,
+    cache: Any = None,
+    context: Any = None,
+    device: Any = None,
+) -> Any:
+    """Retry ``func`` with a smaller batch size when it runs out of memory.
+
+    The decorated function takes the batch size as its first parameter; callers leave it
+    out. Sizes that worked are remembered per call site and free memory (see ``cache``), and
+    later calls probe upward by bisection, settling within 10% of the largest size that fits.
+
+    Args:
+        initial_batchsize: the first and largest size tried.
+        min_batchsize: the smallest size tried before giving up (default 1).
+        cache: a cache class or instance (default: the one ``set_default_cache`` names at
+            call time, ``StacktraceMemoryBatchsizeCache`` unless changed).
+        context: any hashable; calls with different contexts learn sizes separately.
+        device: the device whose free memory keys the cache and whose cache is emptied
+            between attempts (default: the current accelerator, else the CPU).
+
+    Returns:
+        The decorated function; calling it returns ``func``'s result.
+
+    Raises:
+        TypeError / ValueError: at decoration, for a missing or non-positive size or
+            ``min_batchsize > initial_batchsize``; at call, if the caller passes the batch size.
+        adaptmem.OutOfMemoryError: memory ran out at ``min_batchsize``; it is also an instance
+            of the original error's type (``torch.OutOfMemoryError``, ``MemoryError``, ...).
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> @adaptive.batch(initial_batchsize=64)
+        ... def total(batchsize, data):
+        ...     return sum(chunk.sum() for chunk in data.split(batchsize))
+        >>> int(total(torch.ones(100)))
+        100
+    """
+    return _factory(_Batch, func, initial_batchsize, min_batchsize, cache, context, device,
+                    ("initial_batchsize", "min_batchsize"), {})
+
+
+def range(  # noqa: A001 - the public name mirrors the builtin it adapts
+    func: Callable[..., Any] | None = None,
+    *,
+    initial_step: int | None = None,
+    min_step: int = 1,
+    cache: Any = None,
+    context: Any = None,
+    device: Any = None,
+) -> Any:
+    """Call ``func(s, e, *args)`` over ``[start, end)`` in steps that shrink on OOM.
+
+    The caller writes ``fill(start, end, *args)``. Steps are consecutive, cover the range
+    exactly once and in order; a step that runs out of memory is retried at the same offset
+    with a smaller step (finished steps are never redone). Returns the list of step results.
+    Options as for ``batch`` (``initial_step``, ``min_step``).
+
+    Example:
+        >>> from adaptmem import adaptive
+        >>> @adaptive.range(initial_step=4)
+        ... def spans(start, end):
+        ...     return (start, end)
+        >>> spans(0, 10)
+        [(0, 4), (4, 8), (8, 10)]
+    """
+    return _factory(_Range, func, initial_step, min_step, cache, context, device,
+                    ("initial_step", "min_step"), {})
+
+
+def chunked(
+    func: Callable[..., Any] | None = None,
+    *,
+    initial_step: int | None = None,
+    min_step: int = 1,
+    dimension: int = 0,
+    cache: Any = None,
+    context: Any = None,
+    device: Any = None,
+) -> Any:
+    """Call ``func(chunk, start, end, *args)`` on slices of a tensor along ``dimension``.
+
+    The caller writes ``work(tensor, *args)``; ``chunk`` is ``tensor.narrow(dimension, start,
+    end - start)`` (a view: write results into it in place). Any dimension, negative too.
+    Steps shrink on OOM as in ``range``. Returns ``tensor``.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> @adaptive.chunked(initial_step=3, dimension=-1)
+        ... def double(chunk, start, end):
+        ...     chunk.mul_(2)
+        >>> double(torch.ones(2, 5)).sum().item()
+        20.0
+    """
+    if isinstance(dimension, bool) or not isinstance(dimension, int):
+        raise TypeError(f"dimension must be an int (negative counts from the end), "
+                        f"got {type(dimension).__name__} {dimension!r}")
+    return _factory(_Chunked, func, initial_step, min_step, cache, context, device,
+                    ("initial_step", "min_step"), {"dimension": dimension})
+
+
+def _execute_batch(*, initial_batchsize: int | None = None, **options: Any) -> Any:
+    """Decorate and run at once: ``execute.batch(initial_batchsize=128)(fn)`` calls
+    ``fn(batchsize)`` and returns its result."""
+    decorate = batch(initial_batchsize=initial_batchsize, **options)
+    caller = sys._getframe(1)
+    return lambda func: decorate(func)._run(caller, (), {}, ())
+
+
+def _execute_range(start: int, end: int, *, initial_step: int | None = None,
+                   **options: Any) -> Any:
+    """``execute.range(0, n, initial_step=64)(fn)`` runs ``fn(s, e)`` over ``[0, n)`` now."""
+    decorate = range(initial_step=initial_step, **options)
+    caller = sys._getframe(1)
+    return lambda func: decorate(func)._run(caller, (start, end), {}, ())
+
+
+def _execute_chunked(tensor: torch.Tensor, *, initial_step: int | None = None,
+                     **options: Any) -> Any:
+    """``execute.chunked(t, initial_step=64, dimension=1)(fn)`` runs ``fn(chunk, s, e)`` now."""
+    decorate = chunked(initial_step=initial_step, **options)
+    caller = sys._getframe(1)
+    return lambda func: decorate(func)._run(caller, (tensor,), {}, ())
+
+
+def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, *args: Any,
+                    **kwargs: Any) -> Any:
+    """``explicit.batch(fn, 128, *args, **kwargs)`` returns ``fn(batchsize, *args, **kwargs)``."""
+    _check_callable(func, "adaptive.explicit.batch")
+    return batch(initial_batchsize=initial_batchsize)(func)._run(
+        sys._getframe(1), args, kwargs, ())
+
+
+def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int,
+                    *args: Any, **kwargs: Any) -> list[Any]:
+    """``explicit.range(fn, 0, n, 64, *args)`` returns ``[fn(s, e, *args), ...]``."""
+    _check_callable(func, "adaptive.explicit.range")
+    return range(initial_step=initial_step)(func)._run(  # type: ignore[no-any-return]
+        sys._getframe(1), (start, end, *args), kwargs, ())
+
+
+def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int,
+                      *args: Any, dimension: int = 0, **kwargs: Any) -> torch.Tensor:
+    """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``."""
+    _check_callable(func, "adaptive.explicit.chunked")
+    return chunked(initial_step=initial_step, dimension=dimension)(func)._run(  # type: ignore[no-any-return]
+        sys._getframe(1), (tensor, *args), kwargs, ())
+
+
+execute = SimpleNamespace(batch=_execute_batch, range=_execute_range, chunked=_execute_chunked)
+explicit = SimpleNamespace(batch=_explicit_batch, range=_explicit_range,
+                           chunked=_explicit_chunked)

@@ -1,0 +1,120 @@
+"""The one search loop that batch, range and chunked share."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from ._cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
+from ._devices import default_device, format_bytes, free_memory
+from ._errors import oom_error_for
+from ._oom import drop_frames, free_caches, is_oom, oom_phase
+
+__all__ = ["run_sized", "run_range", "logger"]
+
+logger = logging.getLogger("adaptmem")
+
+T = TypeVar("T")
+
+
+def _free_text(device: torch.device | None) -> str:
+    try:
+        dev = device if device is not None else default_device()
+        return f"{format_bytes(free_memory(dev))} free on {dev}"
+    except Exception:  # a probe must never hide the user's error
+        return "free memory unknown"
+
+
+def run_sized(
+    attempt: Callable[[int], T],
+    size: int,
+    record: SizeRecord,
+    *,
+    floor: int,
+    name: str,
+    what: str,
+    device: torch.device | None,
+    cache: BatchsizeCache,
+) -> tuple[T, int]:
+    """Call ``attempt(size)``; on an out-of-memory error in compute, shrink and call again.
+
+    Returns the result and the size that produced it. Non-OOM exceptions (and OOMs that a
+    pager raised while moving weights) propagate untouched after one attempt; KeyboardInterrupt
+    and SystemExit are never caught. Before each retry the failed attempt's frames are
+    cleared, garbage is collected and device caches are emptied. An OOM at ``floor`` raises
+    adaptmem's OutOfMemoryError, which is also an instance of the original error's type.
+    """
+    tried: list[int] = []
+    if record.fits is not None and size > record.fits:
+        logger.info("%s: probing %s=%d (largest that fitted so far: %d)", name, what, size,
+                    record.fits)
+    while True:
+        failure: BaseException | None = None
+        try:
+            result = attempt(size)
+        except Exception as exc:
+            if not is_oom(exc) or oom_phase(exc) == "transfer":
+                raise
+            failure = exc
+        else:
+            record.after_success(size)
+            if tried:
+                logger.info("%s: %s=%d fits (after %s ran out of memory)", name, what, size, tried)
+            return result, size
+        # Out of the except block, so nothing keeps the failed attempt's frames alive.
+        tried.append(size)
+        drop_frames(failure)
+        free_caches(device)
+        if isinstance(cache, StacktraceMemoryBatchsizeCache):
+            cache.memory_changed()
+        if size <= floor:
+            error = oom_error_for(failure)(
+                f"{name} ran out of memory at the smallest {what}, {floor}; tried {what} "
+                f"{', '.join(map(str, tried))} ({_free_text(device)}). Lower min_{what} if "
+                f"smaller sizes make sense, or free memory (another process, a smaller model, "
+                f"adaptive.page for the weights)."
+            )
+            error.phase = "compute"
+            raise error from failure
+        new_size = record.after_failure(size, floor)
+        logger.info(
+            "%s ran out of memory at %s=%d (%s); retrying with %s=%d",
+            name, what, size, _free_text(device), what, new_size,
+        )
+        size = new_size
+
+
+def run_range(
+    body: Callable[[int, int], Any],
+    start: int,
+    end: int,
+    record: SizeRecord,
+    *,
+    initial: int,
+    floor: int,
+    name: str,
+    device: torch.device | None,
+    cache: BatchsizeCache,
+) -> list[Any]:
+    """Call ``body(s, e)`` over consecutive steps covering ``[start, end)`` once, in order.
+
+    A step that runs out of memory is retried at the same offset with a smaller step, so
+    finished steps are never redone. The step that worked is kept for the rest of the call.
+    """
+    results: list[Any] = []
+    step = record.next_size(initial)
+    position = start
+    while position < end:
+        span = min(step, end - position)
+        result, used = run_sized(
+            lambda s, at=position: body(at, at + s), span, record,
+            floor=min(floor, span), name=name, what="step", device=device, cache=cache,
+        )
+        results.append(result)
+        position += used
+        if used < span:
+            step = used
+    return results

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from adaptmem import adaptive
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_a_real_cpu_oom_under_the_cap_adapts_and_gives_the_right_answer() -> None:
+    result = _run(
+        """
+        import logging, sys, torch
+        from adaptmem import adaptive
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        adaptive.cpu_memory.set_cpu_memory_limit(1.5)
+        data = torch.arange(4096, dtype=torch.float64)
+
+        @adaptive.batch(initial_batchsize=4096)
+        def total(batchsize, data):
+            out = 0.0
+            for i in range(0, len(data), batchsize):
+                chunk = data[i:i + batchsize]
+                # 512 KiB of scratch per item: 4096 items want 2 GiB, over the cap.
+                scratch = chunk.view(-1, 1).expand(-1, 65536).clone()
+                out += float(scratch[:, 0].sum())
+            return out
+
+        print("RESULT", total(data), float(data.sum()))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    got, want = next(line for line in lines if line.startswith("RESULT")).split()[1:]
+    assert float(got) == float(want)
+    assert any("ran out of memory at batchsize=4096" in line for line in lines), result.stdout
+
+
+def test_the_cap_fails_real_allocations_and_reports_what_is_left() -> None:
+    result = _run(
+        """
+        import torch
+        from adaptmem import adaptive
+        adaptive.cpu_memory.set_cpu_memory_limit(1.0)
+        before = adaptive.cpu_memory.get_available_cpu_memory()
+        block = torch.ones(256 * 2**20 // 4)
+        after = adaptive.cpu_memory.get_available_cpu_memory()
+        try:
+            torch.empty(2 * 2**30, dtype=torch.uint8)
+            print("ALLOCATED")
+        except RuntimeError as exc:
+            print("REFUSED", adaptive.is_oom(exc))
+        adaptive.cpu_memory.set_cpu_memory_limit(None)
+        big = torch.empty(2 * 2**30, dtype=torch.uint8)
+        print("LIFTED", before, after)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert "REFUSED True" in result.stdout and "LIFTED" in result.stdout
+    before, after = map(int, result.stdout.split("LIFTED")[1].split())
+    assert before < 1.0 * 2**30
+    assert 200 * 2**20 <= before - after <= 320 * 2**20
+
+
+@pytest.mark.parametrize("bad", [0, -1, "8", True])
+def test_bad_caps_are_refused_with_the_fix(bad: object) -> None:
+    with pytest.raises(ValueError, match="gib"):
+        adaptive.cpu_memory.set_cpu_memory_limit(bad)  # type: ignore[arg-type]
+
+
+def test_a_cap_below_what_is_already_held_is_refused() -> None:
+    with pytest.raises(ValueError, match="already holds"):
+        adaptive.cpu_memory.set_cpu_memory_limit(0.001)
+
+
+def test_available_memory_without_a_cap_is_what_the_machine_reports() -> None:
+    import psutil
+
+    available = adaptive.cpu_memory.get_available_cpu_memory()
+    assert 0 < available <= psutil.virtual_memory().total

@@ -1,0 +1,470 @@
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import adaptmem._retry as retry_module
+from adaptmem import OutOfMemoryError, adaptive
+from adaptmem.testing import MemoryCeiling, make_oom
+
+
+def test_batch_injects_the_size_and_returns_the_result() -> None:
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int, x: int, *, scale: int = 1) -> tuple[int, int]:
+        return batchsize, x * scale
+
+    assert infer(3, scale=2) == (16, 6)
+    assert infer.__name__ == "infer"
+
+
+def test_batch_halves_on_oom_and_never_goes_below_the_floor() -> None:
+    ceiling = MemoryCeiling(100)
+
+    @adaptive.batch(initial_batchsize=512, min_batchsize=64, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    assert infer() == 64
+    assert ceiling.failures == [512, 256, 128]
+
+
+def test_repeated_calls_settle_within_ten_percent_of_the_ceiling() -> None:
+    ceiling = MemoryCeiling(511)  # toma settles at 256 here, forever
+
+    @adaptive.batch(initial_batchsize=8192, cache=adaptive.GlobalBatchsizeCache())
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    sizes = [infer() for _ in range(20)]
+    assert all(s <= 511 for s in sizes)
+    assert sizes[-1] >= 0.9 * 511
+    assert len(set(sizes[-5:])) == 1  # settled: no more probing
+
+
+def test_sizes_never_exceed_the_initial_size() -> None:
+    @adaptive.batch(initial_batchsize=100, cache=adaptive.GlobalBatchsizeCache())
+    def infer(batchsize: int) -> int:
+        return batchsize
+
+    assert {infer() for _ in range(10)} == {100}
+
+
+def test_memory_that_frees_up_lets_calls_climb_again() -> None:
+    ceiling = MemoryCeiling(100)
+    cache = adaptive.GlobalBatchsizeCache()
+
+    @adaptive.batch(initial_batchsize=1024, cache=cache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    for _ in range(15):
+        low = infer()
+    assert 90 <= low <= 100
+    ceiling.capacity = 1024
+    cache.record(infer._key, None, None).fails = None  # what a new memory bucket does
+    for _ in range(15):
+        high = infer()
+    assert high >= 0.9 * 1024
+
+
+def test_oom_at_the_smallest_size_keeps_the_original_type_and_chains_it() -> None:
+    @adaptive.batch(initial_batchsize=8, min_batchsize=2, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> None:
+        raise make_oom("cuda")
+
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        infer()
+    error = info.value
+    assert isinstance(error, OutOfMemoryError)
+    assert isinstance(error.__cause__, torch.OutOfMemoryError)
+    assert "8, 4, 2" in str(error) and "free" in str(error) and "min_batchsize" in str(error)
+
+
+def test_python_memory_error_at_the_floor_stays_a_memory_error() -> None:
+    @adaptive.batch(initial_batchsize=2, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> None:
+        raise MemoryError()
+
+    with pytest.raises(MemoryError) as info:
+        infer()
+    assert isinstance(info.value, OutOfMemoryError)
+
+
+@pytest.mark.parametrize("exc_type", [ValueError, KeyboardInterrupt, SystemExit])
+def test_non_oom_exceptions_pass_through_untouched_after_one_attempt(exc_type: type) -> None:
+    raised = exc_type("boom")
+    calls = []
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> None:
+        calls.append(batchsize)
+        raise raised
+
+    with pytest.raises(exc_type) as info:
+        infer()
+    assert info.value is raised
+    assert calls == [8]
+
+
+def test_a_transfer_oom_from_a_pager_does_not_shrink_the_batch() -> None:
+    transfer = OutOfMemoryError("weights do not fit")
+    transfer.phase = "transfer"
+    calls = []
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> None:
+        calls.append(batchsize)
+        raise transfer
+
+    with pytest.raises(OutOfMemoryError) as info:
+        infer()
+    assert info.value is transfer and calls == [8]
+
+
+def test_objects_of_a_failed_attempt_are_gone_before_the_retry() -> None:
+    refs: list[weakref.ref] = []
+    alive_at_retry = []
+
+    class Activation:
+        pass
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> int:
+        alive_at_retry.extend(r() is not None for r in refs)
+        activation = Activation()  # held only by this frame's locals
+        refs.append(weakref.ref(activation))
+        if batchsize > 1:
+            raise make_oom("cuda")
+        return batchsize
+
+    assert infer() == 1
+    assert alive_at_retry == [False, False, False]  # 3 earlier objects, each dead at its retry
+
+
+def test_success_path_runs_no_gc_and_reads_free_memory_at_most_once(monkeypatch) -> None:
+    collects = []
+    probes = []
+    monkeypatch.setattr(gc, "collect", lambda *a: collects.append(a) or 0)
+    import adaptmem._cache as cache_module
+
+    real = cache_module.free_memory
+    monkeypatch.setattr(cache_module, "free_memory", lambda d: probes.append(d) or real(d))
+
+    @adaptive.batch(initial_batchsize=32)
+    def infer(batchsize: int) -> int:
+        return batchsize
+
+    for _ in range(1000):
+        infer()
+    assert collects == []
+    assert len(probes) <= 2  # re-read at most every half second
+
+
+def test_the_default_cache_applies_to_functions_decorated_earlier() -> None:
+    ceiling = MemoryCeiling(10)
+
+    @adaptive.batch(initial_batchsize=64)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    before = adaptive.get_default_cache()
+    try:
+        adaptive.set_default_cache(adaptive.NoBatchsizeCache)
+        infer()
+        infer()
+        assert ceiling.failures == [64, 32, 16] * 2  # nothing remembered
+        adaptive.set_default_cache(adaptive.GlobalBatchsizeCache)
+        ceiling.reset()
+        infer()
+        infer()
+        # The second call starts from what the first learned, not from 64 again.
+        assert ceiling.failures[:3] == [64, 32, 16] and 64 not in ceiling.failures[3:]
+    finally:
+        adaptive.set_default_cache(before)
+    with pytest.raises(TypeError, match="BatchsizeCache"):
+        adaptive.set_default_cache(dict)  # type: ignore[arg-type]
+
+
+def test_call_sites_learn_sizes_separately_with_the_stacktrace_cache() -> None:
+    cache = adaptive.StacktraceMemoryBatchsizeCache()
+    limits = {"small": 8, "large": 64}
+
+    @adaptive.batch(initial_batchsize=64, cache=cache)
+    def infer(batchsize: int, which: str) -> int:
+        if batchsize > limits[which]:
+            raise make_oom("cuda")
+        return batchsize
+
+    small = [infer("small") for _ in range(3)]
+    large = [infer("large") for _ in range(3)]
+    assert small[-1] == 8 and large == [64, 64, 64]
+
+
+def test_a_new_memory_bucket_starts_from_its_nearest_neighbour(monkeypatch) -> None:
+    import adaptmem._cache as cache_module
+
+    free = {"bytes": 0}
+    monkeypatch.setattr(cache_module, "free_memory", lambda d: free["bytes"])
+    cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0)
+    ceiling = MemoryCeiling(300)
+
+    @adaptive.batch(initial_batchsize=1024, cache=cache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    def call(free_bytes: int, capacity: int) -> tuple[int, list[int]]:
+        free["bytes"], ceiling.capacity = free_bytes, capacity
+        ceiling.reset()
+        return infer(), list(ceiling.failures)
+
+    gib = 2**30
+    # One call site throughout; only free memory and the real ceiling change.
+    schedule = [(8 * gib, 300)] * 10 + [(int(7.6 * gib), 300)] + [(32 * gib, 1024)] * 12
+    runs = [call(free_bytes, capacity) for free_bytes, capacity in schedule]
+    settled = runs[9][0]
+    assert settled >= 270
+    assert runs[10] == (settled, [])  # noise flipped the bucket: no restart from 1024
+    assert runs[11][0] > settled and runs[-1][0] >= 0.9 * 1024  # more memory: climbs again
+
+
+def test_bad_arguments_fail_at_the_call_that_received_them() -> None:
+    def f(batchsize: int) -> int:
+        return batchsize
+
+    with pytest.raises(TypeError, match="initial_batchsize"):
+        adaptive.batch(f)
+    with pytest.raises(TypeError, match="initial_batchsize"):
+        adaptive.batch()(f)
+    with pytest.raises(ValueError, match="initial_batchsize"):
+        adaptive.batch(initial_batchsize=0)
+    with pytest.raises(ValueError, match="initial_batchsize"):
+        adaptive.batch(initial_batchsize=-4)
+    with pytest.raises(TypeError, match="initial_batchsize"):
+        adaptive.batch(initial_batchsize=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="initial_batchsize"):
+        adaptive.batch(initial_batchsize=True)
+    with pytest.raises(ValueError, match="min_batchsize"):
+        adaptive.batch(initial_batchsize=4, min_batchsize=8)
+    with pytest.raises(TypeError, match="decorates a function"):
+        adaptive.batch(initial_batchsize=4)(42)
+    with pytest.raises(TypeError, match="keywords"):
+        adaptive.batch(512)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cache"):
+        adaptive.batch(initial_batchsize=4, cache="global")
+
+
+def test_a_caller_passing_the_injected_batch_size_gets_a_type_error() -> None:
+    @adaptive.batch(initial_batchsize=4)
+    def infer(batchsize: int, data: list) -> int:
+        return batchsize
+
+    with pytest.raises(TypeError, match="batchsize"):
+        infer(32, [1])
+    with pytest.raises(TypeError, match="batchsize="):
+        infer([1], batchsize=32)
+
+
+def test_methods_get_the_size_after_self() -> None:
+    class Model:
+        scale = 3
+
+        @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+        def infer(self, batchsize: int, x: int) -> int:
+            return self.scale * batchsize + x
+
+    assert Model().infer(1) == 13
+
+
+def test_eight_threads_share_sizes_and_all_get_correct_results() -> None:
+    ceiling = MemoryCeiling(100)
+    cache = adaptive.GlobalBatchsizeCache()
+
+    @adaptive.batch(initial_batchsize=1024, cache=cache)
+    def total(batchsize: int, data: torch.Tensor) -> float:
+        out = 0.0
+        for i in range(0, len(data), batchsize):
+            ceiling.require(batchsize)
+            out += float(data[i : i + batchsize].sum())
+        return out
+
+    data = torch.arange(1000, dtype=torch.float64)
+    results: list[float] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            for _ in range(10):
+                results.append(total(data))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert results == [float(data.sum())] * 80
+    record = cache.record(total._key, None, None)
+    assert record.fits is not None and 90 <= record.fits <= 100
+
+
+def test_every_adaptation_is_logged_with_sizes_and_free_memory(adaptmem_log) -> None:
+    ceiling = MemoryCeiling(20)
+
+    @adaptive.batch(initial_batchsize=64, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    infer()
+    messages = [r.getMessage() for r in adaptmem_log.records if r.name == "adaptmem"]
+    assert any("batchsize=64" in m and "batchsize=32" in m and "free" in m for m in messages)
+    assert any("batchsize=16 fits" in m for m in messages)
+
+
+def test_range_resumes_at_the_failed_offset() -> None:
+    calls = []
+
+    @adaptive.range(initial_step=8, cache=adaptive.NoBatchsizeCache)
+    def fill(start: int, end: int, out: list) -> int:
+        calls.append((start, end))
+        if end - start > 3 and start >= 8:
+            raise make_oom("cuda")
+        out.extend(range(start, end))
+        return end - start
+
+    out: list[int] = []
+    sizes = fill(0, 20, out)
+    assert out == list(range(20))
+    assert calls[:3] == [(0, 8), (8, 16), (8, 12)]  # (0, 8) is not redone
+    assert sum(sizes) == 20
+
+
+def test_chunked_works_on_any_dimension_and_returns_the_tensor() -> None:
+    t = torch.zeros(3, 10, 4)
+
+    @adaptive.chunked(initial_step=4, dimension=-2, cache=adaptive.NoBatchsizeCache)
+    def mark(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk += torch.arange(start, end).view(1, -1, 1)
+
+    out = mark(t)
+    assert out is t
+    assert torch.equal(t[0, :, 0], torch.arange(10.0))
+    with pytest.raises(ValueError, match="dimension=-2"):
+        mark(torch.zeros(5))
+
+
+def test_range_and_chunked_reject_bad_input_clearly() -> None:
+    fill = adaptive.range(initial_step=4)(lambda s, e: None)
+    with pytest.raises(ValueError, match="before start"):
+        fill(5, 2)
+    with pytest.raises(TypeError, match="start"):
+        fill(0.5, 2)
+    with pytest.raises(TypeError, match="tensor"):
+        adaptive.chunked(initial_step=4)(lambda c, s, e: None)([1, 2])
+    with pytest.raises(TypeError, match="dimension"):
+        adaptive.chunked(initial_step=4, dimension="0")  # type: ignore[arg-type]
+
+
+def test_execute_and_explicit_forms_run_at_once() -> None:
+    ceiling = MemoryCeiling(10)
+
+    def sized(batchsize: int, offset: int = 0) -> int:
+        ceiling.require(batchsize)
+        return batchsize + offset
+
+    assert adaptive.execute.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)(
+        sized) == 8
+    assert adaptive.explicit.batch(sized, 16, 100) == 108
+    assert adaptive.execute.range(0, 5, initial_step=2)(lambda s, e: (s, e)) == [
+        (0, 2), (2, 4), (4, 5)]
+    assert adaptive.explicit.range(lambda s, e, k: e * k, 0, 4, 2, 10) == [20, 40]
+    t = torch.zeros(2, 6)
+    adaptive.execute.chunked(t, initial_step=4, dimension=1)(lambda c, s, e: c.fill_(1))
+    assert t.sum() == 12
+    adaptive.explicit.chunked(lambda c, s, e, v: c.fill_(v), t, 5, 2.0, dimension=0)
+    assert t.sum() == 24
+
+
+@settings(max_examples=30, deadline=None)
+@given(ceiling=st.integers(1, 5000), initial=st.integers(1, 8192))
+def test_batch_fits_and_reaches_ninety_percent_of_any_ceiling(ceiling: int, initial: int) -> None:
+    memory = MemoryCeiling(ceiling)
+
+    @adaptive.batch(initial_batchsize=initial, cache=adaptive.GlobalBatchsizeCache())
+    def total(batchsize: int, n: int) -> tuple[int, int]:
+        memory.require(batchsize)
+        return sum(range(n)), batchsize
+
+    for _ in range(20):
+        result, used = total(100)
+        assert result == 4950 and used <= ceiling
+    assert used >= 0.9 * min(ceiling, initial)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ceiling=st.integers(1, 300),
+    step=st.integers(1, 400),
+    start=st.integers(0, 50),
+    length=st.integers(0, 500),
+)
+def test_range_covers_every_index_once_in_order(ceiling, step, start, length) -> None:
+    memory = MemoryCeiling(ceiling)
+    seen: list[int] = []
+
+    @adaptive.range(initial_step=step, cache=adaptive.NoBatchsizeCache)
+    def visit(s: int, e: int) -> int:
+        memory.require(e - s)
+        seen.extend(range(s, e))
+        return e - s
+
+    sizes = visit(start, start + length)
+    assert seen == list(range(start, start + length))
+    assert sum(sizes) == length and all(0 < s <= ceiling for s in sizes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    data=st.data(),
+    ceiling=st.integers(1, 12),
+    step=st.integers(1, 16),
+)
+def test_chunked_covers_every_index_once_for_any_dimension(shape, data, ceiling, step) -> None:
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    memory = MemoryCeiling(ceiling)
+    t = torch.zeros(shape)
+
+    @adaptive.chunked(initial_step=step, dimension=dim, cache=adaptive.NoBatchsizeCache)
+    def count(chunk: torch.Tensor, s: int, e: int) -> None:
+        memory.require(e - s)
+        chunk += 1
+
+    count(t)
+    assert torch.equal(t, torch.ones(shape))
+
+
+def test_retry_frees_caches_between_attempts(monkeypatch) -> None:
+    freed = []
+    monkeypatch.setattr(retry_module, "free_caches", lambda device: freed.append(device))
+    ceiling = MemoryCeiling(2)
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    assert infer() == 2 and len(freed) == 2

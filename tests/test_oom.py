@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptmem import OutOfMemoryError
+from adaptmem._errors import oom_error_for
+from adaptmem._oom import is_oom
+from adaptmem.testing import OOM_KINDS, make_oom
+
+
+@pytest.mark.parametrize("kind", sorted(OOM_KINDS))
+def test_every_backend_out_of_memory_message_is_recognised(kind: str) -> None:
+    assert is_oom(make_oom(kind))
+
+
+def test_real_cpu_allocator_failure_is_recognised() -> None:
+    with pytest.raises(RuntimeError) as info:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert is_oom(info.value)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("CUDA out of memory"),  # right words, wrong type: not from a backend
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)"),
+        RuntimeError(),
+        RuntimeError(42),
+        KeyboardInterrupt(),
+        TypeError("out of memory"),
+    ],
+)
+def test_other_errors_are_not_out_of_memory(exc: BaseException) -> None:
+    assert not is_oom(exc)
+
+
+@pytest.mark.parametrize("kind", ["cuda", "python", "cpu", "cuda-driver"])
+def test_adaptmem_oom_is_still_an_instance_of_the_original_type(kind: str) -> None:
+    original = make_oom(kind)
+    error = oom_error_for(original)("message")
+    assert isinstance(error, type(original))
+    assert isinstance(error, OutOfMemoryError)
+    assert str(error) == "message"
