@@ -713,3 +713,58 @@ def test_inference_mode_forwards_leave_a_model_usable_with_autograd_on() -> None
         pager.remove()
     assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
     assert torch.equal(model(x).detach(), expected)
+
+
+# -- with @adaptive.batch ----------------------------------------------------------------------
+
+
+class FailsOverBatch(nn.Module):
+    """Runs out of memory in compute when the batch is larger than ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body[0](x)
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test double)")
+        return self.body[2](self.body[1](y))
+
+
+def test_batch_decorator_shrinks_for_compute_ooms_inside_a_paged_model() -> None:
+    torch.manual_seed(0)
+    model = FailsOverBatch(limit=4).eval()
+    data = torch.randn(16, 8)
+    expected = model.body(data)
+    sizes = []
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> torch.Tensor:
+        sizes.append(batchsize)
+        return torch.cat([model(data[i:i + batchsize]) for i in range(0, 16, batchsize)])
+
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        with torch.no_grad():
+            out = infer()
+        assert pager._device_bytes <= 2 * (8 * 8 * 4 + 8 * 4) and not pager._stack
+    assert sizes[0] == 16 and sizes[-1] <= 4
+    torch.testing.assert_close(out, expected)
+
+
+def test_batch_decorator_does_not_shrink_for_a_transfer_oom_of_the_pager() -> None:
+    model, x, expected, layer = _blocks()
+    sizes = []
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> torch.Tensor:
+        sizes.append(batchsize)
+        return model(x[:batchsize])
+
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer // 2)
+    with pager, pytest.raises(OutOfMemoryError) as info, torch.no_grad():
+        infer()
+    assert info.value.phase == "transfer" and isinstance(info.value, torch.OutOfMemoryError)
+    assert sizes == [8]
