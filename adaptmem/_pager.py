@@ -277,7 +277,7 @@ class Pager:
         frame = _Frame(module, name)
         if not self._learning:  # the steady state: keep this path short
             if name not in self._seen and self._probe is None:
-                self._watch_unseen_path()
+                self._watch_unseen_path(name)
             self._stack.append(frame)
             if mid in self._needs:
                 if _modes_enabled():
@@ -300,9 +300,11 @@ class Pager:
                 self._acquire(frame)
         return (args, kwargs) if root else None
 
-    def _watch_unseen_path(self) -> None:
+    def _watch_unseen_path(self, name: str) -> None:
         """A path the first forward did not take: watch the rest of this forward with the
         probe, and learn again from the next one."""
+        logger.info("adaptmem page: module %r ran for the first time; watching this forward "
+                    "and relearning the execution order from the next one", name or "<root>")
         self._probe = Probe(self)
         self._probe.__enter__()
         self._relearn = True

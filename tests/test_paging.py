@@ -116,6 +116,7 @@ def test_paged_zoo_model_gives_the_unpaged_output(name: str, fraction: float) ->
             second = model(*args, **kwargs)  # the learned order, with prefetch
     assert _same(first, expected) and _same(second, expected)
     assert pager.stats.forwards == 2 and pager.stats.bytes_moved > 0
+    assert "bytes_moved=" in str(pager.stats) and name in ZOO
     assert pager.stats.prefetch_hits > 0
 
 
@@ -594,7 +595,9 @@ def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
     assert stats.prefetch_misses < 0.1 * (stats.prefetch_hits + stats.prefetch_misses)
 
 
-def test_a_path_the_first_forward_did_not_take_is_watched_and_learned() -> None:
+def test_a_path_the_first_forward_did_not_take_is_watched_and_learned(
+    adaptmem_log: pytest.LogCaptureFixture,
+) -> None:
     class Branchy(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -622,6 +625,7 @@ def test_a_path_the_first_forward_did_not_take_is_watched_and_learned() -> None:
         assert {"rare.inner.weight", "rare.inner.bias"} <= {
             s.name for s in pager._needs[id(model.rare)]}
     assert probe.offenders == []
+    assert sum("ran for the first time" in r.message for r in adaptmem_log.records) == 1
 
 
 class DeferredTransfer(SyncTransfer):
