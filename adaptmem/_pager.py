@@ -371,26 +371,40 @@ class Pager:
     # -- acquiring and releasing -----------------------------------------------------------
 
     def _acquire(self, frame: _Frame) -> None:
-        while True:
-            needs = self._needs.get(id(frame.module), ())
-            missing = [s for s in needs if s.state != _LOADED]
-            if not missing:
-                break
-            try:
-                self._bring_in(missing, keep=needs)
-                break
-            except _NoRoom as exc:
-                if not self._refine(frame.name, exc):
-                    self._give_up(frame.name, missing, exc)
+        needs = self._needs.get(id(frame.module), ())
+        missing = [s for s in needs if s.state != _LOADED]
+        if missing:
+            needs = self._bring_in_or_refine(frame, missing, needs)
         for s in needs:
             s.refs += 1
         frame.slots = needs
 
+    def _bring_in_or_refine(self, frame: _Frame, missing: list[_Slot],
+                            needs: tuple[_Slot, ...]) -> tuple[_Slot, ...]:
+        """Bring ``missing`` in; when it does not fit, split the module's unit and retry.
+        Returns the module's needs as they stand after any split."""
+        while True:
+            try:
+                self._bring_in(missing, keep=needs)
+                return needs
+            except _NoRoom as exc:
+                if not self._refine(frame.name, exc):
+                    self._give_up(frame.name, missing, exc)
+            needs = self._needs.get(id(frame.module), ())
+            missing = [s for s in needs if s.state != _LOADED]
+            if not missing:
+                return needs
+
     def _bring_in(self, missing: list[_Slot], keep: tuple[_Slot, ...] | list[_Slot]) -> None:
         ticket = missing[0].ticket
-        if ticket is not None or missing[0].state == _PENDING:
+        if missing[0].state == _PENDING:
             # The usual steady state: everything was prefetched together.
-            if all(s.state == _PENDING and s.ticket is ticket for s in missing):
+            together = True
+            for s in missing:
+                if s.state != _PENDING or s.ticket is not ticket:
+                    together = False
+                    break
+            if together:
                 waited = self._transfer.wait([(ticket, [s.copy for s in missing])], False)  # type: ignore[misc]
                 if waited:
                     self._stats.prefetch_misses += 1
