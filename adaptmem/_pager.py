@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 
 from ._devices import first_tensor_device, format_bytes, free_memory, to_device
 from ._errors import OutOfMemoryError, PlacementError, oom_error_for
+from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from ._oom import free_caches, is_oom
 from ._planner import Plan, module_sizes, order_units, paging_units, split_unit
 from ._probe import Probe
@@ -40,32 +41,9 @@ logger = logging.getLogger("adaptmem")
 # Every module of every paged model, so a model (or a part of one) is never paged twice.
 PAGED: weakref.WeakKeyDictionary[nn.Module, Pager] = weakref.WeakKeyDictionary()
 
-_HOST, _PENDING, _LOADED = 0, 1, 2
-
 # The pager's own tensor work is invisible to users' TorchFunctionModes (and to the probe).
 _quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
 _modes_enabled = getattr(torch.overrides, "_is_torch_function_mode_enabled", lambda: True)
-
-
-class _Slot:
-    """One distinct tensor: the registered object, its host master, its device copy."""
-
-    __slots__ = ("name", "tensor", "master", "original", "origin", "nbytes", "copy", "ticket",
-                 "state", "refs", "resident")
-
-    def __init__(self, name: str, tensor: torch.Tensor, master: torch.Tensor,
-                 original: torch.Tensor | None, origin: torch.device) -> None:
-        self.name = name
-        self.tensor = tensor
-        self.master = master
-        self.original = original  # the data to put back, when the master is not a copy
-        self.origin = origin
-        self.nbytes = master.numel() * master.element_size()
-        self.copy: torch.Tensor | None = None
-        self.ticket: Any = None
-        self.state = _HOST
-        self.refs = 0
-        self.resident = False
 
 
 class _Frame:
@@ -74,7 +52,7 @@ class _Frame:
     def __init__(self, module: nn.Module, name: str) -> None:
         self.module = module
         self.name = name
-        self.slots: list[_Slot] | tuple[_Slot, ...] = ()
+        self.slots: list[Slot] | tuple[Slot, ...] = ()
 
 
 class _NoRoom(Exception):
@@ -112,7 +90,7 @@ class Pager:
         self._device_bytes = 0
         self._stack: list[_Frame] = []
         self._handles: dict[int, tuple[Any, Any]] = {}
-        self._needs: dict[int, tuple[_Slot, ...]] = {}
+        self._needs: dict[int, tuple[Slot, ...]] = {}
         self._schedule: list[int] = []
         self._cursor = 0
         self._input_device: torch.device | None = None
@@ -129,7 +107,7 @@ class Pager:
         self._removed = False
 
         units = paging_units(self._sizes, unit_bytes)
-        self._slots = self._make_slots(pin_memory)
+        self._slots = make_slots(self._modules, self._sizes, device, pin_memory)
         self._slot_by_id = {id(s.tensor): s for s in self._slots.values()}
         self._units = units
         self._options = {
@@ -153,30 +131,6 @@ class Pager:
             raise
 
     # -- set-up ---------------------------------------------------------------------------
-
-    def _make_slots(self, pin_memory: bool) -> dict[str, _Slot]:
-        pin = pin_memory and self.device.type == "cuda"
-        tensors = {}
-        for mod_name, module in self._modules.items():
-            for registry in (module._parameters, module._buffers):
-                for attr, t in registry.items():
-                    full = f"{mod_name}.{attr}" if mod_name else attr
-                    if t is not None and full in self._sizes.tensors:
-                        tensors[full] = t
-        slots = {}
-        for name, t in tensors.items():
-            data = t.data
-            master, original = data, data
-            if data.device.type != "cpu":
-                master, original = data.to("cpu"), None
-            if pin:
-                try:
-                    master = master.pin_memory()
-                    original = None
-                except RuntimeError:  # pinned memory is a scarce resource; pageable works
-                    pass
-            slots[name] = _Slot(name, t, master, original, data.device)
-        return slots
 
     def _make_resident(self, resident_bytes: int | None) -> None:
         total = self._sizes.total_bytes
@@ -209,7 +163,7 @@ class Pager:
             if resident:
                 with _quiet():
                     for s, c in zip(slots, copies, strict=True):
-                        s.copy, s.state, s.resident = c, _LOADED, True
+                        s.copy, s.state, s.resident = c, LOADED, True
                         s.tensor.data = c
                 used += need
                 self._add_device_bytes(need)
@@ -229,7 +183,7 @@ class Pager:
         heads: dict[str, set[str]] = {}
         for u in self._units:
             heads.setdefault(u.module, set()).update(u.tensors, u.borrowed)
-        needs: dict[int, tuple[_Slot, ...]] = {}
+        needs: dict[int, tuple[Slot, ...]] = {}
         rank = {n: i for i, n in enumerate(self._slots)}
         for name, module in self._modules.items():
             mine = set(heads.get(name, ()))
@@ -372,15 +326,15 @@ class Pager:
 
     def _acquire(self, frame: _Frame) -> None:
         needs = self._needs.get(id(frame.module), ())
-        missing = [s for s in needs if s.state != _LOADED]
+        missing = [s for s in needs if s.state != LOADED]
         if missing:
             needs = self._bring_in_or_refine(frame, missing, needs)
         for s in needs:
             s.refs += 1
         frame.slots = needs
 
-    def _bring_in_or_refine(self, frame: _Frame, missing: list[_Slot],
-                            needs: tuple[_Slot, ...]) -> tuple[_Slot, ...]:
+    def _bring_in_or_refine(self, frame: _Frame, missing: list[Slot],
+                            needs: tuple[Slot, ...]) -> tuple[Slot, ...]:
         """Bring ``missing`` in; when it does not fit, split the module's unit and retry.
         Returns the module's needs as they stand after any split."""
         while True:
@@ -391,17 +345,17 @@ class Pager:
                 if not self._refine(frame.name, exc):
                     self._give_up(frame.name, missing, exc)
             needs = self._needs.get(id(frame.module), ())
-            missing = [s for s in needs if s.state != _LOADED]
+            missing = [s for s in needs if s.state != LOADED]
             if not missing:
                 return needs
 
-    def _bring_in(self, missing: list[_Slot], keep: tuple[_Slot, ...] | list[_Slot]) -> None:
+    def _bring_in(self, missing: list[Slot], keep: tuple[Slot, ...] | list[Slot]) -> None:
         ticket = missing[0].ticket
-        if missing[0].state == _PENDING:
+        if missing[0].state == PENDING:
             # The usual steady state: everything was prefetched together.
             together = True
             for s in missing:
-                if s.state != _PENDING or s.ticket is not ticket:
+                if s.state != PENDING or s.ticket is not ticket:
                     together = False
                     break
             if together:
@@ -412,10 +366,10 @@ class Pager:
                     self._stats.prefetch_hits += 1
                 for s in missing:
                     s.tensor.data = s.copy  # type: ignore[assignment]
-                    s.state = _LOADED
+                    s.state = LOADED
                     s.ticket = None
                 return
-        absent = [s for s in missing if s.state == _HOST]
+        absent = [s for s in missing if s.state == HOST]
         need = sum(s.nbytes for s in absent)
         if absent:
             if not self._fits(need):
@@ -440,7 +394,7 @@ class Pager:
         if all(s.ticket is ticket for s in missing):  # the usual case: one prefetch or fetch
             groups = [(ticket, [s.copy for s in missing])]
         else:
-            tickets: dict[int, list[_Slot]] = {}
+            tickets: dict[int, list[Slot]] = {}
             for s in missing:
                 tickets.setdefault(id(s.ticket), []).append(s)
             groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
@@ -451,13 +405,13 @@ class Pager:
             self._stats.prefetch_hits += 1
         for s in missing:
             s.tensor.data = s.copy  # type: ignore[assignment]
-            s.state, s.ticket = _LOADED, None
+            s.state, s.ticket = LOADED, None
 
-    def _fetch(self, slots: list[_Slot]) -> None:
+    def _fetch(self, slots: list[Slot]) -> None:
         copies, ticket = self._start([s.master for s in slots])
         nbytes = 0
         for s, c in zip(slots, copies, strict=True):
-            s.copy, s.ticket, s.state = c, ticket, _PENDING
+            s.copy, s.ticket, s.state = c, ticket, PENDING
             nbytes += s.nbytes
         self._add_device_bytes(nbytes)
         self._stats.transfers += 1
@@ -479,16 +433,16 @@ class Pager:
         if self._device_bytes > self._stats.peak_device_bytes:
             self._stats.peak_device_bytes = self._device_bytes
 
-    def _unload(self, s: _Slot) -> None:
-        if s.state == _LOADED:
+    def _unload(self, s: Slot) -> None:
+        if s.state == LOADED:
             s.tensor.data = s.master
-        s.copy, s.ticket, s.state = None, None, _HOST
+        s.copy, s.ticket, s.state = None, None, HOST
         self._device_bytes -= s.nbytes
 
     def _drop_pending(self, keep: Any) -> None:
         kept = {id(s) for s in keep}
         for s in self._slots.values():
-            if s.state == _PENDING and id(s) not in kept:
+            if s.state == PENDING and id(s) not in kept:
                 self._unload(s)
 
     def _release(self, frame: _Frame) -> None:
@@ -498,7 +452,7 @@ class Pager:
             if s.refs == 0 and not s.resident:  # _unload, inlined: this runs per unit
                 s.tensor.data = s.master
                 s.copy = None
-                s.state = _HOST
+                s.state = HOST
                 freed += s.nbytes
         self._device_bytes -= freed
 
@@ -517,7 +471,7 @@ class Pager:
             pos = found
         needs = self._needs
         for k in range(1, min(self.prefetch, n - 1) + 1):
-            ahead = [s for s in needs.get(sched[(pos + k) % n], ()) if s.state == _HOST]
+            ahead = [s for s in needs.get(sched[(pos + k) % n], ()) if s.state == HOST]
             if not ahead:
                 continue
             if self.budget is not None and not self._fits(sum(s.nbytes for s in ahead)):
@@ -555,7 +509,7 @@ class Pager:
                 continue
             if self._learning:
                 self._direct.setdefault(frame.name, set()).add(s.name)
-            if s.state != _LOADED:
+            if s.state != LOADED:
                 with _quiet():
                     try:
                         self._bring_in([s], keep=frame.slots)
@@ -592,7 +546,7 @@ class Pager:
             return True
         return False
 
-    def _give_up(self, module: str, missing: list[_Slot], cause: _NoRoom) -> None:
+    def _give_up(self, module: str, missing: list[Slot], cause: _NoRoom) -> None:
         largest = max(missing, key=lambda s: s.nbytes)
         held = self._device_bytes
         limit = (f"device_budget={format_bytes(self.budget)}" if self.budget is not None
@@ -641,12 +595,7 @@ class Pager:
         self._stack.clear()
         with _quiet(), torch.inference_mode(False):
             for s in self._slots.values():
-                if s.original is not None:
-                    s.tensor.data = s.original
-                else:
-                    s.tensor.data = torch.empty_like(s.master, device=s.origin).copy_(s.master)
-                s.copy = s.ticket = None
-                s.state = _HOST
+                s.restore()
         self._device_bytes = 0
         for m in self._modules.values():
             if PAGED.get(m) is self:
