@@ -543,56 +543,7 @@ def test_load_targets_fill_in_place_reaches_masters_and_resident_copies() -> Non
         assert torch.all(model[2].bias == 0.06)
 
 
-# -- GPU ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.gpu
-def test_gpu_outputs_come_back_on_the_input_device_and_masters_are_pinned() -> None:
-    model, _, kwargs, expected = zoo("tiny_gpt")
-    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
-        with torch.no_grad():
-            out = model(**kwargs)
-        assert all(s.master.is_pinned() for s in pager._slots.values())
-    assert out["logits"].device.type == "cpu"
-    torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.gpu
-def test_gpu_real_oom_under_a_memory_fraction_triggers_refinement() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))
-                            for _ in range(8)]).eval()  # 8 x 32 MiB
-    x = torch.randn(4, 2048)
-    expected = model(x)
-    free, total = torch.cuda.mem_get_info()
-    torch.cuda.empty_cache()
-    used = torch.cuda.memory_reserved()
-    torch.cuda.set_per_process_memory_fraction((used + 100 * 2**20) / total)
-    try:
-        with adaptive.page(model, "cuda", unit_bytes=None, resident_bytes=0) as pager:
-            with torch.no_grad():
-                out = model(x)
-        assert pager.stats.refinements > 0
-        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-        torch.cuda.empty_cache()
-
-
-@pytest.mark.gpu
-def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).eval()  # 4 MiB each
-    x = torch.randn(32768, 1024)  # ~70 GFLOP per layer: well above one 4 MiB copy
-    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0, prefetch=2) as pager:
-        with torch.no_grad():
-            model(x)
-            pager.stats.reset()
-            for _ in range(3):
-                model(x)
-            torch.cuda.synchronize()
-    stats = pager.stats
-    assert stats.prefetch_misses < 0.1 * (stats.prefetch_hits + stats.prefetch_misses)
+# -- unseen paths, the transfer interface, any budget, inference_mode --------------------------
 
 
 def test_a_path_the_first_forward_did_not_take_is_watched_and_learned(
@@ -772,3 +723,55 @@ def test_batch_decorator_does_not_shrink_for_a_transfer_oom_of_the_pager() -> No
         infer()
     assert info.value.phase == "transfer" and isinstance(info.value, torch.OutOfMemoryError)
     assert sizes == [8]
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_outputs_come_back_on_the_input_device_and_masters_are_pinned() -> None:
+    model, _, kwargs, expected = zoo("tiny_gpt")
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
+        with torch.no_grad():
+            out = model(**kwargs)
+        assert all(s.master.is_pinned() for s in pager._slots.values())
+    assert out["logits"].device.type == "cpu"
+    torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_real_oom_under_a_memory_fraction_triggers_refinement() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))
+                            for _ in range(8)]).eval()  # 8 x 32 MiB
+    x = torch.randn(4, 2048)
+    expected = model(x)
+    free, total = torch.cuda.mem_get_info()
+    torch.cuda.empty_cache()
+    used = torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction((used + 100 * 2**20) / total)
+    try:
+        with adaptive.page(model, "cuda", unit_bytes=None, resident_bytes=0) as pager:
+            with torch.no_grad():
+                out = model(x)
+        assert pager.stats.refinements > 0
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).eval()  # 4 MiB each
+    x = torch.randn(32768, 1024)  # ~70 GFLOP per layer: well above one 4 MiB copy
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0, prefetch=2) as pager:
+        with torch.no_grad():
+            model(x)
+            pager.stats.reset()
+            for _ in range(3):
+                model(x)
+            torch.cuda.synchronize()
+    stats = pager.stats
+    assert stats.prefetch_misses < 0.1 * (stats.prefetch_hits + stats.prefetch_misses)
