@@ -445,6 +445,25 @@ def test_transfer_oom_that_cannot_be_resolved_keeps_the_original_type_and_phase(
     assert torch.equal(model(x), expected)
 
 
+def test_auto_sizes_keep_resident_units_plus_the_working_set_within_the_budget() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+                            for _ in range(8)]).eval()
+    total = module_sizes(model).total_bytes
+    budget = total // 2
+    x = torch.randn(2, 32)
+    expected = model(x)
+    with adaptive.page(model, "cpu", device_budget=budget) as pager, torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+        units = pager.plan.units
+        resident = sum(u.nbytes for u in units if u.placement == "resident")
+        paged = [u.nbytes for u in units if u.placement == "paged"]
+        assert resident > 0 and paged  # some of each
+        assert resident + (pager.prefetch + 2) * max(paged) <= budget
+        assert pager.stats.peak_device_bytes <= budget and pager.stats.refinements == 0
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
