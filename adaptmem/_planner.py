@@ -23,6 +23,7 @@ __all__ = [
     "Plan",
     "module_sizes",
     "paging_units",
+    "split_unit",
     "order_units",
     "assign_devices",
     "record_execution_order",
@@ -236,11 +237,44 @@ def paging_units(sizes: ModuleSizes, limit: int | None) -> list[Unit]:
     return units
 
 
+def split_unit(sizes: ModuleSizes, unit: Unit) -> list[Unit] | None:
+    """``unit`` split one level: its module's own tensors, then one unit per child.
+
+    Ownership stays as it was: the new units own exactly ``unit.tensors`` between them, and
+    borrow every other tensor their subtree uses. Returns None when the unit cannot be split
+    (an own-tensor unit, or a module without children), because its module needs all of it
+    at once.
+    """
+    if unit.own or not sizes.children.get(unit.module):
+        return None
+    remaining = list(unit.tensors)
+    kids: list[Unit] = []
+    in_kids: set[str] = set()
+    for kid in sizes.children[unit.module]:
+        sub = sizes.subtree_tensors[kid]
+        if not sub:
+            continue
+        in_kids |= sub
+        owned = tuple(n for n in remaining if n in sub)
+        remaining = [n for n in remaining if n not in sub]
+        borrowed = tuple(sorted(sub - set(owned)))
+        kids.append(Unit(kid, False, sizes.bytes_of(owned), owned, borrowed))
+    # Tensors registered on the module itself, including aliases of tensors owned elsewhere.
+    direct = set(sizes.own[unit.module])
+    for info in sizes.tensors.values():
+        if any(a.rpartition(".")[0] == unit.module for a in info.aliases):
+            direct.add(info.name)
+    owned = tuple(remaining)
+    borrowed = tuple(sorted((direct | set(unit.borrowed)) - set(owned) - in_kids))
+    head = [Unit(unit.module, True, sizes.bytes_of(owned), owned, borrowed)] if owned or borrowed else []
+    return head + kids
+
+
 def order_units(units: Sequence[Unit], order: Sequence[str]) -> list[Unit]:
     """``units`` sorted by when their module first ran (``order``: module names, first call
     first). A parent's own tensors come before its children; modules that never ran keep
     their registration order, after those that did."""
-    first = {}
+    first: dict[str, int] = {}
     for i, name in enumerate(order):
         first.setdefault(name, i)
     never = len(first)

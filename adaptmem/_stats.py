@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ._devices import format_bytes
@@ -18,7 +19,9 @@ class Stats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        # Not dataclasses.asdict: it deep-copies every field, and the lock cannot be copied.
+        return {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)
+                if not f.name.startswith("_")}
 
     def reset(self) -> None:
         for f in fields(self):

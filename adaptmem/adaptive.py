@@ -13,6 +13,7 @@ from ._decorators import batch, chunked, execute, explicit
 from ._decorators import range as range  # noqa: A004 - mirrors toma's name
 from ._errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
 from ._oom import is_oom
+from ._paging import Pager, page
 from ._planner import Plan, plan
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "LoadError",
     "NoBatchsizeCache",
     "OutOfMemoryError",
+    "Pager",
     "Plan",
     "PlacementError",
     "StacktraceMemoryBatchsizeCache",
@@ -32,6 +34,7 @@ __all__ = [
     "explicit",
     "get_default_cache",
     "is_oom",
+    "page",
     "plan",
     "range",
     "set_default_cache",

@@ -93,3 +93,21 @@ def test_plan_rejects_what_is_not_a_module() -> None:
         adaptive.plan("resnet50")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unit_bytes"):
         adaptive.plan(nn.Linear(2, 2), unit_bytes="lots")
+
+
+def test_split_unit_keeps_ownership_and_borrows_ties() -> None:
+    from adaptmem._planner import split_unit
+
+    model = Tied()
+    sizes = module_sizes(model)
+    [whole] = paging_units(sizes, None)
+    parts = split_unit(sizes, whole)
+    assert parts is not None
+    assert [p.name for p in parts] == ["<root> (own)", "wte", "body", "lm_head"]
+    owned = [n for p in parts for n in p.tensors]
+    assert sorted(owned) == sorted(whole.tensors)  # nothing lost, nothing twice
+    assert sum(p.nbytes for p in parts) == whole.nbytes
+    lm_head = parts[-1]
+    assert lm_head.tensors == () and lm_head.borrowed == ("wte.weight",)
+    assert split_unit(sizes, parts[0]) is None  # own tensors are needed at once
+    assert split_unit(sizes, parts[2]) is None  # a leaf cannot be split

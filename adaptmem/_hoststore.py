@@ -1,0 +1,81 @@
+"""The host store: each distinct tensor's host master, the one copy that is never written.
+
+A ``Slot`` holds the registered Parameter or buffer object (its identity never changes),
+its master in host memory, and while the tensor is needed on the device, the device copy
+(``state``: on the host only, a copy on its way, or loaded into ``tensor.data``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._planner import ModuleSizes
+
+__all__ = ["HOST", "LOADED", "PENDING", "Slot", "make_slots"]
+
+# Where a slot's tensor is: only on the host, a device copy on its way, loaded on the device.
+HOST, PENDING, LOADED = 0, 1, 2
+
+
+class Slot:
+    """One distinct tensor: the registered object, its host master, its device copy."""
+
+    __slots__ = ("name", "tensor", "master", "original", "origin", "nbytes", "copy", "ticket",
+                 "state", "refs", "resident")
+
+    def __init__(self, name: str, tensor: torch.Tensor, master: torch.Tensor,
+                 original: torch.Tensor | None, origin: torch.device) -> None:
+        self.name = name
+        self.tensor = tensor
+        self.master = master
+        self.original = original  # the data to put back, when the master is not a copy
+        self.origin = origin
+        self.nbytes = master.numel() * master.element_size()
+        self.copy: torch.Tensor | None = None
+        self.ticket: Any = None
+        self.state = HOST
+        self.refs = 0
+        self.resident = False
+
+    def restore(self) -> None:
+        """Put the original data back (a copy of the master on its original device when
+        the master is a copy), bitwise, and forget any device copy."""
+        if self.original is not None:
+            self.tensor.data = self.original
+        else:
+            self.tensor.data = torch.empty_like(self.master, device=self.origin).copy_(self.master)
+        self.copy = self.ticket = None
+        self.state = HOST
+
+
+def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.device,
+               pin_memory: bool) -> dict[str, Slot]:
+    """A slot per distinct tensor of the model (canonical names, ties once), with its host
+    master: the tensor's own data when it is on the CPU and need not be pinned, else a
+    (pinned) CPU copy. Nothing of the model is changed."""
+    pin = pin_memory and device.type == "cuda"
+    tensors = {}
+    for mod_name, module in modules.items():
+        for registry in (module._parameters, module._buffers):
+            for attr, t in registry.items():
+                full = f"{mod_name}.{attr}" if mod_name else attr
+                if t is not None and full in sizes.tensors:
+                    tensors[full] = t
+    slots = {}
+    for name, t in tensors.items():
+        data = t.data
+        master: torch.Tensor = data
+        original: torch.Tensor | None = data
+        if data.device.type != "cpu":
+            master, original = data.to("cpu"), None
+        if pin:
+            try:
+                master = master.pin_memory()
+                original = None
+            except RuntimeError:  # pinned memory is a scarce resource; pageable works
+                pass
+        slots[name] = Slot(name, t, master, original, data.device)
+    return slots

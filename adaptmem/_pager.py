@@ -1,0 +1,631 @@
+"""The pager: weights live in host memory and reach the device just before they are used.
+
+Per distinct tensor there is a slot: the Parameter or buffer object itself (identity never
+changes), its host master (pinned when the target is an accelerator) and, while it is
+needed, a device copy. Loading a tensor assigns ``tensor.data = copy``; releasing assigns
+``tensor.data = master`` and drops the copy. The master is never written back.
+
+Forward pre-hooks acquire what a module needs and post-hooks release it (reference counts,
+so tied tensors and nested units are on the device once). The first forward runs with a
+``TorchFunctionMode`` probe that loads any weight a module reads without calling its owner
+(``MultiheadAttention`` reading ``out_proj.weight``) and records it; from then on those
+needs are acquired by hooks, in an execution order used for prefetching.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import weakref
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from ._devices import first_tensor_device, format_bytes, free_memory, to_device
+from ._errors import OutOfMemoryError, PlacementError, oom_error_for
+from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
+from ._oom import free_caches, is_oom
+from ._planner import Plan, module_sizes, order_units, paging_units, split_unit
+from ._probe import Probe
+from ._stats import PagingStats
+from ._transfer import Transfer, transfer_for
+
+__all__ = ["Pager", "PAGED"]
+
+logger = logging.getLogger("adaptmem")
+
+# Every module of every paged model, so a model (or a part of one) is never paged twice.
+PAGED: weakref.WeakKeyDictionary[nn.Module, Pager] = weakref.WeakKeyDictionary()
+
+# The pager's own tensor work is invisible to users' TorchFunctionModes (and to the probe).
+_quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
+_modes_enabled = getattr(torch.overrides, "_is_torch_function_mode_enabled", lambda: True)
+
+
+class _Frame:
+    __slots__ = ("module", "name", "slots")
+
+    def __init__(self, module: nn.Module, name: str) -> None:
+        self.module = module
+        self.name = name
+        self.slots: list[Slot] | tuple[Slot, ...] = ()
+
+
+class _NoRoom(Exception):
+    """A fetch did not fit (budget, or an OOM that survived one retry)."""
+
+    def __init__(self, need: int, oom: BaseException | None = None) -> None:
+        super().__init__(need)
+        self.need = need
+        self.oom = oom
+
+
+class Pager:
+    """A model whose weights are paged to ``device`` module by module; see ``page``.
+
+    Attributes:
+        plan: the units in execution order, each ``"resident"`` or ``"paged"``; refinements
+            made at run time are listed in ``plan.refinements``.
+        stats: a ``PagingStats`` with bytes moved, transfers, prefetch hits and misses,
+            refinements and the peak device bytes held for weights.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, *, unit_bytes: int | None,
+                 prefetch: int, resident_bytes: int | None, device_budget: int | None,
+                 pin_memory: bool, output_device: torch.device | None) -> None:
+        self.model = model
+        self.device = device
+        self.prefetch = prefetch
+        self.budget = device_budget
+        self.output_device = output_device
+        self._stats = PagingStats()
+        self._transfer: Transfer = transfer_for(device)
+        self._sizes = module_sizes(model)
+        self._modules = dict(model.named_modules())
+        self._name_of = {id(m): n for n, m in self._modules.items()}
+        self._device_bytes = 0
+        self._stack: list[_Frame] = []
+        self._handles: dict[int, tuple[Any, Any]] = {}
+        self._needs: dict[int, tuple[Slot, ...]] = {}
+        self._schedule: list[int] = []
+        self._cursor = 0
+        self._input_device: torch.device | None = None
+        self._learning = True
+        self._probe: Probe | None = None
+        self._calls: list[str] = []
+        # What watched forwards saw, accumulated over all of them: the tensors ops received
+        # while each module was the innermost one running, and the modules always running
+        # around each module when it was called.
+        self._direct: dict[str, set[str]] = {}
+        self._enclosing: dict[str, set[str]] = {}
+        self._seen: set[str] = set()
+        self._relearn = False
+        self._removed = False
+
+        units = paging_units(self._sizes, unit_bytes)
+        self._slots = make_slots(self._modules, self._sizes, device, pin_memory)
+        self._slot_by_id = {id(s.tensor): s for s in self._slots.values()}
+        self._units = units
+        self._options = {
+            "device": str(device), "unit_bytes": unit_bytes, "prefetch": prefetch,
+            "resident_bytes": resident_bytes, "device_budget": device_budget,
+        }
+        self.plan = Plan("page", [], self._sizes.total_bytes, dict(self._options))
+        # Nothing above touched the model; from here on it is paged, or put back on failure.
+        for m in self._modules.values():
+            PAGED[m] = self
+        try:
+            for s in self._slots.values():
+                if s.original is None:
+                    s.tensor.data = s.master
+            self._make_resident(resident_bytes)
+            self._compute_needs()
+            for m in self._modules.values():
+                self._hook(m)
+        except BaseException:
+            self.remove()
+            raise
+
+    # -- set-up ---------------------------------------------------------------------------
+
+    def _make_resident(self, resident_bytes: int | None) -> None:
+        total = self._sizes.total_bytes
+        if resident_bytes is None:  # "auto"
+            room = self._room()
+            if total <= room:
+                allowance = room
+            else:
+                working = (self.prefetch + 2) * max((u.nbytes for u in self._units), default=0)
+                allowance = max(0, room - working)
+        else:
+            allowance = resident_bytes
+        used = 0
+        placed = []
+        for unit in self._units:
+            slots = [self._slots[n] for n in unit.tensors]
+            need = sum(s.nbytes for s in slots)
+            resident = bool(slots) and used + need <= allowance
+            if resident:
+                try:
+                    copies, ticket = self._start([s.master for s in slots])
+                    self._transfer.wait([(ticket, copies)], demand=True)
+                except Exception as exc:
+                    if not is_oom(exc):
+                        raise
+                    logger.info("adaptmem page: %s did not fit on %s while making it resident "
+                                "(%s); it is paged instead", unit.name, self.device, exc)
+                    resident = False
+                    allowance = used
+            if resident:
+                with _quiet():
+                    for s, c in zip(slots, copies, strict=True):
+                        s.copy, s.state, s.resident = c, LOADED, True
+                        s.tensor.data = c
+                used += need
+                self._add_device_bytes(need)
+            placed.append(replace(unit, placement="resident" if resident else "paged"))
+        self._units = placed
+        self.plan.units = list(placed)
+
+    def _room(self) -> int:
+        if self.budget is not None:
+            return self.budget
+        free = free_memory(self.device)
+        # Leave room for activations; on the CPU the masters share the same memory.
+        return int(free * (0.5 if self.device.type == "cpu" else 0.8))
+
+    def _compute_needs(self) -> None:
+        """Which slots each module acquires, from the units and what the probe learned."""
+        heads: dict[str, set[str]] = {}
+        for u in self._units:
+            heads.setdefault(u.module, set()).update(u.tensors, u.borrowed)
+        needs: dict[int, tuple[Slot, ...]] = {}
+        rank = {n: i for i, n in enumerate(self._slots)}
+        for name, module in self._modules.items():
+            mine = set(heads.get(name, ()))
+            if not self._learning:
+                extra = self._direct.get(name, set()) - mine
+                for outer in self._enclosing.get(name, ()):
+                    extra -= heads.get(outer, set())
+                mine |= extra
+            slots = [self._slots[n] for n in mine if not self._slots[n].resident]
+            if slots:
+                needs[id(module)] = tuple(sorted(slots, key=lambda s: rank[s.name]))
+        self._needs = needs
+        if not self._learning:
+            self._schedule = [id(self._modules[n]) for n in self._calls
+                              if id(self._modules[n]) in needs]
+            for m in self._modules.values():
+                if id(m) in needs:
+                    self._hook(m)
+
+    def _hook(self, module: nn.Module) -> None:
+        if id(module) in self._handles:
+            return
+        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
+        self._handles[id(module)] = (pre, post)
+
+    def _unhook_idle(self) -> None:
+        # Modules the first forward never called keep their hooks (free until called): if a
+        # later forward takes that path, the probe comes back for it.
+        seen = {id(self._modules[n]) for n in self._seen}
+        for mid in [mid for mid in self._handles if mid not in self._needs and mid in seen]:
+            if mid == id(self.model):
+                continue
+            for h in self._handles.pop(mid):
+                h.remove()
+
+    # -- hooks ----------------------------------------------------------------------------
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        root = module is self.model
+        if root:
+            args, kwargs = self._begin_forward(args, kwargs)
+        mid = id(module)
+        name = self._name_of.get(mid, "")
+        frame = _Frame(module, name)
+        if not self._learning:  # the steady state: keep this path short
+            if name not in self._seen and self._probe is None:
+                self._watch_unseen_path(name)
+            self._stack.append(frame)
+            if mid in self._needs:
+                if _modes_enabled():
+                    with _quiet():
+                        self._acquire(frame)
+                        if self.prefetch:
+                            self._prefetch_after(mid)
+                else:
+                    self._acquire(frame)
+                    if self.prefetch:
+                        self._prefetch_after(mid)
+            return (args, kwargs) if root else None
+        self._calls.append(name)
+        outer = {f.name for f in self._stack}
+        seen = self._enclosing.get(name)
+        self._enclosing[name] = outer if seen is None else seen & outer
+        self._stack.append(frame)
+        if mid in self._needs:
+            with _quiet():
+                self._acquire(frame)
+        return (args, kwargs) if root else None
+
+    def _watch_unseen_path(self, name: str) -> None:
+        """A path the first forward did not take: watch the rest of this forward with the
+        probe, and learn again from the next one."""
+        logger.info("adaptmem page: module %r ran for the first time; watching this forward "
+                    "and relearning the execution order from the next one", name or "<root>")
+        self._probe = Probe(self)
+        self._probe.__enter__()
+        self._relearn = True
+
+    def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        stack = self._stack
+        if stack and stack[-1].module is module:
+            if _modes_enabled():
+                with _quiet():
+                    self._release(stack.pop())
+            else:
+                self._release(stack.pop())
+        if module is not self.model:
+            return None
+        failed = output is None and sys.exc_info()[1] is not None
+        self._end_forward(failed)
+        if failed:
+            return None
+        target = self.output_device or self._input_device
+        if target is not None and target != self.device:
+            output = to_device(output, target)
+        return output
+
+    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        if self._removed:
+            raise PlacementError("this Pager was removed; page the model again to use it")
+        if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
+            with _quiet():
+                while self._stack:
+                    self._release(self._stack.pop())
+            self._end_forward(failed=True)
+        self._stats.forwards += 1
+        self._cursor = 0
+        self._settle(block=False)
+        if self._relearn:
+            self._relearn, self._learning = False, True
+            for m in self._modules.values():
+                self._hook(m)
+        if self._learning:
+            self._calls = []
+            self._probe = Probe(self)
+            self._probe.__enter__()
+        self._input_device = first_tensor_device((args, kwargs))
+        return to_device((args, kwargs), self.device)
+
+    def _end_forward(self, failed: bool) -> None:
+        if self._probe is None:
+            return
+        probe, self._probe = self._probe, None
+        if torch.overrides._get_current_function_mode() is probe:
+            probe.__exit__(None, None, None)
+        if not self._learning:  # a probe for an unseen path; the next forward relearns
+            return
+        if failed:  # what it saw stays learned; the next forward watches again
+            return
+        self._learning = False
+        self._seen |= set(self._calls)
+        first: dict[str, None] = dict.fromkeys(self._calls)
+        self._units = order_units(self._units, list(first))
+        self.plan.units = list(self._units)
+        self._compute_needs()
+        self._unhook_idle()
+
+    # -- acquiring and releasing -----------------------------------------------------------
+
+    def _acquire(self, frame: _Frame) -> None:
+        needs = self._needs.get(id(frame.module), ())
+        missing = [s for s in needs if s.state != LOADED]
+        if missing:
+            needs = self._bring_in_or_refine(frame, missing, needs)
+        for s in needs:
+            s.refs += 1
+        frame.slots = needs
+
+    def _bring_in_or_refine(self, frame: _Frame, missing: list[Slot],
+                            needs: tuple[Slot, ...]) -> tuple[Slot, ...]:
+        """Bring ``missing`` in; when it does not fit, split the module's unit and retry.
+        Returns the module's needs as they stand after any split."""
+        while True:
+            try:
+                self._bring_in(missing, keep=needs)
+                return needs
+            except _NoRoom as exc:
+                if not self._refine(frame.name, exc):
+                    self._give_up(frame.name, missing, exc)
+            needs = self._needs.get(id(frame.module), ())
+            missing = [s for s in needs if s.state != LOADED]
+            if not missing:
+                return needs
+
+    def _bring_in(self, missing: list[Slot], keep: tuple[Slot, ...] | list[Slot]) -> None:
+        ticket = missing[0].ticket
+        if missing[0].state == PENDING:
+            # The usual steady state: everything was prefetched together.
+            together = True
+            for s in missing:
+                if s.state != PENDING or s.ticket is not ticket:
+                    together = False
+                    break
+            if together:
+                waited = self._transfer.wait([(ticket, [s.copy for s in missing])], False)  # type: ignore[misc]
+                if waited:
+                    self._stats.prefetch_misses += 1
+                elif waited is not None:
+                    self._stats.prefetch_hits += 1
+                for s in missing:
+                    s.tensor.data = s.copy  # type: ignore[assignment]
+                    s.state = LOADED
+                    s.ticket = None
+                return
+        absent = [s for s in missing if s.state == HOST]
+        need = sum(s.nbytes for s in absent)
+        if absent:
+            if not self._fits(need):
+                self._drop_pending(keep)
+                if not self._fits(need):
+                    raise _NoRoom(need)
+            try:
+                self._fetch(absent)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                self._drop_pending(keep)
+                free_caches(self.device)
+                try:
+                    self._fetch(absent)
+                except Exception as again:
+                    if not is_oom(again):
+                        raise
+                    free_caches(self.device)
+                    raise _NoRoom(need, again) from None
+        ticket = missing[0].ticket
+        if all(s.ticket is ticket for s in missing):  # the usual case: one prefetch or fetch
+            groups = [(ticket, [s.copy for s in missing])]
+        else:
+            tickets: dict[int, list[Slot]] = {}
+            for s in missing:
+                tickets.setdefault(id(s.ticket), []).append(s)
+            groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
+        waited = self._transfer.wait(groups, demand=bool(absent))  # type: ignore[arg-type]
+        if waited:
+            self._stats.prefetch_misses += 1
+        elif waited is not None:
+            self._stats.prefetch_hits += 1
+        for s in missing:
+            s.tensor.data = s.copy  # type: ignore[assignment]
+            s.state, s.ticket = LOADED, None
+
+    def _fetch(self, slots: list[Slot]) -> None:
+        copies, ticket = self._start([s.master for s in slots])
+        nbytes = 0
+        for s, c in zip(slots, copies, strict=True):
+            s.copy, s.ticket, s.state = c, ticket, PENDING
+            nbytes += s.nbytes
+        self._add_device_bytes(nbytes)
+        self._stats.transfers += 1
+        self._stats.bytes_moved += nbytes
+
+    def _start(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        if torch.is_inference_mode_enabled():
+            # A copy made under inference_mode is an inference tensor, which a later forward
+            # with autograd on could not use; prefetches cross forward boundaries.
+            with torch.inference_mode(False):
+                return self._transfer.start(hosts)
+        return self._transfer.start(hosts)
+
+    def _fits(self, need: int) -> bool:
+        return self.budget is None or self._device_bytes + need <= self.budget
+
+    def _add_device_bytes(self, n: int) -> None:
+        self._device_bytes += n
+        if self._device_bytes > self._stats.peak_device_bytes:
+            self._stats.peak_device_bytes = self._device_bytes
+
+    def _unload(self, s: Slot) -> None:
+        if s.state == LOADED:
+            s.tensor.data = s.master
+        s.copy, s.ticket, s.state = None, None, HOST
+        self._device_bytes -= s.nbytes
+
+    def _drop_pending(self, keep: Any) -> None:
+        kept = {id(s) for s in keep}
+        for s in self._slots.values():
+            if s.state == PENDING and id(s) not in kept:
+                self._unload(s)
+
+    def _release(self, frame: _Frame) -> None:
+        freed = 0
+        for s in frame.slots:
+            s.refs -= 1
+            if s.refs == 0 and not s.resident:  # _unload, inlined: this runs per unit
+                s.tensor.data = s.master
+                s.copy = None
+                s.state = HOST
+                freed += s.nbytes
+        self._device_bytes -= freed
+
+    def _prefetch_after(self, mid: int) -> None:
+        sched = self._schedule
+        n = len(sched)
+        if n < 2:
+            return
+        pos = self._cursor
+        if pos < n and sched[pos] == mid:
+            self._cursor = pos + 1
+        else:
+            found = self._find(mid)
+            if found is None:
+                return
+            pos = found
+        needs = self._needs
+        for k in range(1, min(self.prefetch, n - 1) + 1):
+            ahead = [s for s in needs.get(sched[(pos + k) % n], ()) if s.state == HOST]
+            if not ahead:
+                continue
+            if self.budget is not None and not self._fits(sum(s.nbytes for s in ahead)):
+                return
+            try:
+                self._fetch(ahead)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                return  # prefetching is an optimisation; the demand path adapts
+
+    def _find(self, mid: int) -> int | None:
+        sched, n, start = self._schedule, len(self._schedule), self._cursor
+        if start < n and sched[start] == mid:
+            self._cursor = start + 1
+            return start
+        for i in range(n):
+            pos = (start + i) % n
+            if sched[pos] == mid:
+                self._cursor = pos + 1
+                return pos
+        return None
+
+    # -- the first forward's probe ---------------------------------------------------------
+
+    def _touch(self, args: Any, kwargs: Any) -> None:
+        if not self._stack:
+            return
+        frame = self._stack[-1]
+        for t in tree_leaves((args, kwargs)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = self._slot_by_id.get(id(t))
+            if s is None:
+                continue
+            if self._learning:
+                self._direct.setdefault(frame.name, set()).add(s.name)
+            if s.state != LOADED:
+                with _quiet():
+                    try:
+                        self._bring_in([s], keep=frame.slots)
+                    except _NoRoom as exc:
+                        self._give_up(frame.name, [s], exc)
+                    s.refs += 1
+                    frame.slots = [*frame.slots, s]
+
+    # -- granularity fallback --------------------------------------------------------------
+
+    def _refine(self, module: str, cause: _NoRoom) -> bool:
+        for i, unit in enumerate(self._units):
+            if unit.module != module or unit.own or unit.placement == "resident":
+                continue
+            parts = split_unit(self._sizes, unit)
+            if not parts:
+                return False
+            parts = [replace(p, placement="paged") for p in parts]
+            self._units[i:i + 1] = parts
+            self.plan.units = list(self._units)
+            why = "out of memory" if cause.oom is not None else "over device_budget"
+            record = {"unit": unit.name, "bytes": unit.nbytes, "reason": why,
+                      "into": [p.name for p in parts]}
+            self.plan.refinements.append(record)
+            self._stats.refinements += 1
+            logger.info(
+                "adaptmem page: unit %s (%s) did not fit on %s (%s; %s of weights held, "
+                "%s free): split into %d units", unit.name, format_bytes(unit.nbytes),
+                self.device, why, format_bytes(self._device_bytes),
+                format_bytes(free_memory(self.device)), len(parts))
+            self._compute_needs()
+            for p in parts:
+                self._hook(self._modules[p.module])
+            return True
+        return False
+
+    def _give_up(self, module: str, missing: list[Slot], cause: _NoRoom) -> None:
+        largest = max(missing, key=lambda s: s.nbytes)
+        held = self._device_bytes
+        limit = (f"device_budget={format_bytes(self.budget)}" if self.budget is not None
+                 else f"{format_bytes(free_memory(self.device))} free")
+        message = (
+            f"adaptmem page: module {module or '<root>'!r} needs {format_bytes(cause.need)} of "
+            f"weights on {self.device} at once (largest tensor {largest.name!r}, "
+            f"{format_bytes(largest.nbytes)}), but with {format_bytes(held)} already held "
+            f"(resident units and running parents) it does not fit under {limit}. "
+            f"It cannot be split further: raise device_budget, lower resident_bytes, or free "
+            f"device memory."
+        )
+        if cause.oom is not None:
+            err = oom_error_for(cause.oom)(message)
+            err.phase = "transfer"
+            raise err from cause.oom
+        err = OutOfMemoryError(message)
+        err.phase = "transfer"
+        raise err
+
+    # -- public ----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> PagingStats:
+        """What the pager did so far (on a GPU, reading it waits for queued copies)."""
+        self._settle(block=True)
+        return self._stats
+
+    def _settle(self, block: bool) -> None:
+        hits, misses = self._transfer.settle(block)
+        self._stats.prefetch_hits += hits
+        self._stats.prefetch_misses += misses
+
+    def remove(self) -> None:
+        """Put every parameter and buffer back as it was (bitwise, same device and dtype),
+        remove the hooks and release device memory. Calling it again does nothing."""
+        if self._removed:
+            return
+        self._removed = True
+        if self._probe is not None:
+            self._end_forward(failed=True)
+        for pre, post in self._handles.values():
+            pre.remove()
+            post.remove()
+        self._handles.clear()
+        self._stack.clear()
+        with _quiet(), torch.inference_mode(False):
+            for s in self._slots.values():
+                s.restore()
+        self._device_bytes = 0
+        for m in self._modules.values():
+            if PAGED.get(m) is self:
+                del PAGED[m]
+
+    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+        """Where checkpoint values go, for ``adaptive.load`` on a paged model.
+
+        Returns ``{canonical name: tensors}``: names as ``module_sizes(model).tensors`` gives
+        them (the first ``named_modules()`` path plus the attribute; tie aliases are not
+        repeated). Copy a checkpoint value into every listed tensor in place (``copy_``):
+        the host master first, then the device copy when the tensor is resident. Call it
+        outside a forward; the tensors keep their shape, dtype and device.
+        """
+        out = {}
+        for name, s in self._slots.items():
+            targets = [s.master]
+            if s.resident and s.copy is not None:
+                targets.append(s.copy)
+            out[name] = targets
+        return out
+
+    def __enter__(self) -> Pager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        paged = sum(u.nbytes for u in self._units if u.placement == "paged")
+        return (f"Pager(device={str(self.device)!r}, units={len(self._units)}, "
+                f"paged={format_bytes(paged)}, resident="
+                f"{format_bytes(self._sizes.total_bytes - paged)})")

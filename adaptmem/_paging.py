@@ -1,0 +1,141 @@
+"""``adaptive.page``: check the request, size the units, hand the model to a ``Pager``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._devices import format_bytes, free_memory, parse_size, resolve_device
+from ._errors import PlacementError
+from ._pager import PAGED, Pager
+from ._planner import module_sizes
+
+__all__ = ["Pager", "page"]
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    training = [n or "<root>" for n, m in model.named_modules() if m.training]
+    if training:
+        raise PlacementError(
+            f"adaptive.page is for inference, but {len(training)} module(s) are in training "
+            f"mode (first: {training[0]!r}); call model.eval() first")
+    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
+    if meta:
+        raise PlacementError(
+            f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so "
+            f"there are no weights to page; build it with adaptive.load(model, checkpoint) "
+            f"or load real weights before paging")
+    for m in model.modules():
+        owner = PAGED.get(m)
+        if owner is not None and not owner._removed:
+            if owner.model is model:
+                what = "this model is already paged"
+            elif m is model:
+                what = "this model is part of a paged model"
+            else:
+                what = "a submodule of this model is already paged"
+            raise PlacementError(
+                f"{what}; call .remove() on that Pager before paging again")
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def _size_option(value: Any, name: str, auto_ok: bool = True) -> int | None:
+    if auto_ok and value == "auto":
+        return None
+    return parse_size(value, name)
+
+
+def page(
+    model: nn.Module,
+    device: Any = None,
+    *,
+    unit_bytes: int | str | None = "auto",
+    prefetch: int = 1,
+    resident_bytes: int | str = "auto",
+    device_budget: int | str | None = None,
+    pin_memory: bool = True,
+    output_device: Any = None,
+) -> Pager:
+    """Page ``model``'s weights to ``device`` just in time, and return the ``Pager``.
+
+    Weights stay in host memory (pinned when the device is an accelerator); each part of
+    the model is copied to the device right before it runs and released after, while the
+    next ``prefetch`` parts are already on their way. Call the model as before.
+
+    Args:
+        model: a model in eval mode with real (not meta) weights, anywhere.
+        device: where compute runs; None means the current accelerator, else the CPU.
+        unit_bytes: the largest group of weights paged together ("64MiB"); "auto" for
+            the coarsest units that fit the working budget; None for one unit.
+        prefetch: how many units ahead are copied while one runs (0 turns it off).
+        resident_bytes: bytes of units kept on the device for good; "auto" keeps as many as
+            free memory allows after room for the paged working set, 0 pages everything.
+        device_budget: a cap on the device bytes the pager uses for weights (None: free
+            memory decides). Units that do not fit under it are split at run time.
+        pin_memory: pin the host masters when the device is an accelerator.
+        output_device: where outputs go; None returns them on the inputs' device.
+
+    Returns:
+        A ``Pager`` with ``.plan``, ``.stats`` and ``.remove()``; also a context manager.
+
+    Raises:
+        TypeError: ``model`` is not a module, or a size is neither int nor string.
+        ValueError: an unknown device, or a negative or unparsable size or ``prefetch``.
+        PlacementError: the model is in training mode, has meta tensors, or is (part of)
+            a model already paged. The model is untouched in every case.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
+        ...                           torch.nn.Linear(8, 2)).eval()
+        >>> x = torch.randn(3, 8)
+        >>> expected = net(x)
+        >>> with adaptive.page(net, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        ...     torch.equal(net(x), expected)
+        True
+    """
+    _check_model(model)
+    dev = resolve_device(device, "device")
+    out_dev = None if output_device is None else resolve_device(output_device, "output_device")
+    units = None if unit_bytes is None else _size_option(unit_bytes, "unit_bytes")
+    resident = _size_option(resident_bytes, "resident_bytes")
+    budget = None if device_budget is None else parse_size(device_budget, "device_budget")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"prefetch must be an int number of units, got {prefetch!r}")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be 0 or more units, got {prefetch}; 0 turns it off")
+    if budget is not None and resident is not None and resident > budget:
+        raise ValueError(
+            f"resident_bytes={format_bytes(resident)} is more than device_budget="
+            f"{format_bytes(budget)}; lower resident_bytes or raise device_budget")
+    if unit_bytes == "auto":
+        units = _auto_unit_bytes(model, dev, prefetch, resident, budget)
+    # Masters and resident copies must be ordinary tensors even when page() is called
+    # under inference_mode, or the model could not run with autograd on afterwards.
+    with torch.inference_mode(False):
+        return Pager(model, dev, unit_bytes=units, prefetch=prefetch, resident_bytes=resident,
+                     device_budget=budget, pin_memory=pin_memory, output_device=out_dev)
+
+
+def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,
+                     resident: int | None, budget: int | None) -> int | None:
+    """The coarsest unit size whose working set (``prefetch + 2`` units) fits."""
+    total = module_sizes(model).total_bytes
+    if budget is not None:
+        room = budget
+    else:
+        room = int(free_memory(device) * (0.5 if device.type == "cpu" else 0.8))
+    if resident is None and total <= room:
+        return None
+    working = room - resident if resident is not None else room // 2
+    return max(0, working) // (prefetch + 2)

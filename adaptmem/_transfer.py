@@ -1,0 +1,120 @@
+"""How the pager copies host masters to a device: one small interface, two implementations.
+
+The pager's scheduling code (what to fetch, when to wait, when to release) is the same on
+every device; only these classes differ. ``StreamTransfer`` copies on a side stream and hands
+back an event; ``SyncTransfer`` copies on the calling thread, so a CPU run exercises the same
+scheduling synchronously.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Transfer", "SyncTransfer", "StreamTransfer", "transfer_for"]
+
+
+class Transfer:
+    """Copies host tensors to ``device``.
+
+    ``start`` begins copies and returns them with a ticket. ``wait`` makes compute wait for
+    some tickets' copies and marks the copies as used by compute; it returns whether compute
+    had to wait (always for a ``demand`` fetch, started just now), or None when that is only
+    known later, from ``settle()``, which returns the ``(hits, misses)`` decided since its
+    last call (``block=False``: only those known without waiting).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        raise NotImplementedError
+
+    def wait(self, groups: Sequence[tuple[Any, Sequence[torch.Tensor]]],
+             demand: bool) -> bool | None:
+        raise NotImplementedError
+
+    def settle(self, block: bool = True) -> tuple[int, int]:
+        return 0, 0
+
+
+class SyncTransfer(Transfer):
+    """Copies on the caller's thread; every ticket is ready at once."""
+
+    def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        # Both keep the master's strides (channels_last stays channels_last); on the CPU
+        # clone gives a distinct tensor, so the paging path is real there too.
+        if self.device.type == "cpu":
+            return [h.clone() for h in hosts], None
+        return [h.to(self.device, copy=True) for h in hosts], None
+
+    def wait(self, groups: Sequence[tuple[Any, Sequence[torch.Tensor]]],
+             demand: bool) -> bool | None:
+        return demand  # a prefetched copy finished before start() returned
+
+
+class StreamTransfer(Transfer):
+    """Copies on a side stream (``non_blocking`` from pinned masters), one event per batch.
+
+    Whether compute waited is decided on the GPU's clock, not the host's (the host runs far
+    ahead): an event recorded on the compute stream where it would wait is compared with
+    the copy's event once both have completed.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device)
+        self._unsettled: list[tuple[list[Any], Any]] = []
+
+    def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        with torch.cuda.stream(self.stream):
+            copies = [
+                torch.empty_like(h, device=self.device).copy_(h, non_blocking=True)
+                for h in hosts
+            ]
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.stream)
+        return copies, event
+
+    def wait(self, groups: Sequence[tuple[Any, Sequence[torch.Tensor]]],
+             demand: bool) -> bool | None:
+        compute = torch.cuda.current_stream(self.device)
+        arrival = torch.cuda.Event(enable_timing=True)
+        if not demand:
+            arrival.record(compute)
+        for ticket, copies in groups:
+            compute.wait_event(ticket)
+            # Allocated on the side stream, used on the compute stream: without this the
+            # allocator could hand the memory to the next copy while compute still reads it.
+            for c in copies:
+                c.record_stream(compute)
+        if demand:
+            return True
+        self._unsettled.append(([t for t, _ in groups], arrival))
+        return None
+
+    def settle(self, block: bool = True) -> tuple[int, int]:
+        if block and self._unsettled:
+            torch.cuda.synchronize(self.device)
+        hits = misses = 0
+        keep = []
+        for tickets, arrival in self._unsettled:
+            if not block and not (arrival.query() and all(t.query() for t in tickets)):
+                keep.append((tickets, arrival))
+                continue
+            # elapsed_time(a, b) < 0: the copy ended after compute reached the wait.
+            if all(t.elapsed_time(arrival) >= 0 for t in tickets):
+                hits += 1
+            else:
+                misses += 1
+        self._unsettled = keep
+        return hits, misses
+
+
+def transfer_for(device: torch.device) -> Transfer:
+    """The transfer a device supports: streams on CUDA, synchronous copies elsewhere."""
+    if device.type == "cuda":
+        return StreamTransfer(device)
+    return SyncTransfer(device)

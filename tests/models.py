@@ -1,0 +1,94 @@
+"""Small real-architecture models for engine tests (no dependency on transformers)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask[:, None, None, :] == 0, -1e4)
+        out = F.softmax(scores, dim=-1) @ v
+        return self.c_proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln_2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), attention_mask=attention_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """GPT-2 shaped: token + position embeddings, pre-norm blocks, lm_head tied to wte."""
+
+    def __init__(self, vocab: int = 256, ctx: int = 32, dim: int = 64, heads: int = 4,
+                 layers: int = 3) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(ctx, dim)
+        self.h = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.wte(input_ids) + self.wpe(pos)[None]
+        for block in self.h:
+            x = block(x, attention_mask=attention_mask)
+        return {"logits": self.lm_head(self.ln_f(x)), "hidden": x}
+
+
+def tiny_gpt_inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 256, (2, 12), generator=g)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :4] = 0  # left padding on the second sequence
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class ReadsChildWeight(nn.Module):
+    """Uses ``inner``'s weight through ``F.linear`` without calling ``inner`` (like swin's
+    ShiftedWindowAttention and MultiheadAttention's ``out_proj``)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inner = nn.Linear(dim, dim)
+        self.gate = nn.Parameter(torch.randn(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.inner.weight, self.inner.bias) * self.gate
+
+
+def small_vit() -> nn.Module:
+    """torchvision's VisionTransformer at 32x32: class_token, pos_embedding and
+    MultiheadAttention (in_proj_weight on a non-leaf, out_proj read without a call)."""
+    from torchvision.models import VisionTransformer
+
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=4,
+                             hidden_dim=64, mlp_dim=128, num_classes=10)

@@ -1,0 +1,796 @@
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torchvision
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from models import ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
+from strategies import DIM, module_trees
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from adaptmem import adaptive
+from adaptmem._errors import OutOfMemoryError, PlacementError
+from adaptmem._planner import module_sizes
+from adaptmem._probe import is_metadata
+from adaptmem._transfer import SyncTransfer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Any:
+    """One intra-op thread: these are tiny forwards, and on a busy 2-core machine thread
+    hand-offs cost far more than the arithmetic."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- the zoo ---------------------------------------------------------------------------------
+
+
+def _torchvision(name: str, size: int) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    kwargs = {"init_weights": False} if name == "inception_v3" else {}
+    model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
+    return model, (torch.randn(1, 3, size, size),), {}
+
+
+def _vit_small() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    return small_vit().eval(), (torch.randn(1, 3, 32, 32),), {}
+
+
+def _gpt() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    return TinyGPT().eval(), (), tiny_gpt_inputs()
+
+
+ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]] = {
+    "resnet50": functools.partial(_torchvision, "resnet50", 64),
+    "densenet121": functools.partial(_torchvision, "densenet121", 64),
+    "inception_v3": functools.partial(_torchvision, "inception_v3", 75),
+    "mobilenet_v3_large": functools.partial(_torchvision, "mobilenet_v3_large", 64),
+    "vit_b_16": functools.partial(_torchvision, "vit_b_16", 224),
+    "vit_small": _vit_small,
+    "swin_t": functools.partial(_torchvision, "swin_t", 64),
+    "tiny_gpt": _gpt,
+}
+
+
+@functools.cache
+def zoo(name: str) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any], Any]:
+    model, args, kwargs = ZOO[name]()
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    return model, args, kwargs, expected
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return torch.equal(a, b)
+
+
+class HostMasterProbe(TorchFunctionMode):
+    """Records every op that receives a tensor whose storage is one of ``storages``."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages = storages
+        self.offenders: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not is_metadata(func):
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages:
+                    self.offenders.append(getattr(func, "__name__", str(func)))
+        return func(*args, **kwargs)
+
+
+def _storages(model: nn.Module) -> set[int]:
+    tensors = [*model.parameters(), *model.buffers()]
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+# Unit sizes as a fraction of each model: finest, fine, coarse. vit_b_16 is 330 MB, so it
+# gets one size; vit_small covers the same code paths at all three.
+ZOO_CASES = [(name, frac) for name in ZOO if name != "vit_b_16"
+             for frac in (0.0, 0.05, 0.3)] + [("vit_b_16", 0.05)]
+
+
+@pytest.mark.parametrize(("name", "fraction"), ZOO_CASES)
+def test_paged_zoo_model_gives_the_unpaged_output(name: str, fraction: float) -> None:
+    model, args, kwargs, expected = zoo(name)
+    unit_bytes = int(module_sizes(model).total_bytes * fraction)
+    with adaptive.page(model, "cpu", unit_bytes=unit_bytes, resident_bytes=0) as pager:
+        with torch.no_grad():
+            first = model(*args, **kwargs)
+            second = model(*args, **kwargs)  # the learned order, with prefetch
+    assert _same(first, expected) and _same(second, expected)
+    assert pager.stats.forwards == 2 and pager.stats.bytes_moved > 0
+    assert "bytes_moved=" in str(pager.stats) and name in ZOO
+    assert pager.stats.prefetch_hits > 0
+
+
+@pytest.mark.parametrize("name", list(ZOO))
+def test_no_compute_op_in_a_paged_forward_receives_a_host_master(name: str) -> None:
+    model, args, kwargs, expected = zoo(name)
+    probe = HostMasterProbe(_storages(model))  # on the CPU the masters are the originals
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0):
+        with probe, torch.no_grad():
+            first = model(*args, **kwargs)
+            second = model(*args, **kwargs)
+    assert probe.offenders == []
+    assert _same(first, expected) and _same(second, expected)
+
+
+def test_probe_catches_a_forward_on_host_masters() -> None:
+    """The probe is not vacuous: an unpaged forward computes on the host tensors."""
+    model = ReadsChildWeight().eval()
+    probe = HostMasterProbe(_storages(model))
+    with probe, torch.no_grad():
+        model(torch.randn(2, 16))
+    assert "linear" in probe.offenders
+
+
+def test_weight_read_without_calling_its_module_is_learned_and_loaded() -> None:
+    torch.manual_seed(0)
+    model = ReadsChildWeight().eval()
+    x = torch.randn(2, 16)
+    expected = model(x)
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    probe = HostMasterProbe(_storages(model) - {model.gate.untyped_storage().data_ptr()})
+    with pager, probe, torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+        needs = {s.name for s in pager._needs[id(model)]}
+    assert {"inner.weight", "inner.bias"} <= needs
+    assert probe.offenders == []
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=module_trees(), unit_bytes=st.integers(0, 3000), prefetch=st.integers(0, 3))
+def test_random_module_trees_paged_at_random_unit_sizes_give_the_unpaged_output(
+    tree: nn.Module, unit_bytes: int, prefetch: int
+) -> None:
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        expected = tree(x)
+    before = {k: v.clone() for k, v in tree.state_dict().items()}
+    probe = HostMasterProbe(_storages(tree))
+    with adaptive.page(tree, "cpu", unit_bytes=unit_bytes, resident_bytes=0, prefetch=prefetch):
+        with probe, torch.no_grad():
+            assert torch.equal(tree(x), expected)
+            assert torch.equal(tree(x), expected)
+    assert probe.offenders == []
+    after = tree.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+# -- the model is the same model ---------------------------------------------------------------
+
+
+class Mixed(nn.Module):
+    """fp32, fp16 and int tensors, a channels_last conv, BatchNorm buffers, a tie."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+        self.bn = nn.BatchNorm2d(8)
+        self.low = nn.Linear(8, 8).half()
+        self.head = nn.Linear(8, 8)
+        self.alias = self.head  # one module under two names
+        self.register_buffer("table", torch.arange(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.conv(x)).mean((2, 3))
+        y = self.low(y.half()).float()
+        return self.alias(y) + self.table
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def test_remove_restores_every_tensor_bitwise_with_device_and_dtype() -> None:
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    snapshot = {n: (t, _bytes_of(t), t.device, t.dtype, t.stride(), t.data_ptr())
+                for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    x = torch.randn(2, 3, 8, 8)
+    expected = model(x)
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=256)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    pager.remove()
+    pager.remove()  # a second call does nothing
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    assert now.keys() == snapshot.keys()
+    for name, (obj, raw, device, dtype, stride, ptr) in snapshot.items():
+        t = now[name]
+        assert t is obj, name
+        assert (t.device, t.dtype, t.stride(), _bytes_of(t)) == (device, dtype, stride, raw), name
+        assert t.data_ptr() == ptr, name  # on the CPU the master is the original storage
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert torch.equal(model(x), expected)
+
+
+def test_state_dict_keys_and_parameter_identity_unchanged_while_paged() -> None:
+    model = Mixed().eval()
+    keys = list(model.state_dict())
+    params = dict(model.named_parameters())
+    x = torch.randn(1, 3, 8, 8)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        model(x)
+        assert list(model.state_dict()) == keys
+        assert all(params[n] is p for n, p in model.named_parameters())
+        assert model.alias.weight is model.head.weight
+
+
+def test_tied_embedding_is_one_tensor_on_the_device_while_used() -> None:
+    model, _, kwargs, expected = zoo("tiny_gpt")
+    seen = []
+
+    def check(module: nn.Module, args: Any) -> None:
+        w = model.wte.weight
+        seen.append((module.weight is w, w.untyped_storage().data_ptr()))
+
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    handle = model.lm_head.register_forward_pre_hook(check)  # runs after the pager's hook
+    master = pager._slots["wte.weight"].master.untyped_storage().data_ptr()
+    try:
+        with torch.no_grad():
+            assert _same(model(**kwargs), expected)
+    finally:
+        handle.remove()
+        pager.remove()
+    assert seen and all(same and ptr != master for same, ptr in seen)
+    assert "lm_head.weight" not in pager._load_targets()
+
+
+def test_plan_lists_units_in_execution_order_with_placement() -> None:
+    class HeadFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 2)
+            self.body = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(x))
+
+    model = HeadFirst().eval()
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        assert [u.module for u in pager.plan.units] == ["head", "body"]  # registration
+        with torch.no_grad():
+            model(torch.randn(1, 8))
+        assert [u.module for u in pager.plan.units] == ["body", "head"]  # as they ran
+        assert {u.placement for u in pager.plan.units} == {"paged"}
+        assert "paged" in str(pager.plan)
+        assert adaptive.Plan.from_dict(pager.plan.to_dict()).to_dict() == pager.plan.to_dict()
+
+
+def test_resident_units_stay_on_the_device_and_only_the_rest_moves() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)]).eval()
+    layer = 32 * 32 * 4 + 32 * 4
+    x = torch.randn(2, 32)
+    expected = model(x)
+    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=2 * layer) as pager:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x), expected)
+        placements = [u.placement for u in pager.plan.units]
+        assert placements.count("resident") == 2 and placements.count("paged") == 2
+        # two paged layers per forward, plus the next forward's first one, prefetched
+        assert pager.stats.bytes_moved == (3 * 2 + 1) * layer
+
+
+def test_prefetch_makes_later_forwards_hit_and_zero_turns_it_off() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]).eval()
+    x = torch.randn(2, 16)
+    for prefetch, hits in ((2, 6), (0, 0)):
+        with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0,
+                           prefetch=prefetch) as pager, torch.no_grad():
+            model(x)
+            pager.stats.reset()
+            model(x)
+            model(x)
+        # cyclic: the end of one forward prefetches the start of the next
+        assert pager.stats.prefetch_hits == 2 * hits - (1 if hits else 0)
+
+
+def test_nested_inputs_and_keyword_arguments_reach_the_forward() -> None:
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+
+        def forward(self, pair: tuple[torch.Tensor, list[torch.Tensor]], *,
+                    extra: dict[str, torch.Tensor]) -> dict[str, Any]:
+            x, rest = pair
+            return {"out": self.a(x) + self.b(rest[0]) * extra["w"], "n": len(rest)}
+
+    model = Nested().eval()
+    x, y, w = torch.randn(2, 4), torch.randn(2, 4), torch.randn(4)
+    expected = model((x, [y]), extra={"w": w})
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        out = model((x, [y]), extra={"w": w})
+    assert torch.equal(out["out"], expected["out"]) and out["n"] == 1
+
+
+def test_exception_in_forward_passes_through_and_releases_device_copies() -> None:
+    boom = ValueError("boom")
+
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.a(x)
+            if self.fail:
+                raise boom
+            return self.b(x)
+
+    model = Fails().eval()
+    x = torch.randn(1, 4)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        for _ in range(2):
+            with pytest.raises(ValueError) as info:
+                model(x)
+            assert info.value is boom
+            assert pager._device_bytes == 0 and not pager._stack
+        model.fail = False
+        with torch.no_grad():
+            out = model(x)
+    assert torch.equal(out, model.b(model.a(x)))
+
+
+# -- granularity fallback ----------------------------------------------------------------------
+
+
+def _blocks() -> tuple[nn.Module, torch.Tensor, torch.Tensor, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+                            for _ in range(3)]).eval()
+    x = torch.randn(2, 64)
+    layer = 64 * 64 * 4 + 64 * 4
+    return model, x, model(x).detach(), layer
+
+
+def test_device_budget_smaller_than_the_units_forces_refinement(
+    adaptmem_log: pytest.LogCaptureFixture,
+) -> None:
+    model, x, expected, layer = _blocks()
+    budget = 3 * layer  # a block (2 layers) plus one prefetched layer, never the whole model
+    with adaptive.page(model, "cpu", unit_bytes=None, resident_bytes=0,
+                       device_budget=budget) as pager, torch.no_grad():
+        assert [u.module for u in pager.plan.units] == [""]
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)
+    assert pager.stats.refinements > 0
+    assert pager.stats.peak_device_bytes <= budget
+    assert pager.plan.refinements and pager.plan.refinements[0]["unit"] == "<root>"
+    assert len(pager.plan.units) > 1
+    assert any("split into" in r.message and r.levelno == logging.INFO
+               for r in adaptmem_log.records)
+
+
+def test_a_tensor_larger_than_the_budget_raises_a_transfer_error_with_sizes() -> None:
+    model, x, expected, layer = _blocks()
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0, device_budget=layer // 2)
+    with pytest.raises(OutOfMemoryError, match=r"'0\.0'.*KiB.*device_budget") as info:
+        model(x)
+    assert info.value.phase == "transfer"
+    pager.remove()
+    assert torch.equal(model(x), expected)
+
+
+class OutOfRoomTransfer(SyncTransfer):
+    """A device with ``limit`` bytes: copies beyond it raise a real torch OOM."""
+
+    def __init__(self, device: torch.device, pager_ref: list[Any], limit: int) -> None:
+        super().__init__(device)
+        self.pager_ref = pager_ref
+        self.limit = limit
+        self.failures = 0
+
+    def start(self, hosts: Any) -> Any:
+        need = sum(h.numel() * h.element_size() for h in hosts)
+        if self.pager_ref[0]._device_bytes + need > self.limit:
+            self.failures += 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test double)")
+        return super().start(hosts)
+
+
+def test_transfer_oom_refines_the_unit_and_the_same_forward_continues() -> None:
+    model, x, expected, layer = _blocks()
+    pager = adaptive.page(model, "cpu", unit_bytes=None, resident_bytes=0)
+    double = OutOfRoomTransfer(pager.device, [pager], limit=3 * layer)
+    pager._transfer = double
+    calls = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
+    with pager, torch.no_grad():
+        assert torch.equal(model(x), expected)
+    handle.remove()
+    assert calls == [1]  # nothing ran twice
+    assert double.failures > 0 and pager.stats.refinements > 0
+    assert pager.plan.refinements[0]["reason"] == "out of memory"
+
+
+def test_transfer_oom_that_cannot_be_resolved_keeps_the_original_type_and_phase() -> None:
+    model, x, expected, layer = _blocks()
+    pager = adaptive.page(model, "cpu", unit_bytes=None, resident_bytes=0)
+    pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer // 2)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        model(x)
+    err = info.value
+    assert isinstance(err, OutOfMemoryError) and err.phase == "transfer"
+    assert isinstance(err.__cause__, torch.OutOfMemoryError)
+    assert "0.0" in str(err)
+    pager.remove()
+    assert torch.equal(model(x), expected)
+
+
+def test_auto_sizes_keep_resident_units_plus_the_working_set_within_the_budget() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+                            for _ in range(8)]).eval()
+    total = module_sizes(model).total_bytes
+    budget = total // 2
+    x = torch.randn(2, 32)
+    expected = model(x)
+    with adaptive.page(model, "cpu", device_budget=budget) as pager, torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+        units = pager.plan.units
+        resident = sum(u.nbytes for u in units if u.placement == "resident")
+        paged = [u.nbytes for u in units if u.placement == "paged"]
+        assert resident > 0 and paged  # some of each
+        assert resident + (pager.prefetch + 2) * max(paged) <= budget
+        assert pager.stats.peak_device_bytes <= budget and pager.stats.refinements == 0
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def _untouched(model: nn.Module, before: dict[str, tuple[torch.Tensor, int]]) -> bool:
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    return (not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+            and all(now[n] is t and t.data_ptr() == p for n, (t, p) in before.items()))
+
+
+def _record(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    return {n: (t, t.data_ptr()) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"device": "tpu:0"}, ValueError, "device"),
+        ({"device": "cuda:7" if torch.cuda.is_available() else "cuda"}, ValueError, "cuda"),
+        ({"unit_bytes": -1}, ValueError, "unit_bytes"),
+        ({"unit_bytes": "lots"}, ValueError, "unit_bytes='lots'"),
+        ({"resident_bytes": "-2MiB"}, ValueError, "resident_bytes"),
+        ({"device_budget": [1]}, TypeError, "device_budget"),
+        ({"prefetch": -1}, ValueError, "prefetch"),
+        ({"prefetch": 1.5}, TypeError, "prefetch"),
+        ({"resident_bytes": "2MiB", "device_budget": "1MiB"}, ValueError, "resident_bytes"),
+    ],
+)
+def test_bad_options_are_refused_and_the_model_is_untouched(
+    options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    before = _record(model)
+    options = {"device": "cpu", **options}
+    with pytest.raises(error, match=match):
+        adaptive.page(model, **options)
+    assert _untouched(model, before)
+
+
+def test_a_model_in_training_mode_is_refused() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout())
+    model[0].eval()
+    before = _record(model)
+    with pytest.raises(PlacementError, match=r"training mode.*model\.eval\(\)"):
+        adaptive.page(model, "cpu")
+    assert _untouched(model, before)
+
+
+def test_meta_parameters_are_refused_with_a_pointer_to_load() -> None:
+    with torch.device("meta"):
+        model = nn.Linear(4, 4).eval()
+    with pytest.raises(PlacementError, match=r"meta.*adaptive\.load"):
+        adaptive.page(model, "cpu")
+    assert not model._forward_pre_hooks
+
+
+def test_paging_twice_or_a_part_of_a_paged_model_is_refused() -> None:
+    inner = nn.Sequential(nn.Linear(4, 4)).eval()
+    outer = nn.Sequential(inner, nn.Linear(4, 4)).eval()
+    with adaptive.page(outer, "cpu", resident_bytes=0):
+        with pytest.raises(PlacementError, match="this model is already paged"):
+            adaptive.page(outer, "cpu")
+        with pytest.raises(PlacementError, match="part of a paged model"):
+            adaptive.page(inner, "cpu")
+    with adaptive.page(inner, "cpu", resident_bytes=0):
+        with pytest.raises(PlacementError, match="submodule of this model is already paged"):
+            adaptive.page(outer, "cpu")
+    with adaptive.page(outer, "cpu", resident_bytes=0):  # after remove() it may be paged again
+        pass
+
+
+def test_page_rejects_what_is_not_a_module() -> None:
+    with pytest.raises(TypeError, match="nn.Module"):
+        adaptive.page("resnet50")  # type: ignore[arg-type]
+
+
+# -- the loading protocol ----------------------------------------------------------------------
+
+
+def test_load_targets_fill_in_place_reaches_masters_and_resident_copies() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    layer = 8 * 8 * 4 + 8 * 4
+    x = torch.randn(2, 8)
+    pager = adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer)
+    targets = pager._load_targets()
+    assert list(targets) == list(module_sizes(model).tensors)
+    assert [len(targets[n]) for n in ("0.weight", "1.weight")] == [2, 1]  # resident, paged
+    with torch.no_grad():
+        for i, (_, tensors) in enumerate(targets.items()):
+            for t in tensors:
+                t.fill_(0.01 * (i + 1))
+        out = model(x)
+    pager.remove()
+    with torch.no_grad():
+        assert torch.equal(out, model(x))  # the masters hold the loaded values
+        assert torch.all(model[2].bias == 0.06)
+
+
+# -- unseen paths, the transfer interface, any budget, inference_mode --------------------------
+
+
+def test_a_path_the_first_forward_did_not_take_is_watched_and_learned(
+    adaptmem_log: pytest.LogCaptureFixture,
+) -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.common = nn.Linear(8, 8)
+            self.rare = ReadsChildWeight(8)
+
+        def forward(self, x: torch.Tensor, rare: bool = False) -> torch.Tensor:
+            x = self.common(x)
+            return self.rare(x) if rare else x
+
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    x = torch.randn(2, 8)
+    expected = model(x, rare=True)
+    probe = HostMasterProbe(_storages(model) - {model.rare.gate.untyped_storage().data_ptr()})
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        with probe, torch.no_grad():
+            model(x)  # learns without the rare branch
+            assert torch.equal(model(x, rare=True), expected)  # watched by the probe
+            assert torch.equal(model(x, rare=True), expected)  # relearned
+            assert torch.equal(model(x, rare=True), expected)
+            for rare in (False, True, False, True):  # both paths known: no more relearning
+                model(x, rare=rare)
+                assert not pager._learning and not pager._relearn and pager._probe is None
+        assert {"rare.inner.weight", "rare.inner.bias"} <= {
+            s.name for s in pager._needs[id(model.rare)]}
+    assert probe.offenders == []
+    assert sum("ran for the first time" in r.message for r in adaptmem_log.records) == 1
+
+
+class DeferredTransfer(SyncTransfer):
+    """Speaks the interface the way the CUDA stream transfer does: hits and misses of
+    prefetched copies are only known later, from settle()."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.unsettled = 0
+        self.demands = 0
+
+    def wait(self, groups: Any, demand: bool) -> bool | None:
+        assert isinstance(demand, bool) and groups
+        for _ticket, copies in groups:
+            assert all(isinstance(c, torch.Tensor) for c in copies)
+        if demand:
+            self.demands += 1
+            return True
+        self.unsettled += 1
+        return None
+
+    def settle(self, block: bool = True) -> tuple[int, int]:
+        if not block:
+            return 0, 0
+        hits, self.unsettled = self.unsettled, 0
+        return hits, 0
+
+
+def test_pager_speaks_the_transfer_interface_with_deferred_hits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import adaptmem._pager
+
+    monkeypatch.setattr(adaptmem._pager, "transfer_for", DeferredTransfer)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)]).eval()
+    layer = 16 * 16 * 4 + 16 * 4
+    x = torch.randn(2, 16)
+    expected = model(x)
+    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer) as pager:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(x), expected)
+        transfer = pager._transfer
+        assert isinstance(transfer, DeferredTransfer)
+        stats = pager.stats  # settles
+    assert stats.prefetch_misses == transfer.demands - 1  # minus making unit 0 resident
+    assert stats.prefetch_hits > 0 and transfer.unsettled == 0
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=module_trees(), share=st.floats(0.0, 1.2), prefetch=st.integers(0, 2))
+def test_any_device_budget_gives_the_unpaged_output_within_budget_or_a_transfer_error(
+    tree: nn.Module, share: float, prefetch: int
+) -> None:
+    budget = int(module_sizes(tree).total_bytes * share)
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        expected = tree(x)
+    before = {k: v.clone() for k, v in tree.state_dict().items()}
+    with adaptive.page(tree, "cpu", unit_bytes=None, resident_bytes=0, prefetch=prefetch,
+                       device_budget=budget) as pager, torch.no_grad():
+        try:
+            outputs = [tree(x), tree(x)]
+        except OutOfMemoryError as err:
+            event("does not fit")
+            assert err.phase == "transfer" and "device_budget" in str(err)
+        else:
+            event("refined" if pager.stats.refinements else "fits as planned")
+            assert all(torch.equal(out, expected) for out in outputs)
+            assert pager.stats.peak_device_bytes <= budget
+    after = tree.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():
+        assert torch.equal(tree(x), expected)
+
+
+def test_inference_mode_forwards_leave_a_model_usable_with_autograd_on() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).eval()
+    x = torch.randn(2, 8)
+    expected = model(x).detach()
+    with torch.inference_mode():
+        pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=300)
+        assert torch.equal(model(x), expected)
+        assert torch.equal(model(x), expected)  # ends by prefetching the next forward's start
+    assert torch.equal(model(x).detach(), expected)
+    with torch.inference_mode():
+        pager.remove()
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    assert torch.equal(model(x).detach(), expected)
+
+
+# -- with @adaptive.batch ----------------------------------------------------------------------
+
+
+class FailsOverBatch(nn.Module):
+    """Runs out of memory in compute when the batch is larger than ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body[0](x)
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test double)")
+        return self.body[2](self.body[1](y))
+
+
+def test_batch_decorator_shrinks_for_compute_ooms_inside_a_paged_model() -> None:
+    torch.manual_seed(0)
+    model = FailsOverBatch(limit=4).eval()
+    data = torch.randn(16, 8)
+    expected = model.body(data)
+    sizes = []
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> torch.Tensor:
+        sizes.append(batchsize)
+        return torch.cat([model(data[i:i + batchsize]) for i in range(0, 16, batchsize)])
+
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        with torch.no_grad():
+            out = infer()
+        assert pager._device_bytes <= 2 * (8 * 8 * 4 + 8 * 4) and not pager._stack
+    assert sizes[0] == 16 and sizes[-1] <= 4
+    torch.testing.assert_close(out, expected)
+
+
+def test_batch_decorator_does_not_shrink_for_a_transfer_oom_of_the_pager() -> None:
+    model, x, expected, layer = _blocks()
+    sizes = []
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> torch.Tensor:
+        sizes.append(batchsize)
+        return model(x[:batchsize])
+
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer // 2)
+    with pager, pytest.raises(OutOfMemoryError) as info, torch.no_grad():
+        infer()
+    assert info.value.phase == "transfer" and isinstance(info.value, torch.OutOfMemoryError)
+    assert sizes == [8]
+
+
+# -- GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_outputs_come_back_on_the_input_device_and_masters_are_pinned() -> None:
+    model, _, kwargs, expected = zoo("tiny_gpt")
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
+        with torch.no_grad():
+            out = model(**kwargs)
+        assert all(s.master.is_pinned() for s in pager._slots.values())
+    assert out["logits"].device.type == "cpu"
+    torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_real_oom_under_a_memory_fraction_triggers_refinement() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))
+                            for _ in range(8)]).eval()  # 8 x 32 MiB
+    x = torch.randn(4, 2048)
+    expected = model(x)
+    free, total = torch.cuda.mem_get_info()
+    torch.cuda.empty_cache()
+    used = torch.cuda.memory_reserved()
+    torch.cuda.set_per_process_memory_fraction((used + 100 * 2**20) / total)
+    try:
+        with adaptive.page(model, "cuda", unit_bytes=None, resident_bytes=0) as pager:
+            with torch.no_grad():
+                out = model(x)
+        assert pager.stats.refinements > 0
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(16)]).eval()  # 4 MiB each
+    x = torch.randn(32768, 1024)  # ~70 GFLOP per layer: well above one 4 MiB copy
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0, prefetch=2) as pager:
+        with torch.no_grad():
+            model(x)
+            pager.stats.reset()
+            for _ in range(3):
+                model(x)
+            torch.cuda.synchronize()
+    stats = pager.stats
+    assert stats.prefetch_misses < 0.1 * (stats.prefetch_hits + stats.prefetch_misses)
