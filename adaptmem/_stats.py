@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ._devices import format_bytes
@@ -18,7 +18,8 @@ class Stats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if not k.startswith("_")}
+        # Not dataclasses.asdict: it deep-copies fields, and the lock cannot be copied.
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
     def reset(self) -> None:
         for f in fields(self):
