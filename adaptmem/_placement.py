@@ -207,7 +207,7 @@ class Splitter:
             h.remove()
         self._hooks.clear()
         with torch.no_grad():
-            for name, label in list(self._where.items()):
+            for name in list(self._where):
                 self._restore(name)
                 del self._where[name]
         if _HANDLES.get(self._model) is self:
@@ -487,7 +487,7 @@ def _targets_from_devices(devices: Any, dtype: Any, reserve: Any) -> list[Target
             cap = capacity_of(capacity, f"devices[{key!r}]")
         resolved.append((dev, cap, key_dtype))
     labels = qualify_labels([(d, t) for d, _, t in resolved])
-    return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels)]
+    return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]
 
 
 def split(

@@ -69,7 +69,7 @@ def _placement_targets(args: argparse.Namespace) -> list:
             cap = parse_size(capacity, f"--device {spec!r} capacity") if capacity else None
         pairs.append((device, cap, placed_dtype))
     labels = qualify_labels([(d, t) for d, _, t in pairs])
-    return [Target(d, c, t, label) for (d, c, t), label in zip(pairs, labels)]
+    return [Target(d, c, t, label) for (d, c, t), label in zip(pairs, labels, strict=True)]
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
