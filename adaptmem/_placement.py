@@ -50,7 +50,7 @@ _MIN_RESERVE = 512 * 1024**2
 
 
 def placed_handle(model: nn.Module) -> Splitter | None:
-    """The chunk/split handle placing ``model`` or one of its submodules, if any."""
+    """The chunk/split handle placing ``model``, a module inside it, or a model it is in."""
     for m in model.modules():
         handle = _HANDLES.get(m)
         if handle is not None:
@@ -158,7 +158,8 @@ class Splitter:
         self._local = threading.local()
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
-        _HANDLES[model] = self
+        for m in self._modules.values():
+            _HANDLES[m] = self
         self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
 
@@ -210,8 +211,9 @@ class Splitter:
             for name in list(self._where):
                 self._restore(name)
                 del self._where[name]
-        if _HANDLES.get(self._model) is self:
-            del _HANDLES[self._model]
+        for m in self._modules.values():
+            if _HANDLES.get(m) is self:
+                del _HANDLES[m]
 
     def _load_targets(self) -> dict[str, list[torch.Tensor]]:
         """Where a checkpoint value must be copied, in place, for each tensor.
@@ -612,7 +614,7 @@ def chunk(
         >>> import torch
         >>> from adaptmem import adaptive
         >>> net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)).eval()
-        >>> chunker = adaptive.chunk(net, "cpu", capacity=9_000, dtype=torch.bfloat16,
+        >>> chunker = adaptive.chunk(net, "cpu", capacity=8_500, dtype=torch.bfloat16,
         ...                          example_inputs=torch.ones(1, 64))
         >>> chunker.device_map
         {'0': 'cpu@bfloat16', '1': 'cpu'}
