@@ -484,3 +484,34 @@ def test_split_over_cuda_and_cpu_with_fp16_matches() -> None:
             out = model(**inputs)
         assert out["logits"].device.type == "cpu"
         assert rel_err(out["logits"], ref["logits"]) < BF16_RTOL
+
+
+def test_auto_capacity_is_free_memory_minus_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    import adaptmem._placement as placement
+
+    gib = 2**30
+    monkeypatch.setattr(placement, "memory_info", lambda device: (3 * gib, 10 * gib))
+    assert placement.auto_capacity(torch.device("cpu")) == (2 * gib, gib)  # 10% of total
+    monkeypatch.setattr(placement, "memory_info", lambda device: (3 * gib, 2 * gib))
+    assert placement.auto_capacity(torch.device("cpu"))[1] == 512 * 2**20  # the floor
+    assert placement.auto_capacity(torch.device("cpu"), "1GiB") == (2 * gib, gib)
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    with adaptive.chunk(model, "cpu", dtype=torch.bfloat16, reserve="2.5GiB",
+                        example_inputs=torch.randn(1, 4)) as chunker:
+        assert chunker.plan.options["capacity"] == gib // 2
+        assert model[0].weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="reserve"):
+        adaptive.chunk(model, "cpu", capacity=10, reserve="1GiB")
+
+
+def test_split_over_a_list_of_devices_and_output_device() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).eval()
+    with adaptive.split(model, ["cpu"], output_device="cpu") as splitter:
+        assert model(torch.randn(1, 4)).device.type == "cpu"
+        assert splitter.device_map == {"": "cpu"}
+        assert "Splitter(cpu" in repr(splitter)
+
+
+def test_chunk_and_split_are_exported() -> None:
+    for name in ("chunk", "split", "Chunker", "Splitter"):
+        assert name in adaptive.__all__ and hasattr(adaptive, name)
