@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ._devices import format_bytes, map_tensors, memory_info, resolve_device
+from ._devices import format_bytes, map_tensors, memory_info, parse_size, resolve_device
 from ._errors import PlacementError
 from ._placement_plan import (
     Recording,
@@ -483,6 +483,7 @@ def _targets_from_devices(devices: Any, dtype: Any, reserve: Any) -> list[Target
                 key_dtype = parse_dtype(given[0], f"dtype[{key!r}]") if given else None
             else:
                 key_dtype = dtype
+        cap: int | None
         if isinstance(capacity, str) and capacity == "auto":
             cap, _ = auto_capacity(dev, reserve)
         else:
@@ -632,9 +633,9 @@ def chunk(
         if reserve != "auto":
             raise ValueError(f"reserve={reserve!r} only applies to capacity='auto'; with "
                              f"capacity={capacity!r} leave reserve out")
-        cap = capacity_of(capacity, "capacity")
-        if cap is None:
+        if capacity is None:
             raise TypeError("capacity must be bytes (int or '6GiB') or 'auto', got None")
+        cap = parse_size(capacity, "capacity")
     cpu = torch.device("cpu")
     if dev == cpu and dt is None:
         targets = [Target(cpu, None, None, "cpu")]

@@ -63,6 +63,7 @@ def _placement_targets(args: argparse.Namespace) -> list:
             raise ValueError(f"--device {spec!r}: {name!r} is not a device name such as "
                              f"'cuda:0' or 'cpu'") from None
         placed_dtype = dtype if i == 0 or args.mode == "split" else None
+        cap: int | None
         if capacity == "auto":
             cap, _ = auto_capacity(resolve_device(name, "--device"))
         else:
