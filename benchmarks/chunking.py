@@ -8,7 +8,7 @@ fp32) against all-fp32 and all-bf16, which shows what boundary conversion costs;
 with device="cpu" measures its wrapper overhead only (it cannot change dtypes).
 
     python benchmarks/chunking.py                 # picks the variant the machine allows
-    python benchmarks/chunking.py --cpu --image 64 --batches 1,4 --best
+    python benchmarks/chunking.py --cpu --image 64 --batches 1,4 --best --threads 1
 
 Prints a Markdown table: median of --reps timed runs after one warm-up (--best: the
 fastest run, for machines shared with other work).
@@ -86,46 +86,66 @@ def row(config: str, batch: int, seconds: float, base: float | None, extra: str 
 
 
 def cpu_variant(args: argparse.Namespace) -> list[str]:
+    """Every configuration on its own copy of the model, timed round-robin so that a busy
+    neighbour slows all of them alike; each keeps its fastest run (or median, see --best)."""
     import optimem
 
     lines = [
-        "| configuration | batch | ms / forward | vs all-fp32 | converted per forward "
-        "(crossings, MiB, ms) |",
+        "| configuration | batch | ms / forward | vs all-fp32 | boundary conversions per "
+        "forward: count, MiB, ms (fastest) |",
         "|---|---|---|---|---|",
     ]
     model = build(args.model)
     total = module_sizes(model).total_bytes
     numel = sum(p.numel() for p in model.parameters())
-    bf16 = copy.deepcopy(model).to(torch.bfloat16)
-    nosync = lambda: None  # noqa: E731
     for batch in args.batches:
         x = torch.randn(batch, 3, args.image, args.image)
+        configs: list[tuple[str, Callable[[], Any], Splitter | None]] = []
+        bf16 = copy.deepcopy(model).to(torch.bfloat16)
         xb = x.to(torch.bfloat16)
-        base = timed(lambda: model(x), args.reps, nosync)  # noqa: B023
-        lines.append(row("all fp32", batch, base, None))
-        lines.append(row("all bf16", batch, timed(lambda: bf16(xb), args.reps, nosync), base))  # noqa: B023
-        with adaptive.chunk(model, "cpu", capacity=0, example_inputs=x[:1]):
-            hooks = timed(lambda: model(x), args.reps, nosync)  # noqa: B023
-        lines.append(row("adaptmem hooks only (one placement, no conversion)", batch, hooks, base))
+        configs.append(("all fp32", lambda: model(x), None))  # noqa: B023
+        configs.append(("all bf16", lambda: bf16(xb), None))  # noqa: B023
+        hooked = copy.deepcopy(model)
+        handle = adaptive.chunk(hooked, "cpu", capacity=0, example_inputs=x[:1])
+        configs.append(("adaptmem hooks only (one placement, no conversion)",
+                        lambda m=hooked: m(x), handle))  # noqa: B023
         for share in args.fractions:
-            capacity = int(share * total / 2)  # `share` of the weights, in bf16 bytes
-            with adaptive.chunk(model, "cpu", capacity=capacity, dtype=torch.bfloat16,
-                                example_inputs=x[:1]) as chunker:
-                chunker.stats.reset()
-                with ConversionClock() as clock:
-                    seconds = timed(lambda: model(x), args.reps, nosync)  # noqa: B023
-                runs = args.reps + 1
-                crossings = chunker.stats.boundary_crossings / runs
-                mib = chunker.stats.bytes_converted / runs / 2**20
-                extra = f"{crossings:.0f}, {mib:.2f} MiB, {clock.seconds / runs * 1e3:.2f} ms"
-            lines.append(row(f"adaptmem chunk, {share:.0%} resident in bf16", batch, seconds,
-                             base, extra))
+            chunked = copy.deepcopy(model)
+            handle = adaptive.chunk(chunked, "cpu", capacity=int(share * total / 2),
+                                    dtype=torch.bfloat16, example_inputs=x[:1])
+            configs.append((f"adaptmem chunk, {share:.0%} of weights resident in bf16",
+                            lambda m=chunked: m(x), handle))  # noqa: B023
         for share in args.fractions:
             wrapped = copy.deepcopy(model)
             optimem.chunk(wrapped, device=torch.device("cpu"), max_capacity=share * numel)
-            seconds = timed(lambda: wrapped(x), args.reps, nosync)  # noqa: B023
-            lines.append(row(f"optimem.chunk, {share:.0%} (cpu: wrappers only, fp32)", batch,
-                             seconds, base))
+            configs.append((f"optimem.chunk, {share:.0%} (device=cpu: its wrappers only, fp32)",
+                            lambda m=wrapped: m(x), None))  # noqa: B023
+        times: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+        convert: dict[str, list[float]] = {name: [] for name, _, _ in configs}
+        with torch.no_grad():
+            for _name, fn, _ in configs:
+                fn()  # warm-up
+            for handle in [h for _, _, h in configs if h is not None]:
+                handle.stats.reset()
+            for _ in range(args.reps):
+                for name, fn, _ in configs:
+                    with ConversionClock() as clock:
+                        start = time.perf_counter()
+                        fn()
+                        times[name].append(time.perf_counter() - start)
+                    convert[name].append(clock.seconds)
+        pick = min if _BEST else statistics.median
+        base = pick(times["all fp32"])
+        for name, _, handle in configs:
+            extra = ""
+            if handle is not None:
+                stats = handle.stats
+                extra = (f"{stats.boundary_crossings / args.reps:.0f}, "
+                         f"{stats.bytes_converted / args.reps / 2**20:.2f}, "
+                         f"{min(convert[name]) * 1e3:.2f}")
+                handle.remove()
+            lines.append(row(name, batch, pick(times[name]), None if name == "all fp32" else base,
+                             extra))
     return lines
 
 
@@ -188,6 +208,8 @@ def main() -> None:
     parser.add_argument("--fractions", default="0.25,0.5,0.75")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--best", action="store_true", help="report the fastest run, not the median")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (one is steadier on a machine shared with other work)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.cpu
     args.image = args.image or (512 if gpu else 64)
@@ -196,6 +218,8 @@ def main() -> None:
     args.fractions = [float(f) for f in args.fractions.split(",")]
     global _BEST
     _BEST = args.best
+    if args.threads:
+        torch.set_num_threads(args.threads)
     lines = gpu_variant(args) if gpu else cpu_variant(args)
     device = torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine()
     how = "best" if args.best else "median"
