@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ._devices import format_bytes, map_tensors, memory_info, parse_size, resolve_device
 from ._errors import PlacementError
@@ -422,19 +421,14 @@ class Splitter:
 
     def _received(self, obj: Any, enclosing: _Frame | None
                   ) -> tuple[torch.device | None, torch.dtype | None]:
-        device = dtype = None
-        for leaf in pytree.tree_leaves(obj):
-            if isinstance(leaf, torch.Tensor):
-                device = device or leaf.device
-                if dtype is None and leaf.is_floating_point():
-                    dtype = leaf.dtype
-                if device is not None and dtype is not None:
-                    break
+        device, dtype = _first_device_and_float(obj)
         if enclosing is not None:
             device, dtype = device or enclosing.where[0], dtype or enclosing.where[1]
         return device or self._home_device, dtype or self._home_dtype
 
     def _convert(self, obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+        if not _needs_move(obj, device, dtype):
+            return obj
         moved_bytes = 0
 
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -450,6 +444,32 @@ class Splitter:
             self.stats.boundary_crossings += 1
             self.stats.bytes_converted += moved_bytes
         return out
+
+
+def _first_device_and_float(obj: Any) -> tuple[torch.device | None, torch.dtype | None]:
+    """The first tensor's device and the first floating tensor's dtype in nested ``obj``
+    (tuples, lists, dicts, as ``map_tensors`` walks them); a hot path, so no pytree."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device, (obj.dtype if obj.is_floating_point() else None)
+    device = dtype = None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for item in items:
+        d, t = _first_device_and_float(item)
+        device, dtype = device or d, dtype or t
+        if device is not None and dtype is not None:
+            break
+    return device, dtype
+
+
+def _needs_move(obj: Any, device: torch.device, dtype: torch.dtype | None) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device != device or (
+            dtype is not None and obj.dtype != dtype and obj.is_floating_point())
+    if isinstance(obj, dict):
+        return any(_needs_move(v, device, dtype) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return any(_needs_move(v, device, dtype) for v in obj)
+    return False
 
 
 class Chunker(Splitter):
