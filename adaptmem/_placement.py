@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._devices import format_bytes, map_tensors, memory_info, parse_size, resolve_device
+from ._devices import format_bytes, map_tensors, parse_size, resolve_device
 from ._errors import PlacementError
 from ._placement_plan import (
     Recording,
     Target,
+    auto_capacity,
     canonical_tensors,
-    capacity_of,
     check_ties,
     label_for_unit,
     parse_dtype,
@@ -37,15 +37,15 @@ from ._placement_plan import (
     record_forward,
     split_inputs,
     split_label,
+    targets_from_devices,
 )
 from ._planner import Plan, Unit, module_sizes
 from ._stats import PlacementStats
 
-__all__ = ["Splitter", "Chunker", "split", "chunk", "auto_capacity", "placed_handle"]
+__all__ = ["Splitter", "Chunker", "split", "chunk", "placed_handle"]
 
 _log = logging.getLogger("adaptmem")
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, Splitter] = weakref.WeakKeyDictionary()
-_MIN_RESERVE = 512 * 1024**2
 
 
 def placed_handle(model: nn.Module) -> Splitter | None:
@@ -55,21 +55,6 @@ def placed_handle(model: nn.Module) -> Splitter | None:
         if handle is not None:
             return handle
     return None
-
-
-def auto_capacity(device: torch.device, reserve: Any = "auto") -> tuple[int, int]:
-    """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus a reserve.
-
-    ``reserve="auto"`` keeps back the larger of 10% of the device's total memory and
-    512 MiB, for activations, the conversion copies at unit boundaries and the allocator's
-    slack; pass bytes (or "2GiB") to choose it yourself.
-    """
-    free, total = memory_info(device)
-    if reserve == "auto":
-        kept = max(total // 10, _MIN_RESERVE)
-    else:
-        kept = capacity_of(reserve, "reserve") or 0
-    return max(0, free - kept), kept
 
 
 @dataclass(frozen=True)
@@ -478,41 +463,6 @@ class Chunker(Splitter):
     _mode = "chunk"
 
 
-def _targets_from_devices(devices: Any, dtype: Any, reserve: Any) -> list[Target]:
-    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, (Mapping, Sequence)):
-        raise TypeError(
-            f"devices must be an ordered mapping like {{'cuda:0': '20GiB', 'cpu': None}} or a "
-            f"list like ['cuda:0', 'cuda:1'], got {devices!r}"
-        )
-    items = list(devices.items()) if isinstance(devices, Mapping) else [(d, "auto") for d in devices]
-    if not items:
-        raise ValueError("devices is empty: name at least one device, e.g. {'cpu': None}")
-    if dtype is not None and not isinstance(dtype, Mapping):
-        dtype = parse_dtype(dtype)
-    resolved = []
-    for key, capacity in items:
-        key_dtype = None
-        if isinstance(key, tuple) and len(key) == 2:
-            key, key_dtype = key[0], parse_dtype(key[1], f"the dtype in devices key {key!r}")
-        elif isinstance(key, str) and "@" in key:
-            key, key_dtype = split_label(key)
-        dev = resolve_device(key, f"devices key {key!r}")
-        if key_dtype is None:
-            if isinstance(dtype, Mapping):
-                given = [v for k, v in dtype.items() if str(k) in (str(key), str(dev))]
-                key_dtype = parse_dtype(given[0], f"dtype[{key!r}]") if given else None
-            else:
-                key_dtype = dtype
-        cap: int | None
-        if isinstance(capacity, str) and capacity == "auto":
-            cap, _ = auto_capacity(dev, reserve)
-        else:
-            cap = capacity_of(capacity, f"devices[{key!r}]")
-        resolved.append((dev, cap, key_dtype))
-    labels = qualify_labels([(d, t) for d, _, t in resolved])
-    return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]
-
-
 def split(
     model: nn.Module,
     devices: Any = None,
@@ -576,7 +526,7 @@ def split(
             raise TypeError(f"device_map must be a non-empty dict {{module: device}}, got "
                             f"{device_map!r}")
         devices = {v: None for v in dict.fromkeys(str(v) for v in device_map.values())}
-    targets = _targets_from_devices(devices, dtype, reserve)
+    targets = targets_from_devices(devices, dtype, reserve)
     if device_map is not None and not isinstance(device_map, Mapping):
         raise TypeError(f"device_map must be a dict {{module: device}}, got {device_map!r}")
     handle = Splitter(model, targets, output_device=out_dev, options={"reserve": reserve})

@@ -16,7 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ._devices import format_bytes, parse_size
+from ._devices import format_bytes, memory_info, parse_size, resolve_device
 from ._errors import PlacementError
 from ._planner import ModuleSizes, Plan, Unit, assign_devices, order_units, paging_units
 
@@ -32,9 +32,12 @@ __all__ = [
     "placement_units",
     "plan_placement",
     "canonical_tensors",
+    "auto_capacity",
+    "targets_from_devices",
 ]
 
 _log = logging.getLogger("adaptmem")
+_MIN_RESERVE = 512 * 1024**2
 
 # Their forwards may read children's weights without calling the children, on fast paths
 # that depend on grad mode and device (so a meta forward cannot reveal it): never split them.
@@ -366,3 +369,54 @@ def check_ties(units: Sequence[Unit]) -> None:
 def capacity_of(value: Any, name: str) -> int | None:
     """Bytes from a capacity (int, "20GiB"); None means unlimited."""
     return None if value is None else parse_size(value, name)
+
+
+def auto_capacity(device: torch.device, reserve: Any = "auto") -> tuple[int, int]:
+    """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus a reserve.
+
+    ``reserve="auto"`` keeps back the larger of 10% of the device's total memory and
+    512 MiB, for activations, the conversion copies at unit boundaries and the allocator's
+    slack; pass bytes (or "2GiB") to choose it yourself.
+    """
+    free, total = memory_info(device)
+    if reserve == "auto":
+        kept = max(total // 10, _MIN_RESERVE)
+    else:
+        kept = capacity_of(reserve, "reserve") or 0
+    return max(0, free - kept), kept
+
+
+def targets_from_devices(devices: Any, dtype: Any, reserve: Any) -> list[Target]:
+    """Targets from ``split``'s ``devices`` (mapping or list) and ``dtype`` arguments."""
+    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, (Mapping, Sequence)):
+        raise TypeError(
+            f"devices must be an ordered mapping like {{'cuda:0': '20GiB', 'cpu': None}} or a "
+            f"list like ['cuda:0', 'cuda:1'], got {devices!r}"
+        )
+    items = list(devices.items()) if isinstance(devices, Mapping) else [(d, "auto") for d in devices]
+    if not items:
+        raise ValueError("devices is empty: name at least one device, e.g. {'cpu': None}")
+    if dtype is not None and not isinstance(dtype, Mapping):
+        dtype = parse_dtype(dtype)
+    resolved = []
+    for key, capacity in items:
+        key_dtype = None
+        if isinstance(key, tuple) and len(key) == 2:
+            key, key_dtype = key[0], parse_dtype(key[1], f"the dtype in devices key {key!r}")
+        elif isinstance(key, str) and "@" in key:
+            key, key_dtype = split_label(key)
+        dev = resolve_device(key, f"devices key {key!r}")
+        if key_dtype is None:
+            if isinstance(dtype, Mapping):
+                given = [v for k, v in dtype.items() if str(k) in (str(key), str(dev))]
+                key_dtype = parse_dtype(given[0], f"dtype[{key!r}]") if given else None
+            else:
+                key_dtype = dtype
+        cap: int | None
+        if isinstance(capacity, str) and capacity == "auto":
+            cap, _ = auto_capacity(dev, reserve)
+        else:
+            cap = capacity_of(capacity, f"devices[{key!r}]")
+        resolved.append((dev, cap, key_dtype))
+    labels = qualify_labels([(d, t) for d, _, t in resolved])
+    return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]

@@ -40,8 +40,7 @@ def _build_model(spec: str) -> nn.Module:
 def _placement_targets(args: argparse.Namespace) -> list:
     """Targets for --mode chunk/split; devices are parsed, not probed (plan for any machine)."""
     from ._devices import parse_size, resolve_device
-    from ._placement import auto_capacity
-    from ._placement_plan import Target, parse_dtype, qualify_labels
+    from ._placement_plan import Target, auto_capacity, parse_dtype, qualify_labels
 
     dtype = parse_dtype(args.dtype, "--dtype")
     specs = args.device or ["cuda:0"]

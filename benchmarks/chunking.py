@@ -149,6 +149,38 @@ def cpu_variant(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def hook_cost(reps: int = 200) -> list[str]:
+    """Per-call cost of adaptmem's boundary hooks where compute is negligible: 64 x
+    Linear(16, 16), plain vs hooked (nothing to convert) vs hooked across 32 boundaries."""
+    torch.manual_seed(0)
+    layers = 64
+    plain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)]).eval()
+    hooked, alternating = copy.deepcopy(plain), copy.deepcopy(plain)
+    x = torch.randn(1, 16)
+    one = adaptive.chunk(hooked, "cpu", capacity=0, example_inputs=x)
+    # Every other layer in bf16: 64 boundaries, so each call converts its input.
+    edited = {str(i): "cpu@bfloat16" if i % 2 == 0 else "cpu" for i in range(layers)}
+    two = adaptive.split(alternating, device_map=edited, example_inputs=x)
+    runs = {"plain": plain, "hooked, no conversion": hooked,
+            "hooked, a dtype boundary at every layer": alternating}
+    best = {name: float("inf") for name in runs}
+    with torch.no_grad():
+        for _ in range(reps):
+            for name, m in runs.items():
+                start = time.perf_counter()
+                m(x)
+                best[name] = min(best[name], time.perf_counter() - start)
+    one.remove()
+    two.remove()
+    lines = ["| 64 x Linear(16,16), batch 1 | ms / forward (fastest of "
+             f"{reps}) | overhead per layer call |", "|---|---|---|"]
+    for name, seconds in best.items():
+        per = (seconds - best["plain"]) / layers * 1e6
+        lines.append(f"| {name} | {seconds * 1e3:.3f} | "
+                     f"{'-' if name == 'plain' else f'{per:.1f} us'} |")
+    return lines
+
+
 def gpu_variant(args: argparse.Namespace) -> list[str]:
     import optimem
 
@@ -221,6 +253,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     lines = gpu_variant(args) if gpu else cpu_variant(args)
+    lines += ["", *hook_cost()]
     device = torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine()
     how = "best" if args.best else "median"
     print(f"{args.model}, {args.image}x{args.image}, {how} of {args.reps} runs; {device}, "

@@ -475,7 +475,7 @@ def test_split_over_cuda_and_cpu_with_fp16_matches() -> None:
 
 
 def test_auto_capacity_is_free_memory_minus_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
-    import adaptmem._placement as placement
+    import adaptmem._placement_plan as placement
 
     gib = 2**30
     monkeypatch.setattr(placement, "memory_info", lambda device: (3 * gib, 10 * gib))
