@@ -138,8 +138,8 @@ class Splitter:
         self._specs: dict[str, _Spec] = {}
         self._plan: Plan | None = None
         self._recording: Recording | None = None
-        self._busy = False
-        self._local = threading.local()
+        self._local = threading.local()  # .busy while recording, .stack of call frames
+        self._placing = threading.Lock()
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
         for m in self._modules.values():
@@ -250,17 +250,17 @@ class Splitter:
         return out
 
     def _place_first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._busy = True
+        self._local.busy = True
         try:
             self._recording = record_forward(self._model, args, kwargs)
         finally:
-            self._busy = False
+            self._local.busy = False
         targets = [self._targets[label] for label in self._target_order]
         plan = plan_placement(self._model, self._sizes, targets, self._recording,
                               mode=self._mode, device_map=self._pending_map, options=self._options)
         self._apply(plan.units)
-        self._plan = plan
         self._install_hooks()
+        self._plan = plan
         _log.info("adaptmem %s: placed %d units: %s", self._mode, len(plan.units), ", ".join(
             f"{k} {format_bytes(v)}" for k, v in plan.options["placed_bytes"].items()))
 
@@ -361,16 +361,18 @@ class Splitter:
         return stack
 
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self._busy:
+        if getattr(self._local, "busy", False):
             return None
         self._stack().clear()  # a frame left by a forward that raised
         if self._plan is None:
-            self._place_first(args, kwargs)
+            with self._placing:  # two threads making the first call place it once
+                if self._plan is None:
+                    self._place_first(args, kwargs)
         self.stats.forwards += 1
         return self._pre("", module, args, kwargs)
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self._busy or self._plan is None:
+        if getattr(self._local, "busy", False) or self._plan is None:
             return None
         return self._post("", module, args, output)
 

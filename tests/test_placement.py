@@ -500,6 +500,31 @@ def test_split_over_a_list_of_devices_and_output_device() -> None:
         assert "Splitter(cpu" in repr(splitter)
 
 
+def test_two_threads_making_the_first_call_place_the_model_once() -> None:
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]).eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        ref = model(x)
+    outputs: list[torch.Tensor] = []
+    with adaptive.split(model, {"cpu@bfloat16": 3 * (16 * 16 + 16) * 2, "cpu": None}) as s:
+        def call() -> None:
+            with torch.no_grad():
+                outputs.append(model(x))
+
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(outputs) == 4
+        assert len(s._hooks) == 2 + 2 * 6  # root hooks plus one pair per layer, once
+        for out in outputs:
+            assert rel_err(out, ref) < BF16_RTOL
+
+
 def test_chunk_and_split_are_exported() -> None:
     for name in ("chunk", "split", "Chunker", "Splitter"):
         assert name in adaptive.__all__ and hasattr(adaptive, name)
