@@ -136,6 +136,7 @@ class Splitter:
         self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
         self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
         self._specs: dict[str, _Spec] = {}
+        self._stays: frozenset[str] = frozenset()  # modules whose outputs need no hand-back
         self._plan: Plan | None = None
         self._recording: Recording | None = None
         self._local = threading.local()  # .busy while recording, .stack of call frames
@@ -259,6 +260,9 @@ class Splitter:
         plan = plan_placement(self._model, self._sizes, targets, self._recording,
                               mode=self._mode, device_map=self._pending_map, options=self._options)
         self._apply(plan.units)
+        called = set(self._recording.order)
+        self._stays = frozenset(n for n in self._specs
+                                if n and n in called and n not in self._recording.combined)
         self._install_hooks()
         self._plan = plan
         _log.info("adaptmem %s: placed %d units: %s", self._mode, len(plan.units), ", ".join(
@@ -398,7 +402,13 @@ class Splitter:
             return None
         if stack and stack[-1].passthrough:
             return None  # the next child of a plain Sequential converts what it needs
+        if stack and name in self._stays:
+            return None  # its caller never combines its outputs: whoever uses them converts
         device, dtype = frame.received
+        if stack:
+            # Back to where the caller computes: what this module received may have come
+            # straight from a child that did not hand its outputs back.
+            device, dtype = stack[-1].where[0] or device, stack[-1].where[1] or dtype
         if name == "" and self._output_device is not None:
             device = self._output_device
         if device is None or output is None:

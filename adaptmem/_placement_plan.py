@@ -61,12 +61,15 @@ class Target:
 
 @dataclass
 class Recording:
-    """What one forward showed: modules in first-call order, and for every tensor the
-    modules whose own code (not a child's) passed it to a torch function."""
+    """What one forward showed: modules in first-call order, for every tensor the modules
+    whose own code (not a child's) passed it to a torch function, and the modules whose
+    outputs their caller combined with other tensors (see ``_UseRecorder``)."""
 
     order: list[str]
     uses: dict[str, set[str]] = field(default_factory=dict)
     on_meta: bool = True
+    # Modules whose outputs their caller's own code combined with other tensors.
+    combined: set[str] = field(default_factory=set)
 
 
 def parse_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
@@ -138,28 +141,67 @@ def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class _UseRecorder(TorchFunctionMode):
-    """Notes which module's own code hands each known tensor to a torch function."""
+    """Notes which module's own code hands each known tensor to a torch function, and which
+    children's outputs their caller's own code combines with other tensors.
 
-    def __init__(self, names: dict[int, str], stack: list[str], uses: dict[str, set[str]]):
+    Outputs of a module with weights are tagged with it, in its caller (the innermost module
+    with weights around it); results of ops on tagged tensors carry the tags on. An op in the
+    caller's own code whose tensor arguments come from more than one source (two children,
+    or a child and anything else) marks those children: their outputs must be handed back
+    to the caller's device. The others can stay where they were computed.
+    """
+
+    def __init__(self, names: dict[int, str], stack: list[str], callers: list[str],
+                 uses: dict[str, set[str]], combined: set[str]):
         super().__init__()
-        self.names, self.stack, self.uses = names, stack, uses
+        self.names, self.stack, self.callers = names, stack, callers
+        self.uses, self.combined = uses, combined
+        self.tags: dict[int, tuple[str, frozenset[str]]] = {}
+        self.alive: list[torch.Tensor] = []  # keeps ids of tagged tensors from being reused
+
+    def tag(self, obj: Any, caller: str, sources: frozenset[str]) -> None:
+        for leaf in pytree.tree_leaves(obj):
+            if isinstance(leaf, torch.Tensor):
+                self.tags[id(leaf)] = (caller, sources)
+                self.alive.append(leaf)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
         if self.stack:
-            for leaf in pytree.tree_leaves((args, kwargs)):
-                name = self.names.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+            for leaf in leaves:
+                name = self.names.get(id(leaf))
                 if name is not None:
                     self.uses.setdefault(name, set()).add(self.stack[-1])
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if self.callers and leaves:
+            caller = self.callers[-1]
+            sources: set[str] = set()
+            other = False
+            for leaf in leaves:
+                tag = self.tags.get(id(leaf))
+                if tag is not None and tag[0] == caller:
+                    sources |= tag[1]
+                else:
+                    other = True
+            if len(leaves) > 1 and len(sources) + other > 1:
+                self.combined |= sources
+            if sources:
+                self.tag(result, caller, frozenset(sources))
+        return result
 
 
 def _run_recorded(model: nn.Module, call: Any, names: dict[int, str]) -> Recording:
     module_names = {id(m): n for n, m in model.named_modules()}
+    weighted = {id(m) for m in model.modules()
+                if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None}
     order: list[str] = []
     seen: set[str] = set()
     stack: list[str] = []
+    callers: list[str] = []  # the innermost modules with weights
     uses: dict[str, set[str]] = {}
+    combined: set[str] = set()
+    recorder = _UseRecorder(names, stack, callers, uses, combined)
 
     def pre(module: nn.Module, _args: Any) -> None:
         name = module_names.get(id(module), "?")
@@ -167,22 +209,28 @@ def _run_recorded(model: nn.Module, call: Any, names: dict[int, str]) -> Recordi
             seen.add(name)
             order.append(name)
         stack.append(name)
+        if id(module) in weighted:
+            callers.append(name)
 
-    def post(module: nn.Module, _args: Any, _out: Any) -> None:
+    def post(module: nn.Module, _args: Any, out: Any) -> None:
         if stack:
             stack.pop()
+        if id(module) in weighted and callers:
+            name = callers.pop()
+            if callers and out is not None:
+                recorder.tag(out, callers[-1], frozenset((name,)))
 
     handles = []
     for m in model.modules():
         handles.append(m.register_forward_pre_hook(pre))
         handles.append(m.register_forward_hook(post, always_call=True))
     try:
-        with torch.no_grad(), _UseRecorder(names, stack, uses):
+        with torch.no_grad(), recorder:
             call()
     finally:
         for h in handles:
             h.remove()
-    return Recording(order, uses)
+    return Recording(order, uses, combined=combined)
 
 
 def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recording:
