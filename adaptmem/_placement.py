@@ -2,10 +2,13 @@
 
 Placement swaps tensor storage only (``param.data = ...``): parameter identity, ``state_dict``
 keys and module classes never change. Forward pre-hooks move what a module receives to where
-its weights live; forward hooks hand its outputs back on the device and dtype it received, so
-a parent that adds or concatenates children's outputs never sees mixed devices. Children of a
-plain ``nn.Sequential`` skip the hand-back (the next child is the only consumer), so
-consecutive units on one device never ping-pong activations.
+its weights live; forward hooks hand its outputs back to the device and dtype its caller
+computes in, so a parent that adds or concatenates children's outputs never sees mixed
+devices. The hand-back is skipped where it is not needed, so consecutive units on one device
+never ping-pong activations: for children of a plain ``nn.Sequential`` (the next child is
+the only consumer), and for modules whose outputs the recorded forward showed their caller
+never combining with another tensor (ResNet only pools and flattens ``layer4``'s output
+before ``fc``); whoever uses such an output converts it on entry.
 """
 
 from __future__ import annotations
