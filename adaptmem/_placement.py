@@ -74,7 +74,7 @@ class _Frame:
     passthrough: bool
 
 
-def _check_model(model: Any) -> None:
+def _check_model(model: Any, allow_meta: bool = False) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     training = [n or "<root>" for n, m in model.named_modules() if m.training]
@@ -84,7 +84,7 @@ def _check_model(model: Any) -> None:
             f"{', ...' if len(training) > 3 else ''}); chunk and split place models for "
             f"inference: call model.eval() first"
         )
-    meta = [n for n, t in canonical_tensors(model).items() if t.is_meta]
+    meta = [] if allow_meta else [n for n, t in canonical_tensors(model).items() if t.is_meta]
     if meta:
         raise PlacementError(
             f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so there "
@@ -300,6 +300,8 @@ class Splitter:
         device, dtype = self._original[name]
         want = target.dtype if target.dtype is not None and t.is_floating_point() else dtype
         source = self._kept.get(name, t.data)
+        if source.is_meta and not t.data.is_meta:
+            source = t.data  # materialised from meta earlier: its values live only here
         if source.device == target.device and source.dtype == want:
             placed = source
         elif source.is_meta:
@@ -310,16 +312,16 @@ class Splitter:
             self._kept.setdefault(name, source)
         else:
             self._kept.pop(name, None)
-        t.data = placed
+        _set_data(t, placed)
 
     def _restore(self, name: str) -> None:
         t = self._tensors[name]
         kept = self._kept.pop(name, None)
         if kept is not None:
-            t.data = kept
+            _set_data(t, kept)
         device, dtype = self._original[name]
         if t.device != device or t.dtype != dtype:
-            t.data = t.data.to(device=device, dtype=dtype)
+            _set_data(t, t.data.to(device=device, dtype=dtype))
 
     def _module_specs(self, units: Sequence[Unit]) -> dict[str, _Spec]:
         """Where each module with weights computes; None device for a plain Sequential."""
@@ -446,6 +448,17 @@ class Splitter:
         return out
 
 
+def _set_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Point ``t`` (a registered parameter or buffer) at ``data``, keeping its identity."""
+    if t.is_meta == data.is_meta:
+        t.data = data
+        return
+    # set_data cannot cross between meta and real tensors; swapping contents can, and the
+    # Python object (and so every reference to the parameter) stays the same.
+    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+    torch.utils.swap_tensors(t, new)
+
+
 def _first_device_and_float(obj: Any) -> tuple[torch.device | None, torch.dtype | None]:
     """The first tensor's device and the first floating tensor's dtype in nested ``obj``
     (tuples, lists, dicts, as ``map_tensors`` walks them); a hot path, so no pytree."""
@@ -487,6 +500,7 @@ def split(
     output_device: Any = None,
     example_inputs: Any = None,
     reserve: Any = "auto",
+    _allow_meta: bool = False,
 ) -> Splitter:
     """Spread ``model`` over several devices, a prefix of its execution order per device.
 
@@ -511,6 +525,9 @@ def split(
         example_inputs: a tensor, tuple of positional inputs or dict of keyword inputs;
             given, the model is placed now instead of at the first call.
         reserve: what ``"auto"`` capacities keep free for activations (see ``chunk``).
+        _allow_meta: for ``adaptive.load`` only: accept meta tensors and allocate them,
+            uninitialised, where the plan puts them (fill them through
+            ``handle._load_targets()``); ``remove()`` puts the meta tensors back.
 
     Returns:
         A ``Splitter`` with ``.plan``, ``.device_map`` (assignable), ``.stats``,
@@ -532,7 +549,7 @@ def split(
         {'0': 'cpu@bfloat16', '1': 'cpu'}
         torch.float32
     """
-    _check_model(model)
+    _check_model(model, _allow_meta)
     out_dev = None if output_device is None else resolve_device(output_device, "output_device")
     if devices is None:
         if device_map is None:
@@ -569,6 +586,7 @@ def chunk(
     reserve: Any = "auto",
     output_device: Any = None,
     example_inputs: Any = None,
+    _allow_meta: bool = False,
 ) -> Chunker:
     """Keep the first part of ``model`` (in execution order) resident on ``device`` and run
     the rest on the CPU: ``split(model, {device: capacity, "cpu": None})``.
@@ -588,6 +606,7 @@ def chunk(
         output_device: where outputs are returned (default: where the inputs came from).
         example_inputs: inputs for one forward that learns the execution order now; without
             them the model is placed at its first call.
+        _allow_meta: for ``adaptive.load`` only; see ``split``.
 
     Returns:
         A ``Chunker`` (``.plan``, ``.device_map``, ``.stats``, ``.remove()``, context manager).
@@ -606,7 +625,7 @@ def chunk(
         {'0': 'cpu@bfloat16', '1': 'cpu'}
         >>> chunker.remove()
     """
-    _check_model(model)
+    _check_model(model, _allow_meta)
     dev = resolve_device(device, "device")
     dt = parse_dtype(dtype)
     out_dev = None if output_device is None else resolve_device(output_device, "output_device")

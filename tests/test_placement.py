@@ -429,6 +429,32 @@ def test_load_targets_name_every_tensor_and_fill_in_place() -> None:
     assert model[0].weight.dtype == torch.float32 and torch.all(model[0].weight == 3)
 
 
+def test_a_meta_model_can_be_placed_for_the_loader_and_filled_in_place() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).eval()
+    x = torch.ones(1, 4)
+    params = list(model.parameters())
+    chunker = adaptive.chunk(model, "cpu", capacity=40, dtype=torch.bfloat16,
+                             example_inputs=x.to("meta"), _allow_meta=True)
+    assert not any(p.is_meta for p in model.parameters())
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    for tensors in chunker._load_targets().values():
+        assert len(tensors) == 1  # nothing to keep: the originals were meta
+        for t in tensors:
+            t.fill_(0.5)
+    with torch.no_grad():
+        out = model(x)
+    assert torch.equal(out, torch.full((1, 2), 5.5))  # (4 * 0.5 + 0.5) * 0.5 * 4 + 0.5
+    edited = dict(chunker.device_map)
+    edited["0"] = "cpu"
+    chunker.device_map = edited  # re-placed from the filled values, not from meta
+    assert torch.all(model[0].weight == 0.5) and model[0].weight.dtype == torch.float32
+    chunker.remove()
+    assert all(p.is_meta for p in model.parameters())
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+
+
 def test_refusals_name_the_problem_and_leave_the_model_alone() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     before = snapshot(model)
