@@ -223,9 +223,13 @@ def gpu_variant(args: argparse.Namespace) -> list[str]:
             page = getattr(adaptive, "page", None)
             if page is not None:
                 model = build(args.model)
-                with page(model, dev, device_budget=int(share * total)):
-                    measure(f"adaptmem page, {share:.0%} device budget", model, x.to(dev),
-                            base, batch)
+                try:
+                    with page(model, dev, device_budget=int(share * total)):
+                        measure(f"adaptmem page, {share:.0%} device budget", model, x.to(dev),
+                                base, batch)
+                except Exception as exc:  # noqa: BLE001 - the pager is built in parallel
+                    lines.append(f"| adaptmem page, {share:.0%} | {batch} | failed: "
+                                 f"{type(exc).__name__}: {exc} | | |")
                 del model
             torch.cuda.empty_cache()
     return lines
