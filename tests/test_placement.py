@@ -12,21 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torchvision
+from conftest import run_if
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import (
+    SPLIT_WIDTH,
+    build_tree_for_split,
+    module_trees_for_split,
+    split_placements,
+)
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from adaptmem import adaptive
 from adaptmem._planner import module_sizes
-from tests.conftest import run_if
-from tests.strategies import (
-    SPLIT_WIDTH,
-    build_tree_for_split,
-    module_trees_for_split,
-    split_placements,
-)
 
 BF16_RTOL = 5e-2
 
