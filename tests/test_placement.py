@@ -598,3 +598,12 @@ def test_two_threads_making_the_first_call_place_the_model_once() -> None:
 def test_chunk_and_split_are_exported() -> None:
     for name in ("chunk", "split", "Chunker", "Splitter"):
         assert name in adaptive.__all__ and hasattr(adaptive, name)
+
+
+def test_docstring_examples_run() -> None:
+    import doctest
+
+    import adaptmem._placement as placement
+
+    result = doctest.testmod(placement)
+    assert result.attempted > 0 and result.failed == 0
