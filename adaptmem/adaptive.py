@@ -14,11 +14,13 @@ from ._decorators import range as range  # noqa: A004 - mirrors toma's name
 from ._errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
 from ._oom import is_oom
 from ._paging import Pager, page
+from ._placement import Chunker, Splitter, chunk, split
 from ._planner import Plan, plan
 
 __all__ = [
     "AdaptmemError",
     "BatchsizeCache",
+    "Chunker",
     "GlobalBatchsizeCache",
     "LoadError",
     "NoBatchsizeCache",
@@ -26,8 +28,10 @@ __all__ = [
     "Pager",
     "Plan",
     "PlacementError",
+    "Splitter",
     "StacktraceMemoryBatchsizeCache",
     "batch",
+    "chunk",
     "chunked",
     "cpu_memory",
     "execute",
@@ -38,4 +42,5 @@ __all__ = [
     "plan",
     "range",
     "set_default_cache",
+    "split",
 ]

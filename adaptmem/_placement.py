@@ -1,0 +1,657 @@
+"""chunk and split: place units of a model on several devices and convert at the boundaries.
+
+Placement swaps tensor storage only (``param.data = ...``): parameter identity, ``state_dict``
+keys and module classes never change. Forward pre-hooks move what a module receives to where
+its weights live; forward hooks hand its outputs back to the device and dtype its caller
+computes in, so a parent that adds or concatenates children's outputs never sees mixed
+devices. The hand-back is skipped where it is not needed, so consecutive units on one device
+never ping-pong activations: for children of a plain ``nn.Sequential`` (the next child is
+the only consumer), and for modules whose outputs the recorded forward showed their caller
+never combining with another tensor (ResNet only pools and flattens ``layer4``'s output
+before ``fc``); whoever uses such an output converts it on entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._devices import format_bytes, map_tensors, parse_size, resolve_device
+from ._errors import PlacementError
+from ._placement_plan import (
+    Recording,
+    Target,
+    auto_capacity,
+    canonical_tensors,
+    check_ties,
+    label_for_unit,
+    parse_dtype,
+    placed_bytes,
+    plan_placement,
+    qualify_labels,
+    record_forward,
+    split_inputs,
+    split_label,
+    targets_from_devices,
+)
+from ._planner import Plan, Unit, module_sizes
+from ._stats import PlacementStats
+
+__all__ = ["Splitter", "Chunker", "split", "chunk", "placed_handle"]
+
+_log = logging.getLogger("adaptmem")
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, Splitter] = weakref.WeakKeyDictionary()
+
+
+def placed_handle(model: nn.Module) -> Splitter | None:
+    """The chunk/split handle placing ``model``, a module inside it, or a model it is in."""
+    for m in model.modules():
+        handle = _HANDLES.get(m)
+        if handle is not None:
+            return handle
+    return None
+
+
+@dataclass(frozen=True)
+class _Spec:
+    device: torch.device | None  # None: pass-through (a plain nn.Sequential)
+    dtype: torch.dtype | None
+
+
+@dataclass
+class _Frame:
+    name: str
+    received: tuple[torch.device | None, torch.dtype | None]
+    where: tuple[torch.device | None, torch.dtype | None]
+    passthrough: bool
+
+
+def _check_model(model: Any, allow_meta: bool = False) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    training = [n or "<root>" for n, m in model.named_modules() if m.training]
+    if training:
+        raise PlacementError(
+            f"model is in training mode ({', '.join(training[:3])}"
+            f"{', ...' if len(training) > 3 else ''}); chunk and split place models for "
+            f"inference: call model.eval() first"
+        )
+    meta = [] if allow_meta else [n for n, t in canonical_tensors(model).items() if t.is_meta]
+    if meta:
+        raise PlacementError(
+            f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so there "
+            f"is nothing to place; load the weights first, e.g. "
+            f"adaptive.load(model, checkpoint, device=...)"
+        )
+    handle = placed_handle(model)
+    if handle is not None:
+        raise PlacementError(
+            "model is already placed by adaptive.chunk/split; call .remove() on that handle "
+            "first, or give it an edited map with handle.device_map = {...}"
+        )
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        raise PlacementError(
+            "model is already dispatched by accelerate (it has _hf_hook hooks); call "
+            "accelerate.hooks.remove_hook_from_module(model, recurse=True) first"
+        )
+
+
+class Splitter:
+    """The handle ``adaptive.split`` returns: hooks, placed tensors and the kept originals.
+
+    ``.plan`` (None until placed), ``.device_map``, ``.stats``, ``.remove()``; a context
+    manager that removes itself on exit. Assigning ``handle.device_map = edited`` moves
+    exactly the units whose entry changed.
+    """
+
+    _mode = "split"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        targets: Sequence[Target],
+        *,
+        output_device: torch.device | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._model = model
+        self._targets = {t.label: t for t in targets}
+        self._target_order = [t.label for t in targets]
+        self._output_device = output_device
+        self._options = dict(options or {})
+        self._pending_map: dict[str, str] | None = None
+        self._sizes = module_sizes(model)
+        self._tensors = canonical_tensors(model)
+        self._modules = dict(model.named_modules())
+        first = next(iter(self._tensors.values()), None)
+        self._home_device = first.device if first is not None else torch.device("cpu")
+        self._home_dtype = next((t.dtype for t in self._tensors.values()
+                                 if t.is_floating_point()), torch.get_default_dtype())
+        self._original = {n: (t.device, t.dtype) for n, t in self._tensors.items()}
+        self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
+        self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
+        self._specs: dict[str, _Spec] = {}
+        self._stays: frozenset[str] = frozenset()  # modules whose outputs need no hand-back
+        self._plan: Plan | None = None
+        self._recording: Recording | None = None
+        self._local = threading.local()  # .busy while recording, .stack of call frames
+        self._placing = threading.Lock()
+        self._hooks: list[Any] = []
+        self.stats = PlacementStats()
+        for m in self._modules.values():
+            _HANDLES[m] = self
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
+
+    # -- public surface -------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        """The placement plan; None until placed (at the first call without example_inputs)."""
+        return self._plan
+
+    @property
+    def device_map(self) -> dict[str, str] | None:
+        """``{module or tensor name: device label}``, coarsest; None until placed."""
+        return None if self._plan is None else self._plan.device_map
+
+    @device_map.setter
+    def device_map(self, device_map: Mapping[str, str]) -> None:
+        self.place(device_map)
+
+    def place(self, device_map: Mapping[str, str]) -> None:
+        """Re-place the model as ``device_map`` says, moving only the units whose device
+        changed (before the first call, the map is kept for the placement then).
+
+        Raises:
+            PlacementError: the map misses a unit, splits one that must stay whole, separates
+                tied tensors, or names a device the placement does not have.
+        """
+        if not isinstance(device_map, Mapping):
+            raise TypeError(f"device_map must be a dict {{module name: device}}, got "
+                            f"{type(device_map).__name__}")
+        device_map = self._normalise_map(device_map)
+        if self._plan is None:
+            self._pending_map = dict(device_map)
+            return
+        units = [replace(u, placement=label_for_unit(u, device_map, self._targets))
+                 for u in self._plan.units]
+        check_ties(units)
+        self._apply(units)
+        options = dict(self._plan.options)
+        options["placed_bytes"] = placed_bytes(units, self._sizes, self._targets)
+        self._plan = Plan(self._mode, units, self._plan.total_bytes, options)
+
+    def remove(self) -> None:
+        """Remove the hooks and put every tensor back, bitwise, on its original device and
+        dtype. Safe to call twice."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        with torch.no_grad():
+            for name in list(self._where):
+                self._restore(name)
+                del self._where[name]
+        for m in self._modules.values():
+            if _HANDLES.get(m) is self:
+                del _HANDLES[m]
+
+    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+        """Where a checkpoint value must be copied, in place, for each tensor.
+
+        Keys are canonical tensor names as in ``module_sizes(model).tensors`` (the first
+        ``named_modules()`` path plus the attribute; tie aliases are not repeated). Each value
+        lists the tensors to ``copy_`` into: the tensor as placed (a detached alias of the
+        parameter or buffer, so no ``no_grad`` is needed) and, when a dtype change made this
+        handle keep the original host tensor for ``remove()``, that original too. The lists
+        are valid until the next re-placement or ``remove()``.
+        """
+        out: dict[str, list[torch.Tensor]] = {}
+        for name, t in self._tensors.items():
+            targets = [t.detach()]
+            kept = self._kept.get(name)
+            if kept is not None and not kept.is_meta:
+                targets.append(kept)
+            out[name] = targets
+        return out
+
+    def __enter__(self) -> Splitter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "not placed yet" if self._plan is None else ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in self._plan.options["placed_bytes"].items())
+        return f"{type(self).__name__}({state})"
+
+    # -- placement ------------------------------------------------------------------------
+    def _normalise_map(self, device_map: Mapping[str, str]) -> dict[str, str]:
+        """Plain device names become this placement's label for that device."""
+        out = {}
+        for key, value in device_map.items():
+            value = str(value)
+            if value not in self._targets:
+                device, dtype = split_label(value)
+                try:
+                    dev = torch.device(device)
+                except (RuntimeError, ValueError):
+                    dev = None
+                same = [t for t in self._targets.values()
+                        if dev is not None and t.device == dev and (dtype is None or t.dtype == dtype)]
+                plain = [t for t in same if t.dtype is None]
+                if len(same) == 1 or len(plain) == 1:
+                    value = (same[0] if len(same) == 1 else plain[0]).label
+            out[str(key)] = value
+        return out
+
+    def _place_first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._local.busy = True
+        try:
+            self._recording = record_forward(self._model, args, kwargs)
+        finally:
+            self._local.busy = False
+        targets = [self._targets[label] for label in self._target_order]
+        plan = plan_placement(self._model, self._sizes, targets, self._recording,
+                              mode=self._mode, device_map=self._pending_map, options=self._options)
+        self._apply(plan.units)
+        called = set(self._recording.order)
+        self._stays = frozenset(n for n in self._specs
+                                if n and n in called and n not in self._recording.combined)
+        self._install_hooks()
+        self._plan = plan
+        _log.info("adaptmem %s: placed %d units: %s", self._mode, len(plan.units), ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in plan.options["placed_bytes"].items()))
+
+    def _apply(self, units: Sequence[Unit]) -> None:
+        """Move every tensor whose label changed; on any failure put back what moved."""
+        wanted = {t: u.placement for u in units for t in u.tensors}
+        before = dict(self._where)
+        moved: list[str] = []
+        try:
+            with torch.no_grad():
+                for name, label in wanted.items():
+                    if self._where.get(name) != label:
+                        moved.append(name)
+                        self._move(name, self._targets[label])
+                        self._where[name] = label
+        except BaseException:
+            with torch.no_grad():
+                for name in moved:
+                    if name in before:
+                        self._move(name, self._targets[before[name]])
+                        self._where[name] = before[name]
+                    else:
+                        self._restore(name)
+                        self._where.pop(name, None)
+            raise
+        self._specs = self._module_specs(units)
+
+    def _move(self, name: str, target: Target) -> None:
+        t = self._tensors[name]
+        device, dtype = self._original[name]
+        want = target.dtype if target.dtype is not None and t.is_floating_point() else dtype
+        source = self._kept.get(name, t.data)
+        if source.is_meta and not t.data.is_meta:
+            source = t.data  # materialised from meta earlier: its values live only here
+        if source.device == target.device and source.dtype == want:
+            placed = source
+        elif source.is_meta:
+            placed = torch.empty_like(source, device=target.device, dtype=want)
+        else:
+            placed = source.to(device=target.device, dtype=want, copy=True)
+        if want != dtype or source.is_meta:
+            self._kept.setdefault(name, source)
+        else:
+            self._kept.pop(name, None)
+        _set_data(t, placed)
+
+    def _restore(self, name: str) -> None:
+        t = self._tensors[name]
+        kept = self._kept.pop(name, None)
+        if kept is not None:
+            _set_data(t, kept)
+        device, dtype = self._original[name]
+        if t.device != device or t.dtype != dtype:
+            _set_data(t, t.data.to(device=device, dtype=dtype))
+
+    def _module_specs(self, units: Sequence[Unit]) -> dict[str, _Spec]:
+        """Where each module with weights computes; None device for a plain Sequential."""
+        sizes = self._sizes
+        by_module = {u.module: u for u in units}
+        by_tensor = {t: u for u in units for t in u.tensors}
+        specs: dict[str, _Spec] = {}
+        for name in sizes.modules:
+            subtree = sizes.subtree_tensors[name]
+            if not subtree:
+                continue
+            unit = by_module.get(name)
+            if unit is None and sizes.own[name]:
+                unit = by_tensor.get(sizes.own[name][0])
+            if unit is None and type(self._modules[name]).forward is nn.Sequential.forward:
+                specs[name] = _Spec(None, None)
+                continue
+            if unit is None:  # a container: it starts where its first unit runs
+                unit = next((u for u in units if subtree & set(u.tensors)), None)
+            if unit is None:
+                continue
+            target = self._targets[unit.placement]
+            dtype = target.dtype
+            if dtype is None:
+                floats = [self._original[t][1] for t in (*unit.tensors, *unit.borrowed)
+                          if self._tensors[t].is_floating_point()]
+                dtype = floats[0] if floats else None
+            specs[name] = _Spec(target.device, dtype)
+        return specs
+
+    def _install_hooks(self) -> None:
+        for name in self._specs:
+            if name == "":
+                continue
+            module = self._modules[name]
+            self._hooks.append(module.register_forward_pre_hook(
+                partial(self._pre, name), with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(
+                partial(self._post, name), always_call=True))
+
+    # -- execution ------------------------------------------------------------------------
+    def _stack(self) -> list[_Frame]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if getattr(self._local, "busy", False):
+            return None
+        self._stack().clear()  # a frame left by a forward that raised
+        if self._plan is None:
+            with self._placing:  # two threads making the first call place it once
+                if self._plan is None:
+                    self._place_first(args, kwargs)
+        self.stats.forwards += 1
+        return self._pre("", module, args, kwargs)
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if getattr(self._local, "busy", False) or self._plan is None:
+            return None
+        return self._post("", module, args, output)
+
+    def _pre(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        stack = self._stack()
+        spec = self._specs.get(name)
+        enclosing = stack[-1] if stack else None
+        received = self._received((args, kwargs), enclosing)
+        if spec is None or spec.device is None:
+            stack.append(_Frame(name, received, enclosing.where if enclosing else received, True))
+            return None
+        stack.append(_Frame(name, received, (spec.device, spec.dtype), False))
+        moved = self._convert((args, kwargs), spec.device, spec.dtype)
+        return moved if moved[0] is not args or moved[1] is not kwargs else None
+
+    def _post(self, name: str, module: nn.Module, args: Any, output: Any) -> Any:
+        stack = self._stack()
+        while stack:
+            frame = stack.pop()
+            if frame.name == name:
+                break
+        else:
+            return None
+        if stack and stack[-1].passthrough:
+            return None  # the next child of a plain Sequential converts what it needs
+        if stack and name in self._stays:
+            return None  # its caller never combines its outputs: whoever uses them converts
+        device, dtype = frame.received
+        if stack:
+            # Back to where the caller computes: what this module received may have come
+            # straight from a child that did not hand its outputs back.
+            device, dtype = stack[-1].where[0] or device, stack[-1].where[1] or dtype
+        if name == "" and self._output_device is not None:
+            device = self._output_device
+        if device is None or output is None:
+            return None
+        moved = self._convert(output, device, dtype)
+        return None if moved is output else moved
+
+    def _received(self, obj: Any, enclosing: _Frame | None
+                  ) -> tuple[torch.device | None, torch.dtype | None]:
+        device, dtype = _first_device_and_float(obj)
+        if enclosing is not None:
+            device, dtype = device or enclosing.where[0], dtype or enclosing.where[1]
+        return device or self._home_device, dtype or self._home_dtype
+
+    def _convert(self, obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+        if not _needs_move(obj, device, dtype):
+            return obj
+        moved_bytes = 0
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            nonlocal moved_bytes
+            want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+            if t.device == device and t.dtype == want:
+                return t
+            moved_bytes += t.numel() * t.element_size()
+            return t.to(device=device, dtype=want)
+
+        out = map_tensors(obj, move)
+        if moved_bytes:
+            self.stats.boundary_crossings += 1
+            self.stats.bytes_converted += moved_bytes
+        return out
+
+
+def _set_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Point ``t`` (a registered parameter or buffer) at ``data``, keeping its identity."""
+    if t.is_meta == data.is_meta:
+        t.data = data
+        return
+    # set_data cannot cross between meta and real tensors; swapping contents can, and the
+    # Python object (and so every reference to the parameter) stays the same.
+    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+    torch.utils.swap_tensors(t, new)
+
+
+def _first_device_and_float(obj: Any) -> tuple[torch.device | None, torch.dtype | None]:
+    """The first tensor's device and the first floating tensor's dtype in nested ``obj``
+    (tuples, lists, dicts, as ``map_tensors`` walks them); a hot path, so no pytree."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device, (obj.dtype if obj.is_floating_point() else None)
+    device = dtype = None
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    for item in items:
+        d, t = _first_device_and_float(item)
+        device, dtype = device or d, dtype or t
+        if device is not None and dtype is not None:
+            break
+    return device, dtype
+
+
+def _needs_move(obj: Any, device: torch.device, dtype: torch.dtype | None) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device != device or (
+            dtype is not None and obj.dtype != dtype and obj.is_floating_point())
+    if isinstance(obj, dict):
+        return any(_needs_move(v, device, dtype) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return any(_needs_move(v, device, dtype) for v in obj)
+    return False
+
+
+class Chunker(Splitter):
+    """The handle ``adaptive.chunk`` returns: a Splitter over ``{device: capacity, "cpu": None}``."""
+
+    _mode = "chunk"
+
+
+def split(
+    model: nn.Module,
+    devices: Any = None,
+    *,
+    device_map: Mapping[str, str] | None = None,
+    dtype: Any = None,
+    output_device: Any = None,
+    example_inputs: Any = None,
+    reserve: Any = "auto",
+    _allow_meta: bool = False,
+) -> Splitter:
+    """Spread ``model`` over several devices, a prefix of its execution order per device.
+
+    Units (each module's own weights; attention blocks whole) fill each device in the order
+    they run, not the order they were registered, until the next would pass its capacity in
+    the dtype placed there. Execution order is learned from one forward on meta copies of the
+    weights: at the first call, or now when ``example_inputs`` is given. Each unit moves what
+    it receives (args and kwargs, nested) to its device and floating dtype and hands outputs
+    back where its caller has them; outputs reach you on the device of your inputs.
+
+    Args:
+        model: an ``nn.Module`` in eval mode with real (not meta) weights.
+        devices: an ordered mapping ``{device: capacity}`` (bytes, "20GiB", ``"auto"``, or None
+            for unlimited) or a list of devices (each ``"auto"``). A key may carry a dtype,
+            ``("cpu", torch.bfloat16)`` or ``"cpu@bfloat16"``, so one device can hold two.
+        device_map: ``{module name: device}`` (accelerate style) instead of capacities; the
+            keys of ``handle.device_map`` work, and tensor names for a split module's own
+            tensors. Devices come from the values when ``devices`` is None.
+        dtype: the dtype floating weights take on placement: one for all devices, or a
+            mapping ``{device: dtype}``. The originals are kept for ``remove()``.
+        output_device: where outputs are returned (default: where the inputs came from).
+        example_inputs: a tensor, tuple of positional inputs or dict of keyword inputs;
+            given, the model is placed now instead of at the first call.
+        reserve: what ``"auto"`` capacities keep free for activations (see ``chunk``).
+        _allow_meta: for ``adaptive.load`` only: accept meta tensors and allocate them,
+            uninitialised, where the plan puts them (fill them through
+            ``handle._load_targets()``); ``remove()`` puts the meta tensors back.
+
+    Returns:
+        A ``Splitter`` with ``.plan``, ``.device_map`` (assignable), ``.stats``,
+        ``.remove()``; a context manager.
+
+    Raises:
+        TypeError / ValueError: a bad argument (named in the message); nothing was changed.
+        PlacementError: a training-mode, meta or already placed model, a model that does not
+            fit, or a device_map that misses or splits a unit.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)).eval()
+        >>> with adaptive.split(net, {"cpu@bfloat16": 64 * 65 * 2, "cpu": None},
+        ...                     example_inputs=torch.ones(1, 64)) as s:
+        ...     s.device_map
+        ...     net(torch.ones(1, 64)).dtype
+        {'0': 'cpu@bfloat16', '1': 'cpu'}
+        torch.float32
+    """
+    _check_model(model, _allow_meta)
+    out_dev = None if output_device is None else resolve_device(output_device, "output_device")
+    if devices is None:
+        if device_map is None:
+            raise TypeError("split needs devices ({'cuda:0': '20GiB', 'cpu': None}) or device_map")
+        if not isinstance(device_map, Mapping) or not device_map:
+            raise TypeError(f"device_map must be a non-empty dict {{module: device}}, got "
+                            f"{device_map!r}")
+        devices = {v: None for v in dict.fromkeys(str(v) for v in device_map.values())}
+    targets = targets_from_devices(devices, dtype, reserve)
+    if device_map is not None and not isinstance(device_map, Mapping):
+        raise TypeError(f"device_map must be a dict {{module: device}}, got {device_map!r}")
+    handle = Splitter(model, targets, output_device=out_dev, options={"reserve": reserve})
+    if device_map is not None:
+        try:
+            handle._pending_map = handle._normalise_map(device_map)
+        except BaseException:
+            handle.remove()
+            raise
+    if example_inputs is not None:
+        try:
+            handle._place_first(*split_inputs(example_inputs))
+        except BaseException:
+            handle.remove()
+            raise
+    return handle
+
+
+def chunk(
+    model: nn.Module,
+    device: Any = None,
+    *,
+    capacity: Any = "auto",
+    dtype: Any = None,
+    reserve: Any = "auto",
+    output_device: Any = None,
+    example_inputs: Any = None,
+    _allow_meta: bool = False,
+) -> Chunker:
+    """Keep the first part of ``model`` (in execution order) resident on ``device`` and run
+    the rest on the CPU: ``split(model, {device: capacity, "cpu": None})``.
+
+    ``capacity="auto"`` is the device's free memory minus ``reserve``; ``reserve="auto"``
+    keeps back the larger of 10% of the device's total memory and 512 MiB, room for
+    activations, the copies made at the boundary and allocator slack. Pass ``reserve=``
+    bytes (or "2GiB") to choose it, or a fixed ``capacity``.
+
+    Args:
+        model: an ``nn.Module`` in eval mode with real weights.
+        device: where the resident part lives; None means the current accelerator, else CPU.
+        capacity: bytes the resident part may take (int, "6GiB"), counted in ``dtype``.
+        dtype: the floating dtype of the resident part (e.g. ``torch.float16``); the CPU part
+            keeps the model's own. Originals are kept so ``remove()`` restores them bitwise.
+        reserve: see above; only used when ``capacity="auto"``.
+        output_device: where outputs are returned (default: where the inputs came from).
+        example_inputs: inputs for one forward that learns the execution order now; without
+            them the model is placed at its first call.
+        _allow_meta: for ``adaptive.load`` only; see ``split``.
+
+    Returns:
+        A ``Chunker`` (``.plan``, ``.device_map``, ``.stats``, ``.remove()``, context manager).
+
+    Raises:
+        TypeError / ValueError: a bad argument (named in the message); the model is untouched.
+        PlacementError: a training-mode, meta or already placed model.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4)).eval()
+        >>> chunker = adaptive.chunk(net, "cpu", capacity=8_500, dtype=torch.bfloat16,
+        ...                          example_inputs=torch.ones(1, 64))
+        >>> chunker.device_map
+        {'0': 'cpu@bfloat16', '1': 'cpu'}
+        >>> chunker.remove()
+    """
+    _check_model(model, _allow_meta)
+    dev = resolve_device(device, "device")
+    dt = parse_dtype(dtype)
+    out_dev = None if output_device is None else resolve_device(output_device, "output_device")
+    if isinstance(capacity, str) and capacity == "auto":
+        cap, kept = auto_capacity(dev, reserve)
+        _log.info("adaptmem chunk: capacity auto on %s = %s free minus %s reserve", dev,
+                  format_bytes(cap + kept), format_bytes(kept))
+    else:
+        if reserve != "auto":
+            raise ValueError(f"reserve={reserve!r} only applies to capacity='auto'; with "
+                             f"capacity={capacity!r} leave reserve out")
+        if capacity is None:
+            raise TypeError("capacity must be bytes (int or '6GiB') or 'auto', got None")
+        cap = parse_size(capacity, "capacity")
+    cpu = torch.device("cpu")
+    if dev == cpu and dt is None:
+        targets = [Target(cpu, None, None, "cpu")]
+    else:
+        labels = qualify_labels([(dev, dt), (cpu, None)])
+        targets = [Target(dev, cap, dt, labels[0]), Target(cpu, None, None, labels[1])]
+    handle = Chunker(model, targets, output_device=out_dev,
+                     options={"capacity": cap, "reserve": reserve})
+    if example_inputs is not None:
+        try:
+            handle._place_first(*split_inputs(example_inputs))
+        except BaseException:
+            handle.remove()
+            raise
+    return handle
