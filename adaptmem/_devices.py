@@ -181,7 +181,7 @@ def map_tensors(obj: Any, fn: Any) -> Any:
         return fn(obj)
     if isinstance(obj, tuple):
         items = [map_tensors(x, fn) for x in obj]
-        if all(a is b for a, b in zip(items, obj)):
+        if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, list):

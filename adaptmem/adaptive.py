@@ -2,6 +2,7 @@
 
 from . import cpu_memory
 from ._errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._loading import empty_model, load
 from ._planner import Plan, plan
 
 __all__ = [
@@ -11,5 +12,7 @@ __all__ = [
     "Plan",
     "PlacementError",
     "cpu_memory",
+    "empty_model",
+    "load",
     "plan",
 ]
