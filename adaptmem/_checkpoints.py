@@ -191,45 +191,57 @@ def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
 
 
 def _open_safetensors(path: Path) -> Checkpoint:
-    try:
-        from safetensors import safe_open
-    except ImportError:
-        raise LoadError(
-            f"{str(path)!r} is a safetensors file, and reading it needs the safetensors "
-            f"package: pip install 'adaptmem[safetensors]'"
-        ) from None
+    # The header is parsed here rather than through safetensors.safe_open: safe_open maps the
+    # whole file privately, which counts toward RLIMIT_DATA (set_cpu_memory_limit) and puts
+    # every page it touches into this process's RSS. The checks mirror safetensors' own.
     name = str(path)
-    try:
-        # safetensors' own validation (overlaps, coverage); it maps the file read-only,
-        # which neither reads the data nor counts toward RLIMIT_DATA.
-        with safe_open(name, framework="pt") as f:
-            keys = set(f.keys())
-    except Exception as exc:  # SafetensorError is not importable by a stable name
-        raise LoadError(f"{name!r} is not a readable safetensors file: {exc}") from None
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < length <= min(_MAX_HEADER, size - 8):
-            raise LoadError(f"{name!r} is truncated or corrupt: bad safetensors header length")
-        header = json.loads(f.read(length))
+            raise LoadError(f"{name!r} is truncated or not a safetensors file: its header "
+                            f"length field reads {length} for a file of {size} bytes")
+        try:
+            header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except ValueError as exc:
+            raise LoadError(f"{name!r} is corrupt: its safetensors header is not valid JSON "
+                            f"({exc})") from None
+    data_start = 8 + length
     entries: dict[str, Entry] = {}
+    spans = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        dtype = getattr(torch, _SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
+        try:
+            dtype = getattr(torch, _SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
+            shape = tuple(int(n) for n in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise LoadError(f"{name!r} is corrupt: the header entry for {key!r} is "
+                            f"malformed: {info!r}") from None
         if not isinstance(dtype, torch.dtype):
             raise LoadError(f"{name!r}: tensor {key!r} has dtype {info['dtype']!r}, which "
                             f"this torch cannot hold")
-        shape = tuple(int(n) for n in info["shape"])
-        begin, end = (int(x) for x in info["data_offsets"])
-        if end - begin != math.prod(shape) * dtype.itemsize or 8 + length + end > size:
-            raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies outside "
-                            f"the file or does not match its shape")
-        entries[key] = Entry(key, name, shape, dtype, 8 + length + begin, 0,
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise LoadError(f"{name!r} is corrupt: tensor {key!r} spans {end - begin} bytes "
+                            f"but shape {list(shape)} of {info['dtype']} needs "
+                            f"{math.prod(shape) * dtype.itemsize}")
+        spans.append((begin, end, key))
+        entries[key] = Entry(key, name, shape, dtype, data_start + begin, 0,
                              _contiguous_stride(shape))
-    if set(entries) != keys:
-        raise LoadError(f"{name!r}: header and safetensors disagree on the tensor names")
+    covered = 0
+    for begin, end, key in sorted(spans):
+        if begin != covered:
+            raise LoadError(f"{name!r} is corrupt: tensor {key!r} starts at byte {begin} of "
+                            f"the data, expected {covered} (overlap or gap)")
+        covered = end
+    if data_start + covered != size:
+        state = "truncated" if data_start + covered > size else "corrupt"
+        raise LoadError(f"{name!r} is {state}: its header describes {data_start + covered} "
+                        f"bytes, the file has {size}")
     return Checkpoint(entries, [name], "safetensors")
 
 
