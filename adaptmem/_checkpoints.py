@@ -277,7 +277,7 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
         if offset is None:
             raise LoadError(f"{name!r}: this torch version gives no storage offsets for "
                             f"{key!r}; load it with torch.load and save it as safetensors")
-        entry = Entry(key, name, shape, t.dtype, int(offset), t.storage_offset(), stride)
+        entry = Entry(key, name, shape, t.dtype, int(offset), int(t.storage_offset()), stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
             raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies past the "
                             f"end of the file")

@@ -7,6 +7,16 @@ already in the right place, else into a new tensor made on the target device. Ne
 swapped into the model only once all of them were read, so a failed read leaves the model as
 it was. Peak memory is the final footprint plus one staging buffer of the largest tensor
 (used only for a dtype conversion or a device copy).
+
+The placement-handle protocol (``adaptive.page``/``chunk``/``split`` handles implement it):
+``handle._load_targets() -> dict[str, list[torch.Tensor]]`` maps a canonical tensor name
+(a key of ``module_sizes(model).tensors``: first ``named_modules()`` path + attribute; tied
+aliases are not listed) to the existing tensors a checkpoint value is copied into in place,
+e.g. a host master and a device copy. Targets may be on any device, of any dtype and shape
+with the model tensor's number of elements; each is filled with ``copy_`` (its own dtype and
+device). The checkpoint tensor is read once for all of them. A name the handle leaves out
+(or maps to ``[]``) falls back to the model's own tensor, filled in place when it is real; a
+name the model does not have is an error. It is called once per load, before any read.
 """
 
 from __future__ import annotations
@@ -49,7 +59,7 @@ def _parameters_on_meta() -> Iterator[None]:
             cls = type(param)
             module._parameters[name] = cls(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -108,7 +118,7 @@ class _Dest:
     into: list[torch.Tensor] = field(default_factory=list)
 
 
-def _placements(model: nn.Module, sizes: ModuleSizes, device: Any) -> Callable[[str], Any]:
+def _placements(sizes: ModuleSizes, device: Any) -> Callable[[str], Any]:
     """A function: canonical tensor name -> list of tensors to copy into, or (device, pinned)."""
     targets_fn = getattr(device, "_load_targets", None)
     if callable(targets_fn):
@@ -299,7 +309,7 @@ def _plan_load(
         raise LoadError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
                         + "\n\t".join(errors))
 
-    place = _placements(model, sizes, device)
+    place = _placements(sizes, device)
     handle = callable(getattr(device, "_load_targets", None))
     dests: dict[str, _Dest] = {}
     for name, current in tensors.items():

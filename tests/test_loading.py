@@ -380,6 +380,47 @@ def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:
         adaptive.empty_model(Net())  # type: ignore[arg-type]
 
 
+def test_strided_views_and_shared_storages_in_a_pt_file_load_exactly(tmp_path: Path) -> None:
+    big = torch.randn(100)
+    state = {"weight": torch.randn(4, 6).t(), "bias": big[10:16]}  # transposed; offset view
+    torch.save(state, tmp_path / "views.pt")
+    for dtype in (None, torch.float64):
+        model = adaptive.load(lambda: nn.Linear(4, 6), tmp_path / "views.pt", device="cpu",
+                              dtype=dtype)
+        assert torch.equal(model.weight, state["weight"].to(model.weight.dtype))
+        assert torch.equal(model.bias, state["bias"].to(model.bias.dtype))
+
+
+def test_nested_state_dict_key_is_accepted(tmp_path: Path) -> None:
+    source = _source()
+    torch.save({"epoch": 3, "state_dict": source.state_dict()}, tmp_path / "ckpt.pt")
+    _assert_same(adaptive.load(Net, tmp_path / "ckpt.pt", device="cpu"), source)
+
+
+def test_corrupt_safetensors_header_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!}" + b"\0" * 8)
+    with pytest.raises(LoadError, match="bad.safetensors"):
+        adaptive.load(Net, path)
+
+
+def test_missing_key_on_meta_is_materialised_when_not_strict(tmp_path: Path) -> None:
+    state = dict(_source().state_dict())
+    del state["scale"]
+    path = _save("pt", state, tmp_path)
+    model, stats = adaptive.load(Net, path, device="cpu", strict=False, return_stats=True)
+    assert stats.missing_keys == ["scale"]
+    assert model.scale.device.type == "cpu" and isinstance(model.scale, nn.Parameter)
+
+
+def test_stats_print_bytes_per_device(tmp_path: Path) -> None:
+    path = _save("safetensors", _source().state_dict(), tmp_path)
+    _, stats = adaptive.load(Net, path, device="cpu", return_stats=True)
+    text = str(stats)
+    assert "bytes_by_device={cpu: " in text and "KiB" in text
+    assert stats.as_dict()["format"] == "safetensors" and stats.seconds > 0
+
+
 _MEMORY_SCRIPT = textwrap.dedent(
     """
     import sys, time, torch
