@@ -122,6 +122,10 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
             indexes.sort(key=lambda p: ".safetensors." not in p.name)
             return _open_index(indexes[0])
         files = sorted(p for p in path.iterdir() if p.is_file() and _is_checkpoint_file(p))
+        if any(p.suffix == ".safetensors" for p in files):
+            # A model directory with both formats (model.safetensors beside
+            # pytorch_model.bin) holds the same tensors twice: read the safetensors.
+            files = [p for p in files if p.suffix == ".safetensors"]
         if not files:
             raise LoadError(
                 f"directory {str(path)!r} holds no checkpoint: expected an *.index.json, "

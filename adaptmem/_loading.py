@@ -168,7 +168,8 @@ def load(
     read one at a time, never the whole file at once), a ``.safetensors`` file, a sharded
     checkpoint with an ``*.index.json`` (Hugging Face layout, either format; pass the index
     or its directory), or a directory of checkpoint files, e.g. one file per tensor (a
-    ``torch.save``d bare tensor is named by its file name without the suffix).
+    ``torch.save``d bare tensor is named by its file name without the suffix; when a
+    directory holds both ``.safetensors`` and ``torch.save`` files, only the former are read).
 
     Tied weights are read once and stay tied. Buffers load too; non-persistent buffers (in
     no checkpoint) keep the values the model's constructor gave them, which is why a factory

@@ -338,6 +338,16 @@ def test_missing_shard_is_named_and_model_unchanged(fmt: str, tmp_path: Path) ->
     _assert_same(model, _snapshot_module(before))
 
 
+def test_directory_with_both_formats_reads_the_safetensors(tmp_path: Path) -> None:
+    source = _source()
+    _save("safetensors", source.state_dict(), tmp_path)
+    torch.save({"unrelated": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text("{}")
+    model, stats = adaptive.load(Net, tmp_path, device="cpu", return_stats=True)
+    _assert_same(model, source)
+    assert [Path(f).name for f in stats.files] == ["model.safetensors"]
+
+
 def test_missing_path_and_empty_directory_are_clear(tmp_path: Path) -> None:
     with pytest.raises(LoadError, match="does not exist"):
         adaptive.load(Net, tmp_path / "nope.safetensors")
@@ -351,9 +361,10 @@ def test_not_a_state_dict_is_refused(tmp_path: Path) -> None:
         adaptive.load(Net, tmp_path / "list.pt")
 
 
-def test_copy_false_keeps_cpu_tensors_backed_by_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_copy_false_keeps_cpu_tensors_backed_by_the_file(fmt: str, tmp_path: Path) -> None:
     source = _source()
-    path = _save("safetensors", source.state_dict(), tmp_path)
+    path = _save(fmt, source.state_dict(), tmp_path)
     model, stats = adaptive.load(Net, path, device="cpu", copy=False, return_stats=True)
     _assert_same(model, source)
     # Parameters are mapped; buffers were built real on the CPU and are filled in place.
