@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from adaptmem import LoadError, adaptive
@@ -430,6 +432,59 @@ def test_stats_print_bytes_per_device(tmp_path: Path) -> None:
     text = str(stats)
     assert "bytes_by_device={cpu: " in text and "KiB" in text
     assert stats.as_dict()["format"] == "safetensors" and stats.seconds > 0
+
+
+class _Stack(nn.Module):
+    def __init__(self, widths: list[int], tie: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b, dtype=dtype) for a, b in zip(widths, widths[1:], strict=False))
+        self.register_buffer("steps", torch.arange(len(widths)))
+        if tie:
+            self.layers[-1].weight = self.layers[0].weight
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    widths=st.lists(st.integers(1, 24), min_size=2, max_size=5),
+    tie=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    fmt=st.sampled_from(FORMATS),
+    into=st.sampled_from(["factory", "built", "handle"]),
+)
+def test_any_module_tree_round_trips_through_any_format(
+    widths: list[int], tie: bool, dtype: torch.dtype, fmt: str, into: str
+) -> None:
+    import tempfile
+
+    torch.manual_seed(len(widths))
+    tie = tie and len(widths) > 2
+    if tie:
+        widths = [widths[0], *widths[1:-1], widths[0]]
+    source = _Stack(widths, tie, dtype)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_()
+    state = source.state_dict()
+    if fmt == "safetensors" and tie:
+        state = {k: v for k, v in state.items() if k != f"layers.{len(widths) - 2}.weight"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _save(fmt, state, Path(tmp))
+        if into == "handle":
+            model = _Stack(widths, tie, dtype)
+            handle = FakeHandle(model)
+            adaptive.load(model, path, device=handle)
+            for name, copies in handle.targets.items():
+                want = source.get_parameter(name) if "weight" in name or "bias" in name \
+                    else source.get_buffer(name)
+                assert torch.equal(copies[0], want.detach().reshape(-1)), name
+            return
+        target = _Stack(widths, tie, dtype) if into == "built" else (
+            lambda: _Stack(widths, tie, dtype))
+        model = adaptive.load(target, path, device="cpu")
+    _assert_same(model, source)
+    if tie:
+        assert model.layers[-1].weight is model.layers[0].weight
 
 
 _MEMORY_SCRIPT = textwrap.dedent(
