@@ -55,7 +55,9 @@ def _parameters_on_meta() -> Iterator[None]:
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(module, name, param)
-        if param is not None and param.device.type != "meta":
+        # Lazy modules' UninitializedParameter holds no memory and builds itself later.
+        if (param is not None and param.device.type != "meta"
+                and not isinstance(param, nn.parameter.UninitializedTensorMixin)):
             cls = type(param)
             module._parameters[name] = cls(param.to("meta"), requires_grad=param.requires_grad)
 
