@@ -278,15 +278,32 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
             entries[key] = Entry(key, name, shape, t.dtype, None, 0, stride, tensor=t)
             continue
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
-        if offset is None:
-            raise LoadError(f"{name!r}: this torch version gives no storage offsets for "
-                            f"{key!r}; load it with torch.load and save it as safetensors")
+        if offset is None:  # torch older than ~2.5 records no offsets on meta
+            return _open_torch_mapped(path, single_key)
         entry = Entry(key, name, shape, t.dtype, int(offset), int(t.storage_offset()), stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
             raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies past the "
                             f"end of the file")
         entries[key] = entry
     return Checkpoint(entries, [name], "torch")
+
+
+def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
+    """Fallback without offsets: tensors from ``torch.load(mmap=True)``, copied from there
+    (pages of the mapping count toward RSS until the load ends)."""
+    name = str(path)
+    logger.info("adaptmem.load: this torch gives no storage offsets; reading %s through "
+                "torch.load(mmap=True)", name)
+    try:
+        obj = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:
+        raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
+    if isinstance(obj, torch.Tensor) and single_key is not None:
+        obj = {single_key: obj}
+    state = _state_dict_of(obj, name)
+    entries = {k: Entry(k, name, tuple(t.shape), t.dtype, None, 0, tuple(t.stride()), tensor=t)
+               for k, t in state.items()}
+    return Checkpoint(entries, [name], "torch (mmap)")
 
 
 def _check_archive(path: Path) -> None:
@@ -371,7 +388,7 @@ class Reader:
     def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
         """Read ``entry`` straight into ``dest``: CPU, contiguous, same dtype and numel."""
         if entry.tensor is not None:
-            dest.copy_(entry.tensor.view(dest.shape))
+            dest.copy_(entry.tensor.reshape(dest.shape))
             return
         self._fill(entry.file, entry.start, dest)
 

@@ -371,7 +371,7 @@ def _read_all(
                 src = reader.read(entry, pinned=any(t.device.type == "cuda" for t in dest.into))
             for t in dest.into:
                 if t is not src:
-                    t.copy_(src.view(t.shape) if src.shape != t.shape else src)
+                    t.copy_(src.reshape(t.shape) if src.shape != t.shape else src)
                 _count(stats, t)
         else:
             assert dest.device is not None

@@ -404,6 +404,30 @@ def test_strided_views_and_shared_storages_in_a_pt_file_load_exactly(tmp_path: P
         assert torch.equal(model.bias, state["bias"].to(model.bias.dtype))
 
 
+def test_torch_without_storage_offsets_falls_back_to_mmap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import adaptmem._checkpoints as checkpoints
+
+    source = _source()
+    path = _save("pt", source.state_dict(), tmp_path)
+    real_load = torch.load
+
+    def load_without_offsets(*args: object, **kwargs: object) -> object:
+        obj = real_load(*args, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("map_location") == "meta":
+            for t in obj.values():  # type: ignore[attr-defined]
+                storage = t.untyped_storage()
+                if hasattr(storage, "_checkpoint_offset"):
+                    del storage._checkpoint_offset
+        return obj
+
+    monkeypatch.setattr(checkpoints.torch, "load", load_without_offsets)
+    model, stats = adaptive.load(Net, path, device="cpu", return_stats=True)
+    _assert_same(model, source)
+    assert stats.format == "torch (mmap)"
+
+
 def test_nested_state_dict_key_is_accepted(tmp_path: Path) -> None:
     source = _source()
     torch.save({"epoch": 3, "state_dict": source.state_dict()}, tmp_path / "ckpt.pt")
