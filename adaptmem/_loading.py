@@ -57,7 +57,7 @@ def _parameters_on_meta() -> Iterator[None]:
         original(module, name, param)
         # Lazy modules' UninitializedParameter holds no memory and builds itself later.
         if (param is not None and param.device.type != "meta"
-                and not isinstance(param, nn.parameter.UninitializedTensorMixin)):
+                and not isinstance(param, nn.UninitializedParameter)):
             cls = type(param)
             module._parameters[name] = cls(param.to("meta"), requires_grad=param.requires_grad)
 
@@ -252,7 +252,7 @@ def load(
     with Reader() as reader:
         pending = _read_all(reader, ckpt, dests, sources, copy, stats)
     _commit(model, sizes, pending)
-    _settle_unloaded(model, sizes, dests, sources, pending)
+    _settle_unloaded(model, sizes, dests, sources)
     stats.seconds = time.perf_counter() - start
     logger.info(
         "adaptmem.load: %d tensors, %s read, %s mapped from %d file(s) in %.2fs (%s)",
@@ -362,6 +362,7 @@ def _read_all(
     order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
     for name in order:
         entry, dest = sources[name], dests[name]
+        mapped = False
         if dest.into:
             direct = next((t for t in dest.into if reader.can_read_into(entry, t)), None)
             if direct is not None:
@@ -377,9 +378,7 @@ def _read_all(
             assert dest.device is not None
             if (not copy and dest.device.type == "cpu" and not dest.pinned
                     and dest.dtype == entry.dtype and reader.can_map(entry)):
-                new = reader.mapped(entry)
-                stats.bytes_mapped += entry.nbytes
-                stats.bytes_read -= entry.nbytes  # counted below; a mapping reads nothing
+                new, mapped = reader.mapped(entry), True
             else:
                 new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device,
                                   pin_memory=dest.pinned)
@@ -390,7 +389,10 @@ def _read_all(
             pending[name] = new
             _count(stats, new)
         stats.tensors += 1
-        stats.bytes_read += entry.nbytes
+        if mapped:
+            stats.bytes_mapped += entry.nbytes
+        else:
+            stats.bytes_read += entry.nbytes
     return pending
 
 
@@ -433,7 +435,6 @@ def _commit(model: nn.Module, sizes: ModuleSizes, pending: dict[str, torch.Tenso
 
 def _settle_unloaded(
     model: nn.Module, sizes: ModuleSizes, dests: dict[str, _Dest], sources: dict[str, Entry],
-    pending: dict[str, torch.Tensor],
 ) -> None:
     """Tensors no checkpoint filled (non-persistent buffers; missing keys when not strict):
     moved to their target like the rest; a meta one (missing, not strict) is left empty."""

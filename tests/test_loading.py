@@ -214,6 +214,9 @@ def test_empty_model_puts_parameters_on_meta_and_keeps_buffers_real() -> None:
     assert torch.equal(model.inv_freq, Net().inv_freq)
     # Registration is restored afterwards.
     assert nn.Linear(2, 2).weight.device.type == "cpu"
+    lazy = adaptive.empty_model(lambda: nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2)))
+    assert isinstance(lazy[0].weight, nn.UninitializedParameter)
+    assert lazy[1].weight.is_meta
 
 
 def test_non_persistent_buffers_are_real_after_factory_load(tmp_path: Path) -> None:
