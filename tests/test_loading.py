@@ -166,6 +166,32 @@ def test_round_trip_into_load_targets_handle(fmt: str, tmp_path: Path) -> None:
     assert stats.bytes_by_device["cpu"] > stats.bytes_read  # every copy counted
 
 
+def test_names_a_handle_leaves_out_fill_the_models_own_tensors(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("safetensors", source.state_dict(), tmp_path)
+    model = Net()
+    handle = FakeHandle(model)
+    left_out = {"emb.weight", "norm.running_mean", "scale"}
+    for name in left_out:
+        handle.targets[name] = []
+    adaptive.load(model, path, device=handle)
+    for name in left_out:
+        assert torch.equal(model.get_parameter(name) if "running" not in name
+                           else model.get_buffer(name), source.state_dict()[name]), name
+    assert torch.equal(handle.targets["attn.in_proj_weight"][0],
+                       source.attn.in_proj_weight.detach().reshape(-1))
+
+
+def test_meta_built_model_without_buffers_loads(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    source = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    path = _save("pt", source.state_dict(), tmp_path)
+    out = adaptive.load(model, path, device=torch.device("cpu"))
+    assert out is model
+    _assert_same(model, source)
+
+
 def test_load_targets_naming_unknown_tensor_is_refused(tmp_path: Path) -> None:
     path = _save("pt", _source().state_dict(), tmp_path)
     model = Net()
