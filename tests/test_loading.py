@@ -615,11 +615,20 @@ def test_checkpoint_over_half_the_memory_cap_loads_where_naive_path_fails(
         for method, name in [("adaptmem", "big.pt"), ("adaptmem", "big.safetensors"),
                              ("naive", "big.pt")]
     }
-    results = {}
-    for key, proc in runs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-2000:]
-        results[key] = out.strip()
+    results, errors = {}, {}
+    try:
+        for key, proc in runs.items():
+            out, err = proc.communicate(timeout=120)
+            results[key], errors[key] = out.strip(), (proc.returncode, err[-2000:])
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for name in ("big.pt", "big.safetensors"):  # pytest keeps tmp dirs of recent runs
+            (tmp_path / name).unlink(missing_ok=True)
+    for key, (code, err) in errors.items():
+        assert code == 0, (key, err)
     for name in ("big.pt", "big.safetensors"):
         ours = results["adaptmem", name]
         assert ours.startswith("loaded"), ours
