@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/batch_search.py
+	$(PY) benchmarks/loading.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check adaptmem tests benchmarks

@@ -19,9 +19,9 @@ class Stats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
-        # Not dataclasses.asdict: it deep-copies every field, and the lock cannot be copied.
-        return {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)
-                if not f.name.startswith("_")}
+        # Not dataclasses.asdict: it deep-copies the lock, which cannot be copied.
+        return {f.name: copy.deepcopy(getattr(self, f.name))
+                for f in fields(self) if not f.name.startswith("_")}
 
     def reset(self) -> None:
         for f in fields(self):
@@ -32,8 +32,12 @@ class Stats:
     def __str__(self) -> str:
         parts = []
         for k, v in self.as_dict().items():
-            parts.append(f"{k}={format_bytes(v)}" if k.endswith("bytes") or "bytes_" in k
-                         else f"{k}={v}")
+            if isinstance(v, dict) and ("bytes" in k):
+                v = "{" + ", ".join(f"{d}: {format_bytes(n)}" for d, n in v.items()) + "}"
+                parts.append(f"{k}={v}")
+            else:
+                parts.append(f"{k}={format_bytes(v)}" if k.endswith("bytes") or "bytes_" in k
+                             else f"{k}={v}")
         return f"{type(self).__name__}(" + ", ".join(parts) + ")"
 
 
@@ -61,10 +65,19 @@ class PlacementStats(Stats):
 
 @dataclass
 class LoadStats(Stats):
-    """What a load read, from where, and how long it took."""
+    """What a load read, from where, and how long it took.
+
+    ``bytes_read`` counts checkpoint bytes read (each tensor once); ``bytes_mapped`` those
+    left backed by the file (``copy=False``); ``bytes_by_device`` the bytes that ended up on
+    each device, every copy counted (a handle may keep a host and a device copy).
+    """
 
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     bytes_read: int = 0
     bytes_by_device: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    format: str = ""
+    bytes_mapped: int = 0
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)

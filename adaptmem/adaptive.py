@@ -12,6 +12,7 @@ from ._cache import (
 from ._decorators import batch, chunked, execute, explicit
 from ._decorators import range as range  # noqa: A004 - mirrors toma's name
 from ._errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._loading import empty_model, load
 from ._oom import is_oom
 from ._paging import Pager, page
 from ._placement import Chunker, Splitter, chunk, split
@@ -34,10 +35,12 @@ __all__ = [
     "chunk",
     "chunked",
     "cpu_memory",
+    "empty_model",
     "execute",
     "explicit",
     "get_default_cache",
     "is_oom",
+    "load",
     "page",
     "plan",
     "range",

@@ -1,0 +1,430 @@
+"""Checkpoint readers: where each tensor lies in which file, and reading it into memory.
+
+Opening a checkpoint reads headers only: a safetensors header, the pickle of a ``torch.save``
+archive (loaded onto the meta device, which records each storage's byte offset and reads no
+data), or a Hugging Face ``*.index.json``. Every file is checked (present, complete, readable)
+before any tensor is read, so a load can refuse a bad checkpoint before it changes a model.
+
+Reading puts a tensor's bytes straight into the memory that keeps them (``Reader.read_into``),
+or into one reusable staging buffer when a conversion or a device copy follows; files are read
+with ``readinto``, not mapped, so the page cache never counts toward this process's memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import math
+import mmap
+import os
+import sys
+import warnings
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ._errors import LoadError
+
+__all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES"]
+
+logger = logging.getLogger("adaptmem")
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+}
+# A safetensors header above this is a corrupt length field, not a real header.
+_MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a checkpoint: its file and where its bytes lie there.
+
+    ``offset`` is the byte offset of the tensor's storage in ``file``; the tensor starts
+    ``storage_offset`` elements into it with ``stride``. ``tensor`` is set instead for
+    checkpoints that can only be read whole (the legacy non-zip ``torch.save`` format).
+    """
+
+    key: str
+    file: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int | None
+    storage_offset: int = 0
+    stride: tuple[int, ...] = ()
+    tensor: torch.Tensor | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def contiguous(self) -> bool:
+        return self.stride == _contiguous_stride(self.shape)
+
+    @property
+    def span(self) -> int:
+        """Elements from the storage offset to the last element, inclusive."""
+        if self.numel == 0:
+            return 0
+        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
+
+    @property
+    def start(self) -> int:
+        """Byte offset of the tensor's first element in ``file``."""
+        assert self.offset is not None
+        return self.offset + self.storage_offset * self.dtype.itemsize
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+@dataclass
+class Checkpoint:
+    """Every tensor of a checkpoint by key, the files that hold them, and the format."""
+
+    entries: dict[str, Entry]
+    files: list[str]
+    format: str
+
+
+def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
+    """Read the headers of ``checkpoint`` (a file, an ``*.index.json``, or a directory).
+
+    Raises:
+        LoadError: the path does not exist, a file is truncated, corrupt or not a
+            checkpoint, or an index names a shard that is missing.
+    """
+    path = Path(os.fspath(checkpoint))
+    if not path.exists():
+        raise LoadError(f"checkpoint {str(path)!r} does not exist")
+    if path.is_dir():
+        indexes = sorted(path.glob("*.index.json"))
+        if indexes:
+            # Both formats side by side (as on the Hugging Face hub): prefer safetensors.
+            indexes.sort(key=lambda p: ".safetensors." not in p.name)
+            return _open_index(indexes[0])
+        files = sorted(p for p in path.iterdir() if p.is_file() and _is_checkpoint_file(p))
+        if any(p.suffix == ".safetensors" for p in files):
+            # A model directory with both formats (model.safetensors beside
+            # pytorch_model.bin) holds the same tensors twice: read the safetensors.
+            files = [p for p in files if p.suffix == ".safetensors"]
+        if not files:
+            raise LoadError(
+                f"directory {str(path)!r} holds no checkpoint: expected an *.index.json, "
+                f"*.safetensors files or torch.save files ({', '.join(TORCH_SUFFIXES)})"
+            )
+        return _merge([_open_file(p, single_key=p.stem) for p in files], "directory")
+    if path.name.endswith(".index.json"):
+        return _open_index(path)
+    return _open_file(path)
+
+
+def _is_checkpoint_file(p: Path) -> bool:
+    return p.suffix == ".safetensors" or p.suffix in TORCH_SUFFIXES
+
+
+def _merge(parts: list[Checkpoint], fmt: str) -> Checkpoint:
+    entries: dict[str, Entry] = {}
+    files: list[str] = []
+    for part in parts:
+        for key, entry in part.entries.items():
+            if key in entries:
+                raise LoadError(
+                    f"tensor {key!r} is stored twice: in {entries[key].file!r} and "
+                    f"{entry.file!r}; remove one of the files"
+                )
+            entries[key] = entry
+        files.extend(part.files)
+    kinds = sorted({p.format for p in parts})
+    return Checkpoint(entries, files, f"{fmt} ({', '.join(kinds)})")
+
+
+def _open_index(index: Path) -> Checkpoint:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, Mapping):
+            raise TypeError("weight_map is not a mapping")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise LoadError(
+            f"index {str(index)!r} is not a sharded-checkpoint index (a JSON object with a "
+            f"'weight_map' of tensor name -> shard file): {exc}"
+        ) from None
+    shards = sorted(set(weight_map.values()))
+    missing = [s for s in shards if not (index.parent / s).is_file()]
+    if missing:
+        raise LoadError(
+            f"index {str(index)!r} names {len(missing)} shard(s) that do not exist: "
+            + ", ".join(repr(str(index.parent / s)) for s in missing)
+        )
+    parts = [_open_file(index.parent / s) for s in shards]
+    merged = _merge(parts, "sharded")
+    for key, shard in weight_map.items():
+        entry = merged.entries.get(key)
+        if entry is None or Path(entry.file).name != Path(shard).name:
+            raise LoadError(
+                f"index {str(index)!r} puts {key!r} in {shard!r}, but that shard does not "
+                f"hold it; the index and the shards do not match"
+            )
+    return merged
+
+
+def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
+    if not path.is_file():
+        raise LoadError(f"checkpoint file {str(path)!r} does not exist")
+    if path.suffix == ".safetensors":
+        return _open_safetensors(path)
+    return _open_torch(path, single_key)
+
+
+def _open_safetensors(path: Path) -> Checkpoint:
+    # The header is parsed here rather than through safetensors.safe_open: safe_open maps the
+    # whole file privately, which counts toward RLIMIT_DATA (set_cpu_memory_limit) and puts
+    # every page it touches into this process's RSS. The checks mirror safetensors' own.
+    name = str(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(_MAX_HEADER, size - 8):
+            raise LoadError(f"{name!r} is truncated or not a safetensors file: its header "
+                            f"length field reads {length} for a file of {size} bytes")
+        try:
+            header = json.loads(f.read(length))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except ValueError as exc:
+            raise LoadError(f"{name!r} is corrupt: its safetensors header is not valid JSON "
+                            f"({exc})") from None
+    data_start = 8 + length
+    entries: dict[str, Entry] = {}
+    spans = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = getattr(torch, _SAFETENSORS_DTYPES.get(info["dtype"], ""), None)
+            shape = tuple(int(n) for n in info["shape"])
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise LoadError(f"{name!r} is corrupt: the header entry for {key!r} is "
+                            f"malformed: {info!r}") from None
+        if not isinstance(dtype, torch.dtype):
+            raise LoadError(f"{name!r}: tensor {key!r} has dtype {info['dtype']!r}, which "
+                            f"this torch cannot hold")
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise LoadError(f"{name!r} is corrupt: tensor {key!r} spans {end - begin} bytes "
+                            f"but shape {list(shape)} of {info['dtype']} needs "
+                            f"{math.prod(shape) * dtype.itemsize}")
+        spans.append((begin, end, key))
+        entries[key] = Entry(key, name, shape, dtype, data_start + begin, 0,
+                             _contiguous_stride(shape))
+    covered = 0
+    for begin, end, key in sorted(spans):
+        if begin != covered:
+            raise LoadError(f"{name!r} is corrupt: tensor {key!r} starts at byte {begin} of "
+                            f"the data, expected {covered} (overlap or gap)")
+        covered = end
+    if data_start + covered != size:
+        state = "truncated" if data_start + covered > size else "corrupt"
+        raise LoadError(f"{name!r} is {state}: its header describes {data_start + covered} "
+                        f"bytes, the file has {size}")
+    return Checkpoint(entries, [name], "safetensors")
+
+
+def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
+    name = str(path)
+    with open(path, "rb") as f:
+        legacy = f.read(4) != b"PK\x03\x04"  # a zip archive, the format since torch 1.6
+    try:
+        if legacy:
+            # The pre-1.6 format stores no offsets; it can only be read whole.
+            logger.info("adaptmem.load: %s is a legacy torch.save file; reading it whole", name)
+            obj = torch.load(name, map_location="cpu", weights_only=True)
+        else:
+            _check_archive(path)
+            # On the meta device torch reads the pickle only and records where each storage
+            # lies in the archive (`_checkpoint_offset`); no data is read or mapped.
+            obj = torch.load(name, map_location="meta", weights_only=True)
+    except LoadError:
+        raise
+    except Exception as exc:
+        raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
+    if isinstance(obj, torch.Tensor) and single_key is not None:
+        obj = {single_key: obj}
+    state = _state_dict_of(obj, name)
+    entries: dict[str, Entry] = {}
+    size = path.stat().st_size
+    for key, t in state.items():
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        if legacy:
+            entries[key] = Entry(key, name, shape, t.dtype, None, 0, stride, tensor=t)
+            continue
+        offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
+        if offset is None:  # torch older than ~2.5 records no offsets on meta
+            return _open_torch_mapped(path, single_key)
+        entry = Entry(key, name, shape, t.dtype, int(offset), int(t.storage_offset()), stride)
+        if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
+            raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies past the "
+                            f"end of the file")
+        entries[key] = entry
+    return Checkpoint(entries, [name], "torch")
+
+
+def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
+    """Fallback without offsets: tensors from ``torch.load(mmap=True)``, copied from there
+    (pages of the mapping count toward RSS until the load ends)."""
+    name = str(path)
+    logger.info("adaptmem.load: this torch gives no storage offsets; reading %s through "
+                "torch.load(mmap=True)", name)
+    try:
+        obj = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:
+        raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
+    if isinstance(obj, torch.Tensor) and single_key is not None:
+        obj = {single_key: obj}
+    state = _state_dict_of(obj, name)
+    entries = {k: Entry(k, name, tuple(t.shape), t.dtype, None, 0, tuple(t.stride()), tensor=t)
+               for k, t in state.items()}
+    return Checkpoint(entries, [name], "torch (mmap)")
+
+
+def _check_archive(path: Path) -> None:
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            if info.filename.endswith("/byteorder"):
+                order = z.read(info).decode().strip()
+                if order != sys.byteorder:
+                    raise LoadError(f"{str(path)!r} was saved {order}-endian; this machine is "
+                                    f"{sys.byteorder}-endian. Convert it with torch.load/save")
+            elif "/data/" in info.filename and info.compress_type != zipfile.ZIP_STORED:
+                raise LoadError(f"{str(path)!r} stores compressed tensors; save it again "
+                                f"with torch.save")
+
+
+def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
+    if isinstance(obj, Mapping) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        nested = obj.get("state_dict")
+        if isinstance(nested, Mapping):
+            obj = nested
+    if not isinstance(obj, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise LoadError(
+            f"{name!r} holds a {type(obj).__name__}, not a state dict (a mapping of names to "
+            f"tensors); save model.state_dict()"
+        )
+    return dict(obj)
+
+
+class Reader:
+    """Reads checkpoint tensors; one open file per checkpoint file, one staging buffer."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, object] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._staging: torch.Tensor | None = None
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()  # type: ignore[attr-defined]
+        self._files.clear()
+        # Tensors made by `mapped` keep their own reference to the mapping.
+        self._maps.clear()
+        self._staging = None
+
+    def _file(self, name: str):  # type: ignore[no-untyped-def]
+        f = self._files.get(name)
+        if f is None:
+            try:
+                f = open(name, "rb", buffering=0)
+            except OSError as exc:
+                raise LoadError(f"cannot open checkpoint file {name!r}: {exc}") from None
+            self._files[name] = f
+        return f
+
+    def _fill(self, name: str, offset: int, dest: torch.Tensor) -> None:
+        """Read ``dest.nbytes`` bytes at ``offset`` of ``name`` into contiguous CPU ``dest``."""
+        n = dest.numel() * dest.element_size()
+        if n == 0:
+            return
+        view = memoryview((ctypes.c_char * n).from_address(dest.data_ptr())).cast("B")
+        f = self._file(name)
+        try:
+            f.seek(offset)  # type: ignore[attr-defined]
+            done = 0
+            while done < n:
+                got = f.readinto(view[done:])  # type: ignore[attr-defined]
+                if not got:
+                    raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes short "
+                                    f"while reading at offset {offset + done}")
+                done += got
+        except OSError as exc:
+            raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
+
+    def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
+        """Read ``entry`` straight into ``dest``: CPU, contiguous, same dtype and numel."""
+        if entry.tensor is not None:
+            dest.copy_(entry.tensor.reshape(dest.shape))
+            return
+        self._fill(entry.file, entry.start, dest)
+
+    def can_read_into(self, entry: Entry, dest: torch.Tensor) -> bool:
+        return (dest.device.type == "cpu" and dest.dtype == entry.dtype
+                and dest.is_contiguous() and entry.contiguous and dest.numel() == entry.numel)
+
+    def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
+        """``entry`` as a CPU tensor in the staging buffer, valid until the next ``read``."""
+        if entry.tensor is not None:
+            return entry.tensor
+        size = entry.span * entry.dtype.itemsize
+        staging = self._staging
+        if staging is None or staging.numel() < size or (pinned and not staging.is_pinned()):
+            self._staging = None
+            staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
+            self._staging = staging
+        raw = staging[:size]
+        self._fill(entry.file, entry.start, raw)
+        flat = raw.view(entry.dtype) if size else torch.empty(0, dtype=entry.dtype)
+        return flat.as_strided(entry.shape, entry.stride) if entry.numel else flat.view(entry.shape)
+
+    def can_map(self, entry: Entry) -> bool:
+        return (entry.tensor is None and entry.contiguous and entry.numel > 0
+                and entry.start % entry.dtype.itemsize == 0)
+
+    def mapped(self, entry: Entry) -> torch.Tensor:
+        """``entry`` as a tensor backed by a private (copy-on-write) mapping of its file."""
+        mm = self._maps.get(entry.file)
+        if mm is None:
+            f = self._file(entry.file)
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # type: ignore[attr-defined]
+            self._maps[entry.file] = mm
+        with warnings.catch_warnings():
+            # The mapping is writable (copy-on-write); torch warns for read-only buffers only,
+            # but older versions warn for any mmap.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(mm, dtype=entry.dtype, count=entry.numel, offset=entry.start)
+        return flat.view(entry.shape)

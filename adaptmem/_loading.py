@@ -1,0 +1,454 @@
+"""Memory-efficient loading: every checkpoint tensor read once, straight to its final place.
+
+``load`` works in three steps. It plans (which model tensor each checkpoint key fills, and
+where that tensor ends up), checks (missing and unexpected keys, shapes, files) and refuses
+before anything changes, then reads tensor by tensor: into the existing tensor when one is
+already in the right place, else into a new tensor made on the target device. New tensors are
+swapped into the model only once all of them were read, so a failed read leaves the model as
+it was. Peak memory is the final footprint plus one staging buffer of the largest tensor
+(used only for a dtype conversion or a device copy).
+
+The placement-handle protocol (``adaptive.page``/``chunk``/``split`` handles implement it):
+``handle._load_targets() -> dict[str, list[torch.Tensor]]`` maps a canonical tensor name
+(a key of ``module_sizes(model).tensors``: first ``named_modules()`` path + attribute; tied
+aliases are not listed) to the existing tensors a checkpoint value is copied into in place,
+e.g. a host master and a device copy. Targets may be on any device, of any dtype and shape
+with the model tensor's number of elements; each is filled with ``copy_`` (its own dtype and
+device). The checkpoint tensor is read once for all of them. A name the handle leaves out
+(or maps to ``[]``) falls back to the model's own tensor, filled in place when it is real; a
+name the model does not have is an error. It is called once per load, before any read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._checkpoints import Checkpoint, Entry, Reader, open_checkpoint
+from ._devices import default_device, format_bytes, resolve_device
+from ._errors import LoadError
+from ._planner import ModuleSizes, Plan, module_sizes
+from ._stats import LoadStats
+
+__all__ = ["load", "empty_model"]
+
+logger = logging.getLogger("adaptmem")
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Send every parameter registered inside the block to the meta device.
+
+    Buffers stay real: constructors compute non-persistent buffers (rotary ``inv_freq``,
+    ``position_ids``, causal masks) that no checkpoint holds, and once made on meta their
+    values are lost. accelerate's ``init_empty_weights(include_buffers=False)`` does the same.
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        # Lazy modules' UninitializedParameter holds no memory and builds itself later.
+        if (param is not None and param.device.type != "meta"
+                and not isinstance(param, nn.UninitializedParameter)):
+            cls = type(param)
+            module._parameters[name] = cls(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
+    """Build ``factory()`` with its parameters on the meta device, so they cost no memory.
+
+    Buffers are built for real on the CPU: they are small, and constructors compute the
+    non-persistent ones (rotary ``inv_freq``, ``position_ids``) that no checkpoint holds.
+    Parameters are moved to meta as they are registered, so at most one parameter is ever
+    held (and initialisation that runs after registration costs nothing). Pass the result to
+    ``adaptive.load`` or ``adaptive.plan``. Not thread-safe: modules built by other threads
+    while ``factory`` runs get meta parameters too.
+
+    Args:
+        factory: a zero-argument callable returning an ``nn.Module`` (a class, a lambda).
+
+    Returns:
+        The module, every parameter on the meta device, buffers on the CPU.
+
+    Raises:
+        TypeError: ``factory`` is not callable or does not return an ``nn.Module``.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> net = adaptive.empty_model(lambda: torch.nn.Linear(4096, 4096))
+        >>> net.weight.device
+        device(type='meta')
+    """
+    if isinstance(factory, nn.Module) or not callable(factory):
+        raise TypeError(
+            f"factory must be a zero-argument callable that builds the model (a class or a "
+            f"lambda), got {type(factory).__name__}; to load into a built model pass it to "
+            f"adaptive.load directly"
+        )
+    with _parameters_on_meta():
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"factory {factory!r} returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+@dataclass
+class _Dest:
+    """Where one distinct model tensor goes: copied into ``into``, or a new tensor made on
+    ``device`` (pinned host memory when ``pinned``) with ``dtype``."""
+
+    name: str
+    current: torch.Tensor
+    dtype: torch.dtype
+    device: torch.device | None = None
+    pinned: bool = False
+    into: list[torch.Tensor] = field(default_factory=list)
+
+
+def _placements(sizes: ModuleSizes, device: Any) -> Callable[[str], Any]:
+    """A function: canonical tensor name -> list of tensors to copy into, or (device, pinned)."""
+    targets_fn = getattr(device, "_load_targets", None)
+    if callable(targets_fn):
+        targets = targets_fn()
+        if not isinstance(targets, Mapping):
+            raise TypeError(f"{type(device).__name__}._load_targets() must return a dict of "
+                            f"tensor name -> list of tensors, got {type(targets).__name__}")
+        unknown = sorted(set(targets) - set(sizes.tensors))
+        if unknown:
+            raise LoadError(f"{type(device).__name__} places tensors this model does not have: "
+                            f"{', '.join(unknown[:5])}; it manages a different model")
+        return lambda name: list(targets.get(name) or ())
+    if isinstance(device, Plan):
+        where = {t: u.placement for u in device.units for t in (*u.tensors, *u.borrowed)}
+        unplanned = [n for n in sizes.tensors if n not in where]
+        if unplanned:
+            raise LoadError(f"the plan does not place {', '.join(unplanned[:5])}"
+                            f"{' ...' if len(unplanned) > 5 else ''}; make it from this model")
+        pin = torch.cuda.is_available()
+        resolved: dict[str, tuple[torch.device, bool]] = {}
+        for place in set(where.values()):
+            if place == "paged":
+                resolved[place] = (torch.device("cpu"), pin)
+            else:
+                resolved[place] = (resolve_device(place, f"plan placement {place!r}"), False)
+        return lambda name: resolved[where[name]]
+    if device is None:  # real tensors stay put; meta ones go to default_device()
+        return lambda name: (None, False)
+    dev = resolve_device(device)
+    return lambda name: (dev, False)
+
+
+def load(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    checkpoint: str | os.PathLike[str],
+    *,
+    device: Any = None,
+    strict: bool = True,
+    dtype: torch.dtype | None = None,
+    copy: bool = True,
+    return_stats: bool = False,
+) -> Any:
+    """Load ``checkpoint`` into a model, each tensor read once and put straight where it
+    stays, so peak memory is the final footprint plus about one tensor.
+
+    Formats: a ``torch.save``d state dict (only its pickle is read up front; tensors are
+    read one at a time, never the whole file at once), a ``.safetensors`` file, a sharded
+    checkpoint with an ``*.index.json`` (Hugging Face layout, either format; pass the index
+    or its directory), or a directory of checkpoint files, e.g. one file per tensor (a
+    ``torch.save``d bare tensor is named by its file name without the suffix; when a
+    directory holds both ``.safetensors`` and ``torch.save`` files, only the former are read).
+
+    Tied weights are read once and stay tied. Buffers load too; non-persistent buffers (in
+    no checkpoint) keep the values the model's constructor gave them, which is why a factory
+    is built with ``empty_model`` (parameters on meta, buffers real). A model tensor already
+    in its final place (same device and dtype) is filled in place and keeps its identity; a
+    meta tensor is replaced by a new one on the target device (same ``Parameter`` type and
+    ``requires_grad``); a real tensor on another device has its ``.data`` swapped. Without
+    ``dtype``, each tensor keeps the model's dtype (as ``load_state_dict`` does).
+
+    Zero-copy: with ``copy=False``, CPU tensors that need no conversion are not read at all
+    but stay backed by a private copy-on-write mapping of the checkpoint file: loading is
+    instant, pages are read on first use and are shared with the page cache, writes stay in
+    this process, and the file must not be truncated or replaced while the model lives. The
+    default ``copy=True`` reads them into ordinary memory.
+
+    Args:
+        model_or_factory: an ``nn.Module`` (built normally or on the meta device), or a
+            zero-argument factory, built with ``empty_model`` so its parameters cost nothing.
+        checkpoint: path to a file, an ``*.index.json``, or a directory.
+        device: where tensors go. A device (``"cuda:0"``, ``"cpu"``); ``None`` keeps real
+            tensors where they are and sends meta ones to the current accelerator, else the
+            CPU. Or a ``Plan`` from ``adaptive.plan``: each tensor goes to its unit's
+            placement, paged units to pinned host memory (plain CPU memory without CUDA). Or
+            a placement handle (``adaptive.page``/``chunk``/``split``): each checkpoint tensor
+            is copied in place into every copy the handle keeps (host and device).
+        strict: missing and unexpected keys are errors (shape mismatches always are).
+        dtype: floating tensors (parameters and buffers) are converted to this on the way;
+            integer and bool tensors keep theirs. Not with a placement handle, whose copies
+            already have their dtype.
+        copy: False keeps CPU tensors backed by the checkpoint file (see above).
+        return_stats: also return a ``LoadStats`` (files, tensors, bytes read, bytes per
+            device, bytes mapped, missing/unexpected keys, seconds).
+
+    Returns:
+        The model, or ``(model, stats)`` with ``return_stats=True``.
+
+    Raises:
+        LoadError: missing keys, unexpected keys (strict) and shape mismatches, reported
+            together in ``load_state_dict``'s wording; a checkpoint that is missing,
+            truncated or corrupt, or a missing shard (the message names the file); a
+            non-persistent buffer on meta that no checkpoint can fill. The model is unchanged.
+        TypeError / ValueError: an argument of the wrong kind or value (named in the message).
+
+    Example:
+        >>> import torch, tempfile, os
+        >>> from adaptmem import adaptive
+        >>> path = os.path.join(tempfile.mkdtemp(), "net.pt")
+        >>> torch.save(torch.nn.Linear(8, 2).state_dict(), path)
+        >>> net = adaptive.load(lambda: torch.nn.Linear(8, 2), path, device="cpu")
+        >>> net.weight.device
+        device(type='cpu')
+    """
+    start = time.perf_counter()
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float16, got {dtype!r}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype} is not a floating dtype; it converts floating tensors")
+    if callable(getattr(device, "_load_targets", None)) and dtype is not None:
+        raise ValueError(f"dtype cannot be combined with device={type(device).__name__}: its "
+                         f"copies already have their dtype; set it when creating the handle")
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a path (str or os.PathLike), got "
+                        f"{type(checkpoint).__name__}")
+    if isinstance(model_or_factory, nn.Module):
+        model = model_or_factory
+    elif callable(model_or_factory):
+        if callable(getattr(device, "_load_targets", None)):
+            raise TypeError("a placement handle manages a built model: pass that model, not a "
+                            "factory, together with device=handle")
+        model = empty_model(model_or_factory)
+    else:
+        raise TypeError(f"model_or_factory must be an nn.Module or a zero-argument factory, "
+                        f"got {type(model_or_factory).__name__}")
+
+    ckpt = open_checkpoint(checkpoint)
+    sizes = module_sizes(model)
+    dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
+    with Reader() as reader:
+        pending = _read_all(reader, ckpt, dests, sources, copy, stats)
+    _commit(model, sizes, pending)
+    _settle_unloaded(model, sizes, dests, sources)
+    stats.seconds = time.perf_counter() - start
+    logger.info(
+        "adaptmem.load: %d tensors, %s read, %s mapped from %d file(s) in %.2fs (%s)",
+        stats.tensors, format_bytes(stats.bytes_read), format_bytes(stats.bytes_mapped),
+        len(stats.files), stats.seconds,
+        ", ".join(f"{d} {format_bytes(n)}" for d, n in stats.bytes_by_device.items()),
+    )
+    return (model, stats) if return_stats else model
+
+
+def _plan_load(
+    model: nn.Module, sizes: ModuleSizes, ckpt: Checkpoint, device: Any, strict: bool,
+    dtype: torch.dtype | None,
+) -> tuple[dict[str, _Dest], dict[str, Entry], LoadStats]:
+    """Match keys, decide every destination, and raise before anything is modified."""
+    tensors = _current_tensors(model, sizes)
+    by_id = {id(t): name for name, t in tensors.items()}
+    keys: dict[str, list[str]] = {}  # canonical name -> its state-dict keys
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = by_id.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if name is not None:
+            keys.setdefault(name, []).append(key)
+    missing: list[str] = []
+    mismatched: list[str] = []
+    sources: dict[str, Entry] = {}
+    for name, names in keys.items():
+        present = [k for k in names if k in ckpt.entries]
+        if not present:
+            missing.extend(names)
+            continue
+        shape = tuple(tensors[name].shape)
+        for k in present:
+            if ckpt.entries[k].shape != shape:
+                mismatched.append(
+                    f"size mismatch for {k}: copying a param with shape "
+                    f"{torch.Size(ckpt.entries[k].shape)} from checkpoint, the shape in current "
+                    f"model is {torch.Size(shape)}."
+                )
+        sources[name] = ckpt.entries[present[0]]
+    expected = {k for names in keys.values() for k in names}
+    unexpected = [k for k in ckpt.entries if k not in expected]
+    errors = []
+    if strict and missing:
+        errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
+    if strict and unexpected:
+        errors.append("Unexpected key(s) in state_dict: "
+                      + ", ".join(f'"{k}"' for k in unexpected) + ". ")
+    errors.extend(mismatched)
+    lost = [n for n in tensors if n not in keys and tensors[n].device.type == "meta"]
+    if lost:
+        errors.append(
+            "non-persistent buffer(s) on the meta device, which no checkpoint holds: "
+            + ", ".join(lost) + ". Their values were lost when the model was built on meta; "
+            "pass the factory (or build with adaptive.empty_model), which keeps buffers real."
+        )
+    if errors:
+        raise LoadError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
+                        + "\n\t".join(errors))
+
+    place = _placements(sizes, device)
+    handle = callable(getattr(device, "_load_targets", None))
+    dests: dict[str, _Dest] = {}
+    for name, current in tensors.items():
+        want = dtype if dtype is not None and current.is_floating_point() else current.dtype
+        dest = _Dest(name, current, want)
+        if handle:
+            dest.into = place(name)
+            if not dest.into and current.device.type != "meta":
+                dest.into = [current]
+            if not dest.into and name in sources:
+                raise LoadError(f"{type(device).__name__} gives no place for {name!r} and the "
+                                f"model's own tensor is on meta")
+        else:
+            target, pinned = place(name)
+            target = current.device if target is None and current.device.type != "meta" else (
+                target or default_device())
+            if (current.device == target and current.dtype == want
+                    and (not pinned or current.is_pinned())):
+                dest.into = [current]
+            else:
+                dest.device, dest.pinned = target, pinned
+        for t in dest.into:
+            if t.numel() != current.numel():
+                raise LoadError(f"{name!r}: a target holds {t.numel()} elements, the model "
+                                f"tensor {current.numel()}; the handle does not match the model")
+        dests[name] = dest
+    stats = LoadStats(files=list(ckpt.files), format=ckpt.format,
+                      missing_keys=missing, unexpected_keys=unexpected)
+    return dests, sources, stats
+
+
+def _current_tensors(model: nn.Module, sizes: ModuleSizes) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, info in sizes.tensors.items():
+        module = model.get_submodule(info.module)
+        registry = module._parameters if info.kind == "parameter" else module._buffers
+        out[name] = registry[info.attr]
+    return out  # type: ignore[return-value]
+
+
+def _read_all(
+    reader: Reader, ckpt: Checkpoint, dests: dict[str, _Dest], sources: dict[str, Entry],
+    copy: bool, stats: LoadStats,
+) -> dict[str, torch.Tensor]:
+    """Read every source once, in file order; return the new tensors to swap in."""
+    pending: dict[str, torch.Tensor] = {}
+    order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
+    for name in order:
+        entry, dest = sources[name], dests[name]
+        mapped = False
+        if dest.into:
+            direct = next((t for t in dest.into if reader.can_read_into(entry, t)), None)
+            if direct is not None:
+                reader.read_into(entry, direct)
+                src = direct
+            else:
+                src = reader.read(entry, pinned=any(t.device.type == "cuda" for t in dest.into))
+            for t in dest.into:
+                if t is not src:
+                    t.copy_(src.reshape(t.shape) if src.shape != t.shape else src)
+                _count(stats, t)
+        else:
+            assert dest.device is not None
+            if (not copy and dest.device.type == "cpu" and not dest.pinned
+                    and dest.dtype == entry.dtype and reader.can_map(entry)):
+                new, mapped = reader.mapped(entry), True
+            else:
+                new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device,
+                                  pin_memory=dest.pinned)
+                if reader.can_read_into(entry, new):
+                    reader.read_into(entry, new)
+                else:
+                    new.copy_(reader.read(entry, pinned=dest.device.type == "cuda"))
+            pending[name] = new
+            _count(stats, new)
+        stats.tensors += 1
+        if mapped:
+            stats.bytes_mapped += entry.nbytes
+        else:
+            stats.bytes_read += entry.nbytes
+    return pending
+
+
+def _count(stats: LoadStats, t: torch.Tensor) -> None:
+    key = "cpu (pinned)" if t.device.type == "cpu" and t.is_pinned() else str(t.device)
+    stats.bytes_by_device[key] = stats.bytes_by_device.get(key, 0) + t.numel() * t.element_size()
+
+
+def _registrations(model: nn.Module, sizes: ModuleSizes, name: str) -> list[tuple[dict, str]]:
+    """Every (registry, attr) that holds tensor ``name``: its own and its tied aliases."""
+    info = sizes.tensors[name]
+    out = []
+    for full in (name, *info.aliases):
+        path, _, attr = full.rpartition(".")
+        module = model.get_submodule(path)
+        registry = module._parameters if attr in module._parameters else module._buffers
+        out.append((registry, attr))
+    return out
+
+
+def _commit(model: nn.Module, sizes: ModuleSizes, pending: dict[str, torch.Tensor]) -> None:
+    """Swap the new tensors in: ``.data`` for real tensors (identity kept), a new object on
+    every tied registration for meta ones."""
+    for name, new in pending.items():
+        regs = _registrations(model, sizes, name)
+        old = regs[0][0][regs[0][1]]
+        if old.device.type != "meta":
+            old.data = new
+            continue
+        if isinstance(old, nn.Parameter):
+            try:
+                replacement: torch.Tensor = type(old)(new, requires_grad=old.requires_grad)
+            except TypeError:
+                replacement = nn.Parameter(new, requires_grad=old.requires_grad)
+        else:
+            replacement = new
+        for registry, attr in regs:
+            registry[attr] = replacement
+
+
+def _settle_unloaded(
+    model: nn.Module, sizes: ModuleSizes, dests: dict[str, _Dest], sources: dict[str, Entry],
+) -> None:
+    """Tensors no checkpoint filled (non-persistent buffers; missing keys when not strict):
+    moved to their target like the rest; a meta one (missing, not strict) is left empty."""
+    left = {}
+    for name, dest in dests.items():
+        if name in sources or dest.device is None:
+            continue
+        current = dest.current
+        if current.device.type == "meta":
+            logger.warning("adaptmem.load: %s is in no checkpoint and was on meta; it is now "
+                           "uninitialised memory (like Module.to_empty)", name)
+            left[name] = torch.empty(current.shape, dtype=dest.dtype, device=dest.device,
+                                     pin_memory=dest.pinned)
+        else:
+            moved = current.to(device=dest.device, dtype=dest.dtype)
+            left[name] = moved.pin_memory() if dest.pinned else moved
+    _commit(model, sizes, left)

@@ -1,0 +1,687 @@
+"""adaptive.load / adaptive.empty_model: every format, every destination, errors, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from adaptmem import LoadError, adaptive
+from adaptmem._planner import module_sizes
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+FORMATS = ["pt", "safetensors", "sharded-pt", "sharded-safetensors", "per-tensor"]
+
+
+class Net(nn.Module):
+    """Tied embedding/head, a non-leaf parameter (MultiheadAttention.in_proj_weight), a
+    root-level parameter, persistent buffers (BatchNorm, an int counter) and a
+    non-persistent buffer computed in the constructor (like rotary inv_freq)."""
+
+    def __init__(self, dim: int = 16, vocab: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.norm = nn.BatchNorm1d(dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+
+def _source() -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.normal_()
+        net.norm.running_mean.normal_()
+        net.norm.running_var.uniform_(0.5, 2)
+        net.norm.num_batches_tracked.fill_(7)
+    return net
+
+
+def _save(fmt: str, state: dict[str, torch.Tensor], root: Path) -> Path:
+    """Write ``state`` as ``fmt``; return the path to pass to load."""
+    state = {k: v.detach().clone().contiguous() for k, v in state.items()}
+    root.mkdir(parents=True, exist_ok=True)
+    if fmt == "pt":
+        torch.save(state, root / "model.pt")
+        return root / "model.pt"
+    if fmt == "safetensors":
+        # As Hugging Face does: a tied tensor is stored under one of its names only.
+        state.pop("head.weight", None)
+        safetensors_torch.save_file(state, root / "model.safetensors")
+        return root / "model.safetensors"
+    if fmt == "per-tensor":
+        for k, v in state.items():
+            torch.save(v, root / f"{k}.pt")
+        return root
+    suffix = "safetensors" if fmt == "sharded-safetensors" else "bin"
+    keys = list(state)
+    shards = [keys[: len(keys) // 2], keys[len(keys) // 2 :]]
+    weight_map = {}
+    for i, part in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.{suffix}"
+        if suffix == "bin":
+            torch.save({k: state[k] for k in part}, root / name)
+        else:
+            safetensors_torch.save_file({k: state[k] for k in part}, root / name)
+        weight_map.update({k: name for k in part})
+    index = root / f"model.{suffix}.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+def _assert_same(model: nn.Module, source: nn.Module) -> None:
+    got, want = model.state_dict(), source.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype, k
+        assert torch.equal(got[k].cpu(), v), k
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_from_factory_is_bitwise_equal(fmt: str, tmp_path: Path) -> None:
+    source = _source()
+    path = _save(fmt, source.state_dict(), tmp_path / fmt)
+    model, stats = adaptive.load(Net, path, device="cpu", return_stats=True)
+    _assert_same(model, source)
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+    assert model.head.weight is model.emb.weight
+    assert isinstance(model.head.weight, nn.Parameter) and model.head.weight.requires_grad
+    # Tied weights are read once: one distinct tensor per distinct model tensor.
+    assert stats.tensors == len(module_sizes(source).tensors) - 1  # inv_freq is in no file
+    assert stats.bytes_read == stats.bytes_by_device["cpu"] - model.inv_freq.nbytes * 0
+    assert stats.files and all(os.path.exists(f) for f in stats.files)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "sharded-safetensors", "per-tensor"])
+def test_round_trip_into_built_model_fills_in_place(fmt: str, tmp_path: Path) -> None:
+    source = _source()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    model = Net()
+    before = {name: t for name, t in model.state_dict(keep_vars=True).items()}
+    ptrs = {name: t.data_ptr() for name, t in before.items()}
+    out = adaptive.load(model, path)
+    assert out is model
+    _assert_same(model, source)
+    for name, t in model.state_dict(keep_vars=True).items():
+        assert t is before[name] and t.data_ptr() == ptrs[name], name
+
+
+class FakeHandle:
+    """Stands in for a Pager/Chunker: a host master per tensor and, for floating tensors,
+    a second "device" copy in bfloat16 (a dtype boundary), per the _load_targets contract."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.targets: dict[str, list[torch.Tensor]] = {}
+        for name, info in module_sizes(model).tensors.items():
+            host = torch.zeros(info.numel, dtype=info.dtype)  # flat: shape may differ
+            copies = [host]
+            if info.floating:
+                copies.append(torch.zeros(*_shape(model, name), dtype=torch.bfloat16))
+            self.targets[name] = copies
+
+    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+        return self.targets
+
+
+def _shape(model: nn.Module, name: str) -> torch.Size:
+    path, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(path), attr).shape
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_round_trip_into_load_targets_handle(fmt: str, tmp_path: Path) -> None:
+    source = _source()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    model = Net()
+    handle = FakeHandle(model)
+    _, stats = adaptive.load(model, path, device=handle, return_stats=True)
+    want = dict(source.state_dict(keep_vars=True)) | {"inv_freq": source.inv_freq}
+    for name, copies in handle.targets.items():
+        if name == "inv_freq":  # non-persistent: the handle already holds it
+            continue
+        src = want[name].detach()
+        assert torch.equal(copies[0], src.reshape(-1)), name
+        if len(copies) > 1:
+            assert torch.equal(copies[1], src.to(torch.bfloat16)), name
+    assert stats.bytes_by_device["cpu"] > stats.bytes_read  # every copy counted
+
+
+def test_names_a_handle_leaves_out_fill_the_models_own_tensors(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("safetensors", source.state_dict(), tmp_path)
+    model = Net()
+    handle = FakeHandle(model)
+    left_out = {"emb.weight", "norm.running_mean", "scale"}
+    for name in left_out:
+        handle.targets[name] = []
+    adaptive.load(model, path, device=handle)
+    for name in left_out:
+        assert torch.equal(model.get_parameter(name) if "running" not in name
+                           else model.get_buffer(name), source.state_dict()[name]), name
+    assert torch.equal(handle.targets["attn.in_proj_weight"][0],
+                       source.attn.in_proj_weight.detach().reshape(-1))
+
+
+def test_meta_built_model_without_buffers_loads(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    source = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    path = _save("pt", source.state_dict(), tmp_path)
+    out = adaptive.load(model, path, device=torch.device("cpu"))
+    assert out is model
+    _assert_same(model, source)
+
+
+def test_load_targets_naming_unknown_tensor_is_refused(tmp_path: Path) -> None:
+    path = _save("pt", _source().state_dict(), tmp_path)
+    model = Net()
+    handle = FakeHandle(model)
+    handle.targets["nonexistent.weight"] = [torch.zeros(1)]
+    with pytest.raises(LoadError, match="nonexistent.weight"):
+        adaptive.load(model, path, device=handle)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "sharded-safetensors"])
+def test_round_trip_into_placement_plan(fmt: str, tmp_path: Path) -> None:
+    source = _source()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    meta = adaptive.empty_model(Net)
+    plan = adaptive.plan(meta, devices={"cpu": None})
+    model = adaptive.load(Net, path, device=plan)
+    _assert_same(model, source)
+    assert model.head.weight is model.emb.weight
+
+
+def test_round_trip_into_paging_plan_goes_to_host_memory(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("safetensors", source.state_dict(), tmp_path)
+    plan = adaptive.plan(adaptive.empty_model(Net), unit_bytes="1KiB")
+    assert {u.placement for u in plan.units} == {"paged"}
+    model, stats = adaptive.load(Net, path, device=plan, return_stats=True)
+    _assert_same(model, source)
+    pinned = torch.cuda.is_available()
+    assert all(t.device.type == "cpu" and t.is_pinned() == pinned
+               for t in model.state_dict().values())
+    assert list(stats.bytes_by_device) == ["cpu (pinned)" if pinned else "cpu"]
+
+
+def test_plan_from_another_model_is_refused(tmp_path: Path) -> None:
+    path = _save("pt", _source().state_dict(), tmp_path)
+    plan = adaptive.plan(adaptive.empty_model(lambda: nn.Linear(3, 3)), devices={"cpu": None})
+    with pytest.raises(LoadError, match="plan does not place"):
+        adaptive.load(Net, path, device=plan)
+
+
+def test_empty_model_puts_parameters_on_meta_and_keeps_buffers_real() -> None:
+    model = adaptive.empty_model(Net)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    assert model.head.weight is model.emb.weight
+    assert model.inv_freq.device.type == "cpu"
+    assert torch.equal(model.inv_freq, Net().inv_freq)
+    # Registration is restored afterwards.
+    assert nn.Linear(2, 2).weight.device.type == "cpu"
+    lazy = adaptive.empty_model(lambda: nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2)))
+    assert isinstance(lazy[0].weight, nn.UninitializedParameter)
+    assert lazy[1].weight.is_meta
+
+
+def test_non_persistent_buffers_are_real_after_factory_load(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("pt", source.state_dict(), tmp_path)
+    model = adaptive.load(Net, path, device="cpu", dtype=torch.float16)
+    assert model.inv_freq.device.type == "cpu"
+    assert torch.equal(model.inv_freq, source.inv_freq.half())
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+
+
+def test_meta_model_with_lost_non_persistent_buffer_is_refused(tmp_path: Path) -> None:
+    path = _save("pt", _source().state_dict(), tmp_path)
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(LoadError, match="inv_freq") as info:
+        adaptive.load(model, path, device="cpu")
+    assert "empty_model" in str(info.value)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_dtype_converts_floating_tensors_only(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("safetensors", source.state_dict(), tmp_path)
+    model = adaptive.load(Net, path, device="cpu", dtype=torch.bfloat16)
+    for k, v in source.state_dict().items():
+        got = model.state_dict()[k]
+        if v.is_floating_point():
+            assert got.dtype == torch.bfloat16 and torch.equal(got, v.to(torch.bfloat16)), k
+        else:
+            assert got.dtype == v.dtype and torch.equal(got, v), k
+    assert model.head.weight is model.emb.weight
+
+
+def test_dtype_on_built_model_swaps_data_and_keeps_identity(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("pt", source.state_dict(), tmp_path)
+    model = Net()
+    weight = model.emb.weight
+    adaptive.load(model, path, dtype=torch.float16)
+    assert model.emb.weight is weight and weight.dtype == torch.float16
+    assert torch.equal(weight, source.emb.weight.half())
+
+
+def _bad_state() -> dict[str, torch.Tensor]:
+    state = dict(_source().state_dict())
+    del state["scale"], state["norm.running_var"]
+    state["extra.weight"] = torch.zeros(2)
+    state["attn.out_proj.bias"] = torch.zeros(3)
+    return state
+
+
+@pytest.mark.parametrize("fmt", ["pt", "sharded-pt"])
+def test_strict_errors_list_every_problem_in_torch_wording(fmt: str, tmp_path: Path) -> None:
+    bad = _bad_state()
+    path = _save(fmt, bad, tmp_path)
+    model = Net()
+    before = _snapshot(model)
+    with pytest.raises(LoadError) as ours:
+        adaptive.load(model, path)
+    with pytest.raises(RuntimeError) as theirs:
+        Net().load_state_dict(bad)
+    message = str(ours.value)
+    assert isinstance(ours.value, RuntimeError)
+    for part in ['Missing key(s) in state_dict: "scale", "norm.running_var". ',
+                 'Unexpected key(s) in state_dict: "extra.weight". ',
+                 "size mismatch for attn.out_proj.bias: copying a param with shape "
+                 "torch.Size([3]) from checkpoint, the shape in current model is "
+                 "torch.Size([16])."]:
+        assert part in message and part in str(theirs.value)
+    assert message == str(theirs.value)
+    _assert_same(model, _snapshot_module(before))
+
+
+def _snapshot_module(state: dict[str, torch.Tensor]) -> nn.Module:
+    holder = Net()
+    holder.load_state_dict(state)
+    return holder
+
+
+def test_not_strict_reports_missing_and_unexpected_in_stats(tmp_path: Path) -> None:
+    state = _bad_state()
+    del state["attn.out_proj.bias"]
+    path = _save("pt", state, tmp_path)
+    model, stats = adaptive.load(Net(), path, strict=False, return_stats=True)
+    assert stats.missing_keys == ["scale", "attn.out_proj.bias", "norm.running_var"] or set(
+        stats.missing_keys) == {"scale", "attn.out_proj.bias", "norm.running_var"}
+    assert stats.unexpected_keys == ["extra.weight"]
+    assert torch.equal(model.emb.weight, _source().emb.weight)
+
+
+def test_shape_mismatch_is_an_error_even_when_not_strict(tmp_path: Path) -> None:
+    path = _save("pt", _bad_state(), tmp_path)
+    with pytest.raises(LoadError, match="size mismatch for attn.out_proj.bias"):
+        adaptive.load(Net(), path, strict=False)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_truncated_file_is_named_and_model_unchanged(fmt: str, tmp_path: Path) -> None:
+    path = _save(fmt, _source().state_dict(), tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 200])
+    model = Net()
+    before = _snapshot(model)
+    with pytest.raises(LoadError, match="model"):
+        adaptive.load(model, path)
+    with pytest.raises(LoadError) as info:
+        adaptive.load(model, path)
+    assert str(path) in str(info.value)
+    _assert_same(model, _snapshot_module(before))
+
+
+@pytest.mark.parametrize("fmt", ["sharded-pt", "sharded-safetensors"])
+def test_missing_shard_is_named_and_model_unchanged(fmt: str, tmp_path: Path) -> None:
+    index = _save(fmt, _source().state_dict(), tmp_path)
+    shard = sorted(tmp_path.glob("model-00002-*"))[0]
+    shard.unlink()
+    model = Net()
+    before = _snapshot(model)
+    for path in (index, tmp_path):
+        with pytest.raises(LoadError) as info:
+            adaptive.load(model, path)
+        assert str(shard) in str(info.value)
+    _assert_same(model, _snapshot_module(before))
+
+
+def test_directory_with_both_formats_reads_the_safetensors(tmp_path: Path) -> None:
+    source = _source()
+    _save("safetensors", source.state_dict(), tmp_path)
+    torch.save({"unrelated": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text("{}")
+    model, stats = adaptive.load(Net, tmp_path, device="cpu", return_stats=True)
+    _assert_same(model, source)
+    assert [Path(f).name for f in stats.files] == ["model.safetensors"]
+
+
+def test_missing_path_and_empty_directory_are_clear(tmp_path: Path) -> None:
+    with pytest.raises(LoadError, match="does not exist"):
+        adaptive.load(Net, tmp_path / "nope.safetensors")
+    with pytest.raises(LoadError, match="holds no checkpoint"):
+        adaptive.load(Net, tmp_path)
+
+
+def test_not_a_state_dict_is_refused(tmp_path: Path) -> None:
+    torch.save([torch.zeros(2)], tmp_path / "list.pt")
+    with pytest.raises(LoadError, match="not a state dict"):
+        adaptive.load(Net, tmp_path / "list.pt")
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "pt"])
+def test_copy_false_keeps_cpu_tensors_backed_by_the_file(fmt: str, tmp_path: Path) -> None:
+    source = _source()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    model, stats = adaptive.load(Net, path, device="cpu", copy=False, return_stats=True)
+    _assert_same(model, source)
+    # Parameters are mapped; buffers were built real on the CPU and are filled in place.
+    buffers = sum(b.nbytes for n, b in source.named_buffers() if n != "inv_freq")
+    assert stats.bytes_mapped == sum(p.nbytes for p in source.parameters())
+    assert stats.bytes_read == buffers
+    with torch.no_grad():
+        model.scale.add_(1)  # copy-on-write: the file must not change
+    again = adaptive.load(Net, path, device="cpu")
+    assert torch.equal(again.scale, source.scale)
+
+
+def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:
+    path = _save("pt", _source().state_dict(), tmp_path)
+    with pytest.raises(TypeError, match="model_or_factory"):
+        adaptive.load(3, path)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="checkpoint"):
+        adaptive.load(Net, {"a": torch.zeros(1)})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dtype"):
+        adaptive.load(Net, path, dtype="float16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dtype"):
+        adaptive.load(Net(), path, device=FakeHandle(Net()), dtype=torch.float16)
+    with pytest.raises(TypeError, match="factory"):
+        adaptive.empty_model(Net())  # type: ignore[arg-type]
+
+
+def test_strided_views_and_shared_storages_in_a_pt_file_load_exactly(tmp_path: Path) -> None:
+    big = torch.randn(100)
+    state = {"weight": torch.randn(4, 6).t(), "bias": big[10:16]}  # transposed; offset view
+    torch.save(state, tmp_path / "views.pt")
+    for dtype in (None, torch.float64):
+        model = adaptive.load(lambda: nn.Linear(4, 6), tmp_path / "views.pt", device="cpu",
+                              dtype=dtype)
+        assert torch.equal(model.weight, state["weight"].to(model.weight.dtype))
+        assert torch.equal(model.bias, state["bias"].to(model.bias.dtype))
+
+
+def test_torch_without_storage_offsets_falls_back_to_mmap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import adaptmem._checkpoints as checkpoints
+
+    source = _source()
+    path = _save("pt", source.state_dict(), tmp_path)
+    real_load = torch.load
+
+    def load_without_offsets(*args: object, **kwargs: object) -> object:
+        obj = real_load(*args, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("map_location") == "meta":
+            for t in obj.values():  # type: ignore[attr-defined]
+                storage = t.untyped_storage()
+                if hasattr(storage, "_checkpoint_offset"):
+                    del storage._checkpoint_offset
+        return obj
+
+    monkeypatch.setattr(checkpoints.torch, "load", load_without_offsets)
+    model, stats = adaptive.load(Net, path, device="cpu", return_stats=True)
+    _assert_same(model, source)
+    assert stats.format == "torch (mmap)"
+
+
+def test_nested_state_dict_key_is_accepted(tmp_path: Path) -> None:
+    source = _source()
+    torch.save({"epoch": 3, "state_dict": source.state_dict()}, tmp_path / "ckpt.pt")
+    _assert_same(adaptive.load(Net, tmp_path / "ckpt.pt", device="cpu"), source)
+
+
+def test_corrupt_safetensors_header_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes((20).to_bytes(8, "little") + b"{not json at all!!!}" + b"\0" * 8)
+    with pytest.raises(LoadError, match="bad.safetensors"):
+        adaptive.load(Net, path)
+
+
+def test_missing_key_on_meta_is_materialised_when_not_strict(tmp_path: Path) -> None:
+    state = dict(_source().state_dict())
+    del state["scale"]
+    path = _save("pt", state, tmp_path)
+    model, stats = adaptive.load(Net, path, device="cpu", strict=False, return_stats=True)
+    assert stats.missing_keys == ["scale"]
+    assert model.scale.device.type == "cpu" and isinstance(model.scale, nn.Parameter)
+
+
+def test_stats_print_bytes_per_device(tmp_path: Path) -> None:
+    path = _save("safetensors", _source().state_dict(), tmp_path)
+    _, stats = adaptive.load(Net, path, device="cpu", return_stats=True)
+    text = str(stats)
+    assert "bytes_by_device={cpu: " in text and "KiB" in text
+    assert stats.as_dict()["format"] == "safetensors" and stats.seconds > 0
+
+
+class _Stack(nn.Module):
+    def __init__(self, widths: list[int], tie: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Linear(a, b, dtype=dtype) for a, b in zip(widths, widths[1:], strict=False))
+        self.register_buffer("steps", torch.arange(len(widths)))
+        if tie:
+            self.layers[-1].weight = self.layers[0].weight
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    widths=st.lists(st.integers(1, 24), min_size=2, max_size=5),
+    tie=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    fmt=st.sampled_from(FORMATS),
+    into=st.sampled_from(["factory", "built", "handle"]),
+)
+def test_any_module_tree_round_trips_through_any_format(
+    widths: list[int], tie: bool, dtype: torch.dtype, fmt: str, into: str
+) -> None:
+    import tempfile
+
+    torch.manual_seed(len(widths))
+    tie = tie and len(widths) > 2
+    if tie:
+        widths = [widths[0], *widths[1:-1], widths[0]]
+    source = _Stack(widths, tie, dtype)
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_()
+    state = source.state_dict()
+    if fmt == "safetensors" and tie:
+        state = {k: v for k, v in state.items() if k != f"layers.{len(widths) - 2}.weight"}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _save(fmt, state, Path(tmp))
+        if into == "handle":
+            model = _Stack(widths, tie, dtype)
+            handle = FakeHandle(model)
+            adaptive.load(model, path, device=handle)
+            for name, copies in handle.targets.items():
+                want = source.get_parameter(name) if "weight" in name or "bias" in name \
+                    else source.get_buffer(name)
+                assert torch.equal(copies[0], want.detach().reshape(-1)), name
+            return
+        target = _Stack(widths, tie, dtype) if into == "built" else (
+            lambda: _Stack(widths, tie, dtype))
+        model = adaptive.load(target, path, device="cpu")
+    _assert_same(model, source)
+    if tie:
+        assert model.layers[-1].weight is model.layers[0].weight
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from torch import nn
+    from adaptmem import adaptive
+    from adaptmem.cpu_memory import _status_kib, set_cpu_memory_limit
+
+    method, ckpt_bytes, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    layers, width = {layers}, {width}
+
+    class Layer(nn.Module):  # no random init: the test is about memory, not arithmetic
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(width, width))
+
+    def factory():
+        return nn.Sequential(*[Layer() for _ in range(layers)])
+
+    held = _status_kib("RssAnon")
+    # The model is built before the cap: for the naive path that is its real copy; for
+    # adaptmem a meta model whose transient per-parameter CPU allocations glibc may keep as
+    # untouched address space, which RLIMIT_DATA would count although it is never resident.
+    model = adaptive.empty_model(factory) if method == "adaptmem" else factory()
+    if method != "adaptmem":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()  # an initialised model is resident, as a real one would be
+    limit = held + int(1.25 * ckpt_bytes)
+    assert ckpt_bytes > limit / 2, (ckpt_bytes, limit)
+    set_cpu_memory_limit(limit / 2**30)
+    try:  # reset the peak-RSS counter (VmHWM) so it measures the load alone
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then VmHWM also covers start-up, which only over-estimates the load's peak
+    before = _status_kib("VmRSS")
+    try:
+        if method == "adaptmem":
+            model = adaptive.load(model, path, device="cpu")
+        else:
+            model.load_state_dict(torch.load(path, weights_only=True))
+        peak = _status_kib("VmHWM") - before
+        print("loaded", float(model[-1].weight.detach()[0, :4].sum()), peak)
+    except (RuntimeError, MemoryError) as exc:
+        print("failed", type(exc).__name__, str(exc).splitlines()[0][:200])
+    """
+)
+
+
+def test_checkpoint_over_half_the_memory_cap_loads_where_naive_path_fails(
+    tmp_path: Path,
+) -> None:
+    if not sys.platform.startswith("linux"):
+        pytest.skip("set_cpu_memory_limit needs Linux")
+    layers, width = 28, 2048  # 448 MiB of fp32
+    torch.manual_seed(0)
+    state = {f"{i}.weight": torch.full((width, width), i + 0.25) for i in range(layers)}
+    ckpt_bytes = sum(t.nbytes for t in state.values())
+    torch.save(state, tmp_path / "big.pt")
+    safetensors_torch.save_file(state, tmp_path / "big.safetensors")
+    expect = float(state[f"{layers - 1}.weight"][0, :4].sum())
+    del state
+    script = _MEMORY_SCRIPT.format(layers=layers, width=width)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+
+    # One process per load (a cap counts memory freed but kept by the allocator); the three
+    # run side by side to save interpreter start-up time.
+    runs = {
+        (method, name): subprocess.Popen(
+            [sys.executable, "-c", script, method, str(ckpt_bytes), str(tmp_path / name)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        )
+        for method, name in [("adaptmem", "big.pt"), ("adaptmem", "big.safetensors"),
+                             ("naive", "big.pt")]
+    }
+    results, errors = {}, {}
+    try:
+        for key, proc in runs.items():
+            out, err = proc.communicate(timeout=120)
+            results[key], errors[key] = out.strip(), (proc.returncode, err[-2000:])
+    finally:
+        for proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for name in ("big.pt", "big.safetensors"):  # pytest keeps tmp dirs of recent runs
+            (tmp_path / name).unlink(missing_ok=True)
+    for key, (code, err) in errors.items():
+        assert code == 0, (key, err)
+    for name in ("big.pt", "big.safetensors"):
+        ours = results["adaptmem", name]
+        assert ours.startswith("loaded"), ours
+        assert float(ours.split()[1]) == pytest.approx(expect)
+        # Issue 5's bound: host peak above the final size <= largest tensor + 64 MiB.
+        assert int(ours.split()[2]) <= ckpt_bytes + width * width * 4 + 64 * 2**20, ours
+    naive = results["naive", "big.pt"]
+    assert naive.startswith("failed"), naive
+    assert "allocate" in naive or "MemoryError" in naive, naive
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_gpu_peak_is_model_bytes_plus_largest_tensor(fmt: str, tmp_path: Path) -> None:
+    def factory() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])
+
+    source = factory()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    sizes = module_sizes(source)
+    largest = sizes.largest_tensor()
+    assert largest is not None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = adaptive.load(factory, path, device="cuda")
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= sizes.total_bytes + largest.nbytes
+    _assert_same(model, source)
+    assert all(p.is_cuda for p in model.parameters())
+
+
+@pytest.mark.gpu
+def test_gpu_in_place_load_into_cuda_model_keeps_identity(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("sharded-safetensors", source.state_dict(), tmp_path)
+    model = Net().cuda()
+    weight = model.emb.weight
+    adaptive.load(model, path, dtype=torch.float16)
+    assert model.emb.weight is weight and weight.is_cuda and weight.dtype == torch.float16
+    assert torch.equal(weight.cpu(), source.emb.weight.half())
+
+
+@pytest.mark.gpu
+def test_gpu_plan_puts_each_tensor_on_its_units_device(tmp_path: Path) -> None:
+    source = _source()
+    path = _save("pt", source.state_dict(), tmp_path)
+    plan = adaptive.plan(adaptive.empty_model(Net), devices={"cuda:0": "4KiB", "cpu": None})
+    where = {t: u.placement for u in plan.units for t in u.tensors}
+    assert set(where.values()) == {"cuda:0", "cpu"}
+    model = adaptive.load(Net, path, device=plan)
+    _assert_same(model, source)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, place in where.items():
+        assert str(tensors[name].device) == place, name
