@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import weakref
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ._claims import claim, release
 from ._devices import first_tensor_device, format_bytes, free_memory, to_device
 from ._errors import OutOfMemoryError, PlacementError, oom_error_for
 from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
@@ -34,12 +34,11 @@ from ._probe import Probe
 from ._stats import PagingStats
 from ._transfer import Transfer, transfer_for
 
-__all__ = ["Pager", "PAGED"]
+__all__ = ["Pager"]
 
 logger = logging.getLogger("adaptmem")
 
 # Every module of every paged model, so a model (or a part of one) is never paged twice.
-PAGED: weakref.WeakKeyDictionary[nn.Module, Pager] = weakref.WeakKeyDictionary()
 
 # The pager's own tensor work is invisible to users' TorchFunctionModes (and to the probe).
 _quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
@@ -116,8 +115,7 @@ class Pager:
         }
         self.plan = Plan("page", [], self._sizes.total_bytes, dict(self._options))
         # Nothing above touched the model; from here on it is paged, or put back on failure.
-        for m in self._modules.values():
-            PAGED[m] = self
+        claim(self._modules.values(), self)
         try:
             for s in self._slots.values():
                 if s.original is None:
@@ -597,9 +595,7 @@ class Pager:
             for s in self._slots.values():
                 s.restore()
         self._device_bytes = 0
-        for m in self._modules.values():
-            if PAGED.get(m) is self:
-                del PAGED[m]
+        release(self._modules.values(), self)
 
     def _load_targets(self) -> dict[str, list[torch.Tensor]]:
         """Where checkpoint values go, for ``adaptive.load`` on a paged model.

@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._claims import refuse_if_held
 from ._devices import format_bytes, free_memory, parse_size, resolve_device
 from ._errors import PlacementError
-from ._pager import PAGED, Pager
+from ._pager import Pager
 from ._planner import module_sizes
 
 __all__ = ["Pager", "page"]
@@ -30,17 +31,7 @@ def _check_model(model: Any) -> None:
             f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so "
             f"there are no weights to page; build it with adaptive.load(model, checkpoint) "
             f"or load real weights before paging")
-    for m in model.modules():
-        owner = PAGED.get(m)
-        if owner is not None and not owner._removed:
-            if owner.model is model:
-                what = "this model is already paged"
-            elif m is model:
-                what = "this model is part of a paged model"
-            else:
-                what = "a submodule of this model is already paged"
-            raise PlacementError(
-                f"{what}; call .remove() on that Pager before paging again")
+    refuse_if_held(model)
 
 
 def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

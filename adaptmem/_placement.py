@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._claims import claim, holder, refuse_if_held, release
 from ._devices import format_bytes, map_tensors, parse_size, resolve_device
 from ._errors import PlacementError
 from ._placement_plan import (
@@ -48,16 +48,12 @@ from ._stats import PlacementStats
 __all__ = ["Splitter", "Chunker", "split", "chunk", "placed_handle"]
 
 _log = logging.getLogger("adaptmem")
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, Splitter] = weakref.WeakKeyDictionary()
 
 
 def placed_handle(model: nn.Module) -> Splitter | None:
     """The chunk/split handle placing ``model``, a module inside it, or a model it is in."""
-    for m in model.modules():
-        handle = _HANDLES.get(m)
-        if handle is not None:
-            return handle
-    return None
+    handle = holder(model)
+    return handle if isinstance(handle, Splitter) else None
 
 
 @dataclass(frozen=True)
@@ -91,12 +87,7 @@ def _check_model(model: Any, allow_meta: bool = False) -> None:
             f"is nothing to place; load the weights first, e.g. "
             f"adaptive.load(model, checkpoint, device=...)"
         )
-    handle = placed_handle(model)
-    if handle is not None:
-        raise PlacementError(
-            "model is already placed by adaptive.chunk/split; call .remove() on that handle "
-            "first, or give it an edited map with handle.device_map = {...}"
-        )
+    refuse_if_held(model)
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         raise PlacementError(
             "model is already dispatched by accelerate (it has _hf_hook hooks); call "
@@ -146,8 +137,7 @@ class Splitter:
         self._placing = threading.Lock()
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
-        for m in self._modules.values():
-            _HANDLES[m] = self
+        claim(self._modules.values(), self)
         self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
 
@@ -199,9 +189,7 @@ class Splitter:
             for name in list(self._where):
                 self._restore(name)
                 del self._where[name]
-        for m in self._modules.values():
-            if _HANDLES.get(m) is self:
-                del _HANDLES[m]
+        release(self._modules.values(), self)
 
     def _load_targets(self) -> dict[str, list[torch.Tensor]]:
         """Where a checkpoint value must be copied, in place, for each tensor.
