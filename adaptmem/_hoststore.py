@@ -24,7 +24,7 @@ class Slot:
     """One distinct tensor: the registered object, its host master, its device copy."""
 
     __slots__ = ("name", "tensor", "master", "original", "origin", "nbytes", "copy", "ticket",
-                 "state", "refs", "resident")
+                 "version", "state", "refs", "resident")
 
     def __init__(self, name: str, tensor: torch.Tensor, master: torch.Tensor,
                  original: torch.Tensor | None, origin: torch.device) -> None:
@@ -37,6 +37,7 @@ class Slot:
         self.copy: torch.Tensor | None = None
         self.ticket: Any = None
         self.state = HOST
+        self.version = 0  # master + tensor version counters when the pending copy was made
         self.refs = 0
         self.resident = False
 

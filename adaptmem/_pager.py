@@ -348,6 +348,11 @@ class Pager:
                 return needs
 
     def _bring_in(self, missing: list[Slot], keep: tuple[Slot, ...] | list[Slot]) -> None:
+        for s in missing:
+            # A prefetched copy is stale if the weights changed in place since it was made
+            # (adaptive.load into this pager, or the user editing a parameter).
+            if s.state == PENDING and s.master._version + s.tensor._version != s.version:
+                self._unload(s)
         ticket = missing[0].ticket
         if missing[0].state == PENDING:
             # The usual steady state: everything was prefetched together.
@@ -410,6 +415,7 @@ class Pager:
         nbytes = 0
         for s, c in zip(slots, copies, strict=True):
             s.copy, s.ticket, s.state = c, ticket, PENDING
+            s.version = s.master._version + s.tensor._version
             nbytes += s.nbytes
         self._add_device_bytes(nbytes)
         self._stats.transfers += 1
@@ -604,8 +610,12 @@ class Pager:
         them (the first ``named_modules()`` path plus the attribute; tie aliases are not
         repeated). Copy a checkpoint value into every listed tensor in place (``copy_``):
         the host master first, then the device copy when the tensor is resident. Call it
-        outside a forward; the tensors keep their shape, dtype and device.
+        outside a forward; the tensors keep their shape, dtype and device. Copies prefetched
+        for the next forward are dropped first: a loader may write without bumping version
+        counters, so they could not be told stale later.
         """
+        self._settle(block=True)
+        self._drop_pending(())
         out = {}
         for name, s in self._slots.items():
             targets = [s.master]

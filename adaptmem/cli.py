@@ -115,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="classify synthetic images under a memory cap")
-    demo.add_argument("--seconds", type=float, default=10.0, help="time spent per phase")
+    demo.add_argument("--seconds", type=float, default=60.0,
+                      help="longest time the batch-size phase keeps calling (default 60)")
     demo.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("plan", help="print how a model would be paged or placed")

@@ -64,3 +64,20 @@ def test_load_into_a_real_chunker_fills_placed_copies_and_originals(tmp_path) ->
     assert torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want) < 5e-2
     chunker.remove()
     assert torch.equal(model(x), want)  # the kept fp32 originals were loaded too
+
+
+def test_weights_changed_between_forwards_are_never_served_from_a_stale_prefetch(tmp_path) -> None:
+    source = _model(5)
+    path = tmp_path / "model.pt"
+    torch.save(source.state_dict(), path)
+    x = torch.randn(4, 32)
+    model = _model(6)
+    with adaptive.page(model, "cpu", resident_bytes=0, unit_bytes=20_000) as pager:
+        model(x)
+        model(x)  # the next forward's first units are prefetched now
+        adaptive.load(model, path, device=pager)
+        assert torch.equal(model(x), source(x))
+        with torch.no_grad():
+            model[0].weight.zero_()  # an in-place edit through the parameter itself
+            source[0].weight.zero_()
+        assert torch.equal(model(x), source(x))
