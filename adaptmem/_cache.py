@@ -53,16 +53,17 @@ class SizeRecord:
         self.fails = fails
         self._lock = threading.Lock()
 
-    def next_size(self, initial: int) -> int:
-        """The size a new call should try first (never above ``initial``)."""
+    def next_size(self, initial: int, floor: int = 1) -> int:
+        """The size a new call should try first: never above ``initial``, never below
+        ``floor``."""
         # Read without the lock: a torn read between two writers only changes one probe.
         fits, fails = self.fits, self.fails
         if fits is None:
-            return initial if fails is None else max(1, min(initial, fails // 2))
+            return initial if fails is None else max(floor, min(initial, fails // 2))
         ceiling = min(initial + 1, fails) if fails is not None else initial + 1
         if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
-            return min(fits, initial)
-        return (fits + ceiling) // 2
+            return max(floor, min(fits, initial))
+        return max(floor, (fits + ceiling) // 2)
 
     def after_failure(self, size: int, floor: int) -> int:
         """Record that ``size`` ran out of memory; return the size to retry with."""
@@ -135,7 +136,11 @@ class BatchsizeCache:
 
 
 class GlobalBatchsizeCache(BatchsizeCache):
-    """One record per decorated function (and ``context``), wherever it is called from."""
+    """One record per decorated function (and ``context``), wherever it is called from.
+
+    It does not watch free memory: a size that once failed stays the ceiling until a call
+    succeeds at it. Use the default cache where memory comes and goes between calls.
+    """
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
         return (function, context)

@@ -85,6 +85,10 @@ class _Adaptive:
         self._name = getattr(func, "__qualname__", repr(func))
         self._injected, self._limit = _positional_limit(func, self.leading)
 
+    def __reduce__(self) -> str:
+        # Pickled by name, like the function it replaces (for multiprocessing and spawn).
+        return self.__qualname__  # type: ignore[no-any-return,attr-defined]
+
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
             return self
@@ -119,7 +123,7 @@ class _Batch(_Adaptive):
         self._check_call(args, kwargs)
         cache, record = self._record(caller)
         func = self._func
-        size = record.next_size(self.initial)
+        size = record.next_size(self.initial, self.floor)
         if record.fits is not None and size > record.fits:
             log_probe(record, size, self._name, "batchsize")
         # The success path: one attempt, no closure, no gc, no probing.
@@ -183,7 +187,7 @@ class _Chunked(_Adaptive):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{self._name}() needs a tensor first, got {type(tensor).__name__}")
         dim = self.dimension
-        if not -tensor.dim() <= dim < max(tensor.dim(), 1):
+        if not -tensor.dim() <= dim < tensor.dim():
             raise ValueError(
                 f"dimension={dim} is out of range for a tensor of shape {tuple(tensor.shape)}; "
                 f"use -{tensor.dim()}..{tensor.dim() - 1}"

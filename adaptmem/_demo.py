@@ -56,13 +56,15 @@ def run_demo(seconds: float = 10.0) -> int:
         @adaptive.batch(initial_batchsize=IMAGES)
         def classify(batchsize: int, images: torch.Tensor) -> torch.Tensor:
             sizes.append(batchsize)
-            # oneDNN reports a failed allocation as "could not create a primitive", which is
-            # not reliably an out-of-memory error, so the capped phase uses torch's own kernels.
-            with torch.inference_mode(), torch.backends.mkldnn.flags(enabled=False):
+            with torch.inference_mode():
                 return torch.cat([model(chunk.to(device)).argmax(1).cpu()
                                   for chunk in images.split(batchsize)])
 
         # 2. Adaptive batch size under a memory cap.
+        # oneDNN reports a failed allocation as "could not create a primitive", which is not
+        # reliably an out-of-memory error, so the capped phase uses torch's own kernels.
+        mkldnn = torch.backends.mkldnn.enabled
+        torch.backends.mkldnn.enabled = False
         limit = _cap_memory(device)
         _say(f"2. @adaptive.batch(initial_batchsize={IMAGES}) under {limit}")
         start = time.perf_counter()
@@ -83,6 +85,7 @@ def run_demo(seconds: float = 10.0) -> int:
                     else f", {IMAGES / took:.0f} images/s"))
         _say(f"   {'settled' if settled else 'stopped (time limit)'} at batch size {sizes[-1]}")
         _uncap_memory(device)
+        torch.backends.mkldnn.enabled = mkldnn
 
         # 3. Paging: weights streamed to the device unit by unit, outputs unchanged.
         budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 4

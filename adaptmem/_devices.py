@@ -139,7 +139,9 @@ def memory_info(device: torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes on ``device``; for the CPU, under any adaptmem CPU limit."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
+        # Blocks torch's caching allocator holds but does not use are free to this process.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached)), int(total)
     if device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
         free, total = torch.xpu.mem_get_info(device)
         return int(free), int(total)

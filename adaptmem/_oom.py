@@ -60,11 +60,14 @@ def oom_phase(exc: BaseException) -> str:
 
 
 def drop_frames(exc: BaseException) -> None:
-    """Release the locals of every frame a failed attempt left in ``exc``'s tracebacks."""
+    """Drop every frame a failed attempt left in ``exc``'s tracebacks: their locals are
+    cleared, then the tracebacks themselves go (a frame keeps its function, and so the
+    closures it captured, alive even when cleared)."""
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
         exc = exc.__context__ or exc.__cause__  # type: ignore[assignment]
 
 

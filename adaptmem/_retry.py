@@ -73,11 +73,8 @@ def run_sized(
                 return result, size
         # Out of the except block, so nothing keeps the failed attempt's frames alive.
         tried.append(size)
-        drop_frames(failure)
-        free_caches(device)
-        if isinstance(cache, StacktraceMemoryBatchsizeCache):
-            cache.memory_changed()
         if size <= floor:
+            # No retry follows: keep the original traceback for whoever debugs this.
             error = oom_error_for(failure)(
                 f"{name} ran out of memory at the smallest {what}, {floor}; tried {what} "
                 f"{', '.join(map(str, tried))} ({_free_text(device)}). Lower min_{what} if "
@@ -86,6 +83,10 @@ def run_sized(
             )
             error.phase = "compute"
             raise error from failure
+        drop_frames(failure)
+        free_caches(device)
+        if isinstance(cache, StacktraceMemoryBatchsizeCache):
+            cache.memory_changed()
         new_size = record.after_failure(size, floor)
         logger.info(
             "%s ran out of memory at %s=%d (%s); retrying with %s=%d",
@@ -113,7 +114,7 @@ def run_range(
     finished steps are never redone. The step that worked is kept for the rest of the call.
     """
     results: list[Any] = []
-    step = record.next_size(initial)
+    step = record.next_size(initial, floor)
     log_probe(record, step, name, "step")
     position = start
     while position < end:

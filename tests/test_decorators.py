@@ -468,3 +468,54 @@ def test_retry_frees_caches_between_attempts(monkeypatch) -> None:
         return batchsize
 
     assert infer() == 2 and len(freed) == 2
+
+
+def test_closures_of_a_failed_attempt_are_gone_before_the_retry() -> None:
+    refs: list[weakref.ref] = []
+    alive_at_retry = []
+
+    class Activation:
+        pass
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> int:
+        alive_at_retry.extend(r() is not None for r in refs)
+        activation = Activation()
+        refs.append(weakref.ref(activation))
+
+        def inner(held: Activation = activation) -> None:  # a frame of its own holds it
+            raise make_oom("cuda")
+
+        if batchsize > 1:
+            inner()
+        return batchsize
+
+    assert infer() == 1
+    assert alive_at_retry == [False, False, False]
+
+
+def test_later_calls_never_go_below_the_floor() -> None:
+    calls: list[int] = []
+
+    @adaptive.batch(initial_batchsize=9, min_batchsize=8, cache=adaptive.GlobalBatchsizeCache())
+    def infer(batchsize: int) -> int:
+        calls.append(batchsize)
+        if batchsize > 7:
+            raise make_oom("cuda")
+        return batchsize
+
+    for _ in range(2):
+        with pytest.raises(OutOfMemoryError):
+            infer()
+    assert min(calls) == 8
+
+
+@adaptive.batch(initial_batchsize=4)
+def picklable(batchsize: int) -> int:
+    return batchsize
+
+
+def test_decorated_functions_pickle_by_name() -> None:
+    import pickle
+
+    assert pickle.loads(pickle.dumps(picklable)) is picklable
