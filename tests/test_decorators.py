@@ -519,3 +519,28 @@ def test_decorated_functions_pickle_by_name() -> None:
     import pickle
 
     assert pickle.loads(pickle.dumps(picklable)) is picklable
+
+
+@pytest.mark.gpu
+def test_a_real_cuda_oom_adapts_and_memory_returns_to_baseline() -> None:
+    device = torch.device("cuda")
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    # Make the card look like 1 GiB: 4 MiB per item, so about 200 items fit.
+    torch.cuda.set_per_process_memory_fraction(
+        (torch.cuda.memory_reserved(device) + 2**30) / total, device)
+    try:
+        @adaptive.batch(initial_batchsize=4096, device=device,
+                        cache=adaptive.GlobalBatchsizeCache())
+        def fill(batchsize: int) -> int:
+            block = torch.ones(batchsize, 2**20, device=device)  # 4 MiB per item
+            return int(block.sum().item()) // 2**20
+
+        sizes = [fill() for _ in range(8)]
+        assert sizes[0] < 4096 and all(s <= 256 for s in sizes)
+        assert sizes[-1] >= 100  # 1 GiB holds about 250 items; the search got near that
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated(device) == baseline
