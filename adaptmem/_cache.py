@@ -165,65 +165,76 @@ class _FreeMemoryBuckets:
     def __init__(self, interval: float = 0.5, per_octave: int = 4) -> None:
         self.interval = interval
         self.per_octave = per_octave
-        self._cached: dict[Any, tuple[float, int]] = {}
+        self.cached: dict[Any, tuple[float, int]] = {}
 
     def bucket(self, device: torch.device | None) -> int:
         now = time.monotonic()
-        hit = self._cached.get(device)
+        hit = self.cached.get(device)
         if hit is not None and now - hit[0] < self.interval:
             return hit[1]
         free = free_memory(device if device is not None else default_device())
         bucket = int(math.log2(max(free, 1 << 20)) * self.per_octave)
-        self._cached[device] = (now, bucket)
+        self.cached[device] = (now, bucket)
         return bucket
 
     def invalidate(self) -> None:
-        self._cached.clear()
+        self.cached.clear()
 
 
 class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     """Default: one record per call site and free-memory bucket.
 
-    The call site is the code objects and instruction offsets of the ``depth`` innermost
-    frames above the decorated function (``sys._getframe``; no ``inspect.stack``, no line
-    numbers). Free memory is bucketed in quarter-octaves of the device in use and re-read at
-    most every half second. A call in a bucket never seen before starts from the nearest
+    The call site is the code objects and instruction offsets of the four innermost frames
+    above the decorated function (``sys._getframe``; no ``inspect.stack``, no line numbers).
+    Free memory is bucketed in quarter-octaves of the device in use and re-read at most
+    every ``refresh_seconds``. A call in a bucket never seen before starts from the nearest
     known bucket of the same call site, so noise that flips a bucket does not restart the
     search; a bucket with more free memory climbs again from there.
     """
 
-    def __init__(self, depth: int = 4, refresh_seconds: float = 0.5) -> None:
+    def __init__(self, refresh_seconds: float = 0.5) -> None:
         super().__init__()
-        self.depth = depth
         self._buckets = _FreeMemoryBuckets(refresh_seconds)
         self._codes: set[Any] = set()
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
-        frame = caller if caller is not None else sys._getframe(2)
+        f = caller if caller is not None else sys._getframe(2)
         # Ids, not code objects: hashing a code object hashes its contents on every call.
         # The code objects of every recorded site are kept alive, so an id is never reused.
-        site: list[Any] = [function, context]
-        for _ in range(self.depth):
-            if frame is None:
-                break
-            site.append(id(frame.f_code))
-            site.append(frame.f_lasti)
-            frame = frame.f_back
-        return tuple(site), self._buckets.bucket(device)
+        # Unrolled: this runs on every call, and a loop costs twice as much.
+        b = f.f_back
+        c = b.f_back if b is not None else None
+        d = c.f_back if c is not None else None
+        site = (
+            id(function), context, id(f.f_code), f.f_lasti,
+            b and id(b.f_code), b and b.f_lasti,
+            c and id(c.f_code), c and c.f_lasti,
+            d and id(d.f_code), d and d.f_lasti,
+        )
+        hit = self._buckets.cached.get(device)
+        if hit is not None and time.monotonic() - hit[0] < self._buckets.interval:
+            return site, hit[1]
+        return site, self._buckets.bucket(device)
 
     def record(
         self, function: Any, context: Any, device: torch.device | None, caller: Any = None
     ) -> SizeRecord:
+        if caller is None:
+            caller = sys._getframe(1)
         key = self.key(function, context, device, caller)
         record = self._records.get(key)
         if record is None:
+            self._codes.add(function)
             frame = caller
-            for _ in range(self.depth):
+            for _ in range(4):
                 if frame is None:
                     break
                 self._codes.add(frame.f_code)
                 frame = frame.f_back
-            record = super().record(function, context, device, caller)
+            with self._lock:
+                record = self._records.get(key)
+                if record is None:
+                    record = self._records[key] = self._seed(key)
         return record
 
     def _seed(self, key: Any) -> SizeRecord:

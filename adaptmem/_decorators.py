@@ -120,8 +120,12 @@ class _Batch(_Adaptive):
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> Any:
-        self._check_call(args, kwargs)
-        cache, record = self._record(caller)
+        # The checks of _check_call, inlined: this is the success path.
+        limit = self._limit
+        if (limit is not None and len(args) > limit) or (kwargs and self._injected in kwargs):
+            self._check_call(args, kwargs)
+        cache = resolve_cache(self.cache)
+        record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
         size = record.next_size(self.initial, self.floor)
         if record.fits is not None and size > record.fits:
