@@ -149,8 +149,12 @@ class Splitter:
 
     @property
     def device_map(self) -> dict[str, str] | None:
-        """``{module or tensor name: device label}``, coarsest; None until placed."""
-        return None if self._plan is None else self._plan.device_map
+        """``{module or tensor name: device label}``, coarsest. Before the first call: the
+        map given to ``split``/``place`` if any, else None (the plan needs that call)."""
+        if self._plan is None:
+            pending = self._pending_map
+            return None if pending is None else dict(pending)
+        return self._plan.device_map
 
     @device_map.setter
     def device_map(self, device_map: Mapping[str, str]) -> None:
@@ -239,6 +243,28 @@ class Splitter:
                 if len(same) == 1 or len(plain) == 1:
                     value = (same[0] if len(same) == 1 else plain[0]).label
             out[str(key)] = value
+        # Checked here, at the call that received the map, not at the first forward.
+        unknown = [k for k in out if k and k not in self._modules and k not in self._tensors]
+        if unknown:
+            raise PlacementError(
+                f"device_map names {unknown[:5]}, which are neither modules nor tensors of this "
+                f"model; use names from model.named_modules() (or '' for the whole model)"
+            )
+        bad = sorted({v for v in out.values() if v not in self._targets})
+        if bad:
+            raise PlacementError(
+                f"device_map places modules on {bad}, which are not among this placement's "
+                f"devices {sorted(self._targets)}; add them to devices= or change the map"
+            )
+        uncovered = [
+            name for name in self._tensors
+            if not any(k == "" or name == k or name.startswith(k + ".") for k in out)
+        ]
+        if uncovered:
+            raise PlacementError(
+                f"device_map leaves {len(uncovered)} tensor(s) without a device (first: "
+                f"{uncovered[0]!r}); name their module, a parent of it, or '' for everything"
+            )
         return out
 
     def _place_first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

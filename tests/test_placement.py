@@ -314,7 +314,7 @@ def test_split_takes_an_accelerate_style_device_map() -> None:
         + [torch.bfloat16] * 2
     splitter.remove()
     assert_bitwise(model, before)
-    with pytest.raises(adaptive.PlacementError, match="no entry for '2"):
+    with pytest.raises(adaptive.PlacementError, match=r"without a device \(first: '2.weight'\)"):
         adaptive.split(model, device_map={"0": "cpu", "1": "cpu"},
                        example_inputs=torch.randn(1, 8))
     assert adaptive.split(model, device_map={"": "cpu"}).remove() is None
@@ -607,3 +607,17 @@ def test_docstring_examples_run() -> None:
 
     result = doctest.testmod(placement)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_a_bad_device_map_fails_at_split_not_at_the_first_forward() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).eval()
+    with pytest.raises(adaptive.PlacementError, match="without a device"):
+        adaptive.split(model, {"cpu": None}, device_map={"0": "cpu"})
+    with pytest.raises(adaptive.PlacementError, match="neither modules nor tensors"):
+        adaptive.split(model, {"cpu": None}, device_map={"zzz": "cpu", "": "cpu"})
+    with pytest.raises(adaptive.PlacementError, match="not among"):
+        adaptive.split(model, {"cpu": None}, device_map={"0": "cuda:7", "1": "cpu"})
+    assert not model._forward_pre_hooks
+    splitter = adaptive.split(model, {"cpu": None}, device_map={"0": "cpu", "1": "cpu"})
+    assert splitter.device_map == {"0": "cpu", "1": "cpu"}  # known before the first call
+    splitter.remove()
