@@ -73,7 +73,7 @@ class _Adaptive:
         self, func: Callable[..., Any], initial: int, floor: int, cache: Any, context: Any,
         device: Any,
     ) -> None:
-        functools.update_wrapper(self, func)
+        functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self.__wrapped__ = func
         self._func = func
         self._key = _function_key(func)

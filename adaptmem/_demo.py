@@ -64,7 +64,7 @@ def run_demo(seconds: float = 10.0) -> int:
         # oneDNN reports a failed allocation as "could not create a primitive", which is not
         # reliably an out-of-memory error, so the capped phase uses torch's own kernels.
         mkldnn = torch.backends.mkldnn.enabled
-        torch.backends.mkldnn.enabled = False
+        torch.backends.mkldnn.enabled = False  # type: ignore[assignment]
         limit = _cap_memory(device)
         _say(f"2. @adaptive.batch(initial_batchsize={IMAGES}) under {limit}")
         start = time.perf_counter()
@@ -85,7 +85,7 @@ def run_demo(seconds: float = 10.0) -> int:
                     else f", {IMAGES / took:.0f} images/s"))
         _say(f"   {'settled' if settled else 'stopped (time limit)'} at batch size {sizes[-1]}")
         _uncap_memory(device)
-        torch.backends.mkldnn.enabled = mkldnn
+        torch.backends.mkldnn.enabled = mkldnn  # type: ignore[assignment]
 
         # 3. Paging: weights streamed to the device unit by unit, outputs unchanged.
         budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 4

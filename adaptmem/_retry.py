@@ -119,8 +119,13 @@ def run_range(
     position = start
     while position < end:
         span = min(step, end - position)
+        at = position
+
+        def attempt(size: int, at: int = at) -> Any:
+            return body(at, at + size)
+
         result, used = run_sized(
-            lambda s, at=position: body(at, at + s), span, record,
+            attempt, span, record,
             floor=min(floor, span), name=name, what="step", device=device, cache=cache,
         )
         results.append(result)

@@ -1,0 +1,25 @@
+"""The public surface is chosen on purpose: a name added or lost here is an API change."""
+
+from __future__ import annotations
+
+import adaptmem
+from adaptmem import adaptive
+
+
+def test_the_top_level_exports_only_the_front_door() -> None:
+    assert sorted(adaptmem.__all__) == [
+        "AdaptmemError", "LoadError", "OutOfMemoryError", "PlacementError", "__version__",
+        "adaptive",
+    ]
+
+
+def test_the_adaptive_namespace_exports_the_designed_api() -> None:
+    assert sorted(adaptive.__all__) == sorted([
+        "AdaptmemError", "BatchsizeCache", "Chunker", "GlobalBatchsizeCache", "LoadError",
+        "NoBatchsizeCache", "OutOfMemoryError", "Pager", "Plan", "PlacementError", "Splitter",
+        "StacktraceMemoryBatchsizeCache", "batch", "chunk", "chunked", "cpu_memory",
+        "empty_model", "execute", "explicit", "get_default_cache", "is_oom", "load", "page",
+        "plan", "range", "set_default_cache", "split",
+    ])
+    for name in adaptive.__all__:
+        assert getattr(adaptive, name) is not None, name
