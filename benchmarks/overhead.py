@@ -60,6 +60,13 @@ def main() -> None:
         variants.append(("toma 1.1, default cache", lambda: decorated_toma(1), 20))
     except ImportError:
         print("toma is not installed (pip install -e '.[bench]'); skipping it", file=sys.stderr)
+    try:
+        from accelerate.utils import find_executable_batch_size
+
+        decorated_acc = find_executable_batch_size(starting_batch_size=32)(body)
+        variants.append(("accelerate find_executable_batch_size", lambda: decorated_acc(1), 200))
+    except ImportError:
+        print("accelerate is not installed; skipping it", file=sys.stderr)
 
     for label, fn, calls in variants:
         fn()  # warm the cache
@@ -71,9 +78,9 @@ def main() -> None:
         f"Native call: {native * 1e9:.0f} ns. Target <= 5 us for the default cache: "
         f"{'met' if default_us <= 5 else 'NOT met'} ({default_us:.2f} us)."
     )
-    if len(rows) == 4:
-        toma_us = float(rows[3][1].replace(",", ""))
-        verdict += f" toma adds {toma_us / default_us:,.0f}x what adaptmem's default adds."
+    for row in rows[3:]:
+        other_us = float(row[1].replace(",", ""))
+        verdict += f" {row[0]} adds {other_us / default_us:,.0f}x what adaptmem's default adds."
     print(table)
     print(verdict)
     if args.write:
