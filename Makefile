@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
@@ -26,6 +25,8 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/batch_search.py
+	$(PY) benchmarks/paging.py
+	$(PY) benchmarks/chunking.py
 	$(PY) benchmarks/loading.py
 
 lint: $(STAMP)
