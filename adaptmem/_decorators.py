@@ -13,7 +13,7 @@ import torch
 
 from ._cache import BatchsizeCache, _check_cache, resolve_cache
 from ._devices import resolve_device
-from ._oom import is_oom, oom_phase
+from ._oom import shrinks_size
 from ._retry import log_probe, run_range, run_sized
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
@@ -134,7 +134,7 @@ class _Batch(_Adaptive):
         try:
             result = func(*bound, size, *args, **kwargs)
         except Exception as exc:
-            if not is_oom(exc) or oom_phase(exc) == "transfer":
+            if not shrinks_size(exc):
                 raise
             failure = exc
         else:

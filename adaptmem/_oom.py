@@ -9,7 +9,7 @@ import torch
 
 from ._devices import empty_cache
 
-__all__ = ["is_oom", "oom_phase", "drop_frames", "free_caches", "OOM_MESSAGES"]
+__all__ = ["is_oom", "oom_phase", "shrinks_size", "drop_frames", "free_caches", "OOM_MESSAGES"]
 
 # Matched against every string argument of a RuntimeError, case-sensitively, because these are
 # the exact words the backends print (checked against their sources and real failures).
@@ -57,6 +57,12 @@ def is_oom(exc: BaseException) -> bool:
 def oom_phase(exc: BaseException) -> str:
     """``"transfer"`` if memory ran out while adaptmem moved weights, else ``"compute"``."""
     return getattr(exc, "phase", "compute")
+
+
+def shrinks_size(exc: BaseException) -> bool:
+    """True for an out-of-memory error that a smaller batch or step can help: one raised in
+    compute, not one a pager raised while moving weights."""
+    return is_oom(exc) and oom_phase(exc) != "transfer"
 
 
 def drop_frames(exc: BaseException) -> None:

@@ -11,7 +11,7 @@ import torch
 from ._cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from ._devices import default_device, format_bytes, free_memory
 from ._errors import oom_error_for
-from ._oom import drop_frames, free_caches, is_oom, oom_phase
+from ._oom import drop_frames, free_caches, shrinks_size
 
 __all__ = ["run_sized", "run_range", "log_probe", "logger"]
 
@@ -62,7 +62,7 @@ def run_sized(
             try:
                 result = attempt(size)
             except Exception as exc:
-                if not is_oom(exc) or oom_phase(exc) == "transfer":
+                if not shrinks_size(exc):
                     raise
                 failure = exc
             else:
