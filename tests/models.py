@@ -92,3 +92,15 @@ def small_vit() -> nn.Module:
 
     return VisionTransformer(image_size=32, patch_size=8, num_layers=3, num_heads=4,
                              hidden_dim=64, mlp_dim=128, num_classes=10)
+
+
+class HeadFirst(nn.Module):
+    """Its head is registered before its body: registration order is not execution order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(64, 10)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))

@@ -10,7 +10,7 @@ import torch
 import torchvision
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from models import ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
+from models import HeadFirst, ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
 from strategies import DIM, module_trees
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -258,21 +258,13 @@ def test_tied_embedding_is_one_tensor_on_the_device_while_used() -> None:
 
 
 def test_plan_lists_units_in_execution_order_with_placement() -> None:
-    class HeadFirst(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = nn.Linear(8, 2)
-            self.body = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.body(x))
-
     model = HeadFirst().eval()
     with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
-        assert [u.module for u in pager.plan.units] == ["head", "body"]  # registration
+        registered = ["head", "body.0", "body.2"]
+        assert [u.module for u in pager.plan.units] == registered
         with torch.no_grad():
-            model(torch.randn(1, 8))
-        assert [u.module for u in pager.plan.units] == ["body", "head"]  # as they ran
+            model(torch.randn(1, 32))
+        assert [u.module for u in pager.plan.units] == ["body.0", "body.2", "head"]  # as run
         assert {u.placement for u in pager.plan.units} == {"paged"}
         assert "paged" in str(pager.plan)
         assert adaptive.Plan.from_dict(pager.plan.to_dict()).to_dict() == pager.plan.to_dict()

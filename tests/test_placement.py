@@ -15,6 +15,7 @@ import torchvision
 from conftest import run_if
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import HeadFirst
 from strategies import (
     SPLIT_WIDTH,
     build_tree_for_split,
@@ -62,18 +63,6 @@ def assert_bitwise(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
     for k, v in after.items():
         assert v.dtype == before[k].dtype and v.device == before[k].device, k
         assert torch.equal(v.detach(), before[k]), k
-
-
-class HeadFirst(nn.Module):
-    """Its head is registered before its body: registration order is not execution order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(64, 10)
-        self.body = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
 
 
 class TinyLM(nn.Module):

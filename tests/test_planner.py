@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from models import HeadFirst
 from torch import nn
 
 from adaptmem import adaptive
@@ -55,21 +56,13 @@ def test_tied_weight_is_owned_by_one_unit_and_borrowed_by_the_other() -> None:
 
 
 def test_plan_uses_execution_order_not_registration_order() -> None:
-    class HeadFirst(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = nn.Linear(8, 2)
-            self.body = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.body(x))
-
     with torch.device("meta"):
         model = HeadFirst()
-        x = torch.empty(1, 8)
-    assert record_execution_order(model, x) == ["", "body", "head"]
+        x = torch.empty(1, 32)
+    order = record_execution_order(model, x)
+    assert order[:3] == ["", "body", "body.0"] and order[-1] == "head"
     p = adaptive.plan(model, unit_bytes=0, example_inputs=x)
-    assert [u.module for u in p.units] == ["body", "head"]
+    assert [u.module for u in p.units] == ["body.0", "body.2", "head"]
 
 
 def test_plan_places_a_prefix_per_device_and_round_trips() -> None:
