@@ -1,4 +1,5 @@
-"""Which engine holds which module: a model is paged, chunked or split by one handle at a time."""
+"""Which engine holds which module (one handle per model at a time), and the checks every
+engine makes before it touches a model."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ._errors import PlacementError
 
-__all__ = ["claim", "release", "holder", "refuse_if_held"]
+__all__ = ["claim", "release", "holder", "refuse_if_held", "check_placeable"]
 
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -55,3 +57,36 @@ def refuse_if_held(model: nn.Module) -> None:
         f"{what}; call .remove() on that {type(handle).__name__} first "
         f"(one engine holds a model at a time)"
     )
+
+
+def check_placeable(model: Any, engine: str, allow_meta: bool = False) -> None:
+    """Refuse, before anything changes, a model ``engine`` (``"adaptive.page"``, ...) cannot
+    take: not a module, in training mode, weights on meta, or already held by adaptmem or
+    dispatched by accelerate."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    training = [n or "<root>" for n, m in model.named_modules() if m.training]
+    if training:
+        raise PlacementError(
+            f"{engine} is for inference, but {len(training)} module(s) are in training mode "
+            f"(first: {training[0]!r}); call model.eval() first"
+        )
+    if not allow_meta:
+        meta = [n for n, t in _named_tensors(model) if t.is_meta]
+        if meta:
+            raise PlacementError(
+                f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so "
+                f"there are no weights for {engine}; load them first with "
+                f"adaptive.load(model, checkpoint)"
+            )
+    refuse_if_held(model)
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        raise PlacementError(
+            "model is already dispatched by accelerate (it has _hf_hook hooks); call "
+            "accelerate.hooks.remove_hook_from_module(model, recurse=True) first"
+        )
+
+
+def _named_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    yield from model.named_buffers()

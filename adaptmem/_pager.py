@@ -362,15 +362,8 @@ class Pager:
                     together = False
                     break
             if together:
-                waited = self._transfer.wait([(ticket, [s.copy for s in missing])], False)  # type: ignore[misc]
-                if waited:
-                    self._stats.prefetch_misses += 1
-                elif waited is not None:
-                    self._stats.prefetch_hits += 1
-                for s in missing:
-                    s.tensor.data = s.copy  # type: ignore[assignment]
-                    s.state = LOADED
-                    s.ticket = None
+                self._install(missing, self._transfer.wait(
+                    [(ticket, [s.copy for s in missing])], False))  # type: ignore[misc]
                 return
         absent = [s for s in missing if s.state == HOST]
         need = sum(s.nbytes for s in absent)
@@ -401,12 +394,16 @@ class Pager:
             for s in missing:
                 tickets.setdefault(id(s.ticket), []).append(s)
             groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
-        waited = self._transfer.wait(groups, demand=bool(absent))  # type: ignore[arg-type]
+        self._install(missing, self._transfer.wait(groups, demand=bool(absent)))  # type: ignore[arg-type]
+
+    def _install(self, slots: list[Slot], waited: bool | None) -> None:
+        """Point each slot's tensor at its device copy; count whether compute waited on it
+        (a prefetch miss) or found it ready (a hit); None means neither applies."""
         if waited:
             self._stats.prefetch_misses += 1
         elif waited is not None:
             self._stats.prefetch_hits += 1
-        for s in missing:
+        for s in slots:
             s.tensor.data = s.copy  # type: ignore[assignment]
             s.state, s.ticket = LOADED, None
 

@@ -2,41 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._claims import refuse_if_held
+from ._claims import check_placeable
 from ._devices import format_bytes, free_memory, parse_size, resolve_device
-from ._errors import PlacementError
 from ._pager import Pager
 from ._planner import module_sizes
 
 __all__ = ["Pager", "page"]
-
-
-def _check_model(model: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    training = [n or "<root>" for n, m in model.named_modules() if m.training]
-    if training:
-        raise PlacementError(
-            f"adaptive.page is for inference, but {len(training)} module(s) are in training "
-            f"mode (first: {training[0]!r}); call model.eval() first")
-    meta = [n for n, t in _named_tensors(model) if t.device.type == "meta"]
-    if meta:
-        raise PlacementError(
-            f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so "
-            f"there are no weights to page; build it with adaptive.load(model, checkpoint) "
-            f"or load real weights before paging")
-    refuse_if_held(model)
-
-
-def _named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from model.named_parameters()
-    yield from model.named_buffers()
 
 
 def _size_option(value: Any, name: str, auto_ok: bool = True) -> int | None:
@@ -95,7 +71,7 @@ def page(
         ...     torch.equal(net(x), expected)
         True
     """
-    _check_model(model)
+    check_placeable(model, "adaptive.page")
     dev = resolve_device(device, "device")
     out_dev = None if output_device is None else resolve_device(output_device, "output_device")
     units = None if unit_bytes is None else _size_option(unit_bytes, "unit_bytes")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._claims import claim, holder, refuse_if_held, release
+from ._claims import check_placeable, claim, release
 from ._devices import format_bytes, map_tensors, parse_size, resolve_device
 from ._errors import PlacementError
 from ._placement_plan import (
@@ -45,15 +45,9 @@ from ._placement_plan import (
 from ._planner import Plan, Unit, module_sizes
 from ._stats import PlacementStats
 
-__all__ = ["Splitter", "Chunker", "split", "chunk", "placed_handle"]
+__all__ = ["Splitter", "Chunker", "split", "chunk"]
 
 _log = logging.getLogger("adaptmem")
-
-
-def placed_handle(model: nn.Module) -> Splitter | None:
-    """The chunk/split handle placing ``model``, a module inside it, or a model it is in."""
-    handle = holder(model)
-    return handle if isinstance(handle, Splitter) else None
 
 
 @dataclass(frozen=True)
@@ -68,31 +62,6 @@ class _Frame:
     received: tuple[torch.device | None, torch.dtype | None]
     where: tuple[torch.device | None, torch.dtype | None]
     passthrough: bool
-
-
-def _check_model(model: Any, allow_meta: bool = False) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    training = [n or "<root>" for n, m in model.named_modules() if m.training]
-    if training:
-        raise PlacementError(
-            f"model is in training mode ({', '.join(training[:3])}"
-            f"{', ...' if len(training) > 3 else ''}); chunk and split place models for "
-            f"inference: call model.eval() first"
-        )
-    meta = [] if allow_meta else [n for n, t in canonical_tensors(model).items() if t.is_meta]
-    if meta:
-        raise PlacementError(
-            f"model has {len(meta)} tensor(s) on the meta device (first: {meta[0]!r}), so there "
-            f"is nothing to place; load the weights first, e.g. "
-            f"adaptive.load(model, checkpoint, device=...)"
-        )
-    refuse_if_held(model)
-    if any(hasattr(m, "_hf_hook") for m in model.modules()):
-        raise PlacementError(
-            "model is already dispatched by accelerate (it has _hf_hook hooks); call "
-            "accelerate.hooks.remove_hook_from_module(model, recurse=True) first"
-        )
 
 
 class Splitter:
@@ -505,6 +474,15 @@ class Chunker(Splitter):
     _mode = "chunk"
 
 
+def _undo_on_failure(handle: Splitter, step: Any, *args: Any) -> Any:
+    """Run a set-up ``step``; if it fails, remove ``handle`` so the model is as it was."""
+    try:
+        return step(*args)
+    except BaseException:
+        handle.remove()
+        raise
+
+
 def split(
     model: nn.Module,
     devices: Any = None,
@@ -563,7 +541,7 @@ def split(
         {'0': 'cpu@bfloat16', '1': 'cpu'}
         torch.float32
     """
-    _check_model(model, _allow_meta)
+    check_placeable(model, "adaptive.chunk/split", _allow_meta)
     out_dev = None if output_device is None else resolve_device(output_device, "output_device")
     if devices is None:
         if device_map is None:
@@ -577,17 +555,9 @@ def split(
         raise TypeError(f"device_map must be a dict {{module: device}}, got {device_map!r}")
     handle = Splitter(model, targets, output_device=out_dev, options={"reserve": reserve})
     if device_map is not None:
-        try:
-            handle._pending_map = handle._normalise_map(device_map)
-        except BaseException:
-            handle.remove()
-            raise
+        handle._pending_map = _undo_on_failure(handle, handle._normalise_map, device_map)
     if example_inputs is not None:
-        try:
-            handle._place_first(*split_inputs(example_inputs))
-        except BaseException:
-            handle.remove()
-            raise
+        _undo_on_failure(handle, handle._place_first, *split_inputs(example_inputs))
     return handle
 
 
@@ -639,7 +609,7 @@ def chunk(
         {'0': 'cpu@bfloat16', '1': 'cpu'}
         >>> chunker.remove()
     """
-    _check_model(model, _allow_meta)
+    check_placeable(model, "adaptive.chunk/split", _allow_meta)
     dev = resolve_device(device, "device")
     dt = parse_dtype(dtype)
     out_dev = None if output_device is None else resolve_device(output_device, "output_device")
@@ -663,9 +633,5 @@ def chunk(
     handle = Chunker(model, targets, output_device=out_dev,
                      options={"capacity": cap, "reserve": reserve})
     if example_inputs is not None:
-        try:
-            handle._place_first(*split_inputs(example_inputs))
-        except BaseException:
-            handle.remove()
-            raise
+        _undo_on_failure(handle, handle._place_first, *split_inputs(example_inputs))
     return handle

@@ -81,3 +81,12 @@ def test_weights_changed_between_forwards_are_never_served_from_a_stale_prefetch
             model[0].weight.zero_()  # an in-place edit through the parameter itself
             source[0].weight.zero_()
         assert torch.equal(model(x), source(x))
+
+
+def test_a_model_dispatched_by_accelerate_is_refused_by_every_engine() -> None:
+    model = _model(7)
+    model[0]._hf_hook = object()  # what accelerate's dispatch leaves on a module
+    for engine in (lambda: adaptive.page(model, "cpu"), lambda: adaptive.chunk(model, "cpu")):
+        with pytest.raises(PlacementError, match="remove_hook_from_module"):
+            engine()
+    assert not model._forward_pre_hooks
