@@ -130,7 +130,8 @@ def test_a_transfer_oom_from_a_pager_does_not_shrink_the_batch() -> None:
     assert info.value is transfer and calls == [8]
 
 
-def test_objects_of_a_failed_attempt_are_gone_before_the_retry() -> None:
+@pytest.mark.parametrize("held_by", ["a local", "a closure's default"])
+def test_objects_of_a_failed_attempt_are_gone_before_the_retry(held_by: str) -> None:
     refs: list[weakref.ref] = []
     alive_at_retry = []
 
@@ -140,10 +141,17 @@ def test_objects_of_a_failed_attempt_are_gone_before_the_retry() -> None:
     @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
     def infer(batchsize: int) -> int:
         alive_at_retry.extend(r() is not None for r in refs)
-        activation = Activation()  # held only by this frame's locals
+        activation = Activation()
         refs.append(weakref.ref(activation))
-        if batchsize > 1:
+
+        def inner(held: Activation = activation) -> None:  # a frame of its own holds it
             raise make_oom("cuda")
+
+        if batchsize > 1:
+            if held_by == "a local":
+                del inner
+                raise make_oom("cuda")
+            inner()
         return batchsize
 
     assert infer() == 1
@@ -468,30 +476,6 @@ def test_retry_frees_caches_between_attempts(monkeypatch) -> None:
         return batchsize
 
     assert infer() == 2 and len(freed) == 2
-
-
-def test_closures_of_a_failed_attempt_are_gone_before_the_retry() -> None:
-    refs: list[weakref.ref] = []
-    alive_at_retry = []
-
-    class Activation:
-        pass
-
-    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
-    def infer(batchsize: int) -> int:
-        alive_at_retry.extend(r() is not None for r in refs)
-        activation = Activation()
-        refs.append(weakref.ref(activation))
-
-        def inner(held: Activation = activation) -> None:  # a frame of its own holds it
-            raise make_oom("cuda")
-
-        if batchsize > 1:
-            inner()
-        return batchsize
-
-    assert infer() == 1
-    assert alive_at_retry == [False, False, False]
 
 
 def test_later_calls_never_go_below_the_floor() -> None:
