@@ -17,7 +17,8 @@ __all__ = ["set_cpu_memory_limit", "get_available_cpu_memory", "cpu_memory_info"
 
 _GIB = 1024**3
 _original_limit: tuple[int, int] | None = None
-_limit_bytes: int | None = None
+_limit_bytes: int | None = None  # the RLIMIT_DATA soft limit set
+_cap_bytes: int | None = None  # the cap asked for (the limit less reserved address space)
 
 
 def _status_kib(field: str) -> int:
@@ -48,7 +49,7 @@ def set_cpu_memory_limit(gib: float | None) -> None:
         >>> adaptive.cpu_memory.set_cpu_memory_limit(8)     # doctest: +SKIP
         >>> adaptive.cpu_memory.set_cpu_memory_limit(None)  # doctest: +SKIP
     """
-    global _original_limit, _limit_bytes
+    global _original_limit, _limit_bytes, _cap_bytes
     if not sys.platform.startswith("linux"):
         raise OSError(
             f"set_cpu_memory_limit needs Linux (RLIMIT_DATA counts mappings only there); "
@@ -58,7 +59,7 @@ def set_cpu_memory_limit(gib: float | None) -> None:
         _original_limit = resource.getrlimit(resource.RLIMIT_DATA)
     if gib is None:
         resource.setrlimit(resource.RLIMIT_DATA, _original_limit)
-        _limit_bytes = None
+        _limit_bytes = _cap_bytes = None
         return
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
         raise ValueError(f"gib must be a positive number of GiB (e.g. 8 or 1.5), got {gib!r}")
@@ -76,17 +77,16 @@ def set_cpu_memory_limit(gib: float | None) -> None:
     if hard != resource.RLIM_INFINITY and soft > hard:
         raise ValueError(f"gib={gib} is above this process's hard data limit of {hard} bytes")
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
-    _limit_bytes = soft
+    _limit_bytes, _cap_bytes = soft, cap
 
 
 def cpu_memory_info() -> tuple[int, int]:
     """``(available, total)`` bytes for this process: under the cap when one is set."""
     vm = psutil.virtual_memory()
-    if _limit_bytes is None:
+    if _limit_bytes is None or _cap_bytes is None:
         return int(vm.available), int(vm.total)
     left = max(0, _limit_bytes - _status_kib("VmData"))
-    reserved = max(0, _limit_bytes - int(_limit_bytes))
-    return min(int(vm.available), left), min(int(vm.total), _limit_bytes - reserved)
+    return min(int(vm.available), left), min(int(vm.total), _cap_bytes)
 
 
 def get_available_cpu_memory() -> int:

@@ -50,6 +50,8 @@ def test_the_cap_fails_real_allocations_and_reports_what_is_left() -> None:
         import torch
         from adaptmem import adaptive
         adaptive.cpu_memory.set_cpu_memory_limit(1.0)
+        from adaptmem.cpu_memory import cpu_memory_info
+        print("TOTAL", cpu_memory_info()[1])
         before = adaptive.cpu_memory.get_available_cpu_memory()
         block = torch.ones(256 * 2**20 // 4)
         after = adaptive.cpu_memory.get_available_cpu_memory()
@@ -65,6 +67,7 @@ def test_the_cap_fails_real_allocations_and_reports_what_is_left() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "REFUSED True" in result.stdout and "LIFTED" in result.stdout
+    assert int(result.stdout.split("TOTAL")[1].split()[0]) == 2**30  # the cap asked for
     before, after = map(int, result.stdout.split("LIFTED")[1].split())
     assert before < 1.0 * 2**30
     assert 200 * 2**20 <= before - after <= 320 * 2**20
