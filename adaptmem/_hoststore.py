@@ -24,10 +24,11 @@ class Slot:
     """One distinct tensor: the registered object, its host master, its device copy."""
 
     __slots__ = ("name", "tensor", "master", "original", "origin", "nbytes", "copy", "ticket",
-                 "version", "state", "refs", "resident")
+                 "version", "state", "refs", "resident", "buffer")
 
     def __init__(self, name: str, tensor: torch.Tensor, master: torch.Tensor,
-                 original: torch.Tensor | None, origin: torch.device) -> None:
+                 original: torch.Tensor | None, origin: torch.device,
+                 buffer: bool = False) -> None:
         self.name = name
         self.tensor = tensor
         self.master = master
@@ -37,13 +38,18 @@ class Slot:
         self.copy: torch.Tensor | None = None
         self.ticket: Any = None
         self.state = HOST
-        self.version = 0  # master + tensor version counters when the pending copy was made
+        self.version = 0  # the tensor's version counter when its device copy was installed
         self.refs = 0
         self.resident = False
+        # Buffers may be written by the forward (a cache); parameters are only read.
+        self.buffer = buffer
 
     def restore(self) -> None:
-        """Put the original data back (a copy of the master on its original device when
-        the master is a copy), bitwise, and forget any device copy."""
+        """Put the data back on its original device and dtype, bitwise, and forget any
+        device copy. A loaded device copy is the live data (a resident weight edited in
+        place, through ``.data`` too), so it is copied into the master first."""
+        if self.state == LOADED and self.copy is not None:
+            self.master.copy_(self.copy)
         if self.original is not None:
             self.tensor.data = self.original
         else:
@@ -59,12 +65,15 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
     (pinned) CPU copy. Nothing of the model is changed."""
     pin = pin_memory and device.type == "cuda"
     tensors = {}
+    buffers = set()
     for mod_name, module in modules.items():
         for registry in (module._parameters, module._buffers):
             for attr, t in registry.items():
                 full = f"{mod_name}.{attr}" if mod_name else attr
                 if t is not None and full in sizes.tensors:
                     tensors[full] = t
+                    if registry is module._buffers:
+                        buffers.add(full)
     slots = {}
     for name, t in tensors.items():
         data = t.data
@@ -78,5 +87,5 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
                 original = None
             except RuntimeError:  # pinned memory is a scarce resource; pageable works
                 pass
-        slots[name] = Slot(name, t, master, original, data.device)
+        slots[name] = Slot(name, t, master, original, data.device, name in buffers)
     return slots

@@ -3,7 +3,8 @@
 Per distinct tensor there is a slot: the Parameter or buffer object itself (identity never
 changes), its host master (pinned when the target is an accelerator) and, while it is
 needed, a device copy. Loading a tensor assigns ``tensor.data = copy``; releasing assigns
-``tensor.data = master`` and drops the copy. The master is never written back.
+``tensor.data = master`` and drops the copy. Parameters are never written back; a buffer the
+forward wrote in place (a cache) is.
 
 Forward pre-hooks acquire what a module needs and post-hooks release it (reference counts,
 so tied tensors and nested units are on the device once). The first forward runs with a
@@ -32,7 +33,7 @@ from ._oom import free_caches, is_oom
 from ._planner import Plan, module_sizes, order_units, paging_units, split_unit
 from ._probe import Probe
 from ._stats import PagingStats
-from ._transfer import Transfer, transfer_for
+from ._transfer import SyncTransfer, Transfer, transfer_for
 
 __all__ = ["Pager"]
 
@@ -83,6 +84,7 @@ class Pager:
         self.output_device = output_device
         self._stats = PagingStats()
         self._transfer: Transfer = transfer_for(device)
+        self._synchronous = isinstance(self._transfer, SyncTransfer)
         self._sizes = module_sizes(model)
         self._modules = dict(model.named_modules())
         self._name_of = {id(m): n for n, m in self._modules.items()}
@@ -91,6 +93,7 @@ class Pager:
         self._handles: dict[int, tuple[Any, Any]] = {}
         self._needs: dict[int, tuple[Slot, ...]] = {}
         self._schedule: list[int] = []
+        self._schedule_needs: list[tuple[Slot, ...]] = []
         self._cursor = 0
         self._input_device: torch.device | None = None
         self._learning = True
@@ -102,6 +105,9 @@ class Pager:
         self._direct: dict[str, set[str]] = {}
         self._enclosing: dict[str, set[str]] = {}
         self._seen: set[str] = set()
+        self._seen_ids: set[int] = set()
+        self._written: set[str] = set()  # paged tensors a forward wrote in place
+        self._resident_bytes = 0
         self._relearn = False
         self._removed = False
 
@@ -165,6 +171,7 @@ class Pager:
                         s.tensor.data = c
                 used += need
                 self._add_device_bytes(need)
+                self._resident_bytes += need
             placed.append(replace(unit, placement="resident" if resident else "paged"))
         self._units = placed
         self.plan.units = list(placed)
@@ -197,6 +204,7 @@ class Pager:
         if not self._learning:
             self._schedule = [id(self._modules[n]) for n in self._calls
                               if id(self._modules[n]) in needs]
+            self._schedule_needs = [needs[mid] for mid in self._schedule]
             for m in self._modules.values():
                 if id(m) in needs:
                     self._hook(m)
@@ -204,7 +212,8 @@ class Pager:
     def _hook(self, module: nn.Module) -> None:
         if id(module) in self._handles:
             return
-        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True,
+                                                 prepend=True)
         post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
         self._handles[id(module)] = (pre, post)
 
@@ -225,32 +234,62 @@ class Pager:
         if root:
             args, kwargs = self._begin_forward(args, kwargs)
         mid = id(module)
-        name = self._name_of.get(mid, "")
-        frame = _Frame(module, name)
         if not self._learning:  # the steady state: keep this path short
-            if name not in self._seen and self._probe is None:
-                self._watch_unseen_path(name)
+            if mid not in self._seen_ids and self._probe is None:
+                self._watch_unseen_path(self._name_of.get(mid, ""))
+            frame = _Frame(module, self._name_of.get(mid, ""))
             self._stack.append(frame)
-            if mid in self._needs:
+            needs = self._needs.get(mid)
+            if needs is not None:
                 if _modes_enabled():
                     with _quiet():
-                        self._acquire(frame)
-                        if self.prefetch:
-                            self._prefetch_after(mid)
+                        self._enter(frame, mid, needs)
                 else:
-                    self._acquire(frame)
-                    if self.prefetch:
-                        self._prefetch_after(mid)
+                    self._enter(frame, mid, needs)
             return (args, kwargs) if root else None
+        name = self._name_of.get(mid, "")
         self._calls.append(name)
         outer = {f.name for f in self._stack}
         seen = self._enclosing.get(name)
         self._enclosing[name] = outer if seen is None else seen & outer
+        frame = _Frame(module, name)
         self._stack.append(frame)
         if mid in self._needs:
             with _quiet():
                 self._acquire(frame)
         return (args, kwargs) if root else None
+
+    def _enter(self, frame: _Frame, mid: int, needs: tuple[Slot, ...]) -> None:
+        """Acquire a module's weights in the steady state, then prefetch what comes next.
+
+        The usual case is handled inline: everything the module needs was prefetched
+        together, by one copy that is still current."""
+        first = needs[0]
+        if first.state == PENDING:
+            ticket = first.ticket
+            for s in needs:
+                if s.state != PENDING or s.ticket is not ticket:
+                    self._acquire(frame)
+                    break
+            else:
+                if self._synchronous:  # the copy was done before start() returned
+                    self._stats.prefetch_hits += 1
+                    for s in needs:
+                        s.tensor.data = s.copy  # type: ignore[assignment]
+                        s.state, s.ticket = LOADED, None
+                        s.refs += 1
+                        if s.buffer:
+                            s.version = s.tensor._version
+                else:
+                    self._install(list(needs), self._transfer.wait(
+                        [(ticket, [s.copy for s in needs])], False))  # type: ignore[misc]
+                    for s in needs:
+                        s.refs += 1
+                frame.slots = needs
+        else:
+            self._acquire(frame)
+        if self.prefetch:
+            self._prefetch_after(mid)
 
     def _watch_unseen_path(self, name: str) -> None:
         """A path the first forward did not take: watch the rest of this forward with the
@@ -264,13 +303,17 @@ class Pager:
     def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         stack = self._stack
         if stack and stack[-1].module is module:
-            if _modes_enabled():
-                with _quiet():
-                    self._release(stack.pop())
-            else:
-                self._release(stack.pop())
+            slots = stack.pop().slots
+            if slots:
+                if _modes_enabled():
+                    with _quiet():
+                        self._release(slots)
+                else:
+                    self._release(slots)
         if module is not self.model:
             return None
+        if self._device_bytes != self._resident_bytes:  # prefetched for a path not taken
+            self._drop_pending(())
         failed = output is None and sys.exc_info()[1] is not None
         self._end_forward(failed)
         if failed:
@@ -286,7 +329,8 @@ class Pager:
         if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
             with _quiet():
                 while self._stack:
-                    self._release(self._stack.pop())
+                    self._release(self._stack.pop().slots)
+                self._drop_pending(())
             self._end_forward(failed=True)
         self._stats.forwards += 1
         self._cursor = 0
@@ -314,6 +358,7 @@ class Pager:
             return
         self._learning = False
         self._seen |= set(self._calls)
+        self._seen_ids = {id(self._modules[n]) for n in self._seen}
         first: dict[str, None] = dict.fromkeys(self._calls)
         self._units = order_units(self._units, list(first))
         self.plan.units = list(self._units)
@@ -348,11 +393,6 @@ class Pager:
                 return needs
 
     def _bring_in(self, missing: list[Slot], keep: tuple[Slot, ...] | list[Slot]) -> None:
-        for s in missing:
-            # A prefetched copy is stale if the weights changed in place since it was made
-            # (adaptive.load into this pager, or the user editing a parameter).
-            if s.state == PENDING and s.master._version + s.tensor._version != s.version:
-                self._unload(s)
         ticket = missing[0].ticket
         if missing[0].state == PENDING:
             # The usual steady state: everything was prefetched together.
@@ -406,22 +446,30 @@ class Pager:
         for s in slots:
             s.tensor.data = s.copy  # type: ignore[assignment]
             s.state, s.ticket = LOADED, None
+            if s.buffer:
+                s.version = s.tensor._version
 
     def _fetch(self, slots: list[Slot]) -> None:
-        copies, ticket = self._start([s.master for s in slots])
+        hosts = [s.master for s in slots]
+        if torch.is_inference_mode_enabled():
+            # A copy made under inference_mode is an inference tensor, which a later forward
+            # with autograd on could not use; prefetches cross forward boundaries.
+            with torch.inference_mode(False):
+                copies, ticket = self._transfer.start(hosts)
+        else:
+            copies, ticket = self._transfer.start(hosts)
         nbytes = 0
         for s, c in zip(slots, copies, strict=True):
             s.copy, s.ticket, s.state = c, ticket, PENDING
-            s.version = s.master._version + s.tensor._version
             nbytes += s.nbytes
-        self._add_device_bytes(nbytes)
+        self._device_bytes += nbytes
+        if self._device_bytes > self._stats.peak_device_bytes:
+            self._stats.peak_device_bytes = self._device_bytes
         self._stats.transfers += 1
         self._stats.bytes_moved += nbytes
 
     def _start(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         if torch.is_inference_mode_enabled():
-            # A copy made under inference_mode is an inference tensor, which a later forward
-            # with autograd on could not use; prefetches cross forward boundaries.
             with torch.inference_mode(False):
                 return self._transfer.start(hosts)
         return self._transfer.start(hosts)
@@ -446,22 +494,35 @@ class Pager:
             if s.state == PENDING and id(s) not in kept:
                 self._unload(s)
 
-    def _release(self, frame: _Frame) -> None:
+    def _release(self, slots: tuple[Slot, ...] | list[Slot]) -> None:
         freed = 0
-        for s in frame.slots:
+        for s in slots:
             s.refs -= 1
             if s.refs == 0 and not s.resident:  # _unload, inlined: this runs per unit
+                if s.buffer and s.tensor._version != s.version:
+                    self._write_back(s)
                 s.tensor.data = s.master
                 s.copy = None
                 s.state = HOST
                 freed += s.nbytes
         self._device_bytes -= freed
 
+    def _write_back(self, s: Slot) -> None:
+        """The forward wrote a paged tensor in place (a cache kept in a buffer): keep what
+        it wrote, by copying the device copy into the host master before dropping it."""
+        if s.name not in self._written:
+            self._written.add(s.name)
+            logger.info("adaptmem page: %r was written in place during a forward; its device "
+                        "copy is copied back to the host after each use (keep it resident to "
+                        "avoid that: raise resident_bytes)", s.name)
+        s.master.copy_(s.copy)  # type: ignore[arg-type]
+
     def _prefetch_after(self, mid: int) -> None:
+        """Start copying what the next ``prefetch`` scheduled modules need, within this
+        forward only: a copy made before the next forward could miss weights edited in
+        between (through ``.data``, which no version counter sees)."""
         sched = self._schedule
         n = len(sched)
-        if n < 2:
-            return
         pos = self._cursor
         if pos < n and sched[pos] == mid:
             self._cursor = pos + 1
@@ -470,9 +531,10 @@ class Pager:
             if found is None:
                 return
             pos = found
-        needs = self._needs
-        for k in range(1, min(self.prefetch, n - 1) + 1):
-            ahead = [s for s in needs.get(sched[(pos + k) % n], ()) if s.state == HOST]
+        end = pos + self.prefetch + 1
+        plan = self._schedule_needs
+        for k in range(pos + 1, end if end < n else n):
+            ahead = [s for s in plan[k] if s.state == HOST]
             if not ahead:
                 continue
             if self.budget is not None and not self._fits(sum(s.nbytes for s in ahead)):
@@ -607,9 +669,7 @@ class Pager:
         them (the first ``named_modules()`` path plus the attribute; tie aliases are not
         repeated). Copy a checkpoint value into every listed tensor in place (``copy_``):
         the host master first, then the device copy when the tensor is resident. Call it
-        outside a forward; the tensors keep their shape, dtype and device. Copies prefetched
-        for the next forward are dropped first: a loader may write without bumping version
-        counters, so they could not be told stale later.
+        outside a forward; the tensors keep their shape, dtype and device.
         """
         self._settle(block=True)
         self._drop_pending(())

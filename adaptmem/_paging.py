@@ -43,7 +43,8 @@ def page(
         device: where compute runs; None means the current accelerator, else the CPU.
         unit_bytes: the largest group of weights paged together ("64MiB"); "auto" for
             the coarsest units that fit the working budget; None for one unit.
-        prefetch: how many units ahead are copied while one runs (0 turns it off).
+        prefetch: how many units ahead are copied while one runs, within a forward
+            (0 turns it off).
         resident_bytes: bytes of units kept on the device for good; "auto" keeps as many as
             free memory allows after room for the paged working set, 0 pages everything.
         device_budget: a cap on the device bytes the pager uses for weights (None: free
