@@ -288,8 +288,35 @@ class Pager:
                 frame.slots = needs
         else:
             self._acquire(frame)
-        if self.prefetch:
-            self._prefetch_after(mid)
+        if not self.prefetch:
+            return
+        # Start copying what the next ``prefetch`` scheduled modules need, within this
+        # forward only: a copy made before the next forward could miss weights edited in
+        # between (through ``.data``, which no version counter sees).
+        sched = self._schedule
+        n = len(sched)
+        pos = self._cursor
+        if pos < n and sched[pos] == mid:
+            self._cursor = pos + 1
+        else:
+            found = self._find(mid)
+            if found is None:
+                return
+            pos = found
+        end = pos + self.prefetch + 1
+        plan = self._schedule_needs
+        for k in range(pos + 1, end if end < n else n):
+            ahead = [s for s in plan[k] if s.state == HOST]
+            if not ahead:
+                continue
+            if self.budget is not None and not self._fits(sum(s.nbytes for s in ahead)):
+                return
+            try:
+                self._fetch(ahead)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                return  # prefetching is an optimisation; the demand path adapts
 
     def _watch_unseen_path(self, name: str) -> None:
         """A path the first forward did not take: watch the rest of this forward with the
@@ -516,35 +543,6 @@ class Pager:
                         "copy is copied back to the host after each use (keep it resident to "
                         "avoid that: raise resident_bytes)", s.name)
         s.master.copy_(s.copy)  # type: ignore[arg-type]
-
-    def _prefetch_after(self, mid: int) -> None:
-        """Start copying what the next ``prefetch`` scheduled modules need, within this
-        forward only: a copy made before the next forward could miss weights edited in
-        between (through ``.data``, which no version counter sees)."""
-        sched = self._schedule
-        n = len(sched)
-        pos = self._cursor
-        if pos < n and sched[pos] == mid:
-            self._cursor = pos + 1
-        else:
-            found = self._find(mid)
-            if found is None:
-                return
-            pos = found
-        end = pos + self.prefetch + 1
-        plan = self._schedule_needs
-        for k in range(pos + 1, end if end < n else n):
-            ahead = [s for s in plan[k] if s.state == HOST]
-            if not ahead:
-                continue
-            if self.budget is not None and not self._fits(sum(s.nbytes for s in ahead)):
-                return
-            try:
-                self._fetch(ahead)
-            except Exception as exc:
-                if not is_oom(exc):
-                    raise
-                return  # prefetching is an optimisation; the demand path adapts
 
     def _find(self, mid: int) -> int | None:
         sched, n, start = self._schedule, len(self._schedule), self._cursor
