@@ -38,7 +38,7 @@ class Slot:
         self.copy: torch.Tensor | None = None
         self.ticket: Any = None
         self.state = HOST
-        self.version = 0  # the tensor's version counter when its device copy was installed
+        self.version = 0  # the tensor's version counter when its device copy was made
         self.refs = 0
         self.resident = False
         # Buffers may be written by the forward (a cache); parameters are only read.

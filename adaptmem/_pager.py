@@ -212,8 +212,7 @@ class Pager:
     def _hook(self, module: nn.Module) -> None:
         if id(module) in self._handles:
             return
-        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True,
-                                                 prepend=True)
+        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
         self._handles[id(module)] = (pre, post)
 
@@ -263,12 +262,12 @@ class Pager:
         """Acquire a module's weights in the steady state, then prefetch what comes next.
 
         The usual case is handled inline: everything the module needs was prefetched
-        together, by one copy that is still current."""
+        together, and nothing wrote to it through the parameter since (its version counter)."""
         first = needs[0]
         if first.state == PENDING:
             ticket = first.ticket
             for s in needs:
-                if s.state != PENDING or s.ticket is not ticket:
+                if s.state != PENDING or s.ticket is not ticket or s.tensor._version != s.version:
                     self._acquire(frame)
                     break
             else:
@@ -278,8 +277,6 @@ class Pager:
                         s.tensor.data = s.copy  # type: ignore[assignment]
                         s.state, s.ticket = LOADED, None
                         s.refs += 1
-                        if s.buffer:
-                            s.version = s.tensor._version
                 else:
                     self._install(list(needs), self._transfer.wait(
                         [(ticket, [s.copy for s in needs])], False))  # type: ignore[misc]
@@ -338,9 +335,12 @@ class Pager:
                 else:
                     self._release(slots)
         if module is not self.model:
+            if not stack:  # a submodule called on its own (an encoder, say) has finished
+                self._end_call()
+                if not self._learning:  # stop watching an unseen path it took, if any
+                    self._end_forward(failed=False)
             return None
-        if self._device_bytes != self._resident_bytes:  # prefetched for a path not taken
-            self._drop_pending(())
+        self._end_call()
         failed = output is None and sys.exc_info()[1] is not None
         self._end_forward(failed)
         if failed:
@@ -349,6 +349,12 @@ class Pager:
         if target is not None and target != self.device:
             output = to_device(output, target)
         return output
+
+    def _end_call(self) -> None:
+        """The outermost call into the model ended: drop copies prefetched for modules it
+        did not reach, so none is left to serve weights edited before the next call."""
+        if self._device_bytes != self._resident_bytes:
+            self._drop_pending(())
 
     def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         if self._removed:
@@ -420,6 +426,11 @@ class Pager:
                 return needs
 
     def _bring_in(self, missing: list[Slot], keep: tuple[Slot, ...] | list[Slot]) -> None:
+        for s in missing:
+            # Written in place since its copy was made (by a hook, or by an earlier module's
+            # forward): the copy is stale.
+            if s.state == PENDING and s.tensor._version != s.version:
+                self._unload(s)
         ticket = missing[0].ticket
         if missing[0].state == PENDING:
             # The usual steady state: everything was prefetched together.
@@ -473,8 +484,6 @@ class Pager:
         for s in slots:
             s.tensor.data = s.copy  # type: ignore[assignment]
             s.state, s.ticket = LOADED, None
-            if s.buffer:
-                s.version = s.tensor._version
 
     def _fetch(self, slots: list[Slot]) -> None:
         hosts = [s.master for s in slots]
@@ -488,6 +497,7 @@ class Pager:
         nbytes = 0
         for s, c in zip(slots, copies, strict=True):
             s.copy, s.ticket, s.state = c, ticket, PENDING
+            s.version = s.tensor._version
             nbytes += s.nbytes
         self._device_bytes += nbytes
         if self._device_bytes > self._stats.peak_device_bytes:
@@ -642,11 +652,15 @@ class Pager:
         self._stats.prefetch_misses += misses
 
     def remove(self) -> None:
-        """Put every parameter and buffer back as it was (bitwise, same device and dtype),
-        remove the hooks and release device memory. Calling it again does nothing."""
+        """Put every parameter and buffer back on its original device and dtype, remove the
+        hooks and release device memory. Unedited tensors come back bitwise; resident ones
+        are copied back from the device, so edits made to them are kept. Calling it again
+        does nothing."""
         if self._removed:
             return
         self._removed = True
+        if self.device.type == "cuda":  # copies in flight finish before they are read back
+            torch.cuda.synchronize(self.device)
         if self._probe is not None:
             self._end_forward(failed=True)
         for pre, post in self._handles.values():

@@ -107,10 +107,7 @@ class Splitter:
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
         claim(self._modules.values(), self)
-        # Pre-hooks run first, so a user's hooks registered earlier see the module as its
-        # forward will (inputs converted, weights placed).
-        self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True,
-                                                           prepend=True))
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
 
     # -- public surface -------------------------------------------------------------------
@@ -344,7 +341,7 @@ class Splitter:
                 continue
             module = self._modules[name]
             self._hooks.append(module.register_forward_pre_hook(
-                partial(self._pre, name), with_kwargs=True, prepend=True))
+                partial(self._pre, name), with_kwargs=True))
             self._hooks.append(module.register_forward_hook(
                 partial(self._post, name), always_call=True))
 

@@ -357,10 +357,9 @@ def test_a_resident_weight_edited_through_data_keeps_the_edit_after_remove() -> 
     assert torch.equal(model[0].weight, torch.full((8, 8), 0.5))
 
 
-def test_hooks_registered_before_paging_see_the_weights_on_the_device() -> None:
+def test_hooks_registered_before_paging_that_read_weights_get_device_copies() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).eval()
-    layer_bytes = (8 * 8 + 8) * 4
     host = {id(p): p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = []
 
@@ -369,13 +368,53 @@ def test_hooks_registered_before_paging_see_the_weights_on_the_device() -> None:
 
     for layer in model:
         layer.register_forward_pre_hook(reads_weight)
-    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager, torch.no_grad():
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
         model(torch.randn(2, 8))
-        pager.stats.reset()
         model(torch.randn(2, 8))
     assert seen == [True] * 8
-    # ... and the reads are the layer's own: each is still paged, not held by the parent
-    assert pager.stats.peak_device_bytes <= 2 * layer_bytes
+
+
+def test_weights_written_in_place_during_a_forward_are_never_served_stale() -> None:
+    # A hook on one layer edits the next one, whose copy is already on its way.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).eval()
+    reference = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]).eval()
+    reference.load_state_dict(model.state_dict())
+    edit = {"on": False}
+    for net in (model, reference):
+        net[0].register_forward_hook(
+            lambda m, a, out, nxt=net[1]: nxt.weight.mul_(2) if edit["on"] else None)
+        net[2].register_forward_pre_hook(
+            lambda m, a: m.bias.zero_() if edit["on"] else None)
+    x = torch.randn(2, 8)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0, prefetch=2), \
+            torch.no_grad():
+        model(x)
+        model(x)
+        edit["on"] = True
+        assert torch.equal(model(x), reference(x))
+        edit["on"] = False
+        assert torch.equal(model(x), reference(x))  # the edits were kept
+    assert torch.equal(model[1].weight, reference[1].weight)
+    assert torch.equal(model[2].bias, torch.zeros(8))
+
+
+def test_a_submodule_called_on_its_own_leaves_no_copy_behind() -> None:
+    # An encoder called directly (as generate() does) prefetches past its own end.
+    torch.manual_seed(0)
+    blocks = lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))  # noqa: E731
+    model = nn.Sequential(blocks(), blocks()).eval()
+    reference = nn.Sequential(blocks(), blocks()).eval()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager, torch.no_grad():
+        model(x)
+        model(x)
+        assert torch.equal(model[0](x), reference[0](x))
+        assert pager._device_bytes == 0  # nothing prefetched for the decoder stays
+        for net in (model, reference):
+            net[1][0].weight.data.zero_()
+        assert torch.equal(model(x), reference(x))
 
 
 def test_nested_inputs_and_keyword_arguments_reach_the_forward() -> None:
