@@ -104,8 +104,7 @@ class Pager:
         # around each module when it was called.
         self._direct: dict[str, set[str]] = {}
         self._enclosing: dict[str, set[str]] = {}
-        self._seen: set[str] = set()
-        self._seen_ids: set[int] = set()
+        self._seen_ids: set[int] = set()  # modules some watched forward called
         self._written: set[str] = set()  # paged tensors a forward wrote in place
         self._resident_bytes = 0
         self._relearn = False
@@ -219,7 +218,7 @@ class Pager:
     def _unhook_idle(self) -> None:
         # Modules the first forward never called keep their hooks (free until called): if a
         # later forward takes that path, the probe comes back for it.
-        seen = {id(self._modules[n]) for n in self._seen}
+        seen = self._seen_ids
         for mid in [mid for mid in self._handles if mid not in self._needs and mid in seen]:
             if mid == id(self.model):
                 continue
@@ -390,8 +389,7 @@ class Pager:
         if failed:  # what it saw stays learned; the next forward watches again
             return
         self._learning = False
-        self._seen |= set(self._calls)
-        self._seen_ids = {id(self._modules[n]) for n in self._seen}
+        self._seen_ids |= {id(self._modules[n]) for n in self._calls}
         first: dict[str, None] = dict.fromkeys(self._calls)
         self._units = order_units(self._units, list(first))
         self.plan.units = list(self._units)
@@ -486,27 +484,20 @@ class Pager:
             s.state, s.ticket = LOADED, None
 
     def _fetch(self, slots: list[Slot]) -> None:
-        hosts = [s.master for s in slots]
-        if torch.is_inference_mode_enabled():
-            # A copy made under inference_mode is an inference tensor, which a later forward
-            # with autograd on could not use; prefetches cross forward boundaries.
-            with torch.inference_mode(False):
-                copies, ticket = self._transfer.start(hosts)
-        else:
-            copies, ticket = self._transfer.start(hosts)
+        copies, ticket = self._start([s.master for s in slots])
         nbytes = 0
         for s, c in zip(slots, copies, strict=True):
             s.copy, s.ticket, s.state = c, ticket, PENDING
             s.version = s.tensor._version
             nbytes += s.nbytes
-        self._device_bytes += nbytes
-        if self._device_bytes > self._stats.peak_device_bytes:
-            self._stats.peak_device_bytes = self._device_bytes
+        self._add_device_bytes(nbytes)
         self._stats.transfers += 1
         self._stats.bytes_moved += nbytes
 
     def _start(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         if torch.is_inference_mode_enabled():
+            # A copy made under inference_mode is an inference tensor, which a forward with
+            # autograd on could not use; resident copies outlive the mode they were made in.
             with torch.inference_mode(False):
                 return self._transfer.start(hosts)
         return self._transfer.start(hosts)
