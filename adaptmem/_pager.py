@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
@@ -47,11 +48,12 @@ _modes_enabled = getattr(torch.overrides, "_is_torch_function_mode_enabled", lam
 
 
 class _Frame:
-    __slots__ = ("module", "name", "slots")
+    """A module running now, and the slots it holds."""
 
-    def __init__(self, module: nn.Module, name: str) -> None:
+    __slots__ = ("module", "slots")
+
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.name = name
         self.slots: list[Slot] | tuple[Slot, ...] = ()
 
 
@@ -94,6 +96,7 @@ class Pager:
         self._needs: dict[int, tuple[Slot, ...]] = {}
         self._schedule: list[int] = []
         self._schedule_needs: list[tuple[Slot, ...]] = []
+        self._schedule_masters: list[tuple[torch.Tensor, ...]] = []  # what each step copies
         self._cursor = 0
         self._input_device: torch.device | None = None
         self._learning = True
@@ -204,6 +207,8 @@ class Pager:
             self._schedule = [id(self._modules[n]) for n in self._calls
                               if id(self._modules[n]) in needs]
             self._schedule_needs = [needs[mid] for mid in self._schedule]
+            self._schedule_masters = [tuple(s.master for s in step)
+                                      for step in self._schedule_needs]
             for m in self._modules.values():
                 if id(m) in needs:
                     self._hook(m)
@@ -214,6 +219,9 @@ class Pager:
         pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
         self._handles[id(module)] = (pre, post)
+
+    def _name(self, module: nn.Module) -> str:
+        return self._name_of.get(id(module), "")
 
     def _unhook_idle(self) -> None:
         # Modules the first forward never called keep their hooks (free until called): if a
@@ -234,8 +242,8 @@ class Pager:
         mid = id(module)
         if not self._learning:  # the steady state: keep this path short
             if mid not in self._seen_ids and self._probe is None:
-                self._watch_unseen_path(self._name_of.get(mid, ""))
-            frame = _Frame(module, self._name_of.get(mid, ""))
+                self._watch_unseen_path(self._name(module))
+            frame = _Frame(module)
             self._stack.append(frame)
             needs = self._needs.get(mid)
             if needs is not None:
@@ -245,12 +253,12 @@ class Pager:
                 else:
                     self._enter(frame, mid, needs)
             return (args, kwargs) if root else None
-        name = self._name_of.get(mid, "")
+        name = self._name(module)
         self._calls.append(name)
-        outer = {f.name for f in self._stack}
+        outer = {self._name(f.module) for f in self._stack}
         seen = self._enclosing.get(name)
         self._enclosing[name] = outer if seen is None else seen & outer
-        frame = _Frame(module, name)
+        frame = _Frame(module)
         self._stack.append(frame)
         if mid in self._needs:
             with _quiet():
@@ -302,13 +310,19 @@ class Pager:
         end = pos + self.prefetch + 1
         plan = self._schedule_needs
         for k in range(pos + 1, end if end < n else n):
-            ahead = [s for s in plan[k] if s.state == HOST]
+            ahead: tuple[Slot, ...] | list[Slot] = plan[k]
+            masters: tuple[torch.Tensor, ...] | None = self._schedule_masters[k]
+            for s in ahead:  # usually all of it is on the host
+                if s.state != HOST:
+                    ahead = [s for s in ahead if s.state == HOST]
+                    masters = None
+                    break
             if not ahead:
                 continue
             if self.budget is not None and not self._fits(sum(s.nbytes for s in ahead)):
                 return
             try:
-                self._fetch(ahead)
+                self._fetch(ahead, masters)
             except Exception as exc:
                 if not is_oom(exc):
                     raise
@@ -416,8 +430,9 @@ class Pager:
                 self._bring_in(missing, keep=needs)
                 return needs
             except _NoRoom as exc:
-                if not self._refine(frame.name, exc):
-                    self._give_up(frame.name, missing, exc)
+                name = self._name(frame.module)
+                if not self._refine(name, exc):
+                    self._give_up(name, missing, exc)
             needs = self._needs.get(id(frame.module), ())
             missing = [s for s in needs if s.state != LOADED]
             if not missing:
@@ -483,18 +498,19 @@ class Pager:
             s.tensor.data = s.copy  # type: ignore[assignment]
             s.state, s.ticket = LOADED, None
 
-    def _fetch(self, slots: list[Slot]) -> None:
-        copies, ticket = self._start([s.master for s in slots])
+    def _fetch(self, slots: list[Slot] | tuple[Slot, ...],
+               masters: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Start copying ``slots`` to the device (``masters``: theirs, when known)."""
+        copies, ticket = self._start(masters or [s.master for s in slots])
         nbytes = 0
         for s, c in zip(slots, copies, strict=True):
-            s.copy, s.ticket, s.state = c, ticket, PENDING
-            s.version = s.tensor._version
+            s.copy, s.ticket, s.state, s.version = c, ticket, PENDING, s.tensor._version
             nbytes += s.nbytes
         self._add_device_bytes(nbytes)
         self._stats.transfers += 1
         self._stats.bytes_moved += nbytes
 
-    def _start(self, hosts: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    def _start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         if torch.is_inference_mode_enabled():
             # A copy made under inference_mode is an inference tensor, which a forward with
             # autograd on could not use; resident copies outlive the mode they were made in.
@@ -570,13 +586,13 @@ class Pager:
             if s is None:
                 continue
             if self._learning:
-                self._direct.setdefault(frame.name, set()).add(s.name)
+                self._direct.setdefault(self._name(frame.module), set()).add(s.name)
             if s.state != LOADED:
                 with _quiet():
                     try:
                         self._bring_in([s], keep=frame.slots)
                     except _NoRoom as exc:
-                        self._give_up(frame.name, [s], exc)
+                        self._give_up(self._name(frame.module), [s], exc)
                     s.refs += 1
                     frame.slots = [*frame.slots, s]
 

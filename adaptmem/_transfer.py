@@ -43,10 +43,14 @@ class Transfer:
 class SyncTransfer(Transfer):
     """Copies on the caller's thread; every ticket is ready at once."""
 
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self._on_cpu = device.type == "cpu"  # read per copy; torch.device attributes are slow
+
     def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
         # Both keep the master's strides (channels_last stays channels_last); on the CPU
         # clone gives a distinct tensor, so the paging path is real there too.
-        if self.device.type == "cpu":
+        if self._on_cpu:
             return [h.clone() for h in hosts], None
         return [h.to(self.device, copy=True) for h in hosts], None
 
