@@ -285,8 +285,8 @@ class Pager:
                         s.state, s.ticket = LOADED, None
                         s.refs += 1
                 else:
-                    self._install(list(needs), self._transfer.wait(
-                        [(ticket, [s.copy for s in needs])], False))  # type: ignore[misc]
+                    self._install(needs, self._transfer.wait(
+                        ((ticket, [s.copy for s in needs]),), False))  # type: ignore[misc]
                     for s in needs:
                         s.refs += 1
                 frame.slots = needs
@@ -487,7 +487,7 @@ class Pager:
             groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
         self._install(missing, self._transfer.wait(groups, demand=bool(absent)))  # type: ignore[arg-type]
 
-    def _install(self, slots: list[Slot], waited: bool | None) -> None:
+    def _install(self, slots: Sequence[Slot], waited: bool | None) -> None:
         """Point each slot's tensor at its device copy; count whether compute waited on it
         (a prefetch miss) or found it ready (a hit); None means neither applies."""
         if waited:
