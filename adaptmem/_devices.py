@@ -136,12 +136,19 @@ def resolve_device(device: Any, name: str = "device") -> torch.device:
 
 
 def memory_info(device: torch.device) -> tuple[int, int]:
-    """``(free, total)`` bytes on ``device``; for the CPU, under any adaptmem CPU limit."""
+    """``(free, total)`` bytes on ``device``: on CUDA within any per-process memory fraction,
+    on the CPU under any adaptmem CPU limit."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        free, total = (int(n) for n in torch.cuda.mem_get_info(device))
+        reserved = int(torch.cuda.memory_reserved(device))
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction is not None:
+            # Under set_per_process_memory_fraction the allocator refuses to reserve past
+            # fraction * total, however much the card has free.
+            free = min(free, max(0, int(fraction(device) * total) - reserved))
         # Blocks torch's caching allocator holds but does not use are free to this process.
-        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-        return int(free) + max(0, int(cached)), int(total)
+        cached = reserved - int(torch.cuda.memory_allocated(device))
+        return free + max(0, cached), total
     if device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
         free, total = torch.xpu.mem_get_info(device)
         return int(free), int(total)

@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from adaptmem import adaptive
+from adaptmem._devices import memory_info
+
+GIB = 2**30
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, *, free: int, total: int, reserved: int,
+               allocated: int, fraction: float) -> None:
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction",
+                        lambda device=None: fraction)
+
+
+def test_cuda_free_memory_counts_the_allocators_cached_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, free=60 * GIB, total=80 * GIB, reserved=2 * GIB, allocated=GIB,
+               fraction=1.0)
+    assert memory_info(torch.device("cuda", 0)) == (61 * GIB, 80 * GIB)
+
+
+def test_cuda_free_memory_stays_within_the_per_process_memory_fraction(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A quarter of an 80 GiB card is 20 GiB, 2 GiB of it already reserved (1 GiB in use):
+    # 18 GiB more can be reserved, plus the 1 GiB cached, though the card has 60 GiB free.
+    _fake_cuda(monkeypatch, free=60 * GIB, total=80 * GIB, reserved=2 * GIB, allocated=GIB,
+               fraction=0.25)
+    assert memory_info(torch.device("cuda", 0)) == (19 * GIB, 80 * GIB)
+    _fake_cuda(monkeypatch, free=60 * GIB, total=80 * GIB, reserved=30 * GIB, allocated=GIB,
+               fraction=0.25)  # set below what is already reserved: only the cache is free
+    assert memory_info(torch.device("cuda", 0)) == (29 * GIB, 80 * GIB)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_paging_plans_within_a_memory_fraction() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(16)]).eval()  # 16 x 16 MiB
+    x = torch.randn(4, 2048)
+    expected = model(x)
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    allowed = torch.cuda.memory_reserved() + 128 * 2**20
+    torch.cuda.set_per_process_memory_fraction(allowed / total)
+    try:
+        free = memory_info(torch.device("cuda", torch.cuda.current_device()))[0]
+        assert free <= 128 * 2**20 + 2 * 2**20  # allocator rounding
+        with adaptive.page(model, "cuda") as pager:  # every size "auto"
+            with torch.no_grad():
+                out = model(x)
+                out = model(x)
+        placements = {u.placement for u in pager.plan.units}
+        assert placements == {"resident", "paged"}  # some fit for good, the rest is paged
+        assert pager.stats.peak_device_bytes <= 128 * 2**20
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
