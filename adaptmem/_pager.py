@@ -239,6 +239,8 @@ class Pager:
         root = module is self.model
         if root:
             args, kwargs = self._begin_forward(args, kwargs)
+        elif not self._stack:  # a submodule called on its own (an encoder, say)
+            self._begin_call()
         mid = id(module)
         if not self._learning:  # the steady state: keep this path short
             if mid not in self._seen_ids and self._probe is None:
@@ -350,8 +352,7 @@ class Pager:
         if module is not self.model:
             if not stack:  # a submodule called on its own (an encoder, say) has finished
                 self._end_call()
-                if not self._learning:  # stop watching an unseen path it took, if any
-                    self._end_forward(failed=False)
+                self._end_forward(failed=True)  # only a whole forward ends the learning
             return None
         self._end_call()
         failed = output is None and sys.exc_info()[1] is not None
@@ -370,6 +371,14 @@ class Pager:
             self._drop_pending(())
 
     def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self._begin_call()
+        self._stats.forwards += 1
+        self._input_device = first_tensor_device((args, kwargs))
+        return to_device((args, kwargs), self.device)
+
+    def _begin_call(self) -> None:
+        """An outermost call into the model begins: of the model, or of a submodule on its
+        own. Until a whole forward has been learned, every call is watched by the probe."""
         if self._removed:
             raise PlacementError("this Pager was removed; page the model again to use it")
         if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
@@ -378,7 +387,6 @@ class Pager:
                     self._release(self._stack.pop().slots)
                 self._drop_pending(())
             self._end_forward(failed=True)
-        self._stats.forwards += 1
         self._cursor = 0
         self._settle(block=False)
         if self._relearn:
@@ -389,8 +397,6 @@ class Pager:
             self._calls = []
             self._probe = Probe(self)
             self._probe.__enter__()
-        self._input_device = first_tensor_device((args, kwargs))
-        return to_device((args, kwargs), self.device)
 
     def _end_forward(self, failed: bool) -> None:
         if self._probe is None:
@@ -400,7 +406,7 @@ class Pager:
             probe.__exit__(None, None, None)
         if not self._learning:  # a probe for an unseen path; the next forward relearns
             return
-        if failed:  # what it saw stays learned; the next forward watches again
+        if failed:  # what it saw stays learned; the next call watches again
             return
         self._learning = False
         self._seen_ids |= {id(self._modules[n]) for n in self._calls}

@@ -417,6 +417,29 @@ def test_a_submodule_called_on_its_own_leaves_no_copy_behind() -> None:
         assert torch.equal(model(x), reference(x))
 
 
+def test_a_submodule_called_before_the_model_ever_ran_is_watched_and_then_learned() -> None:
+    # An encoder called first (as generate() does), its attention reading out_proj.weight
+    # without calling out_proj: those reads must get device copies from the first call on.
+    torch.manual_seed(0)
+    model = small_vit().eval()
+    reference = small_vit().eval()
+    reference.load_state_dict(model.state_dict())
+    tokens = torch.randn(2, 17, 64)
+    images = torch.randn(2, 3, 32, 32)
+    probe = HostMasterProbe(_storages(model))
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        with probe, torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model.encoder(tokens), reference.encoder(tokens))
+            assert len(pager._calls) < 2 * len(dict(model.named_modules()))  # not growing
+            assert torch.equal(model(images), reference(images))  # learns from here
+            hits = pager.stats.prefetch_hits
+            assert torch.equal(model(images), reference(images))
+            assert torch.equal(model.encoder(tokens), reference.encoder(tokens))
+    assert probe.offenders == []
+    assert pager.stats.prefetch_hits > hits
+
+
 def test_nested_inputs_and_keyword_arguments_reach_the_forward() -> None:
     class Nested(nn.Module):
         def __init__(self) -> None:
