@@ -61,8 +61,8 @@ def refuse_if_held(model: nn.Module) -> None:
 
 def check_placeable(model: Any, engine: str, allow_meta: bool = False) -> None:
     """Refuse, before anything changes, a model ``engine`` (``"adaptive.page"``, ...) cannot
-    take: not a module, in training mode, weights on meta, or already held by adaptmem or
-    dispatched by accelerate."""
+    take: not a module, in training mode, weights on meta, inference tensors, or already
+    held by adaptmem or dispatched by accelerate."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     training = [n or "<root>" for n, m in model.named_modules() if m.training]
@@ -79,12 +79,30 @@ def check_placeable(model: Any, engine: str, allow_meta: bool = False) -> None:
                 f"there are no weights for {engine}; load them first with "
                 f"adaptive.load(model, checkpoint)"
             )
+    untracked = [n for n, t in _named_tensors(model) if not _tracks_versions(t)]
+    if untracked:
+        raise PlacementError(
+            f"model has {len(untracked)} inference tensor(s) (first: {untracked[0]!r}): it "
+            f"was built or loaded under torch.inference_mode(), and {engine} needs the "
+            f"version counters that inference tensors lack. Build or load it outside "
+            f"inference_mode (running it inside is fine), or take a plain copy outside it: "
+            f"model = copy.deepcopy(model)"
+        )
     refuse_if_held(model)
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         raise PlacementError(
             "model is already dispatched by accelerate (it has _hf_hook hooks); call "
             "accelerate.hooks.remove_hook_from_module(model, recurse=True) first"
         )
+
+
+def _tracks_versions(t: torch.Tensor) -> bool:
+    # An inference tensor has no version counter, even after its .data was replaced.
+    try:
+        t._version  # noqa: B018
+    except RuntimeError:
+        return False
+    return True
 
 
 def _named_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from typing import Any
 
@@ -41,13 +43,14 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 
 def parse_size(value: Any, name: str = "size") -> int:
-    """Bytes from an int or a string such as ``"1.5GiB"``, ``"512MB"`` or ``"4096"``.
+    """Bytes from a number or a string such as ``"1.5GiB"``, ``"512MB"`` or ``"4096"``;
+    a fraction of a byte is rounded down. NumPy integers and floats are numbers too.
 
     Raises:
-        TypeError: ``value`` is neither an int nor a string (``bool`` is refused too).
-        ValueError: the string cannot be parsed, or the size is negative.
+        TypeError: ``value`` is neither a number nor a string (``bool`` is refused too).
+        ValueError: the string cannot be parsed, or the size is negative or not finite.
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise TypeError(
             f"{name} must be a number of bytes (int) or a string like '512MiB', "
             f"got {type(value).__name__} {value!r}"
@@ -63,8 +66,8 @@ def parse_size(value: Any, name: str = "size") -> int:
         number = float(match.group(1)) * _UNITS[unit]
     else:
         number = float(value)
-    if number < 0 or number != number:
-        raise ValueError(f"{name} must be zero or more bytes, got {value!r}")
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a finite number of bytes, zero or more, got {value!r}")
     return int(number)
 
 

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from collections.abc import Callable
@@ -620,6 +621,8 @@ def _record(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
         ({"prefetch": -1}, ValueError, "prefetch"),
         ({"prefetch": 1.5}, TypeError, "prefetch"),
         ({"resident_bytes": "2MiB", "device_budget": "1MiB"}, ValueError, "resident_bytes"),
+        ({"unit_bytes": float("inf")}, ValueError, "unit_bytes must be a finite"),
+        ({"device_budget": "1e400"}, ValueError, "device_budget must be a finite"),
     ],
 )
 def test_bad_options_are_refused_and_the_model_is_untouched(
@@ -640,6 +643,31 @@ def test_a_model_in_training_mode_is_refused() -> None:
     with pytest.raises(PlacementError, match=r"training mode.*model\.eval\(\)"):
         adaptive.page(model, "cpu")
     assert _untouched(model, before)
+
+
+def test_a_model_built_under_inference_mode_is_refused_with_the_way_out() -> None:
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
+    before = _record(model)
+    with pytest.raises(PlacementError, match=r"inference tensor.*copy\.deepcopy\(model\)"):
+        adaptive.page(model, "cpu")
+    assert _untouched(model, before)
+    copied = copy.deepcopy(model)  # the way out the error names
+    x = torch.randn(2, 4)
+    with adaptive.page(copied, "cpu", unit_bytes=0, resident_bytes=0), torch.inference_mode():
+        assert torch.equal(copied(x), model(x)) and torch.equal(copied(x), model(x))
+
+
+def test_sizes_take_numpy_numbers_and_round_fractions_of_a_byte_down() -> None:
+    import numpy as np
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    layer = 4 * 4 * 4 + 4 * 4
+    with adaptive.page(model, "cpu", unit_bytes=np.int64(layer), resident_bytes=0.5,
+                       device_budget=np.float64(2 * layer + 0.7)) as pager:
+        assert pager.plan.options["unit_bytes"] == layer
+        assert pager.plan.options["resident_bytes"] == 0
+        assert pager.plan.options["device_budget"] == 2 * layer
 
 
 def test_meta_parameters_are_refused_with_a_pointer_to_load() -> None:
@@ -917,12 +945,45 @@ def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
     # 4 MiB each; the first of each forward is fetched on demand (1 in 32 transfers)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)]).eval()
     x = torch.randn(32768, 1024)  # ~70 GFLOP per layer: well above one 4 MiB copy
+    with torch.no_grad():
+        expected = copy.deepcopy(model).cuda()(x.cuda()).cpu()
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0, prefetch=2) as pager:
         with torch.no_grad():
             model(x)
             pager.stats.reset()
-            for _ in range(3):
-                model(x)
+            outs = [model(x) for _ in range(3)]
             torch.cuda.synchronize()
     stats = pager.stats
     assert stats.prefetch_misses < 0.1 * (stats.prefetch_hits + stats.prefetch_misses)
+    for out in outs:  # computed on copies that had arrived, not on memory still being filled
+        torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_a_model_already_on_cuda_is_paged_and_put_back_there_bitwise() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8)).cuda().eval()
+    before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    x = torch.randn(4, 64, device="cuda")
+    with torch.no_grad():
+        expected = model(x)
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
+        assert all(s.master.device.type == "cpu" for s in pager._slots.values())
+        with torch.no_grad():
+            assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert t.device.type == "cuda" and t.dtype == before[n].dtype
+        assert torch.equal(t, before[n])
+
+
+@pytest.mark.gpu
+def test_gpu_a_buffer_written_in_place_keeps_what_was_written() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_Accumulates(), nn.Linear(8, 8), _Accumulates()).eval()
+    reference = copy.deepcopy(model).cuda()
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        for x in xs:
+            torch.testing.assert_close(model(x), reference(x.cuda()).cpu())
+    torch.testing.assert_close(model[0].total, reference[0].total.cpu())
+    torch.testing.assert_close(model[2].total, reference[2].total.cpu())

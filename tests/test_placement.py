@@ -453,6 +453,19 @@ def test_a_meta_model_can_be_placed_for_the_loader_and_filled_in_place() -> None
     assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
 
 
+def test_a_model_built_under_inference_mode_is_refused_before_anything_changes() -> None:
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).eval()
+    before = snapshot(model)
+    x = torch.randn(1, 4)
+    with pytest.raises(adaptive.PlacementError, match="inference tensor"):
+        adaptive.chunk(model, "cpu", capacity=10, dtype=torch.bfloat16, example_inputs=x)
+    with pytest.raises(adaptive.PlacementError, match="inference tensor"):
+        adaptive.split(model, {"cpu@bfloat16": 10, "cpu": None}, example_inputs=x)
+    assert_bitwise(model, before)
+    assert model._forward_pre_hooks == {}
+
+
 def test_refusals_name_the_problem_and_leave_the_model_alone() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     before = snapshot(model)
