@@ -20,16 +20,23 @@ import argparse
 import copy
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
 import torchvision
 from torch import nn
 
-from adaptmem import adaptive
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _report import header, write_section  # noqa: E402
+
+from adaptmem import adaptive  # noqa: E402
 from adaptmem._placement import Splitter
 from adaptmem._planner import module_sizes
 
@@ -182,7 +189,10 @@ def hook_cost(reps: int = 200) -> list[str]:
 
 
 def gpu_variant(args: argparse.Namespace) -> list[str]:
-    import optimem
+    try:
+        import optimem
+    except ImportError:  # pytorch-optimem is in the bench extra; its rows say it is missing
+        optimem = None
 
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
@@ -213,12 +223,14 @@ def gpu_variant(args: argparse.Namespace) -> list[str]:
             del model
             model = build(args.model)
             numel = sum(p.numel() for p in model.parameters())
-            optimem.chunk(model, device=dev, max_capacity=share * numel)
             try:
+                if optimem is None:
+                    raise ImportError("pytorch-optimem is not installed")
+                optimem.chunk(model, device=dev, max_capacity=share * numel)
                 measure(f"optimem.chunk, {share:.0%}", model, x, base, batch)
             except Exception as exc:  # noqa: BLE001 - record how the alternative fails
                 lines.append(f"| optimem.chunk, {share:.0%} | {batch} | failed: "
-                             f"{type(exc).__name__} | | |")
+                             f"{type(exc).__name__}: {str(exc)[:80]} | | |")
             del model
             page = getattr(adaptive, "page", None)
             if page is not None:
@@ -246,8 +258,13 @@ def main() -> None:
     parser.add_argument("--best", action="store_true", help="report the fastest run, not the median")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (one is steadier on a machine shared with other work)")
+    parser.add_argument("--write", action="store_true",
+                        help="record the GPU variant as 'Chunking on a GPU' in RESULTS.md")
     args = parser.parse_args()
     gpu = torch.cuda.is_available() and not args.cpu
+    if args.write and not gpu:
+        parser.error("--write records the GPU variant, and no GPU is in use; the CPU figures "
+                     "in RESULTS.md are kept with their notes by hand")
     args.image = args.image or (512 if gpu else 64)
     args.batches = [int(b) for b in (args.batches or ("1,2,4,8,16,32" if gpu else "1,4"))
                     .split(",")]
@@ -260,10 +277,15 @@ def main() -> None:
     lines += ["", *hook_cost()]
     device = torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine()
     how = "best" if args.best else "median"
-    print(f"{args.model}, {args.image}x{args.image}, {how} of {args.reps} runs; {device}, "
-          f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    title = (f"{args.model}, {args.image}x{args.image}, {how} of {args.reps} runs; {device}, "
+             f"{torch.get_num_threads()} threads, torch {torch.__version__}, "
+             f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(title)
     print("\n".join(lines))
+    if args.write:
+        command = "python benchmarks/chunking.py " + " ".join(sys.argv[1:])
+        write_section("Chunking on a GPU", header(command.strip()) + "\n" + title + "\n\n"
+                      + "\n".join(lines))
 
 
 if __name__ == "__main__":

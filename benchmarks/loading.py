@@ -162,7 +162,9 @@ def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
         model.tie_weights()  # init_empty_weights re-wraps the tied parameter, untying it
         built = time.perf_counter() - t0
         path = st if "safetensors" in method else pt
-        device_map = {"": device.index if device.type == "cuda" else str(device)}
+        # accelerate wants a GPU index; torch.device("cuda") has none until it is resolved
+        index = torch.cuda.current_device() if device.index is None else device.index
+        device_map = {"": index if device.type == "cuda" else str(device)}
         # load_checkpoint_and_dispatch, with the re-tie accelerate's docs ask for in between
         # (a safetensors file stores a tied weight once).
         load_checkpoint_in_model(model, str(path), device_map=device_map)
@@ -230,6 +232,8 @@ def main() -> None:
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--workdir", default=None, help="where checkpoints go (deleted afterwards)")
     ap.add_argument("--only", default=None, help="run methods whose name contains this")
+    ap.add_argument("--timeout", type=float, default=300,
+                    help="seconds one method may take before it is recorded as failed")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -275,11 +279,16 @@ def main() -> None:
                 continue
             _warm({"pt": work / "model.pt", "safetensors": work / "model.safetensors",
                    "dir": work / "per-tensor"}[kind])
-            proc = subprocess.run(
-                [sys.executable, __file__, "--worker", method, "--model", args.model,
-                 "--workdir", str(work), "--device", device],
-                capture_output=True, text=True,
-            )
+            try:
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--worker", method, "--model", args.model,
+                     "--workdir", str(work), "--device", device],
+                    capture_output=True, text=True, timeout=args.timeout,
+                )
+            except subprocess.TimeoutExpired:
+                print(f"{method}: FAILED (over {args.timeout} s)", flush=True)
+                rows.append({"method": method, "failed": f"over {args.timeout} s"})
+                continue
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from _report import RESULTS, header, write_section  # noqa: E402
+
 from adaptmem import adaptive  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
-
 
 # -- helpers -----------------------------------------------------------------------------------
 
@@ -303,6 +301,7 @@ def gpu_rows(quick: bool) -> list[dict[str, Any]]:
     with torch.device("meta"):
         gpt = GPT().half().eval()
     gpt = gpt.to_empty(device="cpu")
+    gpt.lm_head.weight = gpt.wte.weight  # to_empty gives each a tensor of its own
     with torch.no_grad():
         for p in gpt.parameters():
             p.normal_(0, 0.02)
@@ -335,6 +334,7 @@ def gpu_rows(quick: bool) -> list[dict[str, Any]]:
         total = torch.cuda.mem_get_info(device)[1]
         for engine in engines:
             model = copy.deepcopy(base)
+            handle = None
             torch.cuda.empty_cache()
             torch.cuda.set_per_process_memory_fraction(
                 min(1.0, (torch.cuda.memory_allocated(device) + cap + activations * 1.2
@@ -353,15 +353,15 @@ def gpu_rows(quick: bool) -> list[dict[str, Any]]:
                 rows.append({"workload": name, "mode": engine.name, "time": t,
                              "peak": torch.cuda.max_memory_allocated(device),
                              "gbps": moved / t / 1e9, "bound": bound})
-                if handle is not None:
-                    handle.remove()
             except Exception as exc:  # a rival that cannot run this workload is a result too
                 rows.append({"workload": name, "mode": engine.name, "time": float("nan"),
                              "peak": float("nan"), "gbps": float("nan"), "bound": bound,
                              "error": f"{type(exc).__name__}: {str(exc)[:80]}"})
             finally:
+                if handle is not None:  # pinned masters and hooks go, even after a failure
+                    handle.remove()
                 torch.cuda.set_per_process_memory_fraction(1.0, device)
-                del model
+                del model, handle
                 torch.cuda.empty_cache()
     for r in rows:
         r["bandwidth"] = bandwidth
@@ -387,62 +387,58 @@ def gpu_table(rows: list[dict[str, Any]]) -> str:
 # -- report --------------------------------------------------------------------------------------
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    load = f", load average {os.getloadavg()[0]:.1f} at start" if hasattr(os, "getloadavg") else ""
-    return (f"{platform.system()} {platform.release()}, {os.cpu_count()} CPU cores ({cpu}"
-            f"{load}), {gpu}; torch {torch.__version__}, Python {platform.python_version()}")
-
-
-def write_section(text: str) -> None:
-    old = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    start = old.find("## Paging")
-    if start == -1:
-        new = old.rstrip() + "\n\n" + text
-    else:
-        end = old.find("\n## ", start + 1)
-        new = old[:start] + text + ("" if end == -1 else old[end:])
-    RESULTS.write_text(new.rstrip() + "\n")
+CPU_NOTE = (
+    "Overhead / unit = (paged - unpaged time per forward) / units. adaptmem makes real copies "
+    "even on the CPU (two tiny ones per unit in the first workload, 16 MiB units in the "
+    "second); optimem and accelerate move nothing there, because `.to('cpu')` of a CPU tensor "
+    "is a no-op; their units are the leaf modules with weights. 'copies skipped' is the same "
+    "pager handed the masters instead of copies: its hooks and bookkeeping alone, the figure "
+    "the <= 20 us per-unit target is about; the gap to 'adaptmem page' is what the copies "
+    "cost. 'empty hooks' is the floor any hook-based pager pays on this machine. Times are "
+    "the best of interleaved rounds.")
+GPU_PENDING = (
+    "Pending: no GPU has run this yet. On a GPU the script measures ResNet-101 at 512x512 "
+    "(batches 1-64) and a GPT-2-XL-shaped fp16 transformer against max(resident compute, "
+    "paged bytes / pinned bandwidth), with optimem.page and accelerate.cpu_offload in the same "
+    "run, and records them here with `--write`.")
+GPU_TITLE = "Paging on a GPU"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds and batches")
-    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
+    parser.add_argument("--write", action="store_true",
+                        help="update benchmarks/RESULTS.md ('Paging' for the CPU part, "
+                             "'Paging on a GPU' for the GPU part)")
+    parser.add_argument("--gpu-only", action="store_true",
+                        help="skip the CPU part (its figures belong to the machine that "
+                             "develops the pager, not to the GPU host)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args()
+    gpu = torch.cuda.is_available()
+    if args.gpu_only and not gpu:
+        parser.error("--gpu-only needs CUDA, and none is available here")
     if args.threads:
         torch.set_num_threads(args.threads)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    command = "python benchmarks/paging.py " + " ".join(sys.argv[1:])
-    rows = cpu_rows(args.quick)
-    parts = ["## Paging", "", f"Machine: {machine()}.  ", f"Date: {date}.  ",
-             f"Command: `{command.strip()}`", "", "### CPU: the pager's own cost", "",
-             cpu_table(rows), "",
-             "Overhead / unit = (paged - unpaged time per forward) / units. adaptmem makes real "
-             "copies even on the CPU (two tiny ones per unit in the first workload, 16 MiB "
-             "units in the second); optimem and accelerate move nothing there, because "
-             "`.to('cpu')` of a CPU tensor is a no-op; their units are the leaf modules with "
-             "weights. 'copies skipped' is the same pager handed the masters instead of copies: "
-             "its hooks and bookkeeping alone, the figure the <= 20 us per-unit target is "
-             "about; the gap to 'adaptmem page' is what the copies cost. 'empty hooks' is the "
-             "floor any hook-based pager pays on this machine. Times are the best of "
-             "interleaved rounds.",
-             ""]
-    if torch.cuda.is_available():
-        parts += ["### GPU: paging under a memory fraction holding 25% of the weights", "",
-                  gpu_table(gpu_rows(args.quick)), ""]
-    else:
-        parts += ["### GPU", "", "Pending: no GPU was available for this run. On a GPU the "
-                  "script measures ResNet-101 at 512x512 (batches 1-64) and a GPT-2-XL-shaped "
-                  "fp16 transformer against max(resident compute, paged bytes / pinned "
-                  "bandwidth), with optimem.page and accelerate.cpu_offload in the same run.",
-                  ""]
-    text = "\n".join(parts)
-    print(text)
-    if args.write:
-        write_section(text)
+    command = ("python benchmarks/paging.py " + " ".join(sys.argv[1:])).strip()
+    if not args.gpu_only:
+        load = f"load average at start {os.getloadavg()[0]:.1f}\n" \
+            if hasattr(os, "getloadavg") else ""
+        cpu = (header(command) + f"- {load}\n### CPU: the pager's own cost\n\n"
+               + cpu_table(cpu_rows(args.quick)) + "\n\n" + CPU_NOTE
+               + f"\n\nGPU figures: section '{GPU_TITLE}'.")
+        print("## Paging\n\n" + cpu)
+        if args.write:
+            write_section("Paging", cpu)
+    if gpu:
+        body = (header(command) + "\nUnder a memory fraction holding 25% of the weights.\n\n"
+                + gpu_table(gpu_rows(args.quick)))
+        print(f"## {GPU_TITLE}\n\n" + body)
+        if args.write:
+            write_section(GPU_TITLE, body)
+    elif args.write and f"## {GPU_TITLE}\n" not in (
+            RESULTS.read_text() if RESULTS.exists() else ""):
+        write_section(GPU_TITLE, GPU_PENDING)  # a CPU run never replaces GPU figures
     return 0
 
 
