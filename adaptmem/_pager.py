@@ -94,6 +94,10 @@ class Pager:
         self._stack: list[_Frame] = []
         self._handles: dict[int, tuple[Any, Any]] = {}
         self._needs: dict[int, tuple[Slot, ...]] = {}
+        # Modules inside a paged unit: nothing to do while their unit runs; called on their
+        # own, they bring in their subtree's weights.
+        self._alone: dict[int, tuple[Slot, ...]] = {}
+        self._inner_ids: set[int] = set()  # modules hooked as inside a unit
         self._schedule: list[int] = []
         self._schedule_needs: list[tuple[Slot, ...]] = []
         self._schedule_masters: list[tuple[torch.Tensor, ...]] = []  # what each step copies
@@ -209,16 +213,44 @@ class Pager:
             self._schedule_needs = [needs[mid] for mid in self._schedule]
             self._schedule_masters = [tuple(s.master for s in step)
                                       for step in self._schedule_needs]
+            self._alone = self._inside_units(needs, rank)
             for m in self._modules.values():
                 if id(m) in needs:
                     self._hook(m)
 
-    def _hook(self, module: nn.Module) -> None:
-        if id(module) in self._handles:
-            return
-        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+    def _inside_units(self, needs: dict[int, tuple[Slot, ...]],
+                      rank: dict[str, int]) -> dict[int, tuple[Slot, ...]]:
+        """The paged weights of each module that lies inside a paged unit (below the unit's
+        module) and acquires nothing itself."""
+        heads = {u.module for u in self._units if not u.own and u.placement == "paged"}
+        alone = {}
+        for name, module in self._modules.items():
+            if not name or id(module) in needs:
+                continue
+            parts = name.split(".")
+            if not any(".".join(parts[:i]) in heads for i in range(len(parts))):
+                continue
+            slots = [self._slots[n] for n in self._sizes.subtree_tensors[name]
+                     if not self._slots[n].resident]
+            if slots:
+                alone[id(module)] = tuple(sorted(slots, key=lambda s: rank[s.name]))
+        return alone
+
+    def _hook(self, module: nn.Module, inner: bool = False) -> None:
+        """Hook ``module``: fully, or (``inner``) as a module inside a unit."""
+        mid = id(module)
+        if mid in self._handles:
+            if (mid in self._inner_ids) == inner:
+                return
+            for h in self._handles.pop(mid):
+                h.remove()
+            self._inner_ids.discard(mid)
+        pre = module.register_forward_pre_hook(self._inner_pre_hook if inner else self._pre_hook,
+                                               with_kwargs=True)
         post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
-        self._handles[id(module)] = (pre, post)
+        self._handles[mid] = (pre, post)
+        if inner:
+            self._inner_ids.add(mid)
 
     def _name(self, module: nn.Module) -> str:
         return self._name_of.get(id(module), "")
@@ -227,11 +259,15 @@ class Pager:
         # Modules the first forward never called keep their hooks (free until called): if a
         # later forward takes that path, the probe comes back for it.
         seen = self._seen_ids
-        for mid in [mid for mid in self._handles if mid not in self._needs and mid in seen]:
-            if mid == id(self.model):
+        for name, module in self._modules.items():
+            mid = id(module)
+            if mid not in self._handles or mid in self._needs or mid not in seen or not name:
                 continue
-            for h in self._handles.pop(mid):
-                h.remove()
+            if mid in self._alone:
+                self._hook(module, inner=True)
+            else:
+                for h in self._handles.pop(mid):
+                    h.remove()
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -248,6 +284,8 @@ class Pager:
             frame = _Frame(module)
             self._stack.append(frame)
             needs = self._needs.get(mid)
+            if needs is None and len(self._stack) == 1:  # inside a unit, called on its own
+                needs = self._alone.get(mid)
             if needs is not None:
                 if _modes_enabled():
                     with _quiet():
@@ -266,6 +304,11 @@ class Pager:
             with _quiet():
                 self._acquire(frame)
         return (args, kwargs) if root else None
+
+    def _inner_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._stack:  # its unit is running, so its weights are on the device already
+            return None
+        return self._pre_hook(module, args, kwargs)  # called on its own
 
     def _enter(self, frame: _Frame, mid: int, needs: tuple[Slot, ...]) -> None:
         """Acquire a module's weights in the steady state, then prefetch what comes next.
@@ -419,7 +462,10 @@ class Pager:
     # -- acquiring and releasing -----------------------------------------------------------
 
     def _acquire(self, frame: _Frame) -> None:
-        needs = self._needs.get(id(frame.module), ())
+        mid = id(frame.module)
+        needs = self._needs.get(mid)
+        if needs is None:
+            needs = self._alone.get(mid, ()) if len(self._stack) == 1 else ()
         missing = [s for s in needs if s.state != LOADED]
         if missing:
             needs = self._bring_in_or_refine(frame, missing, needs)
@@ -680,6 +726,7 @@ class Pager:
             pre.remove()
             post.remove()
         self._handles.clear()
+        self._inner_ids.clear()
         self._stack.clear()
         with _quiet(), torch.inference_mode(False):
             for s in self._slots.values():

@@ -439,6 +439,34 @@ def test_a_submodule_called_before_the_model_ever_ran_is_watched_and_then_learne
     assert pager.stats.prefetch_hits > hits
 
 
+def test_a_module_inside_a_paged_unit_called_on_its_own_brings_in_its_weights() -> None:
+    torch.manual_seed(0)
+    model = small_vit().eval()
+    reference = small_vit().eval()
+    reference.load_state_dict(model.state_dict())
+    layer = model.encoder.layers[1]
+    unit = module_sizes(model).subtree_bytes["encoder.layers.encoder_layer_1"]
+    images = torch.randn(2, 3, 32, 32)
+    tokens = torch.randn(2, 17, 64)
+    probe = HostMasterProbe(_storages(model))
+    with adaptive.page(model, "cpu", unit_bytes=unit, resident_bytes=0) as pager:
+        assert "encoder.layers.encoder_layer_1" in {u.module for u in pager.plan.units}
+        with probe, torch.no_grad():
+            assert torch.equal(model(images), reference(images))
+            assert torch.equal(model(images), reference(images))
+            for inner, ref in ((layer.self_attention, reference.encoder.layers[1].self_attention),
+                               (layer.mlp[0], reference.encoder.layers[1].mlp[0])):
+                for _ in range(2):
+                    if isinstance(inner, nn.MultiheadAttention):
+                        got, want = inner(tokens, tokens, tokens)[0], ref(tokens, tokens, tokens)[0]
+                    else:
+                        got, want = inner(tokens), ref(tokens)
+                    assert torch.equal(got, want)
+                    assert pager._device_bytes == 0  # released when the call ended
+            assert torch.equal(model(images), reference(images))
+    assert probe.offenders == []
+
+
 def test_nested_inputs_and_keyword_arguments_reach_the_forward() -> None:
     class Nested(nn.Module):
         def __init__(self) -> None:
