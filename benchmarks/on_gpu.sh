@@ -16,6 +16,7 @@ set -uo pipefail
 step=${1:?"which step: tests, paging, chunking or loading"}
 out=${OUT:-/tmp/adaptmem-gpu}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the script changes directory next
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -25,25 +26,28 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 ||
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
+status=0
+run() {  # run LOG SECONDS COMMAND...: log to $out/LOG, remember the first failure
+    local log=$1 seconds=$2
+    shift 2
+    timeout "$seconds" "$@" 2>&1 | tee "$out/$log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+}
 case $step in
     tests)
-        timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$out/gpu-tests.log"
-        timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 2>&1 | tee "$out/all-tests.log"
+        run gpu-tests.log 240 python3 -m pytest -q -m gpu -p no:cacheprovider
+        parallel=()  # the whole suite with CUDA present; pytest-xdist spreads it when there
+        if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
+        run all-tests.log 300 python3 -m pytest -q -p no:cacheprovider "${parallel[@]}"
         ;;
-    paging)
-        timeout 560 python3 benchmarks/paging.py --gpu-only --write 2>&1 | tee "$out/paging.log"
-        ;;
-    chunking)
-        timeout 560 python3 benchmarks/chunking.py --write 2>&1 | tee "$out/chunking.log"
-        ;;
-    loading)
-        timeout 560 python3 benchmarks/loading.py --timeout 120 2>&1 | tee "$out/loading.log"
-        ;;
+    paging) run paging.log 560 python3 benchmarks/paging.py --gpu-only --write ;;
+    chunking) run chunking.log 560 python3 benchmarks/chunking.py --write ;;
+    loading) run loading.log 560 python3 benchmarks/loading.py --timeout 120 ;;
     *)
         echo "unknown step '$step': tests, paging, chunking or loading" >&2
         exit 2
         ;;
 esac
-status=${PIPESTATUS[0]}
 cp benchmarks/RESULTS.md "$out/RESULTS.md"
 exit "$status"
