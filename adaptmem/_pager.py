@@ -10,7 +10,10 @@ Forward pre-hooks acquire what a module needs and post-hooks release it (referen
 so tied tensors and nested units are on the device once). The first forward runs with a
 ``TorchFunctionMode`` probe that loads any weight a module reads without calling its owner
 (``MultiheadAttention`` reading ``out_proj.weight``) and records it; from then on those
-needs are acquired by hooks, in an execution order used for prefetching.
+needs are acquired by hooks, in an execution order used for prefetching. A module inside a
+paged unit keeps a light hook: it returns at once while its unit runs, and brings in the
+module's own subtree when the module is called on its own. Every outermost call (of the
+model, or of a submodule on its own) is watched until a whole forward has been learned.
 """
 
 from __future__ import annotations
