@@ -163,11 +163,27 @@ def test_random_module_trees_paged_at_random_unit_sizes_give_the_unpaged_output(
     x = torch.randn(2, DIM)
     with torch.no_grad():
         expected = tree(x)
+        # Submodules called on their own, before the first forward and after it (an encoder
+        # called by generate(), a layer inside a unit), against an unpaged copy.
+        reference = dict(copy.deepcopy(tree).named_modules())
+        alone = {}
+        for name, module in tree.named_modules():
+            try:
+                alone[name] = (module, reference[name](x))
+            except (RuntimeError, TypeError):  # not every part takes (batch, DIM) alone
+                continue
     before = {k: v.clone() for k, v in tree.state_dict().items()}
     probe = HostMasterProbe(_storages(tree))
-    with adaptive.page(tree, "cpu", unit_bytes=unit_bytes, resident_bytes=0, prefetch=prefetch):
+    with adaptive.page(tree, "cpu", unit_bytes=unit_bytes, resident_bytes=0,
+                       prefetch=prefetch) as pager:
         with probe, torch.no_grad():
+            for module, out in alone.values():
+                assert torch.equal(module(x), out)
             assert torch.equal(tree(x), expected)
+            assert torch.equal(tree(x), expected)
+            for module, out in alone.values():
+                assert torch.equal(module(x), out)
+                assert pager._device_bytes == 0  # nothing left behind by the call
             assert torch.equal(tree(x), expected)
     assert probe.offenders == []
     after = tree.state_dict()
