@@ -10,11 +10,10 @@ Forward pre-hooks acquire what a module needs and post-hooks release it (referen
 so tied tensors and nested units are on the device once). The first forward runs with a
 ``TorchFunctionMode`` probe that loads any weight a module reads without calling its owner
 (``MultiheadAttention`` reading ``out_proj.weight``) and records it; from then on those
-needs are acquired by hooks, in an execution order used for prefetching. A module that
-acquires nothing keeps a light hook, which returns at once inside a forward and notices the
-module called on its own: its inputs then go to the device like the model's, and a module
-inside a paged unit brings in its subtree. Every outermost call (of the model, or of a
-submodule on its own) is watched until a whole forward has been learned.
+needs are acquired by hooks, in an execution order used for prefetching. A module inside a
+paged unit keeps a light hook: it returns at once while its unit runs, and brings in the
+module's own subtree when the module is called on its own. Every outermost call (of the
+model, or of a submodule on its own) is watched until a whole forward has been learned.
 """
 
 from __future__ import annotations
@@ -98,10 +97,10 @@ class Pager:
         self._stack: list[_Frame] = []
         self._handles: dict[int, tuple[Any, Any]] = {}
         self._needs: dict[int, tuple[Slot, ...]] = {}
-        # What modules inside a paged unit bring in when called on their own (while their
-        # unit runs, they need nothing).
+        # Modules inside a paged unit: nothing to do while their unit runs; called on their
+        # own, they bring in their subtree's weights.
         self._alone: dict[int, tuple[Slot, ...]] = {}
-        self._light_ids: set[int] = set()  # modules whose hooks only notice an own call
+        self._inner_ids: set[int] = set()  # modules hooked as inside a unit
         self._schedule: list[int] = []
         self._schedule_needs: list[tuple[Slot, ...]] = []
         self._schedule_masters: list[tuple[torch.Tensor, ...]] = []  # what each step copies
@@ -234,53 +233,53 @@ class Pager:
             parts = name.split(".")
             if not any(".".join(parts[:i]) in heads for i in range(len(parts))):
                 continue
-            # Walked rather than looked up by name: a module registered under two names
-            # is in the subtree of both.
-            found = {id(s): s for m in module.modules()
-                     for t in (*m._parameters.values(), *m._buffers.values())
-                     if t is not None and (s := self._slot_by_id.get(id(t))) is not None
-                     and not s.resident}
-            if found:
-                alone[id(module)] = tuple(sorted(found.values(), key=lambda s: rank[s.name]))
+            slots = [self._slots[n] for n in self._sizes.subtree_tensors[name]
+                     if not self._slots[n].resident]
+            if slots:
+                alone[id(module)] = tuple(sorted(slots, key=lambda s: rank[s.name]))
         return alone
 
-    def _hook(self, module: nn.Module, light: bool = False) -> None:
-        """Hook ``module``: fully, or (``light``) to notice only a call of it on its own."""
+    def _hook(self, module: nn.Module, inner: bool = False) -> None:
+        """Hook ``module``: fully, or (``inner``) as a module inside a unit."""
         mid = id(module)
         if mid in self._handles:
-            if (mid in self._light_ids) == light:
+            if (mid in self._inner_ids) == inner:
                 return
             for h in self._handles.pop(mid):
                 h.remove()
-            self._light_ids.discard(mid)
-        pre = module.register_forward_pre_hook(self._light_pre_hook if light else self._pre_hook,
+            self._inner_ids.discard(mid)
+        pre = module.register_forward_pre_hook(self._inner_pre_hook if inner else self._pre_hook,
                                                with_kwargs=True)
         post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
         self._handles[mid] = (pre, post)
-        if light:
-            self._light_ids.add(mid)
+        if inner:
+            self._inner_ids.add(mid)
 
     def _name(self, module: nn.Module) -> str:
         return self._name_of.get(id(module), "")
 
-    def _lighten_idle_hooks(self) -> None:
-        # Modules the first forward called that acquire nothing keep a light hook: it returns
-        # at once inside a forward, and catches the module called on its own. Modules the
-        # first forward never called keep their full hooks: if a later forward takes that
-        # path, the probe comes back for it.
+    def _unhook_idle(self) -> None:
+        # Modules the first forward never called keep their hooks (free until called): if a
+        # later forward takes that path, the probe comes back for it.
         seen = self._seen_ids
         for name, module in self._modules.items():
             mid = id(module)
-            if name and mid in self._handles and mid not in self._needs and mid in seen:
-                self._hook(module, light=True)
+            if mid not in self._handles or mid in self._needs or mid not in seen or not name:
+                continue
+            if mid in self._alone:
+                self._hook(module, inner=True)
+            else:
+                for h in self._handles.pop(mid):
+                    h.remove()
 
     # -- hooks ----------------------------------------------------------------------------
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        # The model, or a submodule called on its own (an encoder, say)
-        outermost = not self._stack or module is self.model
-        if outermost:
-            args, kwargs = self._begin_call(module, args, kwargs)
+        root = module is self.model
+        if root:
+            args, kwargs = self._begin_forward(args, kwargs)
+        elif not self._stack:  # a submodule called on its own (an encoder, say)
+            self._begin_call()
         mid = id(module)
         if not self._learning:  # the steady state: keep this path short
             if mid not in self._seen_ids and self._probe is None:
@@ -296,7 +295,7 @@ class Pager:
                         self._enter(frame, mid, needs)
                 else:
                     self._enter(frame, mid, needs)
-            return (args, kwargs) if outermost else None
+            return (args, kwargs) if root else None
         name = self._name(module)
         self._calls.append(name)
         outer = {self._name(f.module) for f in self._stack}
@@ -307,10 +306,10 @@ class Pager:
         if mid in self._needs:
             with _quiet():
                 self._acquire(frame)
-        return (args, kwargs) if outermost else None
+        return (args, kwargs) if root else None
 
-    def _light_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self._stack:  # inside a forward, whoever runs it brought in what it needs
+    def _inner_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self._stack:  # its unit is running, so its weights are on the device already
             return None
         return self._pre_hook(module, args, kwargs)  # called on its own
 
@@ -396,12 +395,14 @@ class Pager:
                         self._release(slots)
                 else:
                     self._release(slots)
-        if stack and module is not self.model:
+        if module is not self.model:
+            if not stack:  # a submodule called on its own (an encoder, say) has finished
+                self._end_call()
+                self._end_forward(failed=True)  # only a whole forward ends the learning
             return None
-        # The outermost call ended: of the model, or of a submodule on its own.
         self._end_call()
         failed = output is None and sys.exc_info()[1] is not None
-        self._end_forward(failed or module is not self.model)  # a whole forward ends learning
+        self._end_forward(failed)
         if failed:
             return None
         target = self.output_device or self._input_device
@@ -415,10 +416,15 @@ class Pager:
         if self._device_bytes != self._resident_bytes:
             self._drop_pending(())
 
-    def _begin_call(self, module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        self._begin_call()
+        self._stats.forwards += 1
+        self._input_device = first_tensor_device((args, kwargs))
+        return to_device((args, kwargs), self.device)
+
+    def _begin_call(self) -> None:
         """An outermost call into the model begins: of the model, or of a submodule on its
-        own. Its inputs go to the device; until a whole forward has been learned, every
-        call is watched by the probe."""
+        own. Until a whole forward has been learned, every call is watched by the probe."""
         if self._removed:
             raise PlacementError("this Pager was removed; page the model again to use it")
         if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
@@ -437,10 +443,6 @@ class Pager:
             self._calls = []
             self._probe = Probe(self)
             self._probe.__enter__()
-        if module is self.model:
-            self._stats.forwards += 1
-        self._input_device = first_tensor_device((args, kwargs))
-        return to_device((args, kwargs), self.device)
 
     def _end_forward(self, failed: bool) -> None:
         if self._probe is None:
@@ -458,7 +460,7 @@ class Pager:
         self._units = order_units(self._units, list(first))
         self.plan.units = list(self._units)
         self._compute_needs()
-        self._lighten_idle_hooks()
+        self._unhook_idle()
 
     # -- acquiring and releasing -----------------------------------------------------------
 
@@ -727,7 +729,7 @@ class Pager:
             pre.remove()
             post.remove()
         self._handles.clear()
-        self._light_ids.clear()
+        self._inner_ids.clear()
         self._stack.clear()
         with _quiet(), torch.inference_mode(False):
             for s in self._slots.values():

@@ -1002,26 +1002,6 @@ def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_a_submodule_called_on_its_own_takes_host_inputs_like_the_model() -> None:
-    # An encoder called by generate() with the caller's (host) tensors, before and after the
-    # first forward; a block inside a paged unit; a weightless module between units.
-    torch.manual_seed(0)
-    model = small_vit().eval()
-    reference = copy.deepcopy(model).cuda()
-    tokens = torch.randn(2, 17, 64)
-    images = torch.randn(2, 3, 32, 32)
-    unit = module_sizes(model).subtree_bytes["encoder.layers.encoder_layer_1"]
-    parts = ["encoder", "encoder.layers.encoder_layer_1.mlp", "encoder.dropout"]
-    with adaptive.page(model, "cuda", unit_bytes=unit, resident_bytes=0), torch.no_grad():
-        for when in ("before", "after"):
-            for name in parts:
-                got = model.get_submodule(name)(tokens)
-                assert got.device.type == "cpu", (name, when)
-                torch.testing.assert_close(got, reference.get_submodule(name)(tokens.cuda()).cpu())
-            torch.testing.assert_close(model(images), reference(images.cuda()).cpu())
-
-
-@pytest.mark.gpu
 def test_gpu_a_model_already_on_cuda_is_paged_and_put_back_there_bitwise() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 8)).cuda().eval()
