@@ -11,9 +11,10 @@ so tied tensors and nested units are on the device once). The first forward runs
 ``TorchFunctionMode`` probe that loads any weight a module reads without calling its owner
 (``MultiheadAttention`` reading ``out_proj.weight``) and records it; from then on those
 needs are acquired by hooks, in an execution order used for prefetching. A module inside a
-paged unit keeps a light hook: it returns at once while its unit runs, and brings in the
-module's own subtree when the module is called on its own. Every outermost call (of the
-model, or of a submodule on its own) is watched until a whole forward has been learned.
+paged unit keeps its hooks: they find its weights there while its unit runs, and bring in
+its subtree when it is called on its own, or from where its unit is not running. Every
+outermost call (of the model, or of a submodule on its own) is watched until a whole
+forward has been learned.
 """
 
 from __future__ import annotations
@@ -98,9 +99,8 @@ class Pager:
         self._handles: dict[int, tuple[Any, Any]] = {}
         self._needs: dict[int, tuple[Slot, ...]] = {}
         # Modules inside a paged unit: nothing to do while their unit runs; called on their
-        # own, they bring in their subtree's weights.
+        # own (or where their unit is not running), they bring in their subtree's weights.
         self._alone: dict[int, tuple[Slot, ...]] = {}
-        self._inner_ids: set[int] = set()  # modules hooked as inside a unit
         self._schedule: list[int] = []
         self._schedule_needs: list[tuple[Slot, ...]] = []
         self._schedule_masters: list[tuple[torch.Tensor, ...]] = []  # what each step copies
@@ -225,52 +225,52 @@ class Pager:
                       rank: dict[str, int]) -> dict[int, tuple[Slot, ...]]:
         """The paged weights of each module that lies inside a paged unit (below the unit's
         module) and acquires nothing itself."""
-        heads = {u.module for u in self._units if not u.own and u.placement == "paged"}
         alone = {}
         for name, module in self._modules.items():
-            if not name or id(module) in needs:
+            if not name or id(module) in needs or self._enclosing_unit(name) is None:
                 continue
-            parts = name.split(".")
-            if not any(".".join(parts[:i]) in heads for i in range(len(parts))):
-                continue
-            slots = [self._slots[n] for n in self._sizes.subtree_tensors[name]
-                     if not self._slots[n].resident]
-            if slots:
-                alone[id(module)] = tuple(sorted(slots, key=lambda s: rank[s.name]))
+            # Walked rather than looked up by name: a module registered under two names
+            # is in the subtree of both.
+            found = {id(s): s for m in module.modules()
+                     for t in (*m._parameters.values(), *m._buffers.values())
+                     if t is not None and (s := self._slot_by_id.get(id(t))) is not None
+                     and not s.resident}
+            if found:
+                alone[id(module)] = tuple(sorted(found.values(), key=lambda s: rank[s.name]))
         return alone
 
-    def _hook(self, module: nn.Module, inner: bool = False) -> None:
-        """Hook ``module``: fully, or (``inner``) as a module inside a unit."""
-        mid = id(module)
-        if mid in self._handles:
-            if (mid in self._inner_ids) == inner:
-                return
-            for h in self._handles.pop(mid):
-                h.remove()
-            self._inner_ids.discard(mid)
-        pre = module.register_forward_pre_hook(self._inner_pre_hook if inner else self._pre_hook,
-                                               with_kwargs=True)
+    def _enclosing_unit(self, name: str) -> str | None:
+        """The module of the paged unit ``name`` lies inside (below it), if any."""
+        heads = {u.module for u in self._units if not u.own and u.placement == "paged"}
+        parts = name.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            if ".".join(parts[:i]) in heads:
+                return ".".join(parts[:i])
+        return None
+
+    def _hook(self, module: nn.Module) -> None:
+        if id(module) in self._handles:
+            return
+        pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         post = module.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
-        self._handles[mid] = (pre, post)
-        if inner:
-            self._inner_ids.add(mid)
+        self._handles[id(module)] = (pre, post)
 
     def _name(self, module: nn.Module) -> str:
         return self._name_of.get(id(module), "")
 
     def _unhook_idle(self) -> None:
         # Modules the first forward never called keep their hooks (free until called): if a
-        # later forward takes that path, the probe comes back for it.
+        # later forward takes that path, the probe comes back for it. Modules inside a paged
+        # unit keep theirs too (in place, so user hooks keep their order), for when they are
+        # called on their own or from somewhere their unit is not running.
         seen = self._seen_ids
-        for name, module in self._modules.items():
-            mid = id(module)
-            if mid not in self._handles or mid in self._needs or mid not in seen or not name:
+        drop = [mid for mid in self._handles
+                if mid not in self._needs and mid not in self._alone and mid in seen]
+        for mid in drop:
+            if mid == id(self.model):
                 continue
-            if mid in self._alone:
-                self._hook(module, inner=True)
-            else:
-                for h in self._handles.pop(mid):
-                    h.remove()
+            for h in self._handles.pop(mid):
+                h.remove()
 
     # -- hooks ----------------------------------------------------------------------------
 
@@ -287,8 +287,14 @@ class Pager:
             frame = _Frame(module)
             self._stack.append(frame)
             needs = self._needs.get(mid)
-            if needs is None and len(self._stack) == 1:  # inside a unit, called on its own
+            if needs is None:  # inside a paged unit, if anything
                 needs = self._alone.get(mid)
+                if needs is not None and len(self._stack) > 1:
+                    for s in needs:
+                        if s.state != LOADED:
+                            break
+                    else:
+                        return None  # its unit is running: everything is there already
             if needs is not None:
                 if _modes_enabled():
                     with _quiet():
@@ -307,11 +313,6 @@ class Pager:
             with _quiet():
                 self._acquire(frame)
         return (args, kwargs) if root else None
-
-    def _inner_pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        if self._stack:  # its unit is running, so its weights are on the device already
-            return None
-        return self._pre_hook(module, args, kwargs)  # called on its own
 
     def _enter(self, frame: _Frame, mid: int, needs: tuple[Slot, ...]) -> None:
         """Acquire a module's weights in the steady state, then prefetch what comes next.
@@ -465,16 +466,17 @@ class Pager:
     # -- acquiring and releasing -----------------------------------------------------------
 
     def _acquire(self, frame: _Frame) -> None:
-        mid = id(frame.module)
-        needs = self._needs.get(mid)
-        if needs is None:
-            needs = self._alone.get(mid, ()) if len(self._stack) == 1 else ()
+        needs = self._needs_of(frame.module)
         missing = [s for s in needs if s.state != LOADED]
         if missing:
             needs = self._bring_in_or_refine(frame, missing, needs)
         for s in needs:
             s.refs += 1
         frame.slots = needs
+
+    def _needs_of(self, module: nn.Module) -> tuple[Slot, ...]:
+        needs = self._needs.get(id(module))
+        return needs if needs is not None else self._alone.get(id(module), ())
 
     def _bring_in_or_refine(self, frame: _Frame, missing: list[Slot],
                             needs: tuple[Slot, ...]) -> tuple[Slot, ...]:
@@ -486,9 +488,13 @@ class Pager:
                 return needs
             except _NoRoom as exc:
                 name = self._name(frame.module)
-                if not self._refine(name, exc):
+                # A module inside a unit, called where its unit is not running: split that
+                # unit, which may make the module a unit of its own.
+                outer = self._enclosing_unit(name) if id(frame.module) in self._alone else None
+                if not (self._refine(name, exc) or (outer is not None
+                                                    and self._refine(outer, exc))):
                     self._give_up(name, missing, exc)
-            needs = self._needs.get(id(frame.module), ())
+            needs = self._needs_of(frame.module)
             missing = [s for s in needs if s.state != LOADED]
             if not missing:
                 return needs
@@ -729,7 +735,6 @@ class Pager:
             pre.remove()
             post.remove()
         self._handles.clear()
-        self._inner_ids.clear()
         self._stack.clear()
         with _quiet(), torch.inference_mode(False):
             for s in self._slots.values():

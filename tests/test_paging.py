@@ -483,6 +483,79 @@ def test_a_module_inside_a_paged_unit_called_on_its_own_brings_in_its_weights() 
     assert probe.offenders == []
 
 
+class _Skips(nn.Module):
+    """Calls a layer of a block directly on some inputs, past the block itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        return self.head(self.block[1](x) if skip else self.block(x))
+
+
+def test_a_layer_of_a_unit_called_where_its_unit_is_not_running_brings_in_its_weights() -> None:
+    torch.manual_seed(0)
+    model, reference = _Skips().eval(), _Skips().eval()
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(2, 8)
+    unit = module_sizes(model).subtree_bytes["block"]
+    probe = HostMasterProbe(_storages(model))
+    with adaptive.page(model, "cpu", unit_bytes=unit, resident_bytes=0) as pager:
+        with probe, torch.no_grad():
+            for skip in (False, False, True, True, False):  # learned without the skip
+                assert torch.equal(model(x, skip=skip), reference(x, skip=skip))
+                assert pager._device_bytes == 0
+    assert probe.offenders == []
+
+
+class _Recursive(nn.Module):
+    """Calls itself, then uses its own weights: a frame per call, or the outer one is lost."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        if depth:
+            x = self(x, depth - 1)
+        return self.lin(x) @ self.w
+
+
+def test_a_recursive_module_inside_a_unit_called_on_its_own_keeps_its_weights() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(_Recursive(), nn.Linear(8, 8)), nn.Linear(8, 8)).eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    unit = module_sizes(model).subtree_bytes["0"]
+    probe = HostMasterProbe(_storages(model))
+    with adaptive.page(model, "cpu", unit_bytes=unit, resident_bytes=0) as pager:
+        with probe, torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), reference(x))
+                assert torch.equal(model[0][0](x), reference[0][0](x))
+                assert pager._device_bytes == 0
+    assert probe.offenders == []
+
+
+def test_a_module_inside_a_unit_that_does_not_fit_on_its_own_splits_the_unit() -> None:
+    torch.manual_seed(0)
+    pair = lambda: nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))  # noqa: E731
+    model = nn.Sequential(nn.Sequential(pair(), pair()), nn.Linear(16, 16)).eval()
+    reference = copy.deepcopy(model)
+    layer = 16 * 16 * 4 + 16 * 4
+    x = torch.randn(2, 16)
+    pager = adaptive.page(model, "cpu", unit_bytes=4 * layer, resident_bytes=0)
+    with pager, torch.no_grad():
+        assert torch.equal(model(x), reference(x))  # learned with "0" as one unit
+        pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer)
+        assert torch.equal(model[0][1](x), reference[0][1](x))  # inside "0", 2 layers
+        assert pager.stats.refinements >= 2  # "0", then "0.1"
+        assert torch.equal(model(x), reference(x))
+
+
 def test_nested_inputs_and_keyword_arguments_reach_the_forward() -> None:
     class Nested(nn.Module):
         def __init__(self) -> None:
@@ -999,6 +1072,24 @@ def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
     assert stats.prefetch_misses < 0.1 * (stats.prefetch_hits + stats.prefetch_misses)
     for out in outs:  # computed on copies that had arrived, not on memory still being filled
         torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_submodules_called_on_their_own_bring_in_their_weights() -> None:
+    # An encoder called by generate() with device inputs, before and after the first
+    # forward; a block's MLP inside a paged unit.
+    torch.manual_seed(0)
+    model = small_vit().eval()
+    reference = copy.deepcopy(model).cuda()
+    tokens = torch.randn(2, 17, 64, device="cuda")
+    images = torch.randn(2, 3, 32, 32)
+    unit = module_sizes(model).subtree_bytes["encoder.layers.encoder_layer_1"]
+    with adaptive.page(model, "cuda", unit_bytes=unit, resident_bytes=0), torch.no_grad():
+        for _ in ("before", "after"):
+            for name in ("encoder", "encoder.layers.encoder_layer_1.mlp"):
+                torch.testing.assert_close(model.get_submodule(name)(tokens),
+                                           reference.get_submodule(name)(tokens))
+            torch.testing.assert_close(model(images), reference(images.cuda()).cpu())
 
 
 @pytest.mark.gpu
