@@ -102,19 +102,17 @@ def module_sizes(model: nn.Module) -> ModuleSizes:
     by_id: dict[int, str] = {}
     aliases: dict[str, list[str]] = {}
     seen_modules: dict[int, str] = {}
-    for mod_name, module in model.named_modules():
+    walked = list(model.named_modules())
+    for mod_name, module in walked:
         seen_modules[id(module)] = mod_name
+    for mod_name, module in walked:
         modules.append(mod_name)
         own[mod_name] = []
-        kids = []
-        for child_name, child in module.named_children():
-            if child is None:
-                continue
-            first = seen_modules.get(id(child))
-            full = _join(mod_name, child_name)
-            if first is None or first == full:
-                kids.append(full)
-        children[mod_name] = kids
+        # A child registered under two names is the child of its first registration only
+        # (the name named_modules() gives), wherever the other one sits.
+        children[mod_name] = [
+            full for child_name, child in module.named_children() if child is not None
+            and seen_modules[id(child)] == (full := _join(mod_name, child_name))]
         for kind, registry in (("parameter", module._parameters), ("buffer", module._buffers)):
             for attr, t in registry.items():
                 if t is None:

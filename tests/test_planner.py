@@ -35,6 +35,29 @@ def test_sizes_count_tied_tensors_once_and_are_dtype_aware() -> None:
     assert sizes.own_bytes("", torch.float16) == 16 * 2
 
 
+class ShortcutToAChild(nn.Module):
+    """``top`` is a second name for ``a[0]``, registered on a parent walked before ``a``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.top = self.a[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(self.top(x))
+
+
+def test_a_module_under_two_names_belongs_to_its_first_wherever_the_second_sits() -> None:
+    model = ShortcutToAChild().eval()
+    sizes = module_sizes(model)
+    assert sizes.children[""] == ["a"] and sizes.children["a"] == ["a.0", "a.1"]
+    assert sizes.subtree_bytes[""] == sizes.total_bytes == 2 * (16 + 4) * 4
+    x = torch.randn(2, 4)
+    expected = model(x)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
+
+
 def test_units_descend_only_where_a_module_is_too_large() -> None:
     model = nn.Sequential(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), nn.Linear(64, 4))
     sizes = module_sizes(model)
