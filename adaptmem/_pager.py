@@ -223,11 +223,12 @@ class Pager:
 
     def _inside_units(self, needs: dict[int, tuple[Slot, ...]],
                       rank: dict[str, int]) -> dict[int, tuple[Slot, ...]]:
-        """The paged weights of each module that lies inside a paged unit (below the unit's
-        module) and acquires nothing itself."""
+        """What each module inside a unit (below the unit's module) needs on the device when
+        its unit is not running: its subtree's paged weights and its own needs, if larger
+        than its own needs."""
         alone = {}
         for name, module in self._modules.items():
-            if not name or id(module) in needs or self._enclosing_unit(name) is None:
+            if not name or self._enclosing_unit(name) is None:
                 continue
             # Walked rather than looked up by name: a module registered under two names
             # is in the subtree of both.
@@ -235,13 +236,15 @@ class Pager:
                      for t in (*m._parameters.values(), *m._buffers.values())
                      if t is not None and (s := self._slot_by_id.get(id(t))) is not None
                      and not s.resident}
-            if found:
+            mine = needs.get(id(module), ())
+            found.update((id(s), s) for s in mine)
+            if len(found) > len(mine):
                 alone[id(module)] = tuple(sorted(found.values(), key=lambda s: rank[s.name]))
         return alone
 
     def _enclosing_unit(self, name: str) -> str | None:
-        """The module of the paged unit ``name`` lies inside (below it), if any."""
-        heads = {u.module for u in self._units if not u.own and u.placement == "paged"}
+        """The module of the unit ``name`` lies inside (below it), if any."""
+        heads = {u.module for u in self._units if not u.own}
         parts = name.split(".")
         for i in range(len(parts) - 1, -1, -1):
             if ".".join(parts[:i]) in heads:
@@ -287,7 +290,7 @@ class Pager:
             frame = _Frame(module)
             self._stack.append(frame)
             needs = self._needs.get(mid)
-            if needs is None:  # inside a paged unit, if anything
+            if needs is None:  # inside a unit, if anything
                 needs = self._alone.get(mid)
                 if needs is not None and len(self._stack) > 1:
                     for s in needs:
@@ -295,6 +298,8 @@ class Pager:
                             break
                     else:
                         return None  # its unit is running: everything is there already
+            elif self._alone and len(self._stack) == 1:  # called on its own
+                needs = self._alone.get(mid, needs)
             if needs is not None:
                 if _modes_enabled():
                     with _quiet():
@@ -475,8 +480,11 @@ class Pager:
         frame.slots = needs
 
     def _needs_of(self, module: nn.Module) -> tuple[Slot, ...]:
-        needs = self._needs.get(id(module))
-        return needs if needs is not None else self._alone.get(id(module), ())
+        mid = id(module)
+        needs = self._needs.get(mid)
+        if needs is None or len(self._stack) == 1:  # nothing of its own, or on its own
+            return self._alone.get(mid, needs or ())
+        return needs
 
     def _bring_in_or_refine(self, frame: _Frame, missing: list[Slot],
                             needs: tuple[Slot, ...]) -> tuple[Slot, ...]:

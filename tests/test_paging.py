@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from models import HeadFirst, ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
 from strategies import DIM, module_trees
 from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from adaptmem import adaptive
@@ -554,6 +555,72 @@ def test_a_module_inside_a_unit_that_does_not_fit_on_its_own_splits_the_unit() -
         assert torch.equal(model[0][1](x), reference[0][1](x))  # inside "0", 2 layers
         assert pager.stats.refinements >= 2  # "0", then "0.1"
         assert torch.equal(model(x), reference(x))
+
+
+class _BorrowsFromAPagedUnit(nn.Module):
+    """``r`` (kept resident) ties one of its layers to a weight of ``p`` (paged)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 64), nn.Linear(64, 16))
+        self.r = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+        self.r[1].weight = self.p[0].weight
+
+    def forward(self, x: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        x = self.p(x)
+        return self.r[1](x) if skip else self.r(x)
+
+
+def test_a_layer_of_a_resident_unit_tied_to_a_paged_weight_brings_that_weight_in() -> None:
+    torch.manual_seed(0)
+    model = _BorrowsFromAPagedUnit().eval()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 16)
+    sizes = module_sizes(model)
+    probe = HostMasterProbe(_storages(model))
+    with adaptive.page(model, "cpu", unit_bytes=sizes.subtree_bytes["p"],
+                       resident_bytes=sizes.subtree_bytes["r"]) as pager:
+        assert {(u.module, u.placement) for u in pager.plan.units} == {
+            ("p", "paged"), ("r", "resident")}
+        with probe, torch.no_grad():
+            for skip in (False, False, True):
+                assert torch.equal(model(x, skip=skip), reference(x, skip=skip))
+            assert torch.equal(model.r[1](x), reference.r[1](x))
+            assert pager._device_bytes == pager._resident_bytes
+    assert probe.offenders == []
+
+
+class _ReadsAnotherUnit(nn.Module):
+    """Reads its own child's weight and, directly, a weight of a module in another unit."""
+
+    def __init__(self, other: nn.Module) -> None:
+        super().__init__()
+        self.child = nn.Linear(8, 8)
+        self._other = [other]  # not registered: a plain reference
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.child.weight) + F.linear(x, self._other[0].weight)
+
+
+def test_a_module_inside_a_unit_that_also_reads_another_unit_brings_in_both_on_its_own() -> None:
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.b = nn.Linear(8, 8)
+    model.a = nn.Sequential(nn.Linear(8, 8), _ReadsAnotherUnit(model.b))
+    model.forward = lambda x: model.b(model.a(x))  # type: ignore[method-assign]
+    model.eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        expected, expected_inner = model(x), model.a[1](x)
+    probe = HostMasterProbe(_storages(model))
+    unit = module_sizes(model).subtree_bytes["a"]
+    with adaptive.page(model, "cpu", unit_bytes=unit, resident_bytes=0) as pager:
+        with probe, torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), expected)
+                assert torch.equal(model.a[1](x), expected_inner)
+                assert pager._device_bytes == 0
+    assert probe.offenders == []
 
 
 def test_nested_inputs_and_keyword_arguments_reach_the_forward() -> None:
