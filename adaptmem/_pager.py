@@ -11,8 +11,9 @@ so tied tensors and nested units are on the device once). The first forward runs
 ``TorchFunctionMode`` probe that loads any weight a module reads without calling its owner
 (``MultiheadAttention`` reading ``out_proj.weight``) and records it; from then on those
 needs are acquired by hooks, in an execution order used for prefetching. A module inside a
-paged unit keeps its hooks: they find its weights there while its unit runs, and bring in
-its subtree when it is called on its own, or from where its unit is not running. Every
+unit keeps its hooks when its subtree holds paged weights: they find them there while its
+unit runs, and bring them in when it is called on its own, or from where its unit is not
+running. Every
 outermost call (of the model, or of a submodule on its own) is watched until a whole
 forward has been learned.
 """
@@ -98,8 +99,9 @@ class Pager:
         self._stack: list[_Frame] = []
         self._handles: dict[int, tuple[Any, Any]] = {}
         self._needs: dict[int, tuple[Slot, ...]] = {}
-        # Modules inside a paged unit: nothing to do while their unit runs; called on their
-        # own (or where their unit is not running), they bring in their subtree's weights.
+        # Modules inside a unit: nothing more to do while their unit runs; called on their
+        # own (or where their unit is not running), they bring in their subtree's paged
+        # weights.
         self._alone: dict[int, tuple[Slot, ...]] = {}
         self._schedule: list[int] = []
         self._schedule_needs: list[tuple[Slot, ...]] = []
@@ -227,8 +229,9 @@ class Pager:
         its unit is not running: its subtree's paged weights and its own needs, if larger
         than its own needs."""
         alone = {}
+        heads = self._unit_heads()
         for name, module in self._modules.items():
-            if not name or self._enclosing_unit(name) is None:
+            if not name or self._enclosing_unit(name, heads) is None:
                 continue
             # Walked rather than looked up by name: a module registered under two names
             # is in the subtree of both.
@@ -242,9 +245,13 @@ class Pager:
                 alone[id(module)] = tuple(sorted(found.values(), key=lambda s: rank[s.name]))
         return alone
 
-    def _enclosing_unit(self, name: str) -> str | None:
+    def _unit_heads(self) -> set[str]:
+        """The modules whose whole subtree is one unit."""
+        return {u.module for u in self._units if not u.own}
+
+    @staticmethod
+    def _enclosing_unit(name: str, heads: set[str]) -> str | None:
         """The module of the unit ``name`` lies inside (below it), if any."""
-        heads = {u.module for u in self._units if not u.own}
         parts = name.split(".")
         for i in range(len(parts) - 1, -1, -1):
             if ".".join(parts[:i]) in heads:
@@ -263,9 +270,9 @@ class Pager:
 
     def _unhook_idle(self) -> None:
         # Modules the first forward never called keep their hooks (free until called): if a
-        # later forward takes that path, the probe comes back for it. Modules inside a paged
-        # unit keep theirs too (in place, so user hooks keep their order), for when they are
-        # called on their own or from somewhere their unit is not running.
+        # later forward takes that path, the probe comes back for it. Modules inside a unit
+        # that hold paged weights keep theirs too (in place, so user hooks keep their order),
+        # for when they are called on their own or from where their unit is not running.
         seen = self._seen_ids
         drop = [mid for mid in self._handles
                 if mid not in self._needs and mid not in self._alone and mid in seen]
@@ -498,7 +505,8 @@ class Pager:
                 name = self._name(frame.module)
                 # A module inside a unit, called where its unit is not running: split that
                 # unit, which may make the module a unit of its own.
-                outer = self._enclosing_unit(name) if id(frame.module) in self._alone else None
+                outer = (self._enclosing_unit(name, self._unit_heads())
+                         if id(frame.module) in self._alone else None)
                 if not (self._refine(name, exc) or (outer is not None
                                                     and self._refine(outer, exc))):
                     self._give_up(name, missing, exc)
