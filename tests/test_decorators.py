@@ -528,3 +528,69 @@ def test_a_real_cuda_oom_adapts_and_memory_returns_to_baseline() -> None:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(device) == baseline
+
+
+@pytest.mark.parametrize("kind", ["cpu", "mps", "cublas", "cuda-driver", "cuda-runtime", "cuda"])
+def test_an_outer_batch_adapts_when_an_inner_one_gives_up(kind: str) -> None:
+    # Memory the outer batch holds leaves the inner function room only when it is small.
+    inner_calls: list[tuple[int, int]] = []
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def inner(batchsize: int, held: int) -> int:
+        inner_calls.append((held, batchsize))
+        if held + 40 * batchsize > 100:
+            raise make_oom(kind)
+        return held
+
+    @adaptive.batch(initial_batchsize=64, cache=adaptive.NoBatchsizeCache)
+    def outer(batchsize: int) -> int:
+        return inner(batchsize)
+
+    assert outer() == 32  # 64 + 40 > 100 even at the inner floor: the outer halves once
+    assert (64, 1) in inner_calls and inner_calls[-1] == (32, 1)
+
+
+def test_nested_batches_adapt_under_a_real_cpu_memory_cap() -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    code = """
+        import logging, sys, torch
+        from adaptmem import adaptive
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        adaptive.cpu_memory.set_cpu_memory_limit(1.5)
+        room = adaptive.cpu_memory.get_available_cpu_memory()
+        # An item takes a tenth of the room: an outer batch of 8 holds 0.8 of it, and the
+        # inner function needs 4 times an item's bytes per item (0.4 of the room at 1 item).
+        per_item = int(0.1 * room) // 4
+        data = torch.arange(16, dtype=torch.float64)
+
+        @adaptive.batch(initial_batchsize=4)
+        def inner(batchsize, held):
+            out = 0.0
+            for i in range(0, len(held), batchsize):
+                scratch = held[i:i + batchsize].repeat_interleave(4, dim=0)
+                out += float(scratch[:, 0].sum()) / 4
+                del scratch
+            return out
+
+        @adaptive.batch(initial_batchsize=8)
+        def outer(batchsize, data):
+            out = 0.0
+            for chunk in data.split(batchsize):
+                held = chunk.float().view(-1, 1).expand(-1, per_item).contiguous()
+                out += inner(held)
+                del held
+            return out
+
+        print("RESULT", outer(data), float(data.sum()))
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    got, want = next(line for line in lines if line.startswith("RESULT")).split()[1:]
+    assert float(got) == float(want)
+    assert any("outer ran out of memory at batchsize=8" in line for line in lines), (
+        result.stdout)
