@@ -787,13 +787,18 @@ def test_a_transient_low_ceiling_does_not_pin_the_default_cache(monkeypatch) -> 
         ceiling.require(batchsize)
         return batchsize
 
-    assert infer() == 1  # memory was short for a moment
-    ceiling.capacity = 1000
-    ceiling.reset()
-    sizes = [infer() for _ in range(200)]
-    assert sizes[-1] == 512  # climbed back by probing, with nothing failing on the way
-    assert ceiling.failures == []
-    assert sizes.index(512) < 80
+    sizes, failed = [], []
+    for capacity in [1] + [1000] * 200:  # one call site; memory was short for one call
+        ceiling.capacity = capacity
+        ceiling.reset()
+        sizes.append(infer())
+        failed.append(list(ceiling.failures))
+    assert sizes[0] == 1
+    # Climbed back by probing (within 10% of the initial size, as any search settles),
+    # with nothing failing on the way.
+    assert sizes[-1] >= 0.9 * 512
+    assert failed[1:] == [[]] * 200
+    assert next(i for i, s in enumerate(sizes) if s >= 0.9 * 512) < 80
 
 
 def test_a_real_ceiling_is_probed_rarely(monkeypatch) -> None:
