@@ -163,8 +163,9 @@ class BatchsizeCache:
 class GlobalBatchsizeCache(BatchsizeCache):
     """One record per decorated function (and ``context``), wherever it is called from.
 
-    It does not watch free memory: a size that once failed stays the ceiling until a call
-    succeeds at it. Use the default cache where memory comes and goes between calls.
+    It does not watch free memory: a size that once failed stays the ceiling until a probe
+    of it (after 32, 64, 128, ... successful calls) fits again. Use the default cache where
+    memory comes and goes between calls.
     """
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:

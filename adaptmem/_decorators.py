@@ -410,9 +410,20 @@ def batch(
 ) -> Any:
     """Retry ``func`` with a smaller batch size when it runs out of memory.
 
-    The decorated function takes the batch size as its first parameter; callers leave it
+    The decorated function takes the batch size as its first parameter (after ``self`` or
+    ``cls`` for a method; above ``@staticmethod`` / ``@classmethod`` too); callers leave it
     out. Sizes that worked are remembered per call site and free memory (see ``cache``), and
     later calls probe upward by bisection, settling within 10% of the largest size that fits.
+    A settled size below a failed one tries the failed one again after 32 successful calls,
+    then 64, 128, ... while it keeps failing, so memory that was short for a while is not
+    held against later calls.
+
+    Generators and ``async def`` functions are run where their work happens: a coroutine is
+    awaited and retried whole; a generator (sync or async) is retried until it yields its
+    first item, and an out-of-memory error after that is not retried (the items already
+    yielded would come again) but raised as ``adaptmem.OutOfMemoryError``, the next call
+    starting smaller. A size is recorded as fitting only once the work ran without running
+    out of memory.
 
     Args:
         initial_batchsize: the first and largest size tried.
@@ -429,8 +440,10 @@ def batch(
     Raises:
         TypeError / ValueError: at decoration, for a missing or non-positive size or
             ``min_batchsize > initial_batchsize``; at call, if the caller passes the batch size.
-        adaptmem.OutOfMemoryError: memory ran out at ``min_batchsize``; it is also an instance
-            of the original error's type (``torch.OutOfMemoryError``, ``MemoryError``, ...).
+        adaptmem.OutOfMemoryError: memory ran out at ``min_batchsize`` (or in a generator
+            after its first item); it is also an instance of the original error's type
+            (``torch.OutOfMemoryError``, ``MemoryError``, ...), so an outer decorated
+            function shrinks its own size in turn.
 
     Example:
         >>> import torch
@@ -459,7 +472,9 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
     The caller writes ``fill(start, end, *args)``. Steps are consecutive, cover the range
     exactly once and in order; a step that runs out of memory is retried at the same offset
     with a smaller step (finished steps are never redone). Returns the list of step results.
-    Options as for ``batch`` (``initial_step``, ``min_step``).
+    Options as for ``batch`` (``initial_step``, ``min_step``). A step runs to completion
+    inside the retry, so generator and async functions are refused at decoration, and a step
+    that returns a generator or coroutine raises TypeError.
 
     Example:
         >>> from adaptmem import adaptive
