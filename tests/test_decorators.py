@@ -908,3 +908,37 @@ def test_chunked_output_modes_equal_the_unchunked_result_for_any_ceiling(
         out = adaptive.chunked(initial_step=step, dimension=dim, output=output,
                                cache=adaptive.NoBatchsizeCache)(step_fn)(t)
         assert torch.equal(out, x * 2 + 1)
+
+
+def test_objects_of_a_failed_generator_or_coroutine_attempt_are_gone_before_the_retry() -> None:
+    import asyncio
+
+    class Activation:
+        pass
+
+    refs: list[weakref.ref] = []
+    alive_at_retry: list[bool] = []
+
+    def attempt(batchsize: int) -> None:
+        alive_at_retry.extend(r() is not None for r in refs)
+        activation = Activation()
+        refs.append(weakref.ref(activation))
+        if batchsize > 1:
+            raise make_oom("cpu")
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def items(batchsize: int):
+        attempt(batchsize)
+        yield batchsize
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    async def infer(batchsize: int) -> int:
+        attempt(batchsize)
+        return batchsize
+
+    assert list(items()) == [1]
+    assert alive_at_retry == [False, False, False]  # 3 earlier objects, each dead at its retry
+    refs.clear()
+    alive_at_retry.clear()
+    assert asyncio.run(infer()) == 1
+    assert alive_at_retry == [False, False, False]
