@@ -45,7 +45,7 @@ from ._placement_plan import (
 from ._planner import Plan, Unit, module_sizes
 from ._stats import PlacementStats
 
-__all__ = ["Splitter", "Chunker", "split", "chunk"]
+__all__ = ["Splitter", "Chunker", "split", "chunk", "chunk_targets"]
 
 _log = logging.getLogger("adaptmem")
 
@@ -624,14 +624,20 @@ def chunk(
         if capacity is None:
             raise TypeError("capacity must be bytes (int or '6GiB') or 'auto', got None")
         cap = parse_size(capacity, "capacity")
-    cpu = torch.device("cpu")
-    if dev == cpu and dt is None:
-        targets = [Target(cpu, None, None, "cpu")]
-    else:
-        labels = qualify_labels([(dev, dt), (cpu, None)])
-        targets = [Target(dev, cap, dt, labels[0]), Target(cpu, None, None, labels[1])]
+    targets = chunk_targets(dev, cap, dt)
     handle = Chunker(model, targets, output_device=out_dev,
                      options={"capacity": cap, "reserve": reserve})
     if example_inputs is not None:
         _undo_on_failure(handle, handle._place_first, *split_inputs(example_inputs))
     return handle
+
+
+def chunk_targets(device: torch.device, capacity: int | None, dtype: torch.dtype | None
+                  ) -> list[Target]:
+    """``chunk``'s targets: ``device`` holding ``capacity`` bytes in ``dtype``, then the CPU
+    for the rest; one CPU target (capacity moot) when both are the CPU in its own dtype."""
+    cpu = torch.device("cpu")
+    if device == cpu and dtype is None:
+        return [Target(cpu, None, None, "cpu")]
+    labels = qualify_labels([(device, dtype), (cpu, None)])
+    return [Target(device, capacity, dtype, labels[0]), Target(cpu, None, None, labels[1])]
