@@ -26,6 +26,7 @@ from torch import nn
 from ._claims import check_placeable, claim, release
 from ._devices import format_bytes, map_tensors, parse_size, resolve_device
 from ._errors import PlacementError
+from ._guard import NotCopyable, PlacementGuard
 from ._placement_plan import (
     Recording,
     Target,
@@ -64,15 +65,19 @@ class _Frame:
     passthrough: bool
 
 
-class Splitter:
+class Splitter(NotCopyable):
     """The handle ``adaptive.split`` returns: hooks, placed tensors and the kept originals.
 
     ``.plan`` (None until placed), ``.device_map``, ``.stats``, ``.remove()``; a context
     manager that removes itself on exit. Assigning ``handle.device_map = edited`` moves
-    exactly the units whose entry changed.
+    exactly the units whose entry changed. While it holds the model, the model cannot be
+    deep-copied or pickled whole, and a dtype or device conversion (``model.half()``,
+    ``.to()``) makes the next call raise; ``remove()`` first. See [Note: a placed model is
+    neither copied nor converted].
     """
 
     _mode = "split"
+    _engine, _handle = "adaptive.split", "splitter"
 
     def __init__(
         self,
@@ -106,6 +111,7 @@ class Splitter:
         self._placing = threading.Lock()
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
+        self._guard = PlacementGuard(model, self._tensors, self._engine, self._handle)
         claim(self._modules.values(), self)
         self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
@@ -140,6 +146,7 @@ class Splitter:
         if not isinstance(device_map, Mapping):
             raise TypeError(f"device_map must be a dict {{module name: device}}, got "
                             f"{type(device_map).__name__}")
+        self._guard.check()
         device_map = self._normalise_map(device_map)
         if self._plan is None:
             self._pending_map = dict(device_map)
@@ -159,9 +166,11 @@ class Splitter:
             h.remove()
         self._hooks.clear()
         with torch.no_grad():
+            self._guard.put_back()
             for name in list(self._where):
                 self._restore(name)
                 del self._where[name]
+        self._guard.release()
         release(self._modules.values(), self)
 
     def _load_targets(self) -> dict[str, list[torch.Tensor]]:
@@ -276,6 +285,7 @@ class Splitter:
                         self._restore(name)
                         self._where.pop(name, None)
             raise
+        self._guard.expect({n: t.data for n, t in self._tensors.items()})
         self._specs = self._module_specs(units)
 
     def _move(self, name: str, target: Target) -> None:
@@ -356,10 +366,15 @@ class Splitter:
         if getattr(self._local, "busy", False):
             return None
         self._stack().clear()  # a frame left by a forward that raised
+        # See [Note: a placed model is neither copied nor converted]; checked under the
+        # lock while another thread may be placing the model.
         if self._plan is None:
             with self._placing:  # two threads making the first call place it once
                 if self._plan is None:
+                    self._guard.check()
                     self._place_first(args, kwargs)
+        else:
+            self._guard.check()
         self.stats.forwards += 1
         return self._pre("", module, args, kwargs)
 
@@ -472,6 +487,7 @@ class Chunker(Splitter):
     """The handle ``adaptive.chunk`` returns: a Splitter over ``{device: capacity, "cpu": None}``."""
 
     _mode = "chunk"
+    _engine, _handle = "adaptive.chunk", "chunker"
 
 
 def _undo_on_failure(handle: Splitter, step: Any, *args: Any) -> Any:

@@ -1,0 +1,156 @@
+"""What a placed model refuses: being copied or pickled whole, and dtype or device
+conversions made behind its engine's back. Used by the Pager, Chunker and Splitter alike.
+
+[Note: a placed model is neither copied nor converted]
+While an engine holds a model, its tensors are the engine's (paged host masters, device
+copies, copies in another dtype) and its hooks are the engine's bound methods.
+
+- ``copy.deepcopy(model)`` and ``torch.save(model)`` reach the engine through those hooks;
+  the engine refuses to be copied or pickled, with an error naming ``remove()``. A copy
+  would hold the placed tensors, not the model's own, and hooks tied to the original.
+- ``model.half()``, ``.float()``, ``.to(...)``, ``.cuda()``, ``.cpu()`` go through
+  ``nn.Module._apply``, which no hook sees: it points each parameter at a converted copy and
+  registers a new object for each converted buffer. The engine checks at every outermost
+  call, before doing anything, that every tensor it placed is still registered and still
+  has the dtype and device it gave it; if not, the call raises a ``PlacementError`` and
+  nothing runs. ``remove()`` registers the original objects again and restores every
+  tensor bitwise, as it was before placement; the conversion is dropped with the rest.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from ._errors import PlacementError
+
+__all__ = ["NotCopyable", "PlacementGuard"]
+
+
+class NotCopyable:
+    """An engine handle: refuses ``copy.deepcopy`` and pickling, and so does a model whose
+    hooks it holds. See [Note: a placed model is neither copied nor converted]."""
+
+    _engine = "adaptmem"  # the function that made the handle, for messages
+    _handle = "handle"  # what users call the handle
+
+    def _refuse_copy(self) -> NoReturn:
+        raise PlacementError(
+            f"cannot copy or pickle a model while {self._engine} holds it (copy.deepcopy, "
+            f"torch.save of the whole model): its tensors are the placed ones and its hooks "
+            f"belong to this {type(self).__name__}. Call {self._handle}.remove() first (the "
+            f"model is then exactly as before), copy or save it, and place it again"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        self._refuse_copy()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        self._refuse_copy()
+
+
+class PlacementGuard:
+    """Where each placed tensor is registered and what it should hold between calls.
+
+    ``expect`` records the data each tensor holds at rest; ``check`` (at every outermost
+    call) raises if a registered object was replaced or a tensor's dtype or device changed;
+    ``put_back`` (in ``remove()``) undoes both, before the engine restores its tensors, and
+    ``release`` then drops what it held.
+    """
+
+    __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
+                 "_registered", "_kinds", "_data", "_engine", "_handle")
+
+    def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
+                 handle: str) -> None:
+        self._engine, self._handle = engine, handle
+        self._names = list(tensors)
+        self._tensors = list(tensors.values())
+        # Every registration: a tensor registered under two names is checked under both.
+        where = {id(t): n for n, t in tensors.items()}
+        self._registries: list[dict[str, Any]] = []
+        self._attrs: list[str] = []
+        self._registered: list[torch.Tensor] = []
+        self._kinds: list[str] = []
+        for prefix, module in model.named_modules():
+            for registry, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
+                for attr, t in registry.items():
+                    if t is not None and id(t) in where:
+                        self._registries.append(registry)
+                        self._attrs.append(attr)
+                        self._registered.append(t)
+                        self._kinds.append(f"{kind} {prefix + '.' if prefix else ''}{attr}")
+        self.expect({n: t.data for n, t in tensors.items()})
+
+    def expect(self, data: Mapping[str, torch.Tensor]) -> None:
+        """The data each tensor holds at rest from now on (kept to put it back)."""
+        self._data = {n: data[n] for n in self._names}
+        self._dtypes = [d.dtype for d in self._data.values()]
+        self._devices = [d.get_device() for d in self._data.values()]
+
+    def check(self) -> None:
+        """Raise ``PlacementError`` if a tensor was replaced or converted since placement."""
+        # One pass per property in C (map), not a Python loop: this runs at every call.
+        if (list(map(_dtype_of, self._tensors)) != self._dtypes
+                or list(map(_device_of, self._tensors)) != self._devices
+                or not all(map(operator.is_, map(dict.get, self._registries, self._attrs),
+                               self._registered))):
+            self._refuse()
+
+    def _refuse(self) -> NoReturn:
+        what = "a tensor changed"
+        for registry, attr, t, label in zip(self._registries, self._attrs, self._registered,
+                                            self._kinds, strict=True):
+            if registry.get(attr) is not t:
+                what = (f"{label} was replaced by another object (a dtype or device "
+                        f"conversion, or an assignment)")
+                break
+        for name, t, placed in zip(self._names, self._tensors, self._data.values(),
+                                   strict=True):
+            if t.dtype is not placed.dtype or t.get_device() != placed.get_device():
+                what = (f"{name!r} is {t.dtype} on {t.device}, but {self._engine} placed it "
+                        f"as {placed.dtype} on {placed.device}")
+                break
+        raise PlacementError(
+            f"{what} while {self._engine} holds the model: model.half(), .float(), .to(), "
+            f".cuda() and .cpu() are not followed by a placed model, so this call did not "
+            f"run. Call {self._handle}.remove() first (it restores every tensor as it was "
+            f"before placement), then convert the model and place it again"
+        )
+
+    def put_back(self) -> None:
+        """Register the original objects again and point every converted tensor back at
+        the data it held at rest."""
+        for registry, attr, t in zip(self._registries, self._attrs, self._registered,
+                                     strict=True):
+            if registry.get(attr) is not t:
+                registry[attr] = t
+        for t, data in zip(self._tensors, self._data.values(), strict=True):
+            if (t.dtype is not data.dtype or t.get_device() != data.get_device()
+                    or t.is_meta != data.is_meta):
+                _point_at(t, data)
+
+    def release(self) -> None:
+        """Forget everything (at the end of ``remove()``): no checks, no data kept alive."""
+        self._names, self._tensors, self._dtypes, self._devices = [], [], [], []
+        self._registries, self._attrs, self._registered, self._kinds = [], [], [], []
+        self._data = {}
+
+
+_dtype_of = operator.attrgetter("dtype")
+_device_of = torch.Tensor.get_device
+
+
+def _point_at(t: torch.Tensor, data: torch.Tensor) -> None:
+    """``t.data = data``, also across the meta device (which ``set_data`` cannot cross)."""
+    with torch.no_grad():
+        if t.is_meta == data.is_meta:
+            t.data = data
+            return
+        new = (nn.Parameter(data, requires_grad=t.requires_grad)
+               if isinstance(t, nn.Parameter) else data)
+        torch.utils.swap_tensors(t, new)

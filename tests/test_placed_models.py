@@ -1,0 +1,186 @@
+"""What a model held by page, chunk or split refuses, for every engine: being deep-copied
+or pickled whole, and dtype or device conversions (``model.half()``, ``.to()``) made behind
+the engine's back. After ``remove()`` the model is as it was, bitwise, and copies fine."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_if
+from torch import nn
+
+from adaptmem import PlacementError, adaptive
+
+
+class _TiedModel(nn.Module):
+    """A tied weight, a buffer registered under two names, float and int buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 8)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.bn.register_buffer("scale", self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.emb(x)) * self.scale)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = _TiedModel().eval()
+    model.bn.running_mean.uniform_(-1, 1)
+    model.bn.num_batches_tracked.fill_(7)
+    return model
+
+
+_X = torch.randn(4, 8)
+
+ENGINES: dict[str, Callable[[nn.Module], Any]] = {
+    "page": lambda m: adaptive.page(m, "cpu", unit_bytes=0, resident_bytes=0),
+    "page, resident": lambda m: adaptive.page(m, "cpu", unit_bytes=0, resident_bytes="auto"),
+    "chunk, bfloat16 part": lambda m: adaptive.chunk(m, "cpu", capacity=150, dtype=torch.bfloat16,
+                                                     example_inputs=_X),
+    "chunk, placed at the first call": lambda m: adaptive.chunk(m, "cpu", capacity=150,
+                                                                dtype=torch.bfloat16),
+    "split": lambda m: adaptive.split(m, {"cpu": None}, example_inputs=_X),
+}
+
+
+def _state(model: nn.Module) -> dict[str, tuple[int, torch.dtype, torch.device, torch.Tensor]]:
+    return {k: (id(v), v.dtype, v.device, v.detach().clone())
+            for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def _assert_as_before(model: nn.Module, before: dict[str, Any]) -> None:
+    after = _state(model)
+    assert after.keys() == before.keys()
+    for key, (ident, dtype, device, value) in before.items():
+        assert after[key][:3] == (ident, dtype, device), key
+        assert torch.equal(after[key][3], value), key
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("copier", ["deepcopy", "torch.save"])
+def test_a_placed_model_refuses_to_be_copied_naming_remove(engine: str, copier: str) -> None:
+    model = _model()
+    expected = model(_X)
+    original = _state(model)
+    handle = ENGINES[engine](model)
+    placed_output = model(_X)
+
+    def copy_it() -> Any:
+        if copier == "deepcopy":
+            return copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    with pytest.raises(PlacementError, match=r"cannot copy or pickle.*\.remove\(\) first"):
+        copy_it()
+    assert torch.equal(model(_X), placed_output)  # the placed model is unharmed
+    handle.remove()
+    _assert_as_before(model, original)
+    clone = copy_it()  # the way out the message names
+    assert torch.equal(clone(_X), expected) and torch.equal(model(_X), expected)
+    for key, value in clone.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+
+
+CONVERSIONS: dict[str, Callable[[nn.Module], Any]] = {
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "to(float64)": lambda m: m.to(torch.float64),
+    "to('meta')": lambda m: m.to("meta"),
+    "a submodule's half": lambda m: m.bn.half(),
+    "double of one buffer's owner": lambda m: m.bn.double(),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("conversion", CONVERSIONS)
+def test_a_conversion_of_a_placed_model_is_refused_and_remove_undoes_it(
+    engine: str, conversion: str
+) -> None:
+    model = _model()
+    expected = model(_X)
+    before = _state(model)
+    handle = ENGINES[engine](model)
+    model(_X)
+    forwards = handle.stats.forwards
+    CONVERSIONS[conversion](model)
+    with pytest.raises(PlacementError, match=r"holds the model.*this call did not run.*"
+                                             r"\.remove\(\) first"):
+        model(_X)
+    with pytest.raises(PlacementError, match="did not run"):  # and again, until remove()
+        model(_X)
+    assert handle.stats.forwards == forwards
+    handle.remove()
+    _assert_as_before(model, before)
+    assert torch.equal(model(_X), expected)
+    model.half()  # once removed, converting is the user's business again
+    assert model.emb.weight.dtype == model.scale.dtype == torch.float16
+
+
+def test_a_conversion_before_a_lazy_placement_is_refused_at_the_first_call() -> None:
+    model = _model()
+    before = _state(model)
+    chunker = adaptive.chunk(model, "cpu", capacity=150, dtype=torch.bfloat16)
+    model.half()
+    with pytest.raises(PlacementError, match="did not run"):
+        model(_X)
+    assert chunker.plan is None  # nothing was placed
+    chunker.remove()
+    _assert_as_before(model, before)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_conversions_that_change_nothing_are_allowed(engine: str) -> None:
+    model = _model()
+    expected = model(_X)
+    with ENGINES[engine](model) as handle:
+        placed_output = model(_X)
+        if engine.startswith("chunk"):  # its bfloat16 part is already placed: leave it
+            model.head.to("cpu")
+        else:
+            model.float().to("cpu").cpu()
+        assert torch.equal(model(_X), placed_output)
+        assert handle.stats.forwards == 2
+    assert torch.equal(model(_X), expected)
+
+
+def test_editing_the_device_map_after_a_conversion_is_refused() -> None:
+    model = _model()
+    before = _state(model)
+    splitter = adaptive.split(model, {"cpu@bfloat16": None, "cpu": None}, example_inputs=_X)
+    model.half()
+    with pytest.raises(PlacementError, match="did not run"):
+        splitter.device_map = {"": "cpu"}
+    splitter.remove()
+    _assert_as_before(model, before)
+
+
+@run_if(cuda=True)
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_moving_a_placed_model_between_devices_is_refused(engine: str) -> None:
+    model = _model()
+    expected = model(_X)
+    before = _state(model)
+    handle = (adaptive.page(model, "cuda", unit_bytes=0) if engine == "page"
+              else adaptive.chunk(model, "cuda", capacity=150, example_inputs=_X))
+    model(_X)
+    model.cpu() if engine == "page" else model.cuda()
+    with pytest.raises(PlacementError, match="did not run"):
+        model(_X)
+    handle.remove()
+    _assert_as_before(model, before)
+    assert torch.equal(model(_X), expected)
