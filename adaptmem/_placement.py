@@ -385,6 +385,8 @@ class Splitter(NotCopyable):
 
     def _pre(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> Any:
         stack = self._stack()
+        if not stack and name:  # a submodule called on its own
+            self._guard.check()
         spec = self._specs.get(name)
         enclosing = stack[-1] if stack else None
         received = self._received((args, kwargs), enclosing)

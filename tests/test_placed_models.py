@@ -130,6 +130,19 @@ def test_a_conversion_of_a_placed_model_is_refused_and_remove_undoes_it(
     assert model.emb.weight.dtype == model.scale.dtype == torch.float16
 
 
+@pytest.mark.parametrize("engine", ["page", "chunk, bfloat16 part", "split"])
+def test_a_part_called_on_its_own_after_a_conversion_is_refused(engine: str) -> None:
+    model = _model()
+    before = _state(model)
+    handle = ENGINES[engine](model)
+    model(_X)
+    model.half()
+    with pytest.raises(PlacementError, match="did not run"):
+        model.emb(_X)
+    handle.remove()
+    _assert_as_before(model, before)
+
+
 def test_a_conversion_before_a_lazy_placement_is_refused_at_the_first_call() -> None:
     model = _model()
     before = _state(model)
