@@ -15,6 +15,10 @@ copies, copies in another dtype) and its hooks are the engine's bound methods.
   has the dtype and device it gave it; if not, the call raises a ``PlacementError`` and
   nothing runs. ``remove()`` registers the original objects again and restores every
   tensor bitwise, as it was before placement; the conversion is dropped with the rest.
+  An object the forward itself registers in place of one of the engine's (dynamic RoPE
+  re-registers ``inv_freq``; ``self.steps = self.steps + 1`` reassigns a buffer) is the
+  model's own state: it is accepted at the end of that call, checked from then on, and
+  kept by ``remove()``, in the dtype and device of the object it replaced.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class PlacementGuard:
     """
 
     __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
-                 "_registered", "_kinds", "_data", "_engine", "_handle")
+                 "_registered", "_kinds", "_homes", "_adopted", "_passed", "_data", "_engine",
+                 "_handle")
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
                  handle: str) -> None:
@@ -74,8 +79,9 @@ class PlacementGuard:
         where = {id(t): n for n, t in tensors.items()}
         self._registries: list[dict[str, Any]] = []
         self._attrs: list[str] = []
-        self._registered: list[torch.Tensor] = []
+        self._registered: list[torch.Tensor | None] = []
         self._kinds: list[str] = []
+        self._homes: list[tuple[torch.dtype, torch.device]] = []  # as before placement
         for prefix, module in model.named_modules():
             for registry, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
                 for attr, t in registry.items():
@@ -84,6 +90,10 @@ class PlacementGuard:
                         self._attrs.append(attr)
                         self._registered.append(t)
                         self._kinds.append(f"{kind} {prefix + '.' if prefix else ''}{attr}")
+                        self._homes.append((t.dtype, t.device))
+        # Registrations whose object a forward replaced: index -> (dtype, device) it had.
+        self._adopted: dict[int, tuple[torch.dtype, int]] = {}
+        self._passed = False  # the last check passed: the call that followed really ran
         self.expect({n: t.data for n, t in tensors.items()})
 
     def expect(self, data: Mapping[str, torch.Tensor]) -> None:
@@ -98,8 +108,38 @@ class PlacementGuard:
         if (list(map(_dtype_of, self._tensors)) != self._dtypes
                 or list(map(_device_of, self._tensors)) != self._devices
                 or not all(map(operator.is_, map(dict.get, self._registries, self._attrs),
-                               self._registered))):
+                               self._registered))
+                or (self._adopted and self._adopted_changed() is not None)):
+            self._passed = False
             self._refuse()
+        self._passed = True
+
+    def _adopted_changed(self) -> int | None:
+        for i, (dtype, device) in self._adopted.items():
+            t = self._registered[i]
+            if t is not None and (t.dtype is not dtype or t.get_device() != device):
+                return i
+        return None
+
+    def adopt_replacements(self, forward_ran: bool = False) -> None:
+        """At the end of an outermost call: objects the forward itself registered in place of
+        the engine's (a buffer re-registered, as dynamic RoPE does, or reassigned, as in
+        ``self.steps = self.steps + 1``) are the model's own state, checked as they are from
+        now on and kept by ``remove()``. After a refused call, nothing is adopted;
+        ``forward_ran`` says a forward ran without a check before it (a recording)."""
+        if not forward_ran:
+            passed, self._passed = self._passed, False
+            if not passed:
+                return
+        if all(map(operator.is_, map(dict.get, self._registries, self._attrs),
+                   self._registered)):
+            return
+        for i, (registry, attr) in enumerate(zip(self._registries, self._attrs, strict=True)):
+            now = registry.get(attr)
+            if now is not self._registered[i]:
+                self._registered[i] = now  # None: deleted, nothing left to check there
+                if now is not None:
+                    self._adopted[i] = (now.dtype, now.get_device())
 
     def _refuse(self) -> NoReturn:
         what = "a tensor changed"
@@ -109,6 +149,10 @@ class PlacementGuard:
                 what = (f"{label} was replaced by another object (a dtype or device "
                         f"conversion, or an assignment)")
                 break
+        changed = self._adopted_changed()
+        if changed is not None:
+            t = self._registered[changed]
+            what = f"{self._kinds[changed]} is now {t.dtype} on {t.device}"  # type: ignore[union-attr]
         for name, t, placed in zip(self._names, self._tensors, self._data.values(),
                                    strict=True):
             if t.dtype is not placed.dtype or t.get_device() != placed.get_device():
@@ -124,9 +168,20 @@ class PlacementGuard:
 
     def put_back(self) -> None:
         """Register the original objects again and point every converted tensor back at
-        the data it held at rest."""
-        for registry, attr, t in zip(self._registries, self._attrs, self._registered,
-                                     strict=True):
+        the data it held at rest. Objects a forward registered are kept, in the dtype and
+        device the object they replaced had before placement."""
+        for i, (registry, attr, t) in enumerate(zip(self._registries, self._attrs,
+                                                    self._registered, strict=True)):
+            if t is None:
+                continue
+            if i in self._adopted:
+                dtype, device = self._homes[i]
+                want = dtype if t.is_floating_point() and dtype.is_floating_point else t.dtype
+                if t.dtype != want or t.device != device:
+                    with torch.no_grad():
+                        moved = t.to(device=device, dtype=want)
+                    t = (nn.Parameter(moved, requires_grad=t.requires_grad)
+                         if isinstance(t, nn.Parameter) else moved)
             if registry.get(attr) is not t:
                 registry[attr] = t
         for t, data in zip(self._tensors, self._data.values(), strict=True):
@@ -138,7 +193,8 @@ class PlacementGuard:
         """Forget everything (at the end of ``remove()``): no checks, no data kept alive."""
         self._names, self._tensors, self._dtypes, self._devices = [], [], [], []
         self._registries, self._attrs, self._registered, self._kinds = [], [], [], []
-        self._data = {}
+        self._homes = []
+        self._adopted, self._data = {}, {}
 
 
 _dtype_of = operator.attrgetter("dtype")

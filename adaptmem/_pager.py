@@ -439,6 +439,7 @@ class Pager(NotCopyable):
         did not reach, so none is left to serve weights edited before the next call."""
         if self._device_bytes != self._resident_bytes:
             self._drop_pending(())
+        self._guard.adopt_replacements()
 
     def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._begin_call()

@@ -251,6 +251,7 @@ class Splitter(NotCopyable):
             self._recording = record_forward(self._model, args, kwargs)
         finally:
             self._local.busy = False
+        self._guard.adopt_replacements(forward_ran=True)  # the recording is a forward too
         targets = [self._targets[label] for label in self._target_order]
         plan = plan_placement(self._model, self._sizes, targets, self._recording,
                               mode=self._mode, device_map=self._pending_map, options=self._options)
@@ -405,6 +406,8 @@ class Splitter(NotCopyable):
                 break
         else:
             return None
+        if not stack:  # an outermost call ended
+            self._guard.adopt_replacements()
         if stack and stack[-1].passthrough:
             return None  # the next child of a plain Sequential converts what it needs
         if stack and name in self._stays:

@@ -197,3 +197,59 @@ def test_moving_a_placed_model_between_devices_is_refused(engine: str) -> None:
     handle.remove()
     _assert_as_before(model, before)
     assert torch.equal(model(_X), expected)
+
+
+class _Stateful(nn.Module):
+    """Replaces its own buffers in forward: by assignment, and by registering anew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        self.register_buffer("scale", self.scale * 2)
+        return self.lin(x) * self.scale * self.calls
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_buffers_a_forward_replaces_itself_are_its_own_state_not_a_conversion(
+    engine: str,
+) -> None:
+    torch.manual_seed(0)
+    reference, model = _Stateful().eval(), _Stateful().eval()
+    model.load_state_dict(reference.state_dict())
+    expected = [reference(_X) for _ in range(3)]
+    with ENGINES[engine](model):
+        outputs = [model(_X) for _ in range(3)]
+        for out, ref in zip(outputs, expected, strict=True):
+            if engine.startswith("chunk"):
+                assert torch.allclose(out, ref, rtol=2e-2, atol=0.1)  # a bfloat16 part
+            else:
+                assert torch.equal(out, ref)
+        model.half()  # a conversion of the replaced buffers is still refused
+        with pytest.raises(PlacementError, match="did not run"):
+            model(_X)
+    assert model.calls.dtype == torch.float32 and model.scale.dtype == torch.float32
+    assert model.lin.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_a_dynamic_rope_model_that_re_registers_inv_freq_keeps_generating(engine: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=8,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (1, 6))
+    with torch.no_grad():  # past 8 positions: inv_freq is registered anew, then reset
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    handle = (adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) if engine == "page"
+              else adaptive.chunk(model, "cpu", capacity=10**5, example_inputs=ids))
+    with handle, torch.no_grad():
+        assert torch.equal(
+            model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
