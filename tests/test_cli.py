@@ -174,3 +174,17 @@ def test_plan_gives_the_placement_the_api_makes(
         assert handle.plan.device_map == planned.device_map
         assert [(u.name, u.placement) for u in handle.plan.units] == [
             (u.name, u.placement) for u in planned.units]
+
+
+def test_plan_page_mode_gives_the_units_the_pager_makes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torchvision
+
+    assert main(["plan", "resnet18", "--budget", "5MiB", "--json"]) == 0
+    planned = Plan.from_dict(json.loads(capsys.readouterr().out))
+    model = torchvision.models.resnet18().eval()
+    with adaptive.page(model, "cpu", unit_bytes="5MiB", resident_bytes=0) as pager:
+        model(torch.randn(1, 3, 224, 224))  # the pager orders its units at the first call
+        assert [(u.name, u.nbytes) for u in pager.plan.units] == [
+            (u.name, u.nbytes) for u in planned.units]
