@@ -7,10 +7,13 @@ copies, copies in another dtype) and its hooks are the engine's bound methods.
 
 - ``copy.deepcopy(model)`` and ``torch.save(model)`` reach the engine through those hooks;
   the engine refuses to be copied or pickled, with an error naming ``remove()``. A copy
-  would hold the placed tensors, not the model's own, and hooks tied to the original.
+  would hold the placed tensors, not the model's own, and hooks tied to the original; and
+  since pickling reaches the hooks only after the model's own parameters, no hook can make
+  the copy what ``remove()`` would give.
 - ``model.half()``, ``.float()``, ``.to(...)``, ``.cuda()``, ``.cpu()`` go through
   ``nn.Module._apply``, which no hook sees: it points each parameter at a converted copy and
-  registers a new object for each converted buffer. The engine checks at every outermost
+  registers a new object for each converted buffer (catching it at the call would mean
+  patching the module, which placement never does). The engine checks at every outermost
   call, before doing anything, that every tensor it placed is still registered and still
   has the dtype and device it gave it; if not, the call raises a ``PlacementError`` and
   nothing runs. ``remove()`` registers the original objects again and restores every
