@@ -217,7 +217,13 @@ def _capacity(text: str, device: torch.device, name: str) -> int | None:
     from ._placement_plan import auto_capacity
 
     if text == "auto":
-        return auto_capacity(resolve_device(device, name))[0]
+        try:
+            here = resolve_device(str(device), "--device")
+        except ValueError as exc:
+            raise _UsageError(f"{name} 'auto' reads the free memory of {device}, which this "
+                              f"machine cannot ({exc}); give a size such as 20GiB to plan for "
+                              f"another machine") from None
+        return auto_capacity(here)[0]
     return _size(text, name) if text else None
 
 

@@ -88,6 +88,10 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         (["plan", "resnet18", "--budget", "-5MiB"], "--budget must be zero or more bytes"),
         (["plan", "resnet18", "--mode", "chunk", "--device", "cpu", "--budget", "-1.5GiB"],
          "--budget must be zero or more bytes"),
+        *([] if torch.cuda.is_available() else [
+            (["plan", "resnet18", "--mode", "chunk"], "--budget 'auto' reads the free memory"),
+            (["plan", "resnet18", "--mode", "split", "--device", "cuda:0=auto"],
+             "give a size such as 20GiB")]),
         (["plan", "resnet18", "--mode", "chunk", "--device", "cpu@float16", "--dtype",
           "bfloat16", "--budget", "1MiB"], "give the dtype once"),
     ],
