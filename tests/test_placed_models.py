@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 import torch
 from conftest import run_if
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import DIM, SPLIT_WIDTH, build_tree_for_split, module_trees, module_trees_for_split
 from torch import nn
 
 from adaptmem import PlacementError, adaptive
@@ -253,3 +256,71 @@ def test_a_dynamic_rope_model_that_re_registers_inv_freq_keeps_generating(engine
     with handle, torch.no_grad():
         assert torch.equal(
             model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
+
+
+_ANY_CONVERSION = {
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "double": lambda m: m.double(),
+    "to('meta')": lambda m: m.to("meta"),
+}
+
+
+def _changed(before: dict[str, Any], model: nn.Module) -> bool:
+    after = _state(model)
+    return any(after[k][:3] != v[:3] for k, v in before.items())
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=module_trees(), unit_bytes=st.integers(0, 3000),
+       resident=st.sampled_from([0, "auto"]), conversion=st.sampled_from(list(_ANY_CONVERSION)),
+       pick=st.integers(0, 1000))
+def test_any_paged_tree_refuses_any_conversion_of_any_part_and_remove_undoes_it(
+    tree: nn.Module, unit_bytes: int, resident: Any, conversion: str, pick: int
+) -> None:
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        expected = tree(x)
+    original = _state(tree)
+    pager = adaptive.page(tree, "cpu", unit_bytes=unit_bytes, resident_bytes=resident)
+    _convert_one_part_and_call(tree, pager, x, conversion, pick)
+    _assert_as_before(tree, original)
+    with torch.no_grad():
+        assert torch.equal(tree(x), expected)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=module_trees_for_split(), share=st.floats(0.0, 1.0),
+       conversion=st.sampled_from(list(_ANY_CONVERSION)), pick=st.integers(0, 1000))
+def test_any_chunked_tree_refuses_any_conversion_of_any_part_and_remove_undoes_it(
+    spec: Any, share: float, conversion: str, pick: int
+) -> None:
+    model = build_tree_for_split(spec).eval()
+    x = torch.randn(2, SPLIT_WIDTH)
+    with torch.no_grad():
+        expected = model(x)
+    original = _state(model)
+    capacity = int(share * sum(t.numel() * 2 for t in model.state_dict().values()))
+    chunker = adaptive.chunk(model, "cpu", capacity=capacity, dtype=torch.bfloat16,
+                             example_inputs=x)
+    _convert_one_part_and_call(model, chunker, x, conversion, pick)
+    _assert_as_before(model, original)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def _convert_one_part_and_call(model: nn.Module, handle: Any, x: torch.Tensor, conversion: str,
+                               pick: int) -> None:
+    """Convert one module of the placed ``model``: if that changed any tensor, the next call
+    is refused (and nothing ran); if not, it runs. Then ``remove()``."""
+    with torch.no_grad():
+        placed_output = model(x)
+        modules = [m for _, m in model.named_modules()]
+        before = _state(model)
+        _ANY_CONVERSION[conversion](modules[pick % len(modules)])
+        if _changed(before, model):
+            with pytest.raises(PlacementError, match="did not run"):
+                model(x)
+        else:
+            assert torch.equal(model(x), placed_output)
+    handle.remove()
