@@ -632,3 +632,318 @@ def test_a_bad_device_map_fails_at_split_not_at_the_first_forward() -> None:
     splitter = adaptive.split(model, {"cpu": None}, device_map={"0": "cpu", "1": "cpu"})
     assert splitter.device_map == {"0": "cpu", "1": "cpu"}  # known before the first call
     splitter.remove()
+
+
+# -- what placement must never do to a model or to the caller's objects ---------------------
+
+
+class TwoNames(nn.Module):
+    """``a`` is also ``b.0`` and ``layers[0]``; ``c.weight`` is tied to ``b.1.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Sequential(self.a, nn.Linear(8, 8))
+        self.layers = nn.ModuleList([self.a])
+        self.c = nn.Linear(8, 8)
+        self.c.weight = self.b[1].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(x))
+
+
+def identities(model: nn.Module) -> dict[str, int]:
+    return {k: id(v) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+@pytest.mark.parametrize("how", ["split", "chunk_bf16", "first_call"])
+def test_a_module_or_tensor_under_several_names_keeps_its_weights_and_remove_restores_them(
+    how: str,
+) -> None:
+    torch.manual_seed(0)
+    model = TwoNames().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    before, ids = snapshot(model), identities(model)
+    if how == "split":
+        handle = adaptive.split(model, {"cpu": None}, example_inputs=x)
+    elif how == "chunk_bf16":
+        handle = adaptive.chunk(model, "cpu", capacity=(8 * 8 + 8) * 2, dtype=torch.bfloat16,
+                                example_inputs=x)
+    else:
+        handle = adaptive.split(model, {"cpu@float64": (8 * 8 + 8) * 8, "cpu": None})
+    assert not any(t.is_meta for t in model.state_dict().values())
+    with torch.no_grad():
+        out = model(x)
+    if how == "chunk_bf16":
+        assert rel_err(out, ref) < BF16_RTOL
+    else:
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    handle.remove()
+    assert_bitwise(model, before)
+    assert identities(model) == ids
+
+
+class CachesAnchors(nn.Module):
+    """Builds a tensor from its own state at the first forward and keeps it (anchor caches),
+    and rebinds a buffer to a new tensor on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("base", torch.randn(4))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.anchors: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.anchors is None:
+            self.anchors = self.base * 2
+        self.calls = self.calls + 1
+        return self.lin(x) + self.anchors
+
+
+def test_tensors_the_model_keeps_from_the_recorded_forward_leave_no_trace() -> None:
+    torch.manual_seed(0)
+    model = CachesAnchors().eval()
+    twin = CachesAnchors().eval()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    splitter = adaptive.split(model, {"cpu@float64": 16 * 8, "cpu": None}, example_inputs=x)
+    assert model.anchors is None and int(model.calls) == 0  # the recording ran on a copy
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.allclose(model(x), twin(x))
+    assert not model.anchors.is_meta and int(model.calls) == 2
+    splitter.remove()
+    assert int(model.calls) == 2 and model.calls.dtype == torch.long
+
+
+class WritesIntoCache(nn.Module):
+    """Appends what each layer computes to a cache object the caller passes (like a
+    Hugging Face ``DynamicCache``)."""
+
+    class Cache:
+        def __init__(self) -> None:
+            self.entries: list[torch.Tensor] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, cache: WritesIntoCache.Cache) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            cache.entries.append(x)
+        return x
+
+
+@pytest.mark.parametrize("with_example_inputs", [False, True])
+def test_objects_the_caller_passes_get_nothing_from_the_recorded_forward(
+    with_example_inputs: bool,
+) -> None:
+    torch.manual_seed(0)
+    model = WritesIntoCache().eval()
+    x = torch.randn(1, 4)
+    cache = WritesIntoCache.Cache()
+    example = (x, cache) if with_example_inputs else None
+    with adaptive.split(model, {"cpu@float64": 20 * 8, "cpu": None}, example_inputs=example):
+        assert cache.entries == []
+        fresh = WritesIntoCache.Cache()
+        with torch.no_grad():
+            model(x, fresh)  # the first call places the model when no example was given
+        assert len(fresh.entries) == 3 and not any(t.is_meta for t in fresh.entries)
+        assert cache.entries == []
+
+
+class StepCounter(nn.Module):
+    """Cannot run on meta (``.item()``); advances an int step and a float running sum, and
+    draws random numbers, on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        self.total += x.sum(0)
+        noise = torch.rand(()) if self.step.item() % 2 else torch.zeros(())
+        return self.lin(x) * self.step + self.total + noise
+
+
+def test_a_model_recorded_for_real_keeps_its_buffers_and_random_state(
+    adaptmem_log: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = StepCounter().eval()
+    twin = StepCounter().eval()
+    twin.load_state_dict(model.state_dict())
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    rng = torch.get_rng_state()
+    splitter = adaptive.split(model, {"cpu@float64": 20 * 8, "cpu": None},
+                              example_inputs=xs[0])
+    assert "recording a real forward" in adaptmem_log.text
+    assert torch.equal(torch.get_rng_state(), rng)
+    # The real forward ran on a copy of the buffers.
+    assert int(model.step) == 0 and torch.equal(model.total, torch.zeros(4, dtype=torch.float64))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        placed = [model(x) for x in xs]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        unplaced = [twin(x) for x in xs]
+    for a, b in zip(placed, unplaced, strict=True):
+        assert torch.allclose(a, b, rtol=1e-6)
+    splitter.remove()
+    assert model.step.dtype == torch.long and model.total.dtype == torch.float32
+    assert int(model.step) == int(twin.step) == 3
+    assert torch.allclose(model.total, twin.total)
+    before = snapshot(model)
+    adaptive.split(model, {"cpu": None}, example_inputs=xs[0]).remove()
+    assert_bitwise(model, before)
+
+
+def test_a_model_that_cannot_be_copied_for_recording_is_refused_clearly() -> None:
+    import threading
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    model.lock = threading.Lock()  # type: ignore[assignment]
+    before = snapshot(model)
+    with pytest.raises(adaptive.PlacementError, match="deep-copied.*lock"):
+        adaptive.split(model, {"cpu": None}, example_inputs=torch.randn(1, 4))
+    assert_bitwise(model, before)
+    assert not model._forward_pre_hooks
+
+
+# -- ties whose owner never runs (T5's layout) ------------------------------------------------
+
+
+class SharedEmbedding(nn.Module):
+    """T5's layout: ``shared`` owns the embedding, ``emb`` and ``head`` use it; ``shared``
+    itself is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(1000, 16)
+        self.emb = nn.Embedding(1000, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1000, bias=False)
+        self.emb.weight = self.shared.weight
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)))
+
+
+@pytest.mark.parametrize("capacity", [10_000, 40_000])
+def test_a_tied_weight_whose_owner_is_never_called_is_placed_with_its_users(
+    capacity: int,
+) -> None:
+    torch.manual_seed(0)
+    model = SharedEmbedding().eval()
+    ids = torch.randint(0, 1000, (2, 5))
+    with torch.no_grad():
+        ref = model(ids)
+    before = snapshot(model)
+    with adaptive.chunk(model, "cpu", capacity=capacity, dtype=torch.bfloat16) as chunker:
+        with torch.no_grad():
+            first = model(ids)  # placed at this call
+        with torch.no_grad(), NoMixedDtypes():
+            out = model(ids)
+        assert torch.equal(first, out) and rel_err(out, ref) < BF16_RTOL
+        resident = capacity >= 1000 * 16 * 2
+        assert model.shared.weight.dtype == (torch.bfloat16 if resident else torch.float32)
+        owner = next(u for u in chunker.plan.units if "shared.weight" in u.tensors)
+        assert owner.module == "emb"  # the first unit that runs with it owns it
+        places = {u.module: u.placement for u in chunker.plan.units}
+        assert places["emb"] == places["head"] == places["shared"]
+    assert_bitwise(model, before)
+
+
+# -- plan and split agree ---------------------------------------------------------------------
+
+
+class WithAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(self.attn(h, h, h, need_weights=False)[0])
+
+
+def test_plan_counts_bytes_in_the_dtype_of_each_device_key_and_takes_a_list() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    layer_bf16 = (64 * 64 + 64) * 2
+    for key in ("cpu@bfloat16", ("cpu", torch.bfloat16)):
+        p = adaptive.plan(model, devices={key: layer_bf16, "cpu": None})
+        assert p.device_map == {"0": "cpu@bfloat16", "1": "cpu"}
+        assert p.options["placed_bytes"]["cpu@bfloat16"] == layer_bf16
+    assert adaptive.plan(model, devices=["cpu"]).device_map == {"": "cpu"}
+    # Devices are named, not probed: plan for a machine you are not on.
+    assert adaptive.plan(model, devices={"cuda:3": None}).device_map == {"": "cuda:3"}
+    with pytest.raises(ValueError, match="not a device name"):
+        adaptive.plan(model, devices={"warp:0": None})
+    with pytest.raises(TypeError, match="unit_bytes"):
+        adaptive.plan(model, devices=["cpu"], unit_bytes=10)
+
+
+def test_plan_and_split_give_the_same_map_and_split_takes_the_plans_map() -> None:
+    torch.manual_seed(0)
+    model = WithAttention().eval()
+    x = torch.randn(2, 3, 16)
+    sizes = module_sizes(model)
+    for cap in range(0, sizes.total_bytes // 2, sizes.total_bytes // 12):
+        devices = {"cpu@bfloat16": cap, "cpu": None}
+        planned = adaptive.plan(model, devices=devices, example_inputs=x)
+        assert "attn.in_proj_weight" not in planned.device_map  # attention stays whole
+        with adaptive.split(model, devices, example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+        with adaptive.split(model, devices, device_map=planned.device_map,
+                            example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+
+
+def small_maxvit() -> nn.Module:
+    from torchvision.models.maxvit import MaxVit
+
+    return MaxVit(input_size=(32, 32), stem_channels=16, partition_size=2,
+                  block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+                  stochastic_depth_prob=0.0)
+
+
+@pytest.mark.parametrize("name", ["swin_t", "maxvit"])
+def test_windowed_attention_blocks_are_kept_whole_by_plan_as_by_split(name: str) -> None:
+    torch.manual_seed(0)
+    if name == "swin_t":
+        model, x = torchvision.models.swin_t(weights=None).eval(), torch.randn(1, 3, 64, 64)
+    else:
+        model, x = small_maxvit().eval(), torch.randn(1, 3, 32, 32)
+    total = module_sizes(model).total_bytes
+    for share in (0.15, 0.35):
+        devices = {"cpu@bfloat16": int(share * total / 2), "cpu": None}
+        planned = adaptive.plan(model, devices=devices, example_inputs=x.to("meta"))
+        with adaptive.split(model, devices, example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+        # split takes the plan's map: it splits no block whose weights are read together.
+        with adaptive.split(model, devices, device_map=planned.device_map,
+                            example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+            with torch.no_grad(), NoMixedDtypes():
+                model(x)
+
+
+def test_device_map_before_the_first_call_says_how_to_get_one() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    with adaptive.split(model, {"cpu@bfloat16": 40, "cpu": None}) as splitter:
+        with pytest.raises(adaptive.PlacementError, match="example_inputs=.*adaptive.plan"):
+            splitter.device_map  # noqa: B018
+        with torch.no_grad():
+            model(torch.randn(1, 4))
+        assert splitter.device_map == {"0": "cpu@bfloat16", "1": "cpu"}
