@@ -29,6 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ._claims import holder
 from ._errors import PlacementError
 
 __all__ = ["Recording", "canonical_tensors", "record_forward"]
@@ -102,6 +103,23 @@ def _copy(obj: Any, make: Callable[[torch.Tensor], torch.Tensor],
           memo: dict[int, Any]) -> Any:
     with _CopyTensors(make):
         return copy.deepcopy(obj, memo)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _drop_hooks_of(model: nn.Module, owners: set[int]) -> None:
+    """Remove from ``model`` (a copy) the hooks that are methods of ``owners``: an engine
+    holding the original must not act on the copy."""
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr, None)
+            if not hooks:
+                continue
+            for key, hook in list(hooks.items()):
+                bound = getattr(getattr(hook, "func", hook), "__self__", None)
+                if bound is not None and id(bound) in owners:
+                    del hooks[key]
 
 
 class _UseRecorder(TorchFunctionMode):
@@ -213,8 +231,8 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     Args:
         model: the model; names in the result are its ``named_modules()`` names.
         args, kwargs: the call's inputs; tensors anywhere in them (inside objects too).
-        keep: objects the copies must share instead of copying (the placement handle whose
-            hooks the model carries).
+        keep: objects the copies share instead of copying; their hooks are left off the
+            copy. The engine holding ``model``, if any, is always one of them.
 
     Raises:
         PlacementError: the model or the inputs cannot be deep-copied, or a model with meta
@@ -222,7 +240,8 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """
     tensors = canonical_tensors(model)
     home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    shared = {id(k): k for k in keep}
+    engine = holder(model)
+    shared = {id(k): k for k in (*keep, *(() if engine is None else (engine,)))}
     try:
         memo: dict[int, Any] = dict(shared)
         replica, inputs = _copy((model, (args, kwargs)), _meta_like, memo)
@@ -232,6 +251,7 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             f"neither changes), but they cannot be deep-copied: {type(exc).__name__}: {exc}. "
             f"Make that object deep-copyable, or pass example_inputs that can be copied"
         ) from exc
+    _drop_hooks_of(replica, set(shared))
     devices, device_type = _rng_devices(home)
     with torch.random.fork_rng(devices=devices, device_type=device_type):
         try:
@@ -251,6 +271,7 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         memo = dict(shared)
         memo.update({id(p): p for p in model.parameters()})
         replica, inputs = _copy((model, (args, kwargs)), _real_copy, memo)
+        _drop_hooks_of(replica, set(shared))
         inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(home), inputs)
         rec = _run_recorded(replica, *inputs)
     rec.on_meta = False

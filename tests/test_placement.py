@@ -942,6 +942,20 @@ def test_windowed_attention_blocks_are_kept_whole_by_plan_as_by_split(name: str)
                 model(x)
 
 
+@pytest.mark.parametrize("engine", ["split", "page"])
+def test_plan_of_a_model_an_engine_holds_records_without_its_hooks(engine: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    x = torch.randn(1, 4)
+    devices = {"cpu@bfloat16": 40, "cpu": None}
+    expected = adaptive.plan(model, devices=devices, example_inputs=x).device_map
+    handle = (adaptive.split(model, devices, example_inputs=x) if engine == "split"
+              else adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0))
+    with handle, torch.no_grad():
+        out = model(x)
+        assert adaptive.plan(model, devices=devices, example_inputs=x).device_map == expected
+        assert torch.equal(model(x), out)
+
+
 def test_device_map_before_the_first_call_says_how_to_get_one() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
     with adaptive.split(model, {"cpu@bfloat16": 40, "cpu": None}) as splitter:
