@@ -1,7 +1,7 @@
-"""Planning for chunk and split: placement targets, one recorded forward, atomic units.
+"""Planning for chunk and split: placement targets, atomic units, ties, ``adaptive.plan``.
 
-Pure apart from the recorded forward, which runs on meta copies of the weights (no memory)
-and only falls back to the real weights when a model cannot run on meta.
+Pure apart from the recorded forward (``_recording``), which runs on a copy of the model
+and its inputs: see [Note: recording on a copy] there.
 """
 
 from __future__ import annotations
