@@ -183,14 +183,15 @@ class Splitter:
 
         Keys are canonical tensor names as in ``module_sizes(model).tensors`` (the first
         ``named_modules()`` path plus the attribute; tie aliases are not repeated). Each value
-        lists the tensors to ``copy_`` into: the tensor as placed (a detached alias of the
-        parameter or buffer, so no ``no_grad`` is needed) and, when a dtype change made this
-        handle keep the original host tensor for ``remove()``, that original too. The lists
-        are valid until the next re-placement or ``remove()``.
+        lists the tensors to ``copy_`` into: the tensor as placed (its ``.data``: no
+        ``no_grad`` is needed, and the write is not taken for one the forward made, see
+        ``_sync_back``) and, when a dtype change made this handle keep the original host
+        tensor for ``remove()``, that original too. The lists are valid until the next
+        re-placement or ``remove()``.
         """
         out: dict[str, list[torch.Tensor]] = {}
         for name, t in self._tensors.items():
-            targets = [t.detach()]
+            targets = [t.data]
             kept = self._kept.get(name)
             if kept is not None and not kept.is_meta:
                 targets.append(kept)
@@ -318,7 +319,9 @@ class Splitter:
         """Carry writes made to a converted copy (a step counter, a running statistic) into
         the kept original, so that re-placing or ``remove()`` keeps them like an unconverted
         tensor keeps them (in the original dtype, so rounded by the trip through the
-        placed one). Not when the original was written too: the loader fills both."""
+        placed one). Writes are seen by the version counter of the parameter or buffer
+        itself; the loader writes through ``.data`` aliases (``_load_targets``), which leave
+        it alone, and fills the original too."""
         kept = self._kept.get(name)
         versions = self._versions.get(name)
         if kept is None or kept.is_meta or versions is None:
