@@ -538,9 +538,9 @@ def split(
     model and its inputs, on the meta device when the model can run there (so it costs no
     memory and neither the model nor the inputs change): at the first call, or now when
     ``example_inputs`` is given. ``adaptive.plan(model, devices, example_inputs=...)`` shows
-    the same placement in advance. Each unit moves what
-    it receives (args and kwargs, nested) to its device and floating dtype and hands outputs
-    back where its caller has them; outputs reach you on the device of your inputs.
+    the same placement in advance. Each unit moves what it receives (args and kwargs,
+    nested) to its device and floating dtype and hands outputs back where its caller has
+    them; outputs reach you on the device of your inputs.
 
     Args:
         model: an ``nn.Module`` in eval mode with real (not meta) weights.
