@@ -19,8 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import HeadFirst
 from strategies import (
+    DIM,
     SPLIT_WIDTH,
     build_tree_for_split,
+    module_trees,
     module_trees_for_split,
     split_placements,
 )
@@ -684,6 +686,31 @@ def test_a_module_or_tensor_under_several_names_keeps_its_weights_and_remove_res
     else:
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
     handle.remove()
+    assert_bitwise(model, before)
+    assert identities(model) == ids
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=module_trees(), placements=split_placements(), seed=st.integers(0, 2**16))
+def test_random_trees_with_shared_modules_keep_every_tensor_through_placement_and_remove(
+    model: nn.Module, placements: list[tuple[torch.dtype, float]], seed: int
+) -> None:
+    """Trees from the paging strategy: a module under two names called through both, a
+    module called twice, parents reading a child's weight, own parameters and buffers."""
+    torch.manual_seed(seed)
+    x = torch.randn(3, DIM)
+    with torch.no_grad():
+        ref = model(x)
+    before, ids = snapshot(model), identities(model)
+    total = module_sizes(model).total_bytes
+    devices: dict[object, object] = {("cpu", dt): int(share * total) for dt, share in placements}
+    devices["cpu"] = None
+    with adaptive.split(model, devices):
+        with torch.no_grad():
+            out = model(x)  # placed at this call
+        assert not any(t.is_meta for t in model.state_dict().values())
+        if ref.norm() > 0:
+            assert rel_err(out, ref) < BF16_RTOL
     assert_bitwise(model, before)
     assert identities(model) == ids
 
