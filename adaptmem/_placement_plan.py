@@ -359,6 +359,14 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
                 key_dtype = dtype
         cap: int | None
         if isinstance(capacity, str) and capacity == "auto":
+            if not probe:  # "auto" reads free memory: the device must be here after all
+                try:
+                    resolve_device(key, "devices key")
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{exc}; capacity 'auto' reads the device's free memory, so to plan "
+                        f"for another machine give bytes, e.g. {{{str(key)!r}: '20GiB'}}"
+                    ) from None
             cap, _ = auto_capacity(dev, reserve)
         else:
             cap = capacity_of(capacity, f"devices[{key!r}]")

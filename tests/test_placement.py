@@ -920,6 +920,9 @@ def test_plan_counts_bytes_in_the_dtype_of_each_device_key_and_takes_a_list() ->
     assert adaptive.plan(model, devices={"cuda:3": None}).device_map == {"": "cuda:3"}
     with pytest.raises(ValueError, match="not a device name"):
         adaptive.plan(model, devices={"warp:0": None})
+    if not torch.cuda.is_available():  # "auto" reads the device's free memory
+        with pytest.raises(ValueError, match="capacity 'auto'.*give bytes, e.g. {'cuda:0': '20GiB'}"):
+            adaptive.plan(model, devices=["cuda:0"])
     with pytest.raises(TypeError, match="unit_bytes"):
         adaptive.plan(model, devices=["cpu"], unit_bytes=10)
 
