@@ -1111,3 +1111,21 @@ def test_zoo_and_hugging_face_models_placed_at_the_first_call_match_and_restore(
         # decides the placement) runs only the decoder; the plan's example ran both.
     assert_bitwise(model, before)
     assert identities(model) == ids
+
+
+def test_t5_chunked_in_bfloat16_generates_and_matches() -> None:
+    """T5's ``shared`` embedding (tied to both ``embed_tokens`` and ``lm_head``, never called)
+    goes with its first user, so a bfloat16 prefix computes in one dtype."""
+    model, _, kwargs = _zoo_case("hf_t5")
+    with torch.no_grad():
+        ref = model(**kwargs).logits
+    total = module_sizes(model).total_bytes
+    with adaptive.chunk(model, "cpu", capacity=total // 4, dtype=torch.bfloat16,
+                        example_inputs=kwargs) as chunker:
+        places = {u.module: u.placement for u in chunker.plan.units}
+        assert places["shared"] == places["encoder.embed_tokens"] == places["lm_head"]
+        assert model.shared.weight.dtype == torch.bfloat16
+        tokens = model.generate(kwargs["input_ids"], max_new_tokens=3, do_sample=False)
+        assert tokens.shape == (2, 4)
+        with torch.no_grad():
+            assert rel_err(model(**kwargs).logits, ref) < BF16_RTOL
