@@ -235,8 +235,9 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             copy. The engine holding ``model``, if any, is always one of them.
 
     Raises:
-        PlacementError: the model or the inputs cannot be deep-copied, or a model with meta
-            tensors cannot run on the meta device.
+        PlacementError: the model or the inputs cannot be deep-copied.
+        Exception: what the forward raised, when it fails for real, or on meta for a model
+            with meta tensors (there is nothing real to run instead).
     """
     tensors = canonical_tensors(model)
     home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
@@ -259,13 +260,8 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         except Exception as exc:  # noqa: BLE001 - any failure on meta means "run it for real"
             failure = exc
         del replica, inputs
-        meta = [n for n, t in tensors.items() if t.is_meta]
-        if meta:
-            raise PlacementError(
-                f"the model has tensors on the meta device (first: {meta[0]!r}) and its "
-                f"forward cannot run on meta ({type(failure).__name__}: {failure}), so its "
-                f"execution order cannot be recorded; load its weights first"
-            ) from failure
+        if any(t.is_meta for t in tensors.values()):
+            raise failure  # nothing real to run instead: the forward's own error says why
         _log.info("adaptmem: the model cannot run on meta (%s); recording a real forward "
                   "on a copy that shares its parameters", failure)
         memo = dict(shared)
