@@ -74,8 +74,8 @@ def _placement_targets(args: argparse.Namespace) -> list:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ._errors import AdaptmemError
-    from ._placement_plan import plan_placement, record_forward
-    from ._planner import module_sizes, plan
+    from ._placement_plan import plan, plan_placement, record_forward
+    from ._planner import module_sizes
 
     model = _build_model(args.model)
     example = torch.empty(1, 3, args.image_size, args.image_size, device="meta")
