@@ -124,17 +124,13 @@ class PlacementGuard:
                 return i
         return None
 
-    def adopt_replacements(self, forward_ran: bool = False) -> None:
+    def adopt_replacements(self) -> None:
         """At the end of an outermost call: objects the forward itself registered in place of
         the engine's (a buffer re-registered, as dynamic RoPE does, or reassigned, as in
         ``self.steps = self.steps + 1``) are the model's own state, checked as they are from
-        now on and kept by ``remove()``. After a refused call, nothing is adopted;
-        ``forward_ran`` says a forward ran without a check before it (a recording)."""
-        if not forward_ran:
-            passed, self._passed = self._passed, False
-            if not passed:
-                return
-        if all(map(operator.is_, map(dict.get, self._registries, self._attrs),
+        now on and kept by ``remove()``. After a refused call, nothing is adopted."""
+        passed, self._passed = self._passed, False
+        if not passed or all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                    self._registered)):
             return
         for i, (registry, attr) in enumerate(zip(self._registries, self._attrs, strict=True)):

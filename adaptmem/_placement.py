@@ -68,12 +68,12 @@ class _Frame:
 class Splitter(NotCopyable):
     """The handle ``adaptive.split`` returns: hooks, placed tensors and the kept originals.
 
-    ``.plan`` (None until placed), ``.device_map``, ``.stats``, ``.remove()``; a context
-    manager that removes itself on exit. Assigning ``handle.device_map = edited`` moves
-    exactly the units whose entry changed. While it holds the model, the model cannot be
-    deep-copied or pickled whole, and a dtype or device conversion (``model.half()``,
-    ``.to()``) makes the next call raise; ``remove()`` first. See [Note: a placed model is
-    neither copied nor converted].
+    ``.plan`` (None until placed), ``.device_map`` (once placed, or given), ``.stats``,
+    ``.remove()``; a context manager that removes itself on exit. Assigning
+    ``handle.device_map = edited`` moves exactly the units whose entry changed. While it
+    holds the model, the model cannot be deep-copied or pickled whole, and a dtype or device
+    conversion (``model.half()``, ``.to()``) makes the next call raise; ``remove()`` first.
+    See [Note: a placed model is neither copied nor converted].
     """
 
     _mode = "split"
@@ -102,6 +102,8 @@ class Splitter(NotCopyable):
                                  if t.is_floating_point()), torch.get_default_dtype())
         self._original = {n: (t.device, t.dtype) for n, t in self._tensors.items()}
         self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
+        # (placed tensor's version, kept original's version) when placed: see _sync_back.
+        self._versions: dict[str, tuple[int, int]] = {}
         self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
         self._specs: dict[str, _Spec] = {}
         self._stays: frozenset[str] = frozenset()  # modules whose outputs need no hand-back
@@ -123,12 +125,24 @@ class Splitter(NotCopyable):
         return self._plan
 
     @property
-    def device_map(self) -> dict[str, str] | None:
-        """``{module or tensor name: device label}``, coarsest. Before the first call: the
-        map given to ``split``/``place`` if any, else None (the plan needs that call)."""
+    def device_map(self) -> dict[str, str]:
+        """``{module or tensor name: device label}``, coarsest. Before the model is placed:
+        the map given to ``split``/``place``.
+
+        Raises:
+            PlacementError: the model is not placed yet and no map was given (the plan
+                needs one forward: pass ``example_inputs=`` to place it at once, or see the
+                map in advance with ``adaptive.plan(model, devices=..., example_inputs=...)``).
+        """
         if self._plan is None:
-            pending = self._pending_map
-            return None if pending is None else dict(pending)
+            if self._pending_map is None:
+                raise PlacementError(
+                    f"{type(self).__name__}.device_map: the model is placed at its first call, "
+                    f"which has not happened yet, so there is no map. Pass example_inputs= to "
+                    f"adaptive.{self._mode} to place it now, or compute the same map first "
+                    f"with adaptive.plan(model, devices=..., example_inputs=...)"
+                )
+            return dict(self._pending_map)
         return self._plan.device_map
 
     @device_map.setter
@@ -178,14 +192,15 @@ class Splitter(NotCopyable):
 
         Keys are canonical tensor names as in ``module_sizes(model).tensors`` (the first
         ``named_modules()`` path plus the attribute; tie aliases are not repeated). Each value
-        lists the tensors to ``copy_`` into: the tensor as placed (a detached alias of the
-        parameter or buffer, so no ``no_grad`` is needed) and, when a dtype change made this
-        handle keep the original host tensor for ``remove()``, that original too. The lists
-        are valid until the next re-placement or ``remove()``.
+        lists the tensors to ``copy_`` into: the tensor as placed (its ``.data``: no
+        ``no_grad`` is needed, and the write is not taken for one the forward made, see
+        ``_sync_back``) and, when a dtype change made this handle keep the original host
+        tensor for ``remove()``, that original too. The lists are valid until the next
+        re-placement or ``remove()``.
         """
         out: dict[str, list[torch.Tensor]] = {}
         for name, t in self._tensors.items():
-            targets = [t.detach()]
+            targets = [t.data]
             kept = self._kept.get(name)
             if kept is not None and not kept.is_meta:
                 targets.append(kept)
@@ -248,10 +263,9 @@ class Splitter(NotCopyable):
     def _place_first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._local.busy = True
         try:
-            self._recording = record_forward(self._model, args, kwargs)
+            self._recording = record_forward(self._model, args, kwargs, keep=(self,))
         finally:
             self._local.busy = False
-        self._guard.adopt_replacements(forward_ran=True)  # the recording is a forward too
         targets = [self._targets[label] for label in self._target_order]
         plan = plan_placement(self._model, self._sizes, targets, self._recording,
                               mode=self._mode, device_map=self._pending_map, options=self._options)
@@ -291,6 +305,7 @@ class Splitter(NotCopyable):
 
     def _move(self, name: str, target: Target) -> None:
         t = self._tensors[name]
+        self._sync_back(name)
         device, dtype = self._original[name]
         want = target.dtype if target.dtype is not None and t.is_floating_point() else dtype
         source = self._kept.get(name, t.data)
@@ -307,9 +322,29 @@ class Splitter(NotCopyable):
         else:
             self._kept.pop(name, None)
         _set_data(t, placed)
+        kept = self._kept.get(name)
+        self._versions[name] = (t._version, -1 if kept is None else kept._version)
+
+    def _sync_back(self, name: str) -> None:
+        """Carry writes made to a converted copy (a step counter, a running statistic) into
+        the kept original, so that re-placing or ``remove()`` keeps them like an unconverted
+        tensor keeps them (in the original dtype, so rounded by the trip through the
+        placed one). Writes are seen by the version counter of the parameter or buffer
+        itself; the loader writes through ``.data`` aliases (``_load_targets``), which leave
+        it alone, and fills the original too."""
+        kept = self._kept.get(name)
+        versions = self._versions.get(name)
+        if kept is None or kept.is_meta or versions is None:
+            return
+        t = self._tensors[name]
+        if t._version != versions[0] and kept._version == versions[1]:
+            kept.copy_(t.data)
+            self._versions[name] = (t._version, kept._version)
 
     def _restore(self, name: str) -> None:
         t = self._tensors[name]
+        self._sync_back(name)
+        self._versions.pop(name, None)
         kept = self._kept.pop(name, None)
         if kept is not None:
             _set_data(t, kept)
@@ -519,10 +554,13 @@ def split(
 
     Units (each module's own weights; attention blocks whole) fill each device in the order
     they run, not the order they were registered, until the next would pass its capacity in
-    the dtype placed there. Execution order is learned from one forward on meta copies of the
-    weights: at the first call, or now when ``example_inputs`` is given. Each unit moves what
-    it receives (args and kwargs, nested) to its device and floating dtype and hands outputs
-    back where its caller has them; outputs reach you on the device of your inputs.
+    the dtype placed there. Execution order is learned from one forward on a copy of the
+    model and its inputs, on the meta device when the model can run there (so it costs no
+    memory and neither the model nor the inputs change): at the first call, or now when
+    ``example_inputs`` is given. ``adaptive.plan(model, devices, example_inputs=...)`` shows
+    the same placement in advance. Each unit moves what it receives (args and kwargs,
+    nested) to its device and floating dtype and hands outputs back where its caller has
+    them; outputs reach you on the device of your inputs.
 
     Args:
         model: an ``nn.Module`` in eval mode with real (not meta) weights.

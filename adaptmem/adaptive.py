@@ -16,7 +16,8 @@ from ._loading import empty_model, load
 from ._oom import is_oom
 from ._paging import Pager, page
 from ._placement import Chunker, Splitter, chunk, split
-from ._planner import Plan, plan
+from ._placement_plan import plan
+from ._planner import Plan
 
 __all__ = [
     "AdaptmemError",

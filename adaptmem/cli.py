@@ -259,8 +259,8 @@ def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ._errors import AdaptmemError
-    from ._placement_plan import plan_placement
-    from ._planner import module_sizes, plan
+    from ._placement_plan import plan, plan_placement
+    from ._planner import module_sizes
 
     if args.image_size <= 0:
         raise _UsageError(f"--image-size must be a positive number of pixels, got "
