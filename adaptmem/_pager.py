@@ -764,9 +764,10 @@ class Pager(NotCopyable):
             pre.remove()
             post.remove()
         self._handles.clear()
+        with torch.inference_mode(False):  # See [Note: a placed model is neither copied ...]
+            self._guard.put_back()
         self._stack.clear()
         with _quiet(), torch.inference_mode(False):
-            self._guard.put_back()
             for s in self._slots.values():
                 s.restore()
         self._guard.release()
