@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from ._claims import claim, release
 from ._devices import first_tensor_device, format_bytes, free_memory, to_device
 from ._errors import OutOfMemoryError, PlacementError, oom_error_for
+from ._guard import NotCopyable, PlacementGuard
 from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from ._oom import free_caches, is_oom
 from ._planner import Plan, module_sizes, order_units, paging_units, split_unit
@@ -71,8 +72,12 @@ class _NoRoom(Exception):
         self.oom = oom
 
 
-class Pager:
+class Pager(NotCopyable):
     """A model whose weights are paged to ``device`` module by module; see ``page``.
+
+    While it holds the model, the model cannot be deep-copied or pickled whole, and a dtype
+    or device conversion (``model.half()``, ``.to()``) makes the next call raise instead of
+    running; ``remove()`` first. See [Note: a placed model is neither copied nor converted].
 
     Attributes:
         plan: the units in execution order, each ``"resident"`` or ``"paged"``; refinements
@@ -80,6 +85,8 @@ class Pager:
         stats: a ``PagingStats`` with bytes moved, transfers, prefetch hits and misses,
             refinements and the peak device bytes held for weights.
     """
+
+    _engine, _handle = "adaptive.page", "pager"
 
     def __init__(self, model: nn.Module, device: torch.device, *, unit_bytes: int | None,
                  prefetch: int, resident_bytes: int | None, device_budget: int | None,
@@ -131,6 +138,8 @@ class Pager:
             "resident_bytes": resident_bytes, "device_budget": device_budget,
         }
         self.plan = Plan("page", [], self._sizes.total_bytes, dict(self._options))
+        self._guard = PlacementGuard(model, {n: s.tensor for n, s in self._slots.items()},
+                                     self._engine, self._handle)
         # Nothing above touched the model; from here on it is paged, or put back on failure.
         claim(self._modules.values(), self)
         try:
@@ -138,6 +147,8 @@ class Pager:
                 if s.original is None:
                     s.tensor.data = s.master
             self._make_resident(resident_bytes)
+            self._guard.expect({n: s.copy if s.resident else s.master  # type: ignore[misc]
+                                for n, s in self._slots.items()})
             self._compute_needs()
             for m in self._modules.values():
                 self._hook(m)
@@ -428,6 +439,7 @@ class Pager:
         did not reach, so none is left to serve weights edited before the next call."""
         if self._device_bytes != self._resident_bytes:
             self._drop_pending(())
+        self._guard.adopt_replacements()
 
     def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._begin_call()
@@ -446,6 +458,7 @@ class Pager:
                     self._release(self._stack.pop().slots)
                 self._drop_pending(())
             self._end_forward(failed=True)
+        self._guard.check()  # See [Note: a placed model is neither copied nor converted]
         self._cursor = 0
         self._settle(block=False)
         if self._relearn:
@@ -751,10 +764,13 @@ class Pager:
             pre.remove()
             post.remove()
         self._handles.clear()
+        with torch.inference_mode(False):  # See [Note: a placed model is neither copied ...]
+            self._guard.put_back()
         self._stack.clear()
         with _quiet(), torch.inference_mode(False):
             for s in self._slots.values():
                 s.restore()
+        self._guard.release()
         self._device_bytes = 0
         release(self._modules.values(), self)
 

@@ -26,6 +26,7 @@ from torch import nn
 from ._claims import check_placeable, claim, release
 from ._devices import format_bytes, map_tensors, parse_size, resolve_device
 from ._errors import PlacementError
+from ._guard import NotCopyable, PlacementGuard
 from ._placement_plan import (
     Recording,
     Target,
@@ -45,7 +46,7 @@ from ._placement_plan import (
 from ._planner import Plan, Unit, module_sizes
 from ._stats import PlacementStats
 
-__all__ = ["Splitter", "Chunker", "split", "chunk"]
+__all__ = ["Splitter", "Chunker", "split", "chunk", "chunk_targets"]
 
 _log = logging.getLogger("adaptmem")
 
@@ -64,15 +65,19 @@ class _Frame:
     passthrough: bool
 
 
-class Splitter:
+class Splitter(NotCopyable):
     """The handle ``adaptive.split`` returns: hooks, placed tensors and the kept originals.
 
     ``.plan`` (None until placed), ``.device_map`` (once placed, or given), ``.stats``,
     ``.remove()``; a context manager that removes itself on exit. Assigning
-    ``handle.device_map = edited`` moves exactly the units whose entry changed.
+    ``handle.device_map = edited`` moves exactly the units whose entry changed. While it
+    holds the model, the model cannot be deep-copied or pickled whole, and a dtype or device
+    conversion (``model.half()``, ``.to()``) makes the next call raise; ``remove()`` first.
+    See [Note: a placed model is neither copied nor converted].
     """
 
     _mode = "split"
+    _engine, _handle = "adaptive.split", "splitter"
 
     def __init__(
         self,
@@ -108,6 +113,7 @@ class Splitter:
         self._placing = threading.Lock()
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
+        self._guard = PlacementGuard(model, self._tensors, self._engine, self._handle)
         claim(self._modules.values(), self)
         self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
@@ -154,6 +160,7 @@ class Splitter:
         if not isinstance(device_map, Mapping):
             raise TypeError(f"device_map must be a dict {{module name: device}}, got "
                             f"{type(device_map).__name__}")
+        self._guard.check()
         device_map = self._normalise_map(device_map)
         if self._plan is None:
             self._pending_map = dict(device_map)
@@ -173,9 +180,11 @@ class Splitter:
             h.remove()
         self._hooks.clear()
         with torch.no_grad():
+            self._guard.put_back()
             for name in list(self._where):
                 self._restore(name)
                 del self._where[name]
+        self._guard.release()
         release(self._modules.values(), self)
 
     def _load_targets(self) -> dict[str, list[torch.Tensor]]:
@@ -291,6 +300,7 @@ class Splitter:
                         self._restore(name)
                         self._where.pop(name, None)
             raise
+        self._guard.expect({n: t.data for n, t in self._tensors.items()})
         self._specs = self._module_specs(units)
 
     def _move(self, name: str, target: Target) -> None:
@@ -392,10 +402,15 @@ class Splitter:
         if getattr(self._local, "busy", False):
             return None
         self._stack().clear()  # a frame left by a forward that raised
+        # See [Note: a placed model is neither copied nor converted]; checked under the
+        # lock while another thread may be placing the model.
         if self._plan is None:
             with self._placing:  # two threads making the first call place it once
                 if self._plan is None:
+                    self._guard.check()
                     self._place_first(args, kwargs)
+        else:
+            self._guard.check()
         self.stats.forwards += 1
         return self._pre("", module, args, kwargs)
 
@@ -406,6 +421,8 @@ class Splitter:
 
     def _pre(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> Any:
         stack = self._stack()
+        if not stack and name:  # a submodule called on its own
+            self._guard.check()
         spec = self._specs.get(name)
         enclosing = stack[-1] if stack else None
         received = self._received((args, kwargs), enclosing)
@@ -424,6 +441,8 @@ class Splitter:
                 break
         else:
             return None
+        if not stack:  # an outermost call ended
+            self._guard.adopt_replacements()
         if stack and stack[-1].passthrough:
             return None  # the next child of a plain Sequential converts what it needs
         if stack and name in self._stays:
@@ -508,6 +527,7 @@ class Chunker(Splitter):
     """The handle ``adaptive.chunk`` returns: a Splitter over ``{device: capacity, "cpu": None}``."""
 
     _mode = "chunk"
+    _engine, _handle = "adaptive.chunk", "chunker"
 
 
 def _undo_on_failure(handle: Splitter, step: Any, *args: Any) -> Any:
@@ -663,14 +683,20 @@ def chunk(
         if capacity is None:
             raise TypeError("capacity must be bytes (int or '6GiB') or 'auto', got None")
         cap = parse_size(capacity, "capacity")
-    cpu = torch.device("cpu")
-    if dev == cpu and dt is None:
-        targets = [Target(cpu, None, None, "cpu")]
-    else:
-        labels = qualify_labels([(dev, dt), (cpu, None)])
-        targets = [Target(dev, cap, dt, labels[0]), Target(cpu, None, None, labels[1])]
+    targets = chunk_targets(dev, cap, dt)
     handle = Chunker(model, targets, output_device=out_dev,
                      options={"capacity": cap, "reserve": reserve})
     if example_inputs is not None:
         _undo_on_failure(handle, handle._place_first, *split_inputs(example_inputs))
     return handle
+
+
+def chunk_targets(device: torch.device, capacity: int | None, dtype: torch.dtype | None
+                  ) -> list[Target]:
+    """``chunk``'s targets: ``device`` holding ``capacity`` bytes in ``dtype``, then the CPU
+    for the rest; one CPU target (capacity moot) when both are the CPU in its own dtype."""
+    cpu = torch.device("cpu")
+    if device == cpu and dtype is None:
+        return [Target(cpu, None, None, "cpu")]
+    labels = qualify_labels([(device, dtype), (cpu, None)])
+    return [Target(device, capacity, dtype, labels[0]), Target(cpu, None, None, labels[1])]
