@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -47,9 +46,23 @@ logger = logging.getLogger("adaptmem")
 
 # Every module of every paged model, so a model (or a part of one) is never paged twice.
 
-# The pager's own tensor work is invisible to users' TorchFunctionModes (and to the probe).
-_quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
-_modes_enabled = getattr(torch.overrides, "_is_torch_function_mode_enabled", lambda: True)
+
+
+class _Quiet:
+    """While the pager moves weights, its probe ignores what it sees (the pager's own
+    work). Other TorchFunctionModes (users', a simulated device's, ``torch.device``) keep
+    seeing everything: disabling torch functions would turn them off too."""
+
+    __slots__ = ("pager",)
+
+    def __init__(self, pager: Pager) -> None:
+        self.pager = pager
+
+    def __enter__(self) -> None:
+        self.pager._busy += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.pager._busy -= 1
 
 
 class _Frame:
@@ -121,6 +134,8 @@ class Pager:
         self._resident_bytes = 0
         self._relearn = False
         self._removed = False
+        self._busy = 0  # > 0 while the pager moves weights: its probe looks away
+        self._quiet = _Quiet(self)
 
         units = paging_units(self._sizes, unit_bytes)
         self._slots = make_slots(self._modules, self._sizes, device, pin_memory)
@@ -176,7 +191,7 @@ class Pager:
                     resident = False
                     allowance = used
             if resident:
-                with _quiet():
+                with self._quiet:
                     for s, c in zip(slots, copies, strict=True):
                         s.copy, s.state, s.resident = c, LOADED, True
                         s.tensor.data = c
@@ -308,8 +323,8 @@ class Pager:
             elif self._alone and len(self._stack) == 1:  # called on its own
                 needs = self._alone.get(mid, needs)
             if needs is not None:
-                if _modes_enabled():
-                    with _quiet():
+                if self._probe is not None:
+                    with self._quiet:
                         self._enter(frame, mid, needs)
                 else:
                     self._enter(frame, mid, needs)
@@ -322,7 +337,7 @@ class Pager:
         frame = _Frame(module)
         self._stack.append(frame)
         if mid in self._needs:
-            with _quiet():
+            with self._quiet:
                 self._acquire(frame)
         return (args, kwargs) if root else None
 
@@ -403,8 +418,8 @@ class Pager:
         if stack and stack[-1].module is module:
             slots = stack.pop().slots
             if slots:
-                if _modes_enabled():
-                    with _quiet():
+                if self._probe is not None:
+                    with self._quiet:
                         self._release(slots)
                 else:
                     self._release(slots)
@@ -441,7 +456,7 @@ class Pager:
         if self._removed:
             raise PlacementError("this Pager was removed; page the model again to use it")
         if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
-            with _quiet():
+            with self._quiet:
                 while self._stack:
                     self._release(self._stack.pop().slots)
                 self._drop_pending(())
@@ -665,7 +680,7 @@ class Pager:
             if self._learning:
                 self._direct.setdefault(self._name(frame.module), set()).add(s.name)
             if s.state != LOADED:
-                with _quiet():
+                with self._quiet:
                     try:
                         self._bring_in([s], keep=frame.slots)
                     except _NoRoom as exc:
@@ -752,7 +767,7 @@ class Pager:
             post.remove()
         self._handles.clear()
         self._stack.clear()
-        with _quiet(), torch.inference_mode(False):
+        with self._quiet, torch.inference_mode(False):
             for s in self._slots.values():
                 s.restore()
         self._device_bytes = 0

@@ -80,8 +80,14 @@ def _same(a: Any, b: Any) -> bool:
     return torch.equal(a, b)
 
 
+# The pager's own moves of a master (copying it, pointing a weight at it); users' modes see
+# them, and they are not compute.
+_PAGER_MOVES = frozenset({"clone", "copy_", "to", "__set__", "__get__", "empty_like"})
+
+
 class HostMasterProbe(TorchFunctionMode):
-    """Records every op that receives a tensor whose storage is one of ``storages``."""
+    """Records every op that receives a tensor whose storage is one of ``storages``, other
+    than the pager's own moves."""
 
     def __init__(self, storages: set[int]) -> None:
         super().__init__()
@@ -90,7 +96,7 @@ class HostMasterProbe(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not is_metadata(func):
+        if not is_metadata(func) and getattr(func, "__name__", "") not in _PAGER_MOVES:
             for t in torch.utils._pytree.tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.storages:
                     self.offenders.append(getattr(func, "__name__", str(func)))
