@@ -11,6 +11,7 @@ import torch
 import torchvision
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from conftest import REAL_CUDA
 from models import HeadFirst, ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
 from strategies import DIM, module_trees
 from torch import nn
@@ -1128,11 +1129,14 @@ def test_gpu_real_oom_under_a_memory_fraction_triggers_refinement() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.simulated_cuda(bandwidth=4)  # GB/s: 1 ms per 4 MiB copy
 def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
     torch.manual_seed(0)
     # 4 MiB each; the first of each forward is fetched on demand (1 in 32 transfers)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)]).eval()
-    x = torch.randn(32768, 1024)  # ~70 GFLOP per layer: well above one 4 MiB copy
+    # ~70 GFLOP per layer on a GPU (0.5 on the simulated one, computed by the CPU): well
+    # above one 4 MiB copy either way
+    x = torch.randn(32768 if REAL_CUDA else 256, 1024)
     with torch.no_grad():
         expected = copy.deepcopy(model).cuda()(x.cuda()).cpu()
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0, prefetch=2) as pager:

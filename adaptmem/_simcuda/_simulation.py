@@ -6,7 +6,7 @@ import numbers
 from typing import Any
 
 from .._devices import parse_size
-from . import _state
+from . import _state, _tensors
 from ._state import SimState
 from ._tensors import Tensors
 from ._torch_cuda import Patches, install
@@ -41,6 +41,7 @@ class SimulatedCuda:
         state = SimState(self.devices, self.total_memory, self.bandwidth)
         tensors = Tensors(state)
         _state.set_active(state)
+        _tensors._current = tensors
         try:
             install(state, self._patches)
             tensors.function_mode.__enter__()
@@ -52,6 +53,7 @@ class SimulatedCuda:
         except BaseException:
             self._patches.undo()
             _state.set_active(None)
+            _tensors._current = None
             raise
         self._state, self._tensors = state, tensors
         return self
@@ -70,6 +72,7 @@ class SimulatedCuda:
                 tensors.closed = True
                 self._patches.undo()
                 _state.set_active(None)
+                _tensors._current = None
         if state.problems and exc_type is None:
             raise SimulatedCudaError(
                 "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))

@@ -38,8 +38,24 @@ _CPU = torch.device("cpu")
 _no_torch_function = torch._C.DisableTorchFunction
 
 
+_current: Tensors | None = None  # the running simulation's tensors
+
+
 class SimTensor(torch.Tensor):
-    """A tensor on a simulated CUDA device (its values live in a CPU tensor)."""
+    """A tensor on a simulated CUDA device (its values live in a CPU tensor).
+
+    Its ``__torch_function__`` does what the simulation's TorchFunctionMode does, for calls
+    the mode does not see: those made inside a Python-level torch function (the body of
+    ``F.multi_head_attention_forward`` runs with modes popped)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if _current is None:
+                return func(*args, **kwargs)
+            return _current.function_mode.handle(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
@@ -100,8 +116,23 @@ class Tensors:
         return self.wrap(backing, self.allocate(backing, index))
 
     def allocate(self, backing: torch.Tensor, index: int) -> Record:
-        block = self.state.allocators[index].allocate(backing.untyped_storage().nbytes())
+        return self.reserve(backing.untyped_storage().nbytes(), index)
+
+    def reserve(self, nbytes: int, index: int) -> Record:
+        block = self.state.allocators[index].allocate(nbytes)
         return Record(index, block, self.state.current_streams[index])
+
+    def reserve_all(self, sizes: list[int], index: int) -> list[Record]:
+        """Allocations made together: when one does not fit, none is made."""
+        made: list[Record] = []
+        try:
+            for n in sizes:
+                made.append(self.reserve(n, index))
+        except BaseException:
+            for record in made:
+                self.state.allocators[index].free(record.block)
+            raise
+        return made
 
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, Record]:
         entry = self.entries.get(t.untyped_storage()._cdata)
@@ -183,14 +214,16 @@ class Tensors:
             out = aten._to_copy.default(source, **kwargs)
             return self.pin(out) if pin else out
         index = self.state.device_index(target)
+        dtype = kwargs.get("dtype") or source.dtype
+        # Counted before the copy is made: an allocation that does not fit costs nothing.
+        record = self.reserve(source.numel() * dtype.itemsize, index)
         if non_blocking and not x.is_cuda and self.is_pinned(x):
-            dst = torch.empty_like(source, dtype=kwargs.get("dtype") or source.dtype,
-                                   memory_format=kwargs.get("memory_format")
-                                   or torch.preserve_format)
-            out = self.adopt(dst, index)
-            self._async_copy(dst, source, self.lookup(out)[1])
+            dst = torch.empty_like(source, dtype=dtype, memory_format=kwargs.get(
+                "memory_format") or torch.preserve_format)
+            out = self.wrap(dst, record)
+            self._async_copy(dst, source, record)
             return out
-        return self.adopt(aten._to_copy.default(source, **kwargs), index)
+        return self.wrap(aten._to_copy.default(source, **kwargs), record)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
         db, sb = dst, src
@@ -329,6 +362,10 @@ class _Dispatch(TorchDispatchMode):
         return tree_map(wrap, out)
 
 
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+_DEVICE_GUARD_ERROR = getattr(torch, "AcceleratorError", RuntimeError)
+
+
 def _is_cuda(device: Any) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -359,10 +396,17 @@ class _Functions(TorchFunctionMode):
             torch.Tensor.copy_: self._copy,
             torch.Tensor.record_stream: self._record_stream,
             torch.Tensor.data_ptr: self._data_ptr,
+            # Bindings that take the tensor's device guard: run on the backing (others are
+            # found when they raise, see handle()).
+            torch.Tensor.__getitem__: self._on_backing,
+            torch.Tensor.__setitem__: self._on_backing,
+            torch.Tensor.__invert__: self._on_backing,
         }
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        return self.handle(func, args, kwargs or {})
+
+    def handle(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         handler = self.handlers.get(func)
         if handler is not None:
             with torch.no_grad():
@@ -373,15 +417,37 @@ class _Functions(TorchFunctionMode):
         if kwargs.get("pin_memory"):
             out = func(*args, **{**kwargs, "pin_memory": False})
             return tree_map(lambda o: self.sim.pin(o) if isinstance(o, torch.Tensor) else o, out)
-        if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
-            with torch.no_grad():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+        try:
+            if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
+                with torch.no_grad():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        except _DEVICE_GUARD_ERROR:
+            # The binding took the real CUDA device guard before any op ran.
+            if not _touches_cuda(args, kwargs):
+                raise
+        with torch.no_grad():
+            return self._on_backing(func, args, kwargs)
 
     def _factory(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         index = self.sim.state.device_index(kwargs["device"])
         kwargs = {**kwargs, "device": "cpu"}
         kwargs.pop("requires_grad", None)
+        # Sizes first (on the meta device): an allocation that does not fit costs nothing.
+        try:
+            with torch.no_grad():
+                shapes = tree_flatten(func(*args, **{**kwargs, "device": "meta"}))[0]
+        except Exception:
+            shapes = None
+        if shapes is not None:
+            records = iter(self.sim.reserve_all(
+                [o.untyped_storage().nbytes() for o in shapes if isinstance(o, torch.Tensor)],
+                index))
+            with torch.no_grad():
+                out = func(*args, **kwargs)
+            wrap = self.sim.wrap
+            return tree_map(lambda o: wrap(o, next(records)) if isinstance(o, torch.Tensor)
+                            else o, out)
         with torch.no_grad():
             out = func(*args, **kwargs)
         adopt = self.sim.adopt
@@ -429,6 +495,47 @@ class _Functions(TorchFunctionMode):
             return func(*args, **kwargs)
         self.sim.record_stream(t, stream)
         return None
+
+    def _on_backing(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` on the backings of its simulated tensors (a binding that would take
+        the real CUDA device guard), and wrap what it returns."""
+        sim = self.sim
+        flat, spec = tree_flatten((args, kwargs))
+        index: int | None = None
+        cpu_arg = False
+        backings: dict[int, tuple[torch.Tensor, Record]] = {}
+        for i, x in enumerate(flat):
+            if isinstance(x, torch.Tensor):
+                if x.is_cuda:
+                    b, record = sim.lookup(x)
+                    if index is not None and record.index != index:
+                        raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
+                    index = record.index
+                    sim.use(record, sim.state.current_streams[index], x, func.__name__)
+                    backings[b.untyped_storage().data_ptr()] = (x, record)
+                    flat[i] = b
+                elif x.dim():
+                    cpu_arg = True
+        if index is None:
+            return func(*args, **kwargs)
+        if cpu_arg and func not in _INDEXING:
+            raise _mixed(f"cuda:{index}", "cpu")
+        cargs, ckwargs = tree_unflatten(flat, spec)
+        with _no_torch_function():
+            out = func(*cargs, **ckwargs)
+        first = cargs[0] if cargs else None
+
+        def wrap(o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):
+                return o
+            if o is first and isinstance(args[0], torch.Tensor):
+                return args[0]  # in place
+            owner = backings.get(o.untyped_storage().data_ptr())
+            if owner is not None:
+                return sim.wrap(o, owner[1])
+            return sim.adopt(o, index)
+
+        return tree_map(wrap, out)
 
     def _data_ptr(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         t = args[0]
