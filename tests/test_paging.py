@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 import torchvision
+from conftest import REAL_CUDA
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from conftest import REAL_CUDA
 from models import HeadFirst, ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
 from strategies import DIM, module_trees
 from torch import nn
