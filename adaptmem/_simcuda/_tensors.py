@@ -48,6 +48,15 @@ class SimTensor(torch.Tensor):
     the mode does not see: those made inside a Python-level torch function (the body of
     ``F.multi_head_attention_forward`` runs with modes popped)."""
 
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False) -> SimTensor:
+        # ``type(param)(data, requires_grad=...)``, as code re-making a parameter does
+        # (``nn.Parameter(t)`` of a simulated tensor is a SimTensor marked as a parameter).
+        out = data.detach()
+        if requires_grad:
+            out.requires_grad_(True)
+        out._is_param = True  # type: ignore[attr-defined]
+        return out  # type: ignore[return-value]
+
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
@@ -199,6 +208,9 @@ class Tensors:
     # -- copies --------------------------------------------------------------------------
 
     def to_copy(self, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        target = kwargs.get("device")
+        if not x.is_cuda and (target is None or target.type != "cuda"):
+            return aten._to_copy.default(x, **kwargs)
         kwargs = dict(kwargs)
         target = kwargs.pop("device", None)
         non_blocking = kwargs.pop("non_blocking", False)
@@ -211,7 +223,7 @@ class Tensors:
             if target is None:
                 target = x.device
         if target is None or target.type != "cuda":
-            out = aten._to_copy.default(source, **kwargs)
+            out = aten._to_copy.default(source, device=target, **kwargs)
             return self.pin(out) if pin else out
         index = self.state.device_index(target)
         dtype = kwargs.get("dtype") or source.dtype
@@ -461,6 +473,9 @@ class _Functions(TorchFunctionMode):
             copy = rest.pop(3) if len(rest) > 3 else copy
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kwargs)
         if not x.is_cuda and not (device is not None and device.type == "cuda"):
+            if ((device is None or device == x.device) and (dtype is None or dtype == x.dtype)
+                    and not copy and memory_format in (None, torch.preserve_format)):
+                return x  # as torch does; under a dispatch mode torch would copy
             return func(*args, **kwargs, **({"copy": copy} if copy else {}))
         if device is None:
             device = x.device
