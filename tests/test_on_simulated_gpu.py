@@ -66,6 +66,23 @@ def test_gpu_paged_weights_leave_no_device_memory_behind() -> None:
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+@pytest.mark.gpu
+def test_gpu_load_into_a_paged_model_reaches_its_pinned_masters_and_resident_copies(
+        tmp_path: pytest.TempPathFactory) -> None:
+    source, x, expected = _linears()
+    path = f"{tmp_path}/model.pt"
+    torch.save(source.state_dict(), path)
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=40_000) as pager:
+        placements = {u.placement for u in pager.plan.units}
+        assert placements == {"resident", "paged"}
+        with torch.no_grad():
+            model(x)  # learn, then load between forwards
+            adaptive.load(model, path)
+            torch.testing.assert_close(model(x), expected)
+
+
 # Code we did not write runs unchanged on the simulated device.
 
 @pytest.mark.simulated_cuda(devices=2)

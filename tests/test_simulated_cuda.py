@@ -196,6 +196,19 @@ def test_non_blocking_from_unpinned_memory_is_synchronous() -> None:
         assert time.perf_counter() - started < 1
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pin_memory_loaders_give_pinned_batches(workers: int) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(8.0).reshape(4, 2))
+    with simulated_cuda():
+        loader = DataLoader(data, batch_size=2, pin_memory=True, num_workers=workers)
+        batches = [b for (b,) in loader]
+        assert all(b.is_pinned() for b in batches)
+        assert torch.equal(torch.cat([b.cuda(non_blocking=True) for b in batches]).cpu(),
+                           data.tensors[0])
+
+
 def test_freeing_a_tensor_another_stream_used_without_record_stream_is_reported() -> None:
     with pytest.raises(SimulatedCudaError, match="without tensor.record_stream"), \
             simulated_cuda() as sim:

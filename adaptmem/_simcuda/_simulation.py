@@ -44,6 +44,7 @@ class SimulatedCuda:
         _tensors._current = tensors
         try:
             install(state, self._patches)
+            _pin_in_loader_threads(tensors, self._patches)
             tensors.function_mode.__enter__()
             try:
                 tensors.dispatch_mode.__enter__()
@@ -76,6 +77,20 @@ class SimulatedCuda:
         if state.problems and exc_type is None:
             raise SimulatedCudaError(
                 "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))
+
+
+def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:
+    """A DataLoader with ``pin_memory=True`` and workers pins in a thread of its own, where
+    the simulation's modes are not active: there, pinning runs under modes of its own."""
+    from torch.utils.data._utils import pin_memory as loader_pinning
+
+    original = loader_pinning.pin_memory
+
+    def pin_memory(data: Any, device: Any = None) -> Any:
+        with _tensors._Functions(tensors), _tensors._Dispatch(tensors):
+            return original(data, device)
+
+    patches.set(loader_pinning, "pin_memory", pin_memory)
 
 
 def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
