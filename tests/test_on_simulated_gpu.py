@@ -11,7 +11,7 @@ from torch import nn
 
 from adaptmem import adaptive
 from adaptmem._planner import module_sizes
-from adaptmem.testing import SimulatedCuda
+from adaptmem.testing import SimulatedCuda, StreamRaceError
 
 
 def _linears(n: int = 6, dim: int = 64) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -81,6 +81,20 @@ def test_gpu_load_into_a_paged_model_reaches_its_pinned_masters_and_resident_cop
             model(x)  # learn, then load between forwards
             adaptive.load(model, path)
             torch.testing.assert_close(model(x), expected)
+
+
+def test_a_pager_whose_compute_stream_skipped_its_waits_is_caught(
+        simulated_cuda_device: SimulatedCuda, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The race detector watches adaptmem's own stream code: without the compute stream's
+    # wait on each copy's event, the first read of a copied weight raises.
+    from adaptmem._simcuda._streams import SimStream
+
+    model, x, _ = _linears()
+    monkeypatch.setattr(SimStream, "wait_event", lambda self, event: None)
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0):
+        with torch.no_grad(), pytest.raises(StreamRaceError, match="before its copy completed"):
+            model(x)
+        torch.cuda.synchronize()
 
 
 # Code we did not write runs unchanged on the simulated device.

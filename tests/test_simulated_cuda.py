@@ -95,6 +95,10 @@ def test_autograd_is_off_for_simulated_tensors() -> None:
         layer = nn.Linear(4, 4).cuda()
         out = layer(torch.ones(2, 4, device="cuda"))  # no abort: runs under no_grad
         assert not out.requires_grad
+        # Inside a Python-level torch function (its body runs with modes popped) too.
+        attention = nn.MultiheadAttention(16, 2).cuda()
+        q = torch.randn(3, 1, 16, device="cuda", requires_grad=True)
+        assert attention(q, q, q)[0].device.type == "cuda"
 
 
 # -- memory ----------------------------------------------------------------------------------
