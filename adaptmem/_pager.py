@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ._claims import claim, release
-from ._devices import first_tensor_device, format_bytes, free_memory, to_device
+from ._devices import first_tensor_device, format_bytes, free_memory, synchronize, to_device
 from ._errors import OutOfMemoryError, PlacementError, oom_error_for
 from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from ._oom import free_caches, is_oom
@@ -758,8 +758,8 @@ class Pager:
         if self._removed:
             return
         self._removed = True
-        if self.device.type == "cuda":  # copies in flight finish before they are read back
-            torch.cuda.synchronize(self.device)
+        if not self._synchronous:  # copies in flight finish before they are read back
+            synchronize(self.device)
         if self._probe is not None:
             self._end_forward(failed=True)
         for pre, post in self._handles.values():
