@@ -184,6 +184,8 @@ def test_non_blocking_copies_complete_later_and_events_time_them() -> None:
             dev = torch.empty_like(host, device="cuda").copy_(host, non_blocking=True)
             end.record()
         assert not end.query()  # still copying: the host went on
+        with pytest.raises(RuntimeError, match="must be completed"):
+            start.elapsed_time(end)
         end.synchronize()
         assert end.query() and side.query()
         assert 30 < start.elapsed_time(end) < 2000

@@ -236,11 +236,11 @@ class SimEvent:
     def elapsed_time(self, end_event: SimEvent) -> float:
         """Milliseconds from this event to ``end_event`` (negative if it completed first)."""
         if not (self.enable_timing and end_event.enable_timing):
-            raise ValueError("Both events must be created with argument 'enable_timing=True'.")
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
         if self.stream is None or end_event.stream is None:
-            raise ValueError("Both events must be recorded before calculating elapsed time.")
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
         if not (self.query() and end_event.query()):
-            raise ValueError("Both events must be completed before calculating elapsed time.")
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
         return (end_event.time - self.time) * 1000.0
 
     def __repr__(self) -> str:
