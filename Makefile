@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[dev]'
+	# bench too: tests check that accelerate and optimem run on the simulated CUDA device.
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -32,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ._claims import claim, release
-from ._devices import first_tensor_device, format_bytes, free_memory, to_device
+from ._devices import first_tensor_device, format_bytes, free_memory, synchronize, to_device
 from ._errors import OutOfMemoryError, PlacementError, oom_error_for
 from ._guard import NotCopyable, PlacementGuard
 from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
@@ -48,9 +47,23 @@ logger = logging.getLogger("adaptmem")
 
 # Every module of every paged model, so a model (or a part of one) is never paged twice.
 
-# The pager's own tensor work is invisible to users' TorchFunctionModes (and to the probe).
-_quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
-_modes_enabled = getattr(torch.overrides, "_is_torch_function_mode_enabled", lambda: True)
+
+
+class _Quiet:
+    """While the pager moves weights, its probe ignores what it sees (the pager's own
+    work). Other TorchFunctionModes (users', a simulated device's, ``torch.device``) keep
+    seeing everything: disabling torch functions would turn them off too."""
+
+    __slots__ = ("pager",)
+
+    def __init__(self, pager: Pager) -> None:
+        self.pager = pager
+
+    def __enter__(self) -> None:
+        self.pager._busy += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.pager._busy -= 1
 
 
 class _Frame:
@@ -128,6 +141,8 @@ class Pager(NotCopyable):
         self._resident_bytes = 0
         self._relearn = False
         self._removed = False
+        self._busy = 0  # > 0 while the pager moves weights: its probe looks away
+        self._quiet = _Quiet(self)
 
         units = paging_units(self._sizes, unit_bytes)
         self._slots = make_slots(self._modules, self._sizes, device, pin_memory)
@@ -187,7 +202,7 @@ class Pager(NotCopyable):
                     resident = False
                     allowance = used
             if resident:
-                with _quiet():
+                with self._quiet:
                     for s, c in zip(slots, copies, strict=True):
                         s.copy, s.state, s.resident = c, LOADED, True
                         s.tensor.data = c
@@ -319,8 +334,8 @@ class Pager(NotCopyable):
             elif self._alone and len(self._stack) == 1:  # called on its own
                 needs = self._alone.get(mid, needs)
             if needs is not None:
-                if _modes_enabled():
-                    with _quiet():
+                if self._probe is not None:
+                    with self._quiet:
                         self._enter(frame, mid, needs)
                 else:
                     self._enter(frame, mid, needs)
@@ -333,7 +348,7 @@ class Pager(NotCopyable):
         frame = _Frame(module)
         self._stack.append(frame)
         if mid in self._needs:
-            with _quiet():
+            with self._quiet:
                 self._acquire(frame)
         return (args, kwargs) if root else None
 
@@ -414,8 +429,8 @@ class Pager(NotCopyable):
         if stack and stack[-1].module is module:
             slots = stack.pop().slots
             if slots:
-                if _modes_enabled():
-                    with _quiet():
+                if self._probe is not None:
+                    with self._quiet:
                         self._release(slots)
                 else:
                     self._release(slots)
@@ -453,7 +468,7 @@ class Pager(NotCopyable):
         if self._removed:
             raise PlacementError("this Pager was removed; page the model again to use it")
         if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
-            with _quiet():
+            with self._quiet:
                 while self._stack:
                     self._release(self._stack.pop().slots)
                 self._drop_pending(())
@@ -678,7 +693,7 @@ class Pager(NotCopyable):
             if self._learning:
                 self._direct.setdefault(self._name(frame.module), set()).add(s.name)
             if s.state != LOADED:
-                with _quiet():
+                with self._quiet:
                     try:
                         self._bring_in([s], keep=frame.slots)
                     except _NoRoom as exc:
@@ -756,8 +771,8 @@ class Pager(NotCopyable):
         if self._removed:
             return
         self._removed = True
-        if self.device.type == "cuda":  # copies in flight finish before they are read back
-            torch.cuda.synchronize(self.device)
+        if not self._synchronous:  # copies in flight finish before they are read back
+            synchronize(self.device)
         if self._probe is not None:
             self._end_forward(failed=True)
         for pre, post in self._handles.values():
@@ -767,7 +782,7 @@ class Pager(NotCopyable):
         with torch.inference_mode(False):  # See [Note: a placed model is neither copied ...]
             self._guard.put_back()
         self._stack.clear()
-        with _quiet(), torch.inference_mode(False):
+        with self._quiet, torch.inference_mode(False):
             for s in self._slots.values():
                 s.restore()
         self._guard.release()

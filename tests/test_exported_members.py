@@ -23,3 +23,14 @@ def test_the_adaptive_namespace_exports_the_designed_api() -> None:
     ])
     for name in adaptive.__all__:
         assert getattr(adaptive, name) is not None, name
+
+
+def test_the_testing_module_exports_its_test_doubles() -> None:
+    import adaptmem.testing as testing
+
+    assert sorted(testing.__all__) == sorted([
+        "MemoryCeiling", "OOM_KINDS", "SimulatedCuda", "SimulatedCudaError", "StreamRaceError",
+        "make_oom", "raise_oom", "simulated_cuda",
+    ])
+    for name in testing.__all__:
+        assert getattr(testing, name) is not None, name
