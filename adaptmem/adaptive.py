@@ -17,6 +17,7 @@ from ._oom import is_oom
 from ._paging import Pager, page
 from ._placement import Chunker, Splitter, chunk, split
 from ._planner import Plan, plan
+from ._spilling import memory_stats, spill
 
 __all__ = [
     "AdaptmemError",
@@ -41,9 +42,11 @@ __all__ = [
     "get_default_cache",
     "is_oom",
     "load",
+    "memory_stats",
     "page",
     "plan",
     "range",
     "set_default_cache",
+    "spill",
     "split",
 ]
