@@ -123,7 +123,7 @@ def _devices() -> dict[str, dict[str, int]]:
 
     out = {"cpu": {"in_use_bytes": in_use_bytes(torch.device("cpu")),
                    "peak_resident_bytes": _peak_kib("VmHWM"),
-                   "limit_bytes": cpu_memory_info()[1]}}
+                   "capacity_bytes": cpu_memory_info()[1]}}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for i in range(torch.cuda.device_count()):
             out[f"cuda:{i}"] = {
