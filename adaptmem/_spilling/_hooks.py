@@ -12,6 +12,12 @@ a hook took over, so this module does: each saved tensor keeps a storage-less al
 shares its version counter (``detach`` shares it; ``set_`` then drops the storage), and a
 restore that finds the counter moved raises autograd's own error.
 
+[Note: kept tensors] A tensor that stays must not be handed back to autograd as it is:
+a saved output holds its own grad_fn, and a node that holds it through a hook's Python
+object is a cycle across C++ that Python's gc cannot see, so a graph that backward never
+frees (an interrupted step) would leak. A detached alias shares the storage and version
+counter without the grad_fn, and gets the same version check as a spilled tensor.
+
 [Note: glibc heap] glibc serves a large allocation from its heap once a block that size
 was freed (its mmap threshold adapts upward, to 32 MiB at most), and keeps freed heap
 blocks: memory freed by spilling then stays in the process, counted by ``RLIMIT_DATA``, and
@@ -26,6 +32,7 @@ offers no way back to the adaptive behaviour itself.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import logging
@@ -36,16 +43,17 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
 from .._devices import format_bytes, memory_info, parse_size
+from .._oom import is_oom
 from ._stats import SpillStats, in_use_bytes, track
 from ._tiers import DiskFile, Mover, byte_view, check_directory
 
-__all__ = ["Spill", "spill"]
+__all__ = ["Spill", "spill", "returning_freed_memory"]
 
 logger = logging.getLogger("adaptmem")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -67,6 +75,13 @@ def _executor(kind: str) -> concurrent.futures.ThreadPoolExecutor:
         if pool is None:
             pool = _executors[kind] = concurrent.futures.ThreadPoolExecutor(
                 1, thread_name_prefix=f"adaptmem-spill-{kind}")
+            # Start its thread now with a 1 MiB stack, not the default 8 MiB: under a memory
+            # cap (RLIMIT_DATA) a thread's whole stack counts, touched or not.
+            previous = threading.stack_size(1 << 20)
+            try:
+                pool.submit(int).result()
+            finally:
+                threading.stack_size(previous)
         return pool
 
 
@@ -97,6 +112,17 @@ def _return_freed_memory(on: bool) -> None:
             _mallopt_mmap_threshold(1 << 20 if on else 32 << 20)
 
 
+@contextlib.contextmanager
+def returning_freed_memory() -> Iterator[None]:
+    """Inside, memory freed by large tensors goes back to the system as it does while a
+    step spills (see [Note: glibc heap]): for comparing a step with and without spilling."""
+    _return_freed_memory(True)
+    try:
+        yield
+    finally:
+        _return_freed_memory(False)
+
+
 def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
@@ -106,7 +132,7 @@ class _Entry:
 
     __slots__ = ("step", "seq", "device", "nbytes", "state", "source", "host", "offset",
                  "event", "storage_ref", "restored", "restored_ref", "read", "uses_left",
-                 "__weakref__")
+                 "handed_back", "__weakref__")
 
     def __init__(self, step: _Step, seq: int, device: torch.device, nbytes: int,
                  storage: torch.UntypedStorage) -> None:
@@ -125,6 +151,7 @@ class _Entry:
         self.restored: torch.UntypedStorage | None = None
         self.restored_ref: Callable[[], torch.UntypedStorage | None] | None = None
         self.uses_left = 0
+        self.handed_back = False  # counted in tensors_restored
         self.read: concurrent.futures.Future[Any] | None = None  # a restore under way
 
     def __del__(self) -> None:
@@ -172,6 +199,26 @@ class _Packed:
             )
 
 
+class _Kept(_Packed):
+    """A saved tensor that stays: a detached alias of it (see [Note: kept tensors])."""
+
+    __slots__ = ()
+
+    def __init__(self, t: torch.Tensor) -> None:  # noqa: D107 - no entry, no geometry
+        self.alias = t.detach()
+        self.version = t._version
+        fn = t.grad_fn
+        self.what = f"[{t.type()} {list(t.size())}]" + (
+            f", which is output {t.output_nr} of {fn.name()}," if fn is not None else "")
+
+
+def _keep(t: torch.Tensor, stats: SpillStats) -> Any:
+    stats.tensors_kept += 1
+    if t.grad_fn is None:
+        return t  # a leaf or a tensor outside autograd: no cycle to make
+    return _Kept(t)
+
+
 class _Step:
     """The hooks and state of one ``with spill():`` block."""
 
@@ -184,7 +231,7 @@ class _Step:
         self.by_seq: weakref.WeakValueDictionary[int, _Entry] = weakref.WeakValueDictionary()
         self.seq = 0
         self.live = 0
-        self.limits: dict[torch.device, int] = {}
+        self.reserves: dict[torch.device, int] = {}
         self.disk: DiskFile | None = None
         self.movers: dict[torch.device, Mover | None] = {}
         self.pending_bytes = 0
@@ -204,23 +251,19 @@ class _Step:
         stats.tensors_saved += 1
         if (_in_backward() or type(t) is not torch.Tensor or t.layout != torch.strided
                 or t.device.type == "meta" or (t.requires_grad and t.is_leaf)):
-            stats.tensors_kept += 1
-            return t
+            return _keep(t, stats)
         base = t._base
         if base is not None and base.requires_grad and base.is_leaf:
-            stats.tensors_kept += 1
-            return t
+            return _keep(t, stats)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0 or nbytes < self.handle.threshold:
-            stats.tensors_kept += 1
-            return t
+            return _keep(t, stats)
         if self.error is not None:
             if not self.error_raised:
                 self.error_raised = True
                 raise self.error
-            stats.tensors_kept += 1
-            return t
+            return _keep(t, stats)
         device = t.device
         key = (device, storage.data_ptr())
         with self.lock:
@@ -230,10 +273,8 @@ class _Step:
         if entry is not None:
             stats.tensors_shared += 1
             return _Packed(entry, t)
-        in_use = self._in_use(device)
-        if in_use <= self._limit(device, in_use) or not self._has_tier(device):
-            stats.tensors_kept += 1
-            return t
+        if not self._over_limit(device) or not self._has_tier(device):
+            return _keep(t, stats)
         entry = self._spill(storage, device, nbytes, key)
         return _Packed(entry, t)
 
@@ -243,25 +284,27 @@ class _Step:
             self.stats.peak_device_bytes = in_use
         return in_use
 
-    def _limit(self, device: torch.device, in_use: int) -> int:
-        limit = self.limits.get(device)
-        if limit is None:
-            if self.handle.limit == "auto":
-                # Half of what is free when the step starts saving: the other half is left
-                # for backward (gradients, restored activations, workspace).
-                limit = in_use + memory_info(device)[0] // 2
-            else:
-                limit = int(self.handle.limit)
-            self.limits[device] = limit
-        return limit
+    def _over_limit(self, device: torch.device) -> bool:
+        in_use = self._in_use(device)
+        if self.handle.limit != "auto":
+            return in_use > int(self.handle.limit)
+        # "auto": keep a share (half, more after a step ran out) of what was free at the
+        # step's first large save free for backward (gradients, restored activations,
+        # workspace). Free memory is read the way the allocator will fail: under a CPU cap,
+        # what the cap leaves.
+        free = memory_info(device)[0]
+        reserve = self.reserves.get(device)
+        if reserve is None:
+            reserve = self.reserves[device] = int(free * self.handle.keep_free)
+        return free < reserve
 
     def _max_pending(self, device: torch.device) -> int:
         if self.max_pending is None:
             if self.handle.max_pending == "auto":
-                # Bytes waiting to be written are memory not yet freed: a quarter of what is
+                # Bytes waiting to be written are memory not yet freed: an eighth of what is
                 # free at the first spill, so a slow disk cannot let forward run out.
                 free = memory_info(torch.device("cpu"))[0]
-                self.max_pending = max(1, min(128 * 2**20, free // 4))
+                self.max_pending = max(1, min(128 * 2**20, free // 8))
             else:
                 self.max_pending = int(self.handle.max_pending)
         return self.max_pending
@@ -363,6 +406,9 @@ class _Step:
     # -- backward: restoring ---------------------------------------------------------------
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, _Kept):
+            packed.check_version()
+            return packed.alias
         if not isinstance(packed, _Packed):
             return packed  # type: ignore[no-any-return]
         packed.check_version()
@@ -380,7 +426,10 @@ class _Step:
                     "with an exception, and its copy was discarded then; run the forward again"
                 )
             if entry.state != STORED and entry.source is not None:
-                return entry.source.untyped_storage()  # not written yet: still in memory
+                if not entry.handed_back:  # not written yet: still in memory, no copy back
+                    entry.handed_back = True
+                    self.stats.tensors_restored += 1
+                return entry.source.untyped_storage()
             restored = entry.restored
             if restored is None and entry.restored_ref is not None:
                 restored = entry.restored_ref()
@@ -411,7 +460,8 @@ class _Step:
         stats = self.stats
         stats.prefetch_hits += ready
         stats.prefetch_misses += not ready
-        stats.tensors_restored += 1
+        stats.tensors_restored += not entry.handed_back
+        entry.handed_back = True
         stats.bytes_in += entry.nbytes
         self._in_use(entry.device)
         return storage
@@ -534,6 +584,7 @@ class Spill:
             raise ValueError(f"prefetch must be a whole number of tensors, 0 or more, "
                              f"got {prefetch!r}")
         self.prefetch = prefetch
+        self.keep_free = 0.5  # limit="auto": the share of free memory kept for backward
         self.max_pending: int | str = "auto" if max_pending == "auto" else max(
             1, parse_size(max_pending, "max_pending"))
         self._stats = SpillStats()
@@ -563,8 +614,14 @@ class Spill:
         step.hooks.__exit__(exc_type, exc, tb)
         if exc_type is None:
             step.finish()
-        else:
-            step.discard()
+            return
+        step.discard()
+        if self.limit == "auto" and self.keep_free < 1.0 and exc is not None and is_oom(exc):
+            self.keep_free = min(1.0, self.keep_free + 0.25)
+            logger.info("spill: the step ran out of memory with limit='auto'; the next step "
+                        "keeps %.0f%% of the free memory for backward%s", self.keep_free * 100,
+                        " (spills every saved tensor over the threshold)"
+                        if self.keep_free >= 1.0 else "")
 
     def __call__(self, fn: F) -> F:
         @functools.wraps(fn)
@@ -592,16 +649,17 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
         threshold: saved tensors smaller than this (bytes or a string like ``"1MiB"``) stay.
         limit: spill only while memory in use on the tensor's device exceeds this many bytes
             (on the CPU: the process's anonymous resident memory, what
-            ``cpu_memory.set_cpu_memory_limit`` caps). ``"auto"``: half of what is free
-            when the step saves its first large tensor. ``0``: spill everything over the
-            threshold.
+            ``cpu_memory.set_cpu_memory_limit`` caps). ``"auto"``: spill once less than half
+            of what was free at the step's first large save is left (the other half is kept
+            for backward); after a step under the handle runs out of memory, the next keeps
+            three quarters, then all of it. ``0``: spill everything over the threshold.
         to: the next tier. ``"host"``: pinned host memory (the default for an accelerator;
             for CPU tensors there is no host tier, they stay). A directory: an unlinked
             scratch file in it (the default for CPU tensors: the temporary directory),
             emptied when backward is done, and gone with the process whatever happens.
         prefetch: how many spilled tensors backward restores ahead of use.
         max_pending: how many bytes may wait to be copied out before forward waits;
-            ``"auto"``: a quarter of the free host memory at the first spill, at most 128 MiB.
+            ``"auto"``: an eighth of the free host memory at the first spill, at most 128 MiB.
 
     Returns:
         A ``Spill`` handle; its ``stats`` (a ``SpillStats``) say what moved and how long
@@ -622,7 +680,7 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())
         >>> with adaptive.spill(threshold=0, limit=0) as handle:
         ...     model(torch.randn(32, 64)).sum().backward()
-        >>> handle.stats.tensors_spilled, handle.stats.tensors_restored
-        (2, 2)
+        >>> handle.stats.tensors_spilled, handle.stats.bytes_out, handle.stats.tensors_restored
+        (2, 16384, 2)
     """
     return Spill(threshold, limit, to, prefetch=prefetch, max_pending=max_pending)
