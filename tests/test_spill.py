@@ -448,3 +448,49 @@ def test_the_train_example_refuses_bad_arguments() -> None:
 
     with pytest.raises(SystemExit, match="threshold"):
         main(["example", "train", "--threshold", "-1"])
+
+
+class _Done:
+    """Stands in for a device event: the copies of _CpuMover are done at once."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuMover:
+    """The Mover protocol with CPU copies, to drive the accelerator bookkeeping (pinned
+    host tier, host-then-disk, prefetch) without a device. Streams are not exercised."""
+
+    used = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, _Done]:
+        return src.clone(), _Done()
+
+    def to_device(self, host: torch.Tensor, after: Any = None) -> tuple[torch.Tensor, _Done]:
+        return host.clone(), _Done()
+
+    def use(self, restored: torch.Tensor, done: _Done) -> None:
+        type(self).used += 1
+
+
+@pytest.mark.parametrize("to", ["host", None, "dir"])
+def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
+        to: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptmem._spilling import _hooks
+
+    monkeypatch.setattr(_hooks, "_accelerated", lambda device: True)
+    monkeypatch.setattr(_hooks, "Mover", _CpuMover)
+    _CpuMover.used = 0
+    x = torch.randn(256, 256, requires_grad=True)
+    _exp_chain(x).sum().backward()
+    want, x.grad = x.grad, None
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path if to == "dir" else to)
+    with handle:
+        _exp_chain(x).sum().backward()
+    assert torch.equal(x.grad, want)
+    assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 6
+    assert _CpuMover.used == handle.stats.bytes_in // (256 * 256 * 4) == 6
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []

@@ -123,6 +123,11 @@ def returning_freed_memory() -> Iterator[None]:
         _return_freed_memory(False)
 
 
+def _accelerated(device: torch.device) -> bool:
+    """Whether ``device``'s tensors go through host memory (and a ``Mover``)."""
+    return device.type != "cpu"
+
+
 def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
@@ -310,7 +315,7 @@ class _Step:
         return self.max_pending
 
     def _has_tier(self, device: torch.device) -> bool:
-        if device.type == "cpu":
+        if not _accelerated(device):
             return self.handle.to != "host"  # the host tier is the CPU's own memory
         return self._mover(device) is not None
 
@@ -334,7 +339,9 @@ class _Step:
     def _spill(self, storage: torch.UntypedStorage, device: torch.device, nbytes: int,
                key: Any) -> _Entry:
         src = byte_view(storage, device)
-        to_disk = device.type == "cpu" or self.handle.to != "host"
+        # CPU tensors go to disk; accelerator tensors to host memory unless a directory
+        # was named (then on through pinned host memory to the file).
+        to_disk = not _accelerated(device) or self.handle.to not in (None, "host")
         with self.lock:
             entry = _Entry(self, self.seq, device, nbytes, storage)
             self.live += 1
@@ -343,7 +350,7 @@ class _Step:
             self.seq += 1
         self.stats.tensors_spilled += 1
         self.stats.bytes_out += nbytes
-        if device.type != "cpu":
+        if _accelerated(device):
             mover = self.movers[device]
             assert mover is not None  # _has_tier made sure
             entry.host, entry.event = mover.to_host(src)
@@ -489,11 +496,11 @@ class _Step:
         try:
             with self.lock:
                 host, disk = entry.host, self.disk
-            pin = entry.device.type != "cpu"
+            accelerated = _accelerated(entry.device)
             if host is None:
                 assert disk is not None
-                host = disk.read(entry.offset, entry.nbytes, pin)
-            if entry.device.type == "cpu":
+                host = disk.read(entry.offset, entry.nbytes, pin=accelerated)
+            if not accelerated:
                 return host, None
             mover = self.movers[entry.device]
             assert mover is not None
