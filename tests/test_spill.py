@@ -493,4 +493,6 @@ def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
     assert torch.equal(x.grad, want)
     assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 6
     assert _CpuMover.used == handle.stats.bytes_in // (256 * 256 * 4) == 6
+    # Host memory is the default next tier for an accelerator; a directory adds the disk.
+    assert (handle.stats.seconds_writing > 0) == (to == "dir")
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
