@@ -51,13 +51,13 @@ def _attempt(label: str, run: Any) -> bool:
     try:
         loss = run()
     except (RuntimeError, MemoryError) as exc:
-        if not is_oom(exc):
-            raise
-        first = str(exc).strip().splitlines()[0][:110]
+        # Under a cap oneDNN reports a failed allocation as "could not create a primitive".
+        what = "out of memory" if is_oom(exc) else "failed"
+        first = str(exc).strip().splitlines()[0][:110] if str(exc).strip() else type(exc).__name__
         drop_frames(exc)  # the failed step's activations go with its frames
         del exc
         gc.collect()
-        print(f"{label}: out of memory after {time.perf_counter() - start:.1f} s ({first})")
+        print(f"{label}: {what} after {time.perf_counter() - start:.1f} s ({first})")
         return False
     print(f"{label}: done in {time.perf_counter() - start:.1f} s, loss {loss:.4f}")
     return True
@@ -97,7 +97,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             ok = _attempt(f"step with adaptive.spill (keeping {keep_free:.0%} of free memory)"
                           if handle.limit == "auto" else "step with adaptive.spill",
                           lambda: handle(_step)(model, images, labels))
-            if ok or handle.limit != "auto" or keep_free >= 1.0:
+            if ok or handle.keep_free == keep_free:  # done, or nothing left to adapt
                 break
     s = handle.stats
     print(f"spilled {format_bytes(s.bytes_out)} in {s.tensors_spilled} tensors "
