@@ -170,7 +170,7 @@ class _Packed:
     """What autograd holds for a spilled saved tensor: its entry, its view geometry, and an
     alias that shares its version counter (see [Note: version check])."""
 
-    __slots__ = ("entry", "dtype", "size", "stride", "offset", "alias", "version", "what")
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "alias", "version", "maker")
 
     def __init__(self, entry: _Entry, t: torch.Tensor) -> None:
         self.entry = entry
@@ -189,16 +189,16 @@ class _Packed:
             version = alias._version
         self.alias = alias
         self.version = version
-        fn = t.grad_fn
-        self.what = f"[{t.type()} {list(t.size())}]" + (
-            f", which is output {t.output_nr} of {fn.name()}," if fn is not None else "")
+        self.maker = _maker(t)
 
     def check_version(self) -> None:
         now = self.alias._version
         if now != self.version:
+            size = list(self.alias.size() if isinstance(self, _Kept) else self.size)
+            what = f"[{self.alias.type()} {size}]" + self.maker
             raise RuntimeError(
                 f"one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: {self.what} is at version {now}; expected version "
+                f"inplace operation: {what} is at version {now}; expected version "
                 f"{self.version} instead. Hint: the tensor was saved inside adaptive.spill and "
                 f"changed in place afterwards; clone it before the in-place operation."
             )
@@ -212,9 +212,14 @@ class _Kept(_Packed):
     def __init__(self, t: torch.Tensor) -> None:  # noqa: D107 - no entry, no geometry
         self.alias = t.detach()
         self.version = t._version
-        fn = t.grad_fn
-        self.what = f"[{t.type()} {list(t.size())}]" + (
-            f", which is output {t.output_nr} of {fn.name()}," if fn is not None else "")
+        self.maker = _maker(t)
+
+
+def _maker(t: torch.Tensor) -> str:
+    # A string, never the node itself: holding grad_fn would make the cycle that
+    # [Note: kept tensors] is about.
+    fn = t.grad_fn
+    return "" if fn is None else f", which is output {t.output_nr} of {type(fn).__name__},"
 
 
 def _keep(t: torch.Tensor, stats: SpillStats) -> Any:
