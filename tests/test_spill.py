@@ -496,3 +496,19 @@ def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
     # Host memory is the default next tier for an accelerator; a directory adds the disk.
     assert (handle.stats.seconds_writing > 0) == (to == "dir")
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+def test_a_retained_graph_restores_again_for_a_second_backward(tmp_path: Path) -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    loss = _exp_chain(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want, x.grad = x.grad, None
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        loss = _exp_chain(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert torch.equal(x.grad, want)
+    assert handle.stats.tensors_restored == handle.stats.tensors_spilled == 6
+    del loss
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
