@@ -12,6 +12,7 @@ when the descriptor closes.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import tempfile
 import threading
@@ -35,6 +36,31 @@ def _buffer(t: torch.Tensor) -> memoryview:
     n = t.numel()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else \
         memoryview(b"")
+
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_madvise: Any = None
+
+
+def _huge_pages(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages for a fresh CPU buffer before it is filled: one page
+    fault per 2 MiB instead of per 4 KiB (measured 0.75 -> 2.6 GB/s for 8 MiB reads while
+    the mmap threshold is low; see RESULTS.md). Advice only: ignored where unsupported."""
+    global _madvise
+    if _MADV_HUGEPAGE is None or t.numel() < (4 << 20):
+        return
+    if _madvise is None:
+        try:
+            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise:
+        start = (t.data_ptr() + 4095) & ~4095
+        end = (t.data_ptr() + t.numel()) & ~4095
+        if end > start:
+            _madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
@@ -107,6 +133,8 @@ class DiskFile:
     def read(self, offset: int, nbytes: int, pin: bool) -> torch.Tensor:
         """The ``nbytes`` at ``offset``, in a new CPU buffer."""
         out = host_buffer(nbytes, pin)
+        if not pin:
+            _huge_pages(out)
         view = _buffer(out)
         done = 0
         try:
