@@ -386,14 +386,13 @@ class Reader:
             raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
 
     def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
-        """Read ``entry`` straight into ``dest``: CPU, contiguous, same dtype and numel."""
-        if entry.tensor is not None:
-            dest.copy_(entry.tensor.reshape(dest.shape))
-            return
+        """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
+        no autograd, no version-counter bump."""
         self._fill(entry.file, entry.start, dest)
 
     def can_read_into(self, entry: Entry, dest: torch.Tensor) -> bool:
-        return (dest.device.type == "cpu" and dest.dtype == entry.dtype
+        # Entries held in memory (``entry.tensor``) are handed out by ``read`` instead.
+        return (entry.tensor is None and dest.device.type == "cpu" and dest.dtype == entry.dtype
                 and dest.is_contiguous() and entry.contiguous and dest.numel() == entry.numel)
 
     def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:

@@ -31,10 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from ._checkpoints import Checkpoint, Entry, Reader, open_checkpoint
 from ._devices import default_device, format_bytes, resolve_device
 from ._errors import LoadError
+from ._oom import is_oom
 from ._planner import ModuleSizes, Plan, module_sizes
 from ._stats import LoadStats
 
@@ -179,7 +181,9 @@ def load(
     in its final place (same device and dtype) is filled in place and keeps its identity; a
     meta tensor is replaced by a new one on the target device (same ``Parameter`` type and
     ``requires_grad``); a real tensor on another device has its ``.data`` swapped. Without
-    ``dtype``, each tensor keeps the model's dtype (as ``load_state_dict`` does).
+    ``dtype``, each tensor keeps the model's dtype (as ``load_state_dict`` does), converting
+    what the checkpoint stores (dtype, layout) on the way; writes happen outside autograd
+    and bump version counters as ``copy_`` would.
 
     Zero-copy: with ``copy=False``, CPU tensors that need no conversion are not read at all
     but stay backed by a private copy-on-write mapping of the checkpoint file: loading is
@@ -213,6 +217,7 @@ def load(
             together in ``load_state_dict``'s wording; a checkpoint that is missing,
             truncated or corrupt, or a missing shard (the message names the file); a
             non-persistent buffer on meta that no checkpoint can fill. The model is unchanged.
+            Also a checkpoint tensor that cannot be copied into its target (naming both).
         TypeError / ValueError: an argument of the wrong kind or value (named in the message).
 
     Example:
@@ -249,10 +254,13 @@ def load(
     ckpt = open_checkpoint(checkpoint)
     sizes = module_sizes(model)
     dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
-    with Reader() as reader:
-        pending = _read_all(reader, ckpt, dests, sources, copy, stats)
-    _commit(model, sizes, pending)
-    _settle_unloaded(model, sizes, dests, sources)
+    # Model tensors are written in place (a built model, a handle's copies): outside
+    # autograd, or a leaf that requires grad refuses every converting copy.
+    with torch.no_grad():
+        with Reader() as reader:
+            pending = _read_all(reader, ckpt, dests, sources, copy, stats)
+        _commit(model, sizes, pending)
+        _settle_unloaded(model, sizes, dests, sources)
     stats.seconds = time.perf_counter() - start
     logger.info(
         "adaptmem.load: %d tensors, %s read, %s mapped from %d file(s) in %.2fs (%s)",
@@ -362,38 +370,67 @@ def _read_all(
     order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
     for name in order:
         entry, dest = sources[name], dests[name]
-        mapped = False
-        if dest.into:
-            direct = next((t for t in dest.into if reader.can_read_into(entry, t)), None)
-            if direct is not None:
-                reader.read_into(entry, direct)
-                src = direct
-            else:
-                src = reader.read(entry, pinned=any(t.device.type == "cuda" for t in dest.into))
-            for t in dest.into:
-                if t is not src:
-                    t.copy_(src.reshape(t.shape) if src.shape != t.shape else src)
-                _count(stats, t)
-        else:
-            assert dest.device is not None
-            if (not copy and dest.device.type == "cpu" and not dest.pinned
-                    and dest.dtype == entry.dtype and reader.can_map(entry)):
-                new, mapped = reader.mapped(entry), True
-            else:
-                new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device,
-                                  pin_memory=dest.pinned)
-                if reader.can_read_into(entry, new):
-                    reader.read_into(entry, new)
-                else:
-                    new.copy_(reader.read(entry, pinned=dest.device.type == "cuda"))
+        try:
+            new, mapped = _read_one(reader, entry, dest, copy, stats)
+        except RuntimeError as exc:
+            if isinstance(exc, LoadError) or is_oom(exc):
+                raise
+            where = (", ".join(f"{t.dtype} on {t.device}" for t in dest.into) if dest.into
+                     else f"{dest.dtype} on {dest.device}")
+            raise LoadError(
+                f"cannot put checkpoint tensor {entry.key!r} ({entry.dtype}, shape "
+                f"{list(entry.shape)}, in {entry.file!r}) into {name!r} ({where}): {exc}"
+            ) from exc
+        if new is not None:
             pending[name] = new
-            _count(stats, new)
         stats.tensors += 1
         if mapped:
             stats.bytes_mapped += entry.nbytes
         else:
             stats.bytes_read += entry.nbytes
     return pending
+
+
+def _read_one(
+    reader: Reader, entry: Entry, dest: _Dest, copy: bool, stats: LoadStats,
+) -> tuple[torch.Tensor | None, bool]:
+    """Read one source into its destination; return (the new tensor or None, mapped)."""
+    if dest.into:
+        direct = next((t for t in dest.into if reader.can_read_into(entry, t)), None)
+        if direct is not None:
+            reader.read_into(entry, direct)
+            increment_version(direct)  # written through its pointer: say so, as copy_ would
+            src = direct
+        else:
+            src = reader.read(entry, pinned=any(t.device.type == "cuda" for t in dest.into))
+        for t in dest.into:
+            if t is not src:
+                _copy_into(t, src.reshape(t.shape) if src.shape != t.shape else src)
+            _count(stats, t)
+        return None, False
+    assert dest.device is not None
+    if (not copy and dest.device.type == "cpu" and not dest.pinned
+            and dest.dtype == entry.dtype and reader.can_map(entry)):
+        new = reader.mapped(entry)
+        _count(stats, new)
+        return new, True
+    new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device, pin_memory=dest.pinned)
+    if reader.can_read_into(entry, new):
+        reader.read_into(entry, new)
+    else:
+        new.copy_(reader.read(entry, pinned=dest.device.type == "cuda"))
+    _count(stats, new)
+    return new, False
+
+
+def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
+    """``t.copy_(src)``; an inference tensor (a model built under ``inference_mode``) can
+    only be written in inference mode."""
+    if t.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            t.copy_(src)
+    else:
+        t.copy_(src)
 
 
 def _count(stats: LoadStats, t: torch.Tensor) -> None:

@@ -287,6 +287,131 @@ def test_dtype_on_built_model_swaps_data_and_keeps_identity(tmp_path: Path) -> N
     assert torch.equal(weight, source.emb.weight.half())
 
 
+# -- tensors that need converting on the way in (issue 15, defect 4) ---------------------------
+
+def _save_converted(fmt: str, conversion: str, state: dict[str, torch.Tensor],
+                    root: Path) -> Path:
+    """``state`` stored as ``fmt`` with floating tensors in another dtype and/or laid out
+    non-contiguously (transposed matrices, vectors as every other element of a storage)."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach().clone()
+        if v.is_floating_point() and conversion.startswith(("float16", "float64")):
+            v = v.to(getattr(torch, conversion.split()[0]))
+        if conversion.endswith("non-contiguous") and v.dim() == 2:
+            v = v.t().contiguous().t()
+        elif conversion.endswith("non-contiguous") and v.dim() == 1:
+            v = torch.stack([v, torch.zeros_like(v)], dim=1)[:, 0]
+        out[k] = v
+    root.mkdir(parents=True, exist_ok=True)
+    if fmt == "legacy-pt":  # the pre-1.6 format, read whole
+        torch.save(out, root / "model.pt", _use_new_zipfile_serialization=False)
+        return root / "model.pt"
+    if fmt == "pt":
+        torch.save(out, root / "model.pt")  # keeps the strides
+        return root / "model.pt"
+    if fmt == "per-tensor":
+        for k, v in out.items():
+            torch.save(v, root / f"{k}.pt")
+        return root
+    return _save(fmt, out, root)
+
+
+class _ParameterHandle:
+    """A handle whose targets are the model's own parameters and buffers plus a bfloat16
+    copy that is itself a Parameter requiring grad (what a pager's masters can be)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.targets: dict[str, list[torch.Tensor]] = {}
+        for name in module_sizes(model).tensors:
+            path, _, attr = name.rpartition(".")
+            own = getattr(model.get_submodule(path), attr)
+            copies = [own]
+            if own.is_floating_point():
+                copies.append(nn.Parameter(torch.zeros(own.shape, dtype=torch.bfloat16)))
+            self.targets[name] = copies
+
+    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+        return self.targets
+
+
+_CONVERSION_CASES = [
+    (fmt, conversion)
+    for fmt in ["pt", "legacy-pt", "per-tensor", "safetensors", "sharded-safetensors"]
+    for conversion in ["float16", "non-contiguous", "float64 non-contiguous"]
+    if "safetensors" not in fmt or conversion == "float16"  # safetensors is contiguous
+]
+_TARGETS = ["built", "built under inference_mode", "factory", "plan, built", "plan, factory",
+            "handle of parameters"]
+
+
+@pytest.mark.parametrize("target", _TARGETS)
+@pytest.mark.parametrize(("fmt", "conversion"), _CONVERSION_CASES)
+def test_tensors_needing_conversion_load_into_every_target(
+    fmt: str, conversion: str, target: str, tmp_path: Path
+) -> None:
+    source = _source()
+    path = _save_converted(fmt, conversion, source.state_dict(), tmp_path)
+    if target == "factory":
+        model = adaptive.load(Net, path, device="cpu")
+    elif target == "plan, factory":
+        model = adaptive.load(Net, path, device=adaptive.plan(adaptive.empty_model(Net),
+                                                               devices={"cpu": None}))
+    else:
+        if target == "built under inference_mode":
+            with torch.inference_mode():
+                model = Net()
+        else:
+            model = Net()
+        before = dict(model.state_dict(keep_vars=True))
+        device: object = None
+        if target == "plan, built":
+            device = adaptive.plan(model, devices={"cpu": None})
+        elif target == "handle of parameters":
+            device = handle = _ParameterHandle(model)
+        assert adaptive.load(model, path, device=device) is model
+        for name, t in model.state_dict(keep_vars=True).items():
+            assert t is before[name], name  # filled in place
+        if target == "handle of parameters":
+            for name, copies in handle.targets.items():
+                if len(copies) > 1 and name != "inv_freq":
+                    assert torch.equal(copies[1], copies[0].to(torch.bfloat16)), name
+    # Values are the checkpoint's, converted to the model's dtype (float32), as
+    # load_state_dict would give.
+    want = _source().state_dict()
+    stored = torch.load(_save_converted("pt", conversion, want, tmp_path / "ref"),
+                        weights_only=True)
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype, k
+        assert torch.equal(got[k], stored[k].to(v.dtype)), k
+    assert model.head.weight is model.emb.weight
+
+
+def test_load_into_a_built_model_is_a_write_autograd_sees(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    torch.save(nn.Linear(16, 32).state_dict(), tmp_path / "linear.pt")
+    model = nn.Linear(16, 32)
+    x = torch.randn(2, 16, requires_grad=True)
+    out = model(x).sum()  # saves model.weight for x's gradient
+    adaptive.load(model, tmp_path / "linear.pt")  # same dtype: read straight into it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()  # not a gradient computed silently with the new weights
+
+
+def test_a_copy_that_fails_is_a_load_error_naming_the_tensor(tmp_path: Path) -> None:
+    path = _save_converted("pt", "float16", _source().state_dict(), tmp_path)
+    model = Net()
+    handle = FakeHandle(model)
+    # A target whose elements share memory cannot be written element by element.
+    handle.targets["scale"] = [torch.zeros(1).expand(16)]
+    with pytest.raises(LoadError, match="'scale'.*float16") as info:
+        adaptive.load(model, path, device=handle)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
 def _bad_state() -> dict[str, torch.Tensor]:
     state = dict(_source().state_dict())
     del state["scale"], state["norm.running_var"]
