@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._checkpoints import Checkpoint, Entry, Reader, open_checkpoint
+from ._checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
 from ._devices import default_device, format_bytes, resolve_device
 from ._errors import LoadError
 from ._oom import is_oom
@@ -65,9 +66,30 @@ def _parameters_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
-        yield
+        # Ordinary tensors even when called in inference mode: placement refuses
+        # inference tensors (they track no versions).
+        with torch.inference_mode(False), _SkipWritesToMeta():
+            yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+class _SkipWritesToMeta(TorchDispatchMode):
+    """In-place writes to meta tensors return at once, doing nothing.
+
+    What they would compute has no values to land in, yet torch runs them: ``normal_``,
+    ``uniform_``, ``trunc_normal_``'s five steps, ... through Python reference kernels, which
+    made weight initialisation (``reset_parameters``, ``torch.nn.init``, Hugging Face's
+    ``_init_weights``) most of ``empty_model``'s time. Metadata changes (``resize_``,
+    ``squeeze_``, ``as_strided_``: tagged ``inplace_view``) still run, and so does every op
+    on a real tensor: buffers get their constructor values.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (args and isinstance(args[0], torch.Tensor) and args[0].is_meta
+                and torch.Tag.inplace in func.tags and torch.Tag.inplace_view not in func.tags):
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
@@ -76,9 +98,13 @@ def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
     Buffers are built for real on the CPU: they are small, and constructors compute the
     non-persistent ones (rotary ``inv_freq``, ``position_ids``) that no checkpoint holds.
     Parameters are moved to meta as they are registered, so at most one parameter is ever
-    held (and initialisation that runs after registration costs nothing). Pass the result to
-    ``adaptive.load`` or ``adaptive.plan``. Not thread-safe: modules built by other threads
-    while ``factory`` runs get meta parameters too.
+    held. Weight initialisation is skipped: the constructor runs as written, but every
+    in-place write to a meta tensor (``reset_parameters``, ``torch.nn.init``, Hugging Face's
+    ``_init_weights``) returns at once without computing anything, while ops on real
+    tensors (the buffers) run normally. The checkpoint fills the parameters; one it does not
+    hold (``strict=False``) is left uninitialised by ``load``, with a warning naming it.
+    Pass the result to ``adaptive.load`` or ``adaptive.plan``. Not thread-safe: modules
+    built by other threads while ``factory`` runs get meta parameters too.
 
     Args:
         factory: a zero-argument callable returning an ``nn.Module`` (a class, a lambda).
@@ -201,7 +227,10 @@ def load(
             placement, paged units to pinned host memory (plain CPU memory without CUDA). Or
             a placement handle (``adaptive.page``/``chunk``/``split``): each checkpoint tensor
             is copied in place into every copy the handle keeps (host and device).
-        strict: missing and unexpected keys are errors (shape mismatches always are).
+        strict: missing and unexpected keys are errors (shape mismatches always are). With
+            ``strict=False`` a missing tensor keeps its value in a built model; in a model
+            built on meta or from a factory it is left uninitialised (``empty_model`` skips
+            initialisation), logged as a warning naming it and listed in ``missing_keys``.
         dtype: floating tensors (parameters and buffers) are converted to this on the way;
             integer and bool tensors keep theirs. Not with a placement handle, whose copies
             already have their dtype.
@@ -255,8 +284,10 @@ def load(
     sizes = module_sizes(model)
     dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
     # Model tensors are written in place (a built model, a handle's copies): outside
-    # autograd, or a leaf that requires grad refuses every converting copy.
-    with torch.no_grad():
+    # autograd, or a leaf that requires grad refuses every converting copy. New tensors are
+    # ordinary ones even when the caller is in inference mode (placement refuses inference
+    # tensors, which track no versions); an inference tensor is written in inference mode.
+    with torch.inference_mode(False), torch.no_grad():
         with Reader() as reader:
             pending = _read_all(reader, ckpt, dests, sources, copy, stats)
         _commit(model, sizes, pending)
@@ -400,12 +431,12 @@ def _read_one(
         if direct is not None:
             reader.read_into(entry, direct)
             increment_version(direct)  # written through its pointer: say so, as copy_ would
-            src = direct
+            others = [t for t in dest.into if t is not direct]
+            for t in others:
+                copy_to(t, direct.reshape(t.shape) if direct.shape != t.shape else direct)
         else:
-            src = reader.read(entry, pinned=any(t.device.type == "cuda" for t in dest.into))
+            reader.copy_into(entry, dest.into)
         for t in dest.into:
-            if t is not src:
-                _copy_into(t, src.reshape(t.shape) if src.shape != t.shape else src)
             _count(stats, t)
         return None, False
     assert dest.device is not None
@@ -414,23 +445,13 @@ def _read_one(
         new = reader.mapped(entry)
         _count(stats, new)
         return new, True
-    new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device, pin_memory=dest.pinned)
+    new = reader.new_tensor(entry.shape, dest.dtype, dest.device, dest.pinned)
     if reader.can_read_into(entry, new):
         reader.read_into(entry, new)
     else:
-        new.copy_(reader.read(entry, pinned=dest.device.type == "cuda"))
+        reader.copy_into(entry, [new])
     _count(stats, new)
     return new, False
-
-
-def _copy_into(t: torch.Tensor, src: torch.Tensor) -> None:
-    """``t.copy_(src)``; an inference tensor (a model built under ``inference_mode``) can
-    only be written in inference mode."""
-    if t.is_inference() and not torch.is_inference_mode_enabled():
-        with torch.inference_mode():
-            t.copy_(src)
-    else:
-        t.copy_(src)
 
 
 def _count(stats: LoadStats, t: torch.Tensor) -> None:
@@ -476,16 +497,24 @@ def _settle_unloaded(
     """Tensors no checkpoint filled (non-persistent buffers; missing keys when not strict):
     moved to their target like the rest; a meta one (missing, not strict) is left empty."""
     left = {}
+    empty = []
     for name, dest in dests.items():
         if name in sources or dest.device is None:
             continue
         current = dest.current
         if current.device.type == "meta":
-            logger.warning("adaptmem.load: %s is in no checkpoint and was on meta; it is now "
-                           "uninitialised memory (like Module.to_empty)", name)
+            empty.append(name)
             left[name] = torch.empty(current.shape, dtype=dest.dtype, device=dest.device,
                                      pin_memory=dest.pinned)
         else:
             moved = current.to(device=dest.device, dtype=dest.dtype)
             left[name] = moved.pin_memory() if dest.pinned else moved
+    if empty:
+        logger.warning(
+            "adaptmem.load: %s in no checkpoint and built on meta, so %s uninitialised memory "
+            "(empty_model skips initialisation; like Module.to_empty): %s. Initialise %s "
+            "yourself (for example the owning module's reset_parameters()), or load with "
+            "strict=True to have missing keys refused", "1 tensor is" if len(empty) == 1
+            else f"{len(empty)} tensors are", "it holds" if len(empty) == 1 else "they hold",
+            ", ".join(empty), "it" if len(empty) == 1 else "them")
     _commit(model, sizes, left)
