@@ -33,8 +33,7 @@ import torch
 
 from ._errors import LoadError
 
-__all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to",
-           "advise_huge_pages"]
+__all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -340,44 +339,16 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 
 
 # [Note: reading speed]
-# Copying from the page cache runs at memcpy speed (10-15 GB/s on a 2-core VM) once the
-# destination pages exist; what made loads slow was faulting in fresh destination memory
-# 4 KiB at a time (~1.6 GB/s). New tensors of a few MiB or more are therefore advised to use
-# transparent huge pages before they are read into (Linux, THP in "madvise" mode), which
-# makes first touch ~512x rarer. A conversion (dtype, device) goes through two staging
-# chunks of _CHUNK bytes: a reader thread fills one while the caller converts the other, so
-# reading overlaps converting and staging costs 2 * _CHUNK instead of a whole tensor.
+# Copying from the page cache into memory that exists runs at memcpy speed (6-15 GB/s on a
+# shared 2-core VM); a load into new tensors is bound by the kernel handing out fresh pages
+# (zeroed, faulted in; ~1 GB/s there in a fresh process). Transparent huge pages were tried
+# and dropped: on that VM the first touch of a 2 MiB page in a fresh process costs more than
+# 512 small faults (the host backs it lazily), so they only helped memory reused in-process.
+# A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes: a reader
+# thread fills one while the caller converts the other, so reading overlaps converting and
+# staging costs 2 * _CHUNK instead of a whole tensor.
 _CHUNK = 16 * 2**20
-_HUGE_PAGE = 2 * 2**20
-_MADV_HUGEPAGE = 14
-
-
-def _libc_madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc_madvise()
 _preadv = getattr(os, "preadv", None)
-
-
-def advise_huge_pages(t: torch.Tensor) -> None:
-    """Ask for transparent huge pages on the 2 MiB-aligned interior of CPU tensor ``t``
-    (not yet touched), so reading into it does not fault per 4 KiB page. Best effort."""
-    if _madvise is None or t.device.type != "cpu":
-        return
-    addr, n = t.data_ptr(), t.numel() * t.element_size()
-    start = -(-addr // _HUGE_PAGE) * _HUGE_PAGE
-    end = (addr + n) // _HUGE_PAGE * _HUGE_PAGE
-    if end - start >= _HUGE_PAGE:
-        _madvise(start, end - start, _MADV_HUGEPAGE)
 
 
 def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -458,14 +429,6 @@ class Reader:
         except OSError as exc:
             raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
 
-    def new_tensor(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                   pinned: bool = False) -> torch.Tensor:
-        """An empty tensor to read into; on the CPU backed by huge pages where it can be."""
-        t = torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)
-        if not pinned:
-            advise_huge_pages(t)
-        return t
-
     def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
         no autograd, no version-counter bump."""
@@ -533,8 +496,6 @@ class Reader:
         if staging is None or staging.numel() < size or (pinned and not staging.is_pinned()):
             self._staging = None
             staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
-            if not pinned:
-                advise_huge_pages(staging)
             self._staging = staging
         raw = staging[:size]
         self._fill(entry.file, entry.start, raw)

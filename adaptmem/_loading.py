@@ -445,7 +445,7 @@ def _read_one(
         new = reader.mapped(entry)
         _count(stats, new)
         return new, True
-    new = reader.new_tensor(entry.shape, dest.dtype, dest.device, dest.pinned)
+    new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device, pin_memory=dest.pinned)
     if reader.can_read_into(entry, new):
         reader.read_into(entry, new)
     else:
