@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install -q -e '.[dev]'
+	# bench too: tests check that accelerate and optimem run on the simulated CUDA device.
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -28,6 +29,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/paging.py
 	$(PY) benchmarks/chunking.py
 	$(PY) benchmarks/loading.py
+	$(PY) benchmarks/spill.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check adaptmem tests benchmarks

@@ -21,6 +21,7 @@ __all__ = [
     "map_tensors",
     "to_device",
     "first_tensor_device",
+    "stream_module",
 ]
 
 _UNITS = {
@@ -180,10 +181,20 @@ def empty_cache(device: torch.device | None = None) -> None:
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on ``device``; a no-op for the CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type in ("mps", "xpu"):
-        getattr(torch, device.type).synchronize()
+    if device.type in ("cuda", "xpu"):
+        torch.get_device_module(device.type).synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def stream_module(device: torch.device) -> Any:
+    """The ``torch.<type>`` module of an accelerator with streams and events (CUDA and ROCm
+    as ``cuda``, XPU), or None: what asynchronous copies need, in one place."""
+    if device.type not in ("cuda", "xpu"):
+        return None
+    module = torch.get_device_module(device.type)
+    needed = ("Stream", "Event", "stream", "current_stream", "synchronize")
+    return module if all(hasattr(module, n) for n in needed) else None
 
 
 def map_tensors(obj: Any, fn: Any) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._devices import stream_module
 from ._planner import ModuleSizes
 
 __all__ = ["HOST", "LOADED", "PENDING", "Slot", "make_slots"]
@@ -63,7 +64,7 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
     """A slot per distinct tensor of the model (canonical names, ties once), with its host
     master: the tensor's own data when it is on the CPU and need not be pinned, else a
     (pinned) CPU copy. Nothing of the model is changed."""
-    pin = pin_memory and device.type == "cuda"
+    pin = pin_memory and stream_module(device) is not None  # pinned: async copies
     tensors = {}
     buffers = set()
     for mod_name, module in modules.items():

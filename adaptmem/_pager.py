@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -32,8 +31,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ._claims import claim, release
-from ._devices import first_tensor_device, format_bytes, free_memory, to_device
+from ._devices import first_tensor_device, format_bytes, free_memory, synchronize, to_device
 from ._errors import OutOfMemoryError, PlacementError, oom_error_for
+from ._guard import NotCopyable, PlacementGuard
 from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from ._oom import free_caches, is_oom
 from ._planner import Plan, module_sizes, order_units, paging_units, split_unit
@@ -47,9 +47,23 @@ logger = logging.getLogger("adaptmem")
 
 # Every module of every paged model, so a model (or a part of one) is never paged twice.
 
-# The pager's own tensor work is invisible to users' TorchFunctionModes (and to the probe).
-_quiet = getattr(torch._C, "DisableTorchFunction", nullcontext)
-_modes_enabled = getattr(torch.overrides, "_is_torch_function_mode_enabled", lambda: True)
+
+
+class _Quiet:
+    """While the pager moves weights, its probe ignores what it sees (the pager's own
+    work). Other TorchFunctionModes (users', a simulated device's, ``torch.device``) keep
+    seeing everything: disabling torch functions would turn them off too."""
+
+    __slots__ = ("pager",)
+
+    def __init__(self, pager: Pager) -> None:
+        self.pager = pager
+
+    def __enter__(self) -> None:
+        self.pager._busy += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.pager._busy -= 1
 
 
 class _Frame:
@@ -71,8 +85,12 @@ class _NoRoom(Exception):
         self.oom = oom
 
 
-class Pager:
+class Pager(NotCopyable):
     """A model whose weights are paged to ``device`` module by module; see ``page``.
+
+    While it holds the model, the model cannot be deep-copied or pickled whole, and a dtype
+    or device conversion (``model.half()``, ``.to()``) makes the next call raise instead of
+    running; ``remove()`` first. See [Note: a placed model is neither copied nor converted].
 
     Attributes:
         plan: the units in execution order, each ``"resident"`` or ``"paged"``; refinements
@@ -80,6 +98,8 @@ class Pager:
         stats: a ``PagingStats`` with bytes moved, transfers, prefetch hits and misses,
             refinements and the peak device bytes held for weights.
     """
+
+    _engine, _handle = "adaptive.page", "pager"
 
     def __init__(self, model: nn.Module, device: torch.device, *, unit_bytes: int | None,
                  prefetch: int, resident_bytes: int | None, device_budget: int | None,
@@ -121,6 +141,8 @@ class Pager:
         self._resident_bytes = 0
         self._relearn = False
         self._removed = False
+        self._busy = 0  # > 0 while the pager moves weights: its probe looks away
+        self._quiet = _Quiet(self)
 
         units = paging_units(self._sizes, unit_bytes)
         self._slots = make_slots(self._modules, self._sizes, device, pin_memory)
@@ -131,6 +153,8 @@ class Pager:
             "resident_bytes": resident_bytes, "device_budget": device_budget,
         }
         self.plan = Plan("page", [], self._sizes.total_bytes, dict(self._options))
+        self._guard = PlacementGuard(model, {n: s.tensor for n, s in self._slots.items()},
+                                     self._engine, self._handle)
         # Nothing above touched the model; from here on it is paged, or put back on failure.
         claim(self._modules.values(), self)
         try:
@@ -138,6 +162,8 @@ class Pager:
                 if s.original is None:
                     s.tensor.data = s.master
             self._make_resident(resident_bytes)
+            self._guard.expect({n: s.copy if s.resident else s.master  # type: ignore[misc]
+                                for n, s in self._slots.items()})
             self._compute_needs()
             for m in self._modules.values():
                 self._hook(m)
@@ -176,7 +202,7 @@ class Pager:
                     resident = False
                     allowance = used
             if resident:
-                with _quiet():
+                with self._quiet:
                     for s, c in zip(slots, copies, strict=True):
                         s.copy, s.state, s.resident = c, LOADED, True
                         s.tensor.data = c
@@ -308,8 +334,8 @@ class Pager:
             elif self._alone and len(self._stack) == 1:  # called on its own
                 needs = self._alone.get(mid, needs)
             if needs is not None:
-                if _modes_enabled():
-                    with _quiet():
+                if self._probe is not None:
+                    with self._quiet:
                         self._enter(frame, mid, needs)
                 else:
                     self._enter(frame, mid, needs)
@@ -322,7 +348,7 @@ class Pager:
         frame = _Frame(module)
         self._stack.append(frame)
         if mid in self._needs:
-            with _quiet():
+            with self._quiet:
                 self._acquire(frame)
         return (args, kwargs) if root else None
 
@@ -403,8 +429,8 @@ class Pager:
         if stack and stack[-1].module is module:
             slots = stack.pop().slots
             if slots:
-                if _modes_enabled():
-                    with _quiet():
+                if self._probe is not None:
+                    with self._quiet:
                         self._release(slots)
                 else:
                     self._release(slots)
@@ -428,6 +454,7 @@ class Pager:
         did not reach, so none is left to serve weights edited before the next call."""
         if self._device_bytes != self._resident_bytes:
             self._drop_pending(())
+        self._guard.adopt_replacements()
 
     def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
         self._begin_call()
@@ -441,11 +468,12 @@ class Pager:
         if self._removed:
             raise PlacementError("this Pager was removed; page the model again to use it")
         if self._stack or self._probe is not None:  # interrupted past the hooks (Ctrl-C)
-            with _quiet():
+            with self._quiet:
                 while self._stack:
                     self._release(self._stack.pop().slots)
                 self._drop_pending(())
             self._end_forward(failed=True)
+        self._guard.check()  # See [Note: a placed model is neither copied nor converted]
         self._cursor = 0
         self._settle(block=False)
         if self._relearn:
@@ -665,7 +693,7 @@ class Pager:
             if self._learning:
                 self._direct.setdefault(self._name(frame.module), set()).add(s.name)
             if s.state != LOADED:
-                with _quiet():
+                with self._quiet:
                     try:
                         self._bring_in([s], keep=frame.slots)
                     except _NoRoom as exc:
@@ -743,18 +771,21 @@ class Pager:
         if self._removed:
             return
         self._removed = True
-        if self.device.type == "cuda":  # copies in flight finish before they are read back
-            torch.cuda.synchronize(self.device)
+        if not self._synchronous:  # copies in flight finish before they are read back
+            synchronize(self.device)
         if self._probe is not None:
             self._end_forward(failed=True)
         for pre, post in self._handles.values():
             pre.remove()
             post.remove()
         self._handles.clear()
+        with torch.inference_mode(False):  # See [Note: a placed model is neither copied ...]
+            self._guard.put_back()
         self._stack.clear()
-        with _quiet(), torch.inference_mode(False):
+        with self._quiet, torch.inference_mode(False):
             for s in self._slots.values():
                 s.restore()
+        self._guard.release()
         self._device_bytes = 0
         release(self._modules.values(), self)
 

@@ -36,7 +36,9 @@ def page(
 
     Weights stay in host memory (pinned when the device is an accelerator); each part of
     the model is copied to the device right before it runs and released after, while the
-    next ``prefetch`` parts are already on their way. Call the model as before.
+    next ``prefetch`` parts are already on their way. Call the model as before. Until
+    ``remove()``, the model cannot be deep-copied or pickled whole, and after a dtype or
+    device conversion (``model.half()``, ``.to()``) its calls raise ``PlacementError``.
 
     Args:
         model: a model in eval mode with real (not meta) weights, anywhere.

@@ -26,6 +26,7 @@ from torch import nn
 from ._claims import check_placeable, claim, release
 from ._devices import format_bytes, map_tensors, parse_size, resolve_device
 from ._errors import PlacementError
+from ._guard import NotCopyable, PlacementGuard
 from ._placement_plan import (
     Recording,
     Target,
@@ -45,7 +46,7 @@ from ._placement_plan import (
 from ._planner import Plan, Unit, module_sizes
 from ._stats import PlacementStats
 
-__all__ = ["Splitter", "Chunker", "split", "chunk"]
+__all__ = ["Splitter", "Chunker", "split", "chunk", "chunk_targets"]
 
 _log = logging.getLogger("adaptmem")
 
@@ -64,15 +65,19 @@ class _Frame:
     passthrough: bool
 
 
-class Splitter:
+class Splitter(NotCopyable):
     """The handle ``adaptive.split`` returns: hooks, placed tensors and the kept originals.
 
-    ``.plan`` (None until placed), ``.device_map``, ``.stats``, ``.remove()``; a context
-    manager that removes itself on exit. Assigning ``handle.device_map = edited`` moves
-    exactly the units whose entry changed.
+    ``.plan`` (None until placed), ``.device_map`` (once placed, or given), ``.stats``,
+    ``.remove()``; a context manager that removes itself on exit. Assigning
+    ``handle.device_map = edited`` moves exactly the units whose entry changed. While it
+    holds the model, the model cannot be deep-copied or pickled whole, and a dtype or device
+    conversion (``model.half()``, ``.to()``) makes the next call raise; ``remove()`` first.
+    See [Note: a placed model is neither copied nor converted].
     """
 
     _mode = "split"
+    _engine, _handle = "adaptive.split", "splitter"
 
     def __init__(
         self,
@@ -97,6 +102,8 @@ class Splitter:
                                  if t.is_floating_point()), torch.get_default_dtype())
         self._original = {n: (t.device, t.dtype) for n, t in self._tensors.items()}
         self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
+        # (placed tensor's version, kept original's version) when placed: see _sync_back.
+        self._versions: dict[str, tuple[int, int]] = {}
         self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
         self._specs: dict[str, _Spec] = {}
         self._stays: frozenset[str] = frozenset()  # modules whose outputs need no hand-back
@@ -106,6 +113,7 @@ class Splitter:
         self._placing = threading.Lock()
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
+        self._guard = PlacementGuard(model, self._tensors, self._engine, self._handle)
         claim(self._modules.values(), self)
         self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
@@ -117,12 +125,24 @@ class Splitter:
         return self._plan
 
     @property
-    def device_map(self) -> dict[str, str] | None:
-        """``{module or tensor name: device label}``, coarsest. Before the first call: the
-        map given to ``split``/``place`` if any, else None (the plan needs that call)."""
+    def device_map(self) -> dict[str, str]:
+        """``{module or tensor name: device label}``, coarsest. Before the model is placed:
+        the map given to ``split``/``place``.
+
+        Raises:
+            PlacementError: the model is not placed yet and no map was given (the plan
+                needs one forward: pass ``example_inputs=`` to place it at once, or see the
+                map in advance with ``adaptive.plan(model, devices=..., example_inputs=...)``).
+        """
         if self._plan is None:
-            pending = self._pending_map
-            return None if pending is None else dict(pending)
+            if self._pending_map is None:
+                raise PlacementError(
+                    f"{type(self).__name__}.device_map: the model is placed at its first call, "
+                    f"which has not happened yet, so there is no map. Pass example_inputs= to "
+                    f"adaptive.{self._mode} to place it now, or compute the same map first "
+                    f"with adaptive.plan(model, devices=..., example_inputs=...)"
+                )
+            return dict(self._pending_map)
         return self._plan.device_map
 
     @device_map.setter
@@ -140,6 +160,7 @@ class Splitter:
         if not isinstance(device_map, Mapping):
             raise TypeError(f"device_map must be a dict {{module name: device}}, got "
                             f"{type(device_map).__name__}")
+        self._guard.check()
         device_map = self._normalise_map(device_map)
         if self._plan is None:
             self._pending_map = dict(device_map)
@@ -159,9 +180,11 @@ class Splitter:
             h.remove()
         self._hooks.clear()
         with torch.no_grad():
+            self._guard.put_back()
             for name in list(self._where):
                 self._restore(name)
                 del self._where[name]
+        self._guard.release()
         release(self._modules.values(), self)
 
     def _load_targets(self) -> dict[str, list[torch.Tensor]]:
@@ -169,14 +192,15 @@ class Splitter:
 
         Keys are canonical tensor names as in ``module_sizes(model).tensors`` (the first
         ``named_modules()`` path plus the attribute; tie aliases are not repeated). Each value
-        lists the tensors to ``copy_`` into: the tensor as placed (a detached alias of the
-        parameter or buffer, so no ``no_grad`` is needed) and, when a dtype change made this
-        handle keep the original host tensor for ``remove()``, that original too. The lists
-        are valid until the next re-placement or ``remove()``.
+        lists the tensors to ``copy_`` into: the tensor as placed (its ``.data``: no
+        ``no_grad`` is needed, and the write is not taken for one the forward made, see
+        ``_sync_back``) and, when a dtype change made this handle keep the original host
+        tensor for ``remove()``, that original too. The lists are valid until the next
+        re-placement or ``remove()``.
         """
         out: dict[str, list[torch.Tensor]] = {}
         for name, t in self._tensors.items():
-            targets = [t.detach()]
+            targets = [t.data]
             kept = self._kept.get(name)
             if kept is not None and not kept.is_meta:
                 targets.append(kept)
@@ -239,7 +263,7 @@ class Splitter:
     def _place_first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._local.busy = True
         try:
-            self._recording = record_forward(self._model, args, kwargs)
+            self._recording = record_forward(self._model, args, kwargs, keep=(self,))
         finally:
             self._local.busy = False
         targets = [self._targets[label] for label in self._target_order]
@@ -276,10 +300,12 @@ class Splitter:
                         self._restore(name)
                         self._where.pop(name, None)
             raise
+        self._guard.expect({n: t.data for n, t in self._tensors.items()})
         self._specs = self._module_specs(units)
 
     def _move(self, name: str, target: Target) -> None:
         t = self._tensors[name]
+        self._sync_back(name)
         device, dtype = self._original[name]
         want = target.dtype if target.dtype is not None and t.is_floating_point() else dtype
         source = self._kept.get(name, t.data)
@@ -296,9 +322,29 @@ class Splitter:
         else:
             self._kept.pop(name, None)
         _set_data(t, placed)
+        kept = self._kept.get(name)
+        self._versions[name] = (t._version, -1 if kept is None else kept._version)
+
+    def _sync_back(self, name: str) -> None:
+        """Carry writes made to a converted copy (a step counter, a running statistic) into
+        the kept original, so that re-placing or ``remove()`` keeps them like an unconverted
+        tensor keeps them (in the original dtype, so rounded by the trip through the
+        placed one). Writes are seen by the version counter of the parameter or buffer
+        itself; the loader writes through ``.data`` aliases (``_load_targets``), which leave
+        it alone, and fills the original too."""
+        kept = self._kept.get(name)
+        versions = self._versions.get(name)
+        if kept is None or kept.is_meta or versions is None:
+            return
+        t = self._tensors[name]
+        if t._version != versions[0] and kept._version == versions[1]:
+            kept.copy_(t.data)
+            self._versions[name] = (t._version, kept._version)
 
     def _restore(self, name: str) -> None:
         t = self._tensors[name]
+        self._sync_back(name)
+        self._versions.pop(name, None)
         kept = self._kept.pop(name, None)
         if kept is not None:
             _set_data(t, kept)
@@ -356,10 +402,15 @@ class Splitter:
         if getattr(self._local, "busy", False):
             return None
         self._stack().clear()  # a frame left by a forward that raised
+        # See [Note: a placed model is neither copied nor converted]; checked under the
+        # lock while another thread may be placing the model.
         if self._plan is None:
             with self._placing:  # two threads making the first call place it once
                 if self._plan is None:
+                    self._guard.check()
                     self._place_first(args, kwargs)
+        else:
+            self._guard.check()
         self.stats.forwards += 1
         return self._pre("", module, args, kwargs)
 
@@ -370,6 +421,8 @@ class Splitter:
 
     def _pre(self, name: str, module: nn.Module, args: Any, kwargs: Any) -> Any:
         stack = self._stack()
+        if not stack and name:  # a submodule called on its own
+            self._guard.check()
         spec = self._specs.get(name)
         enclosing = stack[-1] if stack else None
         received = self._received((args, kwargs), enclosing)
@@ -388,6 +441,8 @@ class Splitter:
                 break
         else:
             return None
+        if not stack:  # an outermost call ended
+            self._guard.adopt_replacements()
         if stack and stack[-1].passthrough:
             return None  # the next child of a plain Sequential converts what it needs
         if stack and name in self._stays:
@@ -472,6 +527,7 @@ class Chunker(Splitter):
     """The handle ``adaptive.chunk`` returns: a Splitter over ``{device: capacity, "cpu": None}``."""
 
     _mode = "chunk"
+    _engine, _handle = "adaptive.chunk", "chunker"
 
 
 def _undo_on_failure(handle: Splitter, step: Any, *args: Any) -> Any:
@@ -498,10 +554,13 @@ def split(
 
     Units (each module's own weights; attention blocks whole) fill each device in the order
     they run, not the order they were registered, until the next would pass its capacity in
-    the dtype placed there. Execution order is learned from one forward on meta copies of the
-    weights: at the first call, or now when ``example_inputs`` is given. Each unit moves what
-    it receives (args and kwargs, nested) to its device and floating dtype and hands outputs
-    back where its caller has them; outputs reach you on the device of your inputs.
+    the dtype placed there. Execution order is learned from one forward on a copy of the
+    model and its inputs, on the meta device when the model can run there (so it costs no
+    memory and neither the model nor the inputs change): at the first call, or now when
+    ``example_inputs`` is given. ``adaptive.plan(model, devices, example_inputs=...)`` shows
+    the same placement in advance. Each unit moves what it receives (args and kwargs,
+    nested) to its device and floating dtype and hands outputs back where its caller has
+    them; outputs reach you on the device of your inputs.
 
     Args:
         model: an ``nn.Module`` in eval mode with real (not meta) weights.
@@ -624,14 +683,20 @@ def chunk(
         if capacity is None:
             raise TypeError("capacity must be bytes (int or '6GiB') or 'auto', got None")
         cap = parse_size(capacity, "capacity")
-    cpu = torch.device("cpu")
-    if dev == cpu and dt is None:
-        targets = [Target(cpu, None, None, "cpu")]
-    else:
-        labels = qualify_labels([(dev, dt), (cpu, None)])
-        targets = [Target(dev, cap, dt, labels[0]), Target(cpu, None, None, labels[1])]
+    targets = chunk_targets(dev, cap, dt)
     handle = Chunker(model, targets, output_device=out_dev,
                      options={"capacity": cap, "reserve": reserve})
     if example_inputs is not None:
         _undo_on_failure(handle, handle._place_first, *split_inputs(example_inputs))
     return handle
+
+
+def chunk_targets(device: torch.device, capacity: int | None, dtype: torch.dtype | None
+                  ) -> list[Target]:
+    """``chunk``'s targets: ``device`` holding ``capacity`` bytes in ``dtype``, then the CPU
+    for the rest; one CPU target (capacity moot) when both are the CPU in its own dtype."""
+    cpu = torch.device("cpu")
+    if device == cpu and dtype is None:
+        return [Target(cpu, None, None, "cpu")]
+    labels = qualify_labels([(device, dtype), (cpu, None)])
+    return [Target(device, capacity, dtype, labels[0]), Target(cpu, None, None, labels[1])]

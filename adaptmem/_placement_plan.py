@@ -1,24 +1,31 @@
-"""Planning for chunk and split: placement targets, one recorded forward, atomic units.
+"""Planning for chunk and split: placement targets, atomic units, ties, ``adaptive.plan``.
 
-Pure apart from the recorded forward, which runs on meta copies of the weights (no memory)
-and only falls back to the real weights when a model cannot run on meta.
+Pure apart from the recorded forward (``_recording``), which runs on a copy of the model
+and its inputs: see [Note: recording on a copy] there.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
 from ._devices import format_bytes, memory_info, parse_size, resolve_device
 from ._errors import PlacementError
-from ._planner import ModuleSizes, Plan, Unit, assign_devices, order_units, paging_units
+from ._planner import (
+    ModuleSizes,
+    Plan,
+    Unit,
+    assign_devices,
+    module_sizes,
+    order_units,
+    paging_units,
+)
+from ._recording import Recording, canonical_tensors, record_forward
 
 __all__ = [
     "Target",
@@ -34,6 +41,8 @@ __all__ = [
     "canonical_tensors",
     "auto_capacity",
     "targets_from_devices",
+    "own_ties_where_first_used",
+    "plan",
 ]
 
 _log = logging.getLogger("adaptmem")
@@ -57,19 +66,6 @@ class Target:
     capacity: int | None
     dtype: torch.dtype | None
     label: str
-
-
-@dataclass
-class Recording:
-    """What one forward showed: modules in first-call order, for every tensor the modules
-    whose own code (not a child's) passed it to a torch function, and the modules whose
-    outputs their caller combined with other tensors (see ``_UseRecorder``)."""
-
-    order: list[str]
-    uses: dict[str, set[str]] = field(default_factory=dict)
-    on_meta: bool = True
-    # Modules whose outputs their caller's own code combined with other tensors.
-    combined: set[str] = field(default_factory=set)
 
 
 def parse_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
@@ -124,140 +120,6 @@ def split_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(example_inputs, tuple):
         return example_inputs, {}
     return (example_inputs,), {}
-
-
-def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every distinct parameter and buffer under its canonical name (as ``module_sizes``)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for mod_name, module in model.named_modules():
-        for registry in (module._parameters, module._buffers):
-            for attr, t in registry.items():
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                out[f"{mod_name}.{attr}" if mod_name else attr] = t
-    return out
-
-
-class _UseRecorder(TorchFunctionMode):
-    """Notes which module's own code hands each known tensor to a torch function, and which
-    children's outputs their caller's own code combines with other tensors.
-
-    Outputs of a module with weights are tagged with it, in its caller (the innermost module
-    with weights around it); results of ops on tagged tensors carry the tags on. An op in the
-    caller's own code whose tensor arguments come from more than one source (two children,
-    or a child and anything else) marks those children: their outputs must be handed back
-    to the caller's device. The others can stay where they were computed.
-    """
-
-    def __init__(self, names: dict[int, str], stack: list[str], callers: list[str],
-                 uses: dict[str, set[str]], combined: set[str]):
-        super().__init__()
-        self.names, self.stack, self.callers = names, stack, callers
-        self.uses, self.combined = uses, combined
-        self.tags: dict[int, tuple[str, frozenset[str]]] = {}
-        self.alive: list[torch.Tensor] = []  # keeps ids of tagged tensors from being reused
-
-    def tag(self, obj: Any, caller: str, sources: frozenset[str]) -> None:
-        for leaf in pytree.tree_leaves(obj):
-            if isinstance(leaf, torch.Tensor):
-                self.tags[id(leaf)] = (caller, sources)
-                self.alive.append(leaf)
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        if self.stack:
-            for leaf in leaves:
-                name = self.names.get(id(leaf))
-                if name is not None:
-                    self.uses.setdefault(name, set()).add(self.stack[-1])
-        result = func(*args, **kwargs)
-        if self.callers and leaves:
-            caller = self.callers[-1]
-            sources: set[str] = set()
-            other = False
-            for leaf in leaves:
-                tag = self.tags.get(id(leaf))
-                if tag is not None and tag[0] == caller:
-                    sources |= tag[1]
-                else:
-                    other = True
-            if len(leaves) > 1 and len(sources) + other > 1:
-                self.combined |= sources
-            if sources:
-                self.tag(result, caller, frozenset(sources))
-        return result
-
-
-def _run_recorded(model: nn.Module, call: Any, names: dict[int, str]) -> Recording:
-    module_names = {id(m): n for n, m in model.named_modules()}
-    weighted = {id(m) for m in model.modules()
-                if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None}
-    order: list[str] = []
-    seen: set[str] = set()
-    stack: list[str] = []
-    callers: list[str] = []  # the innermost modules with weights
-    uses: dict[str, set[str]] = {}
-    combined: set[str] = set()
-    recorder = _UseRecorder(names, stack, callers, uses, combined)
-
-    def pre(module: nn.Module, _args: Any) -> None:
-        name = module_names.get(id(module), "?")
-        if name not in seen:
-            seen.add(name)
-            order.append(name)
-        stack.append(name)
-        if id(module) in weighted:
-            callers.append(name)
-
-    def post(module: nn.Module, _args: Any, out: Any) -> None:
-        if stack:
-            stack.pop()
-        if id(module) in weighted and callers:
-            name = callers.pop()
-            if callers and out is not None:
-                recorder.tag(out, callers[-1], frozenset((name,)))
-
-    handles = []
-    for m in model.modules():
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post, always_call=True))
-    try:
-        with torch.no_grad(), recorder:
-            call()
-    finally:
-        for h in handles:
-            h.remove()
-    return Recording(order, uses, combined=combined)
-
-
-def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recording:
-    """Run ``model(*args, **kwargs)`` once to learn execution order and who reads which tensor.
-
-    The forward runs on meta copies of weights and inputs, costing no memory. A model that
-    cannot run on meta (data-dependent control flow, tensors kept outside its registries) is
-    run for real, under ``no_grad``, on its own device with the inputs moved there.
-    """
-    tensors = canonical_tensors(model)
-    metas = {id(t): torch.empty_like(t, device="meta") for t in tensors.values()}
-    names = {id(metas[id(t)]): n for n, t in tensors.items()}
-    params = {n: metas[id(t)] for n, t in model.named_parameters(remove_duplicate=False)}
-    params.update({n: metas[id(t)] for n, t in model.named_buffers(remove_duplicate=False)})
-    to_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    try:
-        return _run_recorded(
-            model, lambda: torch.func.functional_call(model, params, to_meta[0], to_meta[1]), names
-        )
-    except Exception as exc:  # noqa: BLE001 - any failure on meta means "run it for real"
-        _log.info("adaptmem: the model cannot run on meta (%s); recording a real forward", exc)
-    home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    real = pytree.tree_map_only(torch.Tensor, lambda t: t.to(home), (args, kwargs))
-    rec = _run_recorded(model, lambda: model(*real[0], **real[1]),
-                        {id(t): n for n, t in tensors.items()})
-    rec.on_meta = False
-    return rec
 
 
 def _inside(module: str, ancestor: str) -> bool:
@@ -336,13 +198,14 @@ def plan_placement(
     units = placement_units(model, sizes, recording)
     if recording is not None:
         units = order_units(units, recording.order)
+    units = own_ties_where_first_used(units, sizes)
     by_label = {t.label: t for t in targets}
     if device_map is None:
-        placed = assign_devices(units, sizes, [(t.label, t.capacity, t.dtype) for t in targets])
+        placed, used = _assign_within_capacity(units, sizes, targets)
     else:
         placed = [replace(u, placement=label_for_unit(u, device_map, by_label)) for u in units]
         check_ties(placed)
-    used = placed_bytes(placed, sizes, by_label)
+        used = placed_bytes(placed, sizes, by_label)
     for t in targets:
         if t.capacity is not None and used.get(t.label, 0) > t.capacity:
             raise PlacementError(
@@ -358,6 +221,57 @@ def plan_placement(
     }
     opts.update(options or {})
     return Plan(mode, placed, sizes.total_bytes, opts)
+
+
+def _assign_within_capacity(units: Sequence[Unit], sizes: ModuleSizes, targets: Sequence[Target]
+                            ) -> tuple[list[Unit], dict[str, int]]:
+    """``assign_devices``, with each device's prefix cut short where the units that follow a
+    tied tensor to it (they must: a tensor is never on two devices) would overflow it.
+
+    Each pass lowers an overflowing device's limit by its overflow, so the prefix ends
+    before the tie's owner and its borrowers go on with it to the next device; the limits
+    only fall, so this ends (at worst with an empty prefix)."""
+    by_label = {t.label: t for t in targets}
+    limits = {t.label: t.capacity for t in targets}
+    while True:
+        placed = assign_devices(units, sizes, [(t.label, limits[t.label], t.dtype)
+                                               for t in targets])
+        used = placed_bytes(placed, sizes, by_label)
+        over = {label: used.get(label, 0) - cap for label, cap in limits.items()
+                if cap is not None and cap > 0 and used.get(label, 0) > cap}
+        if not over or targets[-1].label in over:  # the last device takes what is left
+            return placed, used
+        for label, excess in over.items():
+            limits[label] = max(0, limits[label] - excess)  # type: ignore[operator]
+
+
+def own_ties_where_first_used(units: Sequence[Unit], sizes: ModuleSizes) -> list[Unit]:
+    """``units`` (in execution order) with each tied tensor owned by the first unit that
+    holds it, owner or borrower, and borrowed by the others.
+
+    The tensor's canonical owner may never run: T5's ``shared`` embedding is read through
+    ``encoder.embed_tokens``, ``decoder.embed_tokens`` and ``lm_head``, never called. Placed
+    in execution order, borrowers go where the owner went; so the owner must come first, or
+    the users would be placed (and given a dtype) before the tensor they compute with.
+    """
+    first: dict[str, int] = {}
+    for i, u in enumerate(units):
+        for t in (*u.tensors, *u.borrowed):
+            first.setdefault(t, i)
+    moved = {t: i for t, i in first.items() if t not in units[i].tensors}
+    if not moved:
+        return list(units)
+    rank = {n: i for i, n in enumerate(sizes.tensors)}
+    out = []
+    for i, u in enumerate(units):
+        owned = [t for t in u.tensors if t not in moved]
+        owned += [t for t in u.borrowed if moved.get(t) == i]
+        borrowed = [t for t in u.borrowed if moved.get(t) != i]
+        borrowed += [t for t in u.tensors if t in moved]
+        owned.sort(key=rank.__getitem__)
+        out.append(replace(u, tensors=tuple(owned), borrowed=tuple(sorted(borrowed)),
+                           nbytes=sizes.bytes_of(owned)))
+    return out
 
 
 def placed_bytes(units: Iterable[Unit], sizes: ModuleSizes, targets: Mapping[str, Target]
@@ -434,8 +348,13 @@ def auto_capacity(device: torch.device, reserve: Any = "auto") -> tuple[int, int
     return max(0, free - kept), kept
 
 
-def targets_from_devices(devices: Any, dtype: Any, reserve: Any) -> list[Target]:
-    """Targets from ``split``'s ``devices`` (mapping or list) and ``dtype`` arguments."""
+def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool = True
+                         ) -> list[Target]:
+    """Targets from ``split``'s ``devices`` (mapping or list) and ``dtype`` arguments.
+
+    ``probe=False`` (``adaptive.plan``: plan for any machine) parses device names without
+    asking whether the device exists here; ``"auto"`` capacities still need the device.
+    """
     if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, (Mapping, Sequence)):
         raise TypeError(
             f"devices must be an ordered mapping like {{'cuda:0': '20GiB', 'cpu': None}} or a "
@@ -453,7 +372,7 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any) -> list[Target]
             key, key_dtype = key[0], parse_dtype(key[1], f"the dtype in devices key {key!r}")
         elif isinstance(key, str) and "@" in key:
             key, key_dtype = split_label(key)
-        dev = resolve_device(key, f"devices key {key!r}")
+        dev = resolve_device(key, f"devices key {key!r}") if probe else _parse_device(key)
         if key_dtype is None:
             if isinstance(dtype, Mapping):
                 given = [v for k, v in dtype.items() if str(k) in (str(key), str(dev))]
@@ -462,9 +381,109 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any) -> list[Target]
                 key_dtype = dtype
         cap: int | None
         if isinstance(capacity, str) and capacity == "auto":
+            if not probe:  # "auto" reads free memory: the device must be here after all
+                try:
+                    resolve_device(key, "devices key")
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{exc}; capacity 'auto' reads the device's free memory, so to plan "
+                        f"for another machine give bytes, e.g. {{{str(key)!r}: '20GiB'}}"
+                    ) from None
             cap, _ = auto_capacity(dev, reserve)
         else:
             cap = capacity_of(capacity, f"devices[{key!r}]")
         resolved.append((dev, cap, key_dtype))
     labels = qualify_labels([(d, t) for d, _, t in resolved])
     return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]
+
+
+def _parse_device(key: Any) -> torch.device:
+    """A device from its name without probing this machine (``"cuda"`` means ``cuda:0``)."""
+    try:
+        dev = torch.device(f"cuda:{key}" if isinstance(key, int) else key)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"devices key {key!r} is not a device name such as 'cuda:0' or "
+                         f"'cpu'") from None
+    if dev.type == "meta":
+        raise ValueError(f"devices key {key!r}: the meta device holds no data; pick 'cpu' "
+                         f"or 'cuda'")
+    if dev.type != "cpu" and dev.index is None:
+        dev = torch.device(dev.type, 0)
+    return dev
+
+
+def plan(
+    model: nn.Module,
+    *,
+    unit_bytes: int | str | None = None,
+    devices: Any = None,
+    dtype: Any = None,
+    example_inputs: Any = None,
+    order: Sequence[str] | None = None,
+) -> Plan:
+    """Plan ``model`` without moving a tensor: paging units, or a placement over devices.
+
+    A placement plan is the one ``adaptive.split(model, devices, dtype=dtype)`` makes: the
+    same units (attention blocks whole, weights a module reads without calling their owner
+    kept with it, tied tensors with their first user), the same order and the same capacity
+    rule, so ``split(model, devices, device_map=plan.device_map)`` takes it as it is. The
+    units that read other modules' weights are learned from the forward ``example_inputs``
+    runs; without them, only the attention and transformer layers are kept whole.
+
+    Args:
+        model: any ``nn.Module``; a model built on the meta device costs no memory.
+        unit_bytes: for a paging plan, the largest unit in bytes (``"64MiB"``); None gives
+            the whole model as one unit.
+        devices: for a placement plan, as ``split`` takes it: an ordered ``{device: capacity}``
+            mapping (bytes, ``"20GiB"``, None for unlimited) or a list of devices; a key may
+            carry a dtype (``"cpu@bfloat16"``, ``("cpu", torch.bfloat16)``), and capacity
+            counts bytes in that dtype. Device names are not checked against this machine.
+        dtype: the dtype floating weights take on placement, one for all or ``{device: dtype}``.
+        example_inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs
+            (meta works). One forward, on a copy of the model (which does not change),
+            learns the execution order.
+        order: module names in execution order, when already known.
+
+    Returns:
+        A ``Plan``: ``print(plan)`` is a table, ``plan.device_map`` a ``{module: device}`` dict.
+
+    Raises:
+        TypeError / ValueError: a bad argument, named in the message.
+        PlacementError: the model does not fit the devices given.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> with torch.device("meta"):
+        ...     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
+        >>> p = adaptive.plan(net, devices={"cuda:0": "5MiB", "cpu": None})
+        >>> p.device_map
+        {'0': 'cuda:0', '1': 'cpu'}
+        >>> adaptive.plan(net, devices={"cuda:0@float16": "5MiB", "cpu": None}).device_map
+        {'': 'cuda:0'}
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    sizes = module_sizes(model)
+    recording = None
+    if example_inputs is not None:
+        recording = record_forward(model, *split_inputs(example_inputs))
+        order = recording.order if order is None else order
+    if devices is None:
+        if dtype is not None:
+            raise TypeError("dtype is for a placement plan: pass devices= too, e.g. "
+                            "devices={'cuda:0': '6GiB', 'cpu': None}")
+        limit = None if unit_bytes is None else parse_size(unit_bytes, "unit_bytes")
+        units = paging_units(sizes, limit)
+        if order is not None:
+            units = order_units(units, order)
+        units = [replace(u, placement="paged") for u in units]
+        return Plan("page", units, sizes.total_bytes, {"unit_bytes": limit})
+    if unit_bytes is not None:
+        raise TypeError("unit_bytes is for a paging plan; a placement plan (devices=) makes "
+                        "its units from the module tree")
+    targets = targets_from_devices(devices, dtype, "auto", probe=False)
+    if order is not None and (recording is None or order is not recording.order):
+        recording = Recording(list(order), {} if recording is None else recording.uses,
+                              combined=set() if recording is None else recording.combined)
+    return plan_placement(model, sizes, targets, recording, mode="split")

@@ -1,7 +1,8 @@
 """The parameter-size planner: module tree -> bytes -> units -> placement. No tensor moves.
 
 Everything here works on a model built on the meta device, so planning a 70B-parameter
-model costs no memory. Executors (the pager, chunk/split) take a ``Plan`` and act on it.
+model costs no memory. Executors (the pager, chunk/split) take a ``Plan`` and act on it;
+``adaptive.plan`` (in ``_placement_plan``) is the public front of both.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from ._devices import format_bytes
+from ._recording import record_forward
 
 __all__ = [
     "TensorInfo",
@@ -28,7 +30,6 @@ __all__ = [
     "assign_devices",
     "record_execution_order",
     "tensor_bytes",
-    "plan",
 ]
 
 
@@ -334,28 +335,12 @@ def assign_devices(
 
 
 def record_execution_order(model: nn.Module, *args: Any, **kwargs: Any) -> list[str]:
-    """Run ``model(*args, **kwargs)`` once and return module names in first-call order.
+    """Module names in first-call order, from one forward of ``model(*args, **kwargs)``.
 
-    Works on the meta device, where it costs no memory: ``model`` and inputs both on meta.
+    The forward runs on a copy (meta when it can; see [Note: recording on a copy] in
+    ``_recording``), so neither the model nor the inputs change.
     """
-    names = {id(m): n for n, m in model.named_modules()}
-    order: list[str] = []
-    seen: set[str] = set()
-
-    def pre_hook(module: nn.Module, _args: Any) -> None:
-        name = names.get(id(module))
-        if name is not None and name not in seen:
-            seen.add(name)
-            order.append(name)
-
-    handles = [m.register_forward_pre_hook(pre_hook) for m in model.modules()]
-    try:
-        with torch.no_grad():
-            model(*args, **kwargs)
-    finally:
-        for h in handles:
-            h.remove()
-    return order
+    return record_forward(model, args, kwargs).order
 
 
 @dataclass
@@ -451,75 +436,3 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     return str(v)
-
-
-def plan(
-    model: nn.Module,
-    *,
-    unit_bytes: int | str | None = None,
-    devices: Mapping[Any, Any] | None = None,
-    dtype: torch.dtype | Mapping[Any, torch.dtype] | None = None,
-    example_inputs: Any = None,
-    order: Sequence[str] | None = None,
-) -> Plan:
-    """Plan ``model`` without moving a tensor: paging units, or a placement over devices.
-
-    Args:
-        model: any ``nn.Module``; a model built on the meta device costs no memory.
-        unit_bytes: for a paging plan, the largest unit in bytes (``"64MiB"``); None gives
-            the whole model as one unit.
-        devices: for a placement plan, an ordered ``{device: capacity}`` mapping (capacity in
-            bytes, a string like ``"20GiB"``, or None for unlimited). Units fill each device
-            in execution order before the next.
-        dtype: the dtype floating weights take on placement, one for all or per device.
-        example_inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs
-            on the model's device (meta works); one forward learns the execution order.
-        order: module names in execution order, when already known.
-
-    Returns:
-        A ``Plan``: ``print(plan)`` is a table, ``plan.device_map`` a ``{module: device}`` dict.
-
-    Example:
-        >>> import torch
-        >>> from adaptmem import adaptive
-        >>> with torch.device("meta"):
-        ...     net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024))
-        >>> p = adaptive.plan(net, devices={"cuda:0": "5MiB", "cpu": None})
-        >>> p.device_map
-        {'0': 'cuda:0', '1': 'cpu'}
-    """
-    from ._devices import parse_size
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    sizes = module_sizes(model)
-    if order is None and example_inputs is not None:
-        if isinstance(example_inputs, Mapping):
-            order = record_execution_order(model, **example_inputs)
-        elif isinstance(example_inputs, tuple):
-            order = record_execution_order(model, *example_inputs)
-        else:
-            order = record_execution_order(model, example_inputs)
-    if devices is None:
-        limit = None if unit_bytes is None else parse_size(unit_bytes, "unit_bytes")
-        units = paging_units(sizes, limit)
-        if order is not None:
-            units = order_units(units, order)
-        units = [replace(u, placement="paged") for u in units]
-        return Plan("page", units, sizes.total_bytes, {"unit_bytes": limit})
-    if not isinstance(devices, Mapping) or not devices:
-        raise TypeError(
-            f"devices must be a non-empty mapping like {{'cuda:0': '20GiB', 'cpu': None}}, "
-            f"got {devices!r}"
-        )
-    targets = []
-    for device, capacity in devices.items():
-        cap = None if capacity is None else parse_size(capacity, f"devices[{device!r}]")
-        dt = dtype.get(device) if isinstance(dtype, Mapping) else dtype
-        targets.append((str(device), cap, dt))
-    units = paging_units(sizes, 0)
-    if order is not None:
-        units = order_units(units, order)
-    placed = assign_devices(units, sizes, targets)
-    return Plan("split", placed, sizes.total_bytes,
-                {"devices": {d: c for d, c, _ in targets}})

@@ -44,6 +44,6 @@ class Probe(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not is_metadata(func):
+        if not self.pager._busy and not is_metadata(func):
             self.pager._touch(args, kwargs)
         return func(*args, **kwargs)

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ._devices import stream_module
+
 __all__ = ["Transfer", "SyncTransfer", "StreamTransfer", "transfer_for"]
 
 
@@ -67,25 +69,27 @@ class StreamTransfer(Transfer):
     the copy's event once both have completed.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, module: Any = None) -> None:
         super().__init__(device)
-        self.stream = torch.cuda.Stream(device)
+        # torch.cuda, or another accelerator's module with the same stream API
+        self.module = module if module is not None else stream_module(device)
+        self.stream = self.module.Stream(device)
         self._unsettled: list[tuple[list[Any], Any]] = []
 
     def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        with torch.cuda.stream(self.stream):
+        with self.module.stream(self.stream):
             copies = [
                 torch.empty_like(h, device=self.device).copy_(h, non_blocking=True)
                 for h in hosts
             ]
-            event = torch.cuda.Event(enable_timing=True)
+            event = self.module.Event(enable_timing=True)
             event.record(self.stream)
         return copies, event
 
     def wait(self, groups: Sequence[tuple[Any, Sequence[torch.Tensor]]],
              demand: bool) -> bool | None:
-        compute = torch.cuda.current_stream(self.device)
-        arrival = torch.cuda.Event(enable_timing=True)
+        compute = self.module.current_stream(self.device)
+        arrival = self.module.Event(enable_timing=True)
         if not demand:
             arrival.record(compute)
         for ticket, copies in groups:
@@ -101,7 +105,7 @@ class StreamTransfer(Transfer):
 
     def settle(self, block: bool = True) -> tuple[int, int]:
         if block and self._unsettled:
-            torch.cuda.synchronize(self.device)
+            self.module.synchronize(self.device)
         hits = misses = 0
         keep = []
         for tickets, arrival in self._unsettled:
@@ -118,7 +122,9 @@ class StreamTransfer(Transfer):
 
 
 def transfer_for(device: torch.device) -> Transfer:
-    """The transfer a device supports: streams on CUDA, synchronous copies elsewhere."""
-    if device.type == "cuda":
-        return StreamTransfer(device)
+    """The transfer a device supports: streams where it has them (CUDA, ROCm, XPU),
+    synchronous copies elsewhere."""
+    module = stream_module(device)
+    if module is not None:
+        return StreamTransfer(device, module)
     return SyncTransfer(device)

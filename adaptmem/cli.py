@@ -1,11 +1,18 @@
-"""The ``adaptmem`` console script: ``adaptmem demo`` and ``adaptmem plan MODEL``."""
+"""The ``adaptmem`` console script: ``adaptmem demo`` and ``adaptmem plan MODEL``.
+
+Mistakes on the command line (a bad size, a factory that cannot build a model, an input size
+the model rejects) end with one line on stderr and exit status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import inspect
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,85 +21,267 @@ from ._devices import format_bytes
 
 __all__ = ["main"]
 
+# Options whose values may start with "-" ("--budget -5MiB" must reach the size parser, which
+# says what is wrong with it, rather than argparse's "expected one argument").
+_DASH_VALUE_OPTIONS = ("--budget", "--image-size")
+
+
+class _UsageError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit status 2."""
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    """``Type: first line of the message``, cut to ``limit`` characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def _no_downloads(spec: str) -> Iterator[None]:
+    """Building a model to plan it needs its architecture only: a constructor that tries to
+    download weights (torch.hub, as torchvision's builders do) is refused, not waited on."""
+    import torch.hub
+
+    original = torch.hub.download_url_to_file
+
+    def refuse(url: str, *args: Any, **kwargs: Any) -> None:
+        raise _UsageError(
+            f"building {spec!r} tried to download weights ({url}); adaptmem plan needs the "
+            f"architecture only: make the factory build it without pretrained weights "
+            f"(e.g. weights=None)")
+
+    torch.hub.download_url_to_file = refuse  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.hub.download_url_to_file = original  # type: ignore[assignment]
+
+
+def _torchvision_builder(spec: str) -> Any:
+    try:
+        import torchvision
+    except ImportError:
+        raise _UsageError(
+            f"model {spec!r} is read as a torchvision model name, but torchvision is not "
+            f"installed; install it or give a 'package.module:factory' path") from None
+    try:
+        return torchvision.models.get_model_builder(spec)
+    except ValueError:
+        raise _UsageError(
+            f"unknown model {spec!r}; give a torchvision model name (e.g. resnet101) or a "
+            f"'package.module:factory' path") from None
+
+
+def _factory(spec: str) -> Any:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise _UsageError(f"model {spec!r}: write a factory as 'package.module:factory', "
+                          f"e.g. 'torchvision.models:resnet18'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - any import failure is the user's path
+        raise _UsageError(f"model {spec!r}: cannot import {module_name!r} ({_first_line(exc)}); "
+                          f"check the module path and that it is importable here") from None
+    found: Any = module
+    for part in attr.split("."):
+        try:
+            found = getattr(found, part)
+        except AttributeError:
+            raise _UsageError(f"model {spec!r}: {module_name!r} has no attribute {attr!r}; "
+                              f"name a function or class that builds the model") from None
+    return found
+
 
 def _build_model(spec: str) -> nn.Module:
-    """A model on the meta device from a torchvision name or a ``module:attribute`` factory."""
-    with torch.device("meta"):
-        if ":" in spec:
-            module_name, _, attr = spec.partition(":")
-            factory = getattr(importlib.import_module(module_name), attr)
-            model = factory() if callable(factory) and not isinstance(factory, nn.Module) else factory
-        else:
-            import torchvision
-
-            try:
-                model = torchvision.models.get_model(spec, weights=None)
-            except ValueError as exc:
-                raise SystemExit(
-                    f"adaptmem plan: unknown model {spec!r}; give a torchvision model name "
-                    f"(e.g. resnet101) or a 'package.module:factory' path"
-                ) from exc
+    """A model on the meta device from a torchvision name or a ``module:attribute`` factory,
+    built with random (never downloaded) weights."""
+    if ":" in spec:
+        factory, kwargs, what = _factory(spec), {}, f"calling {spec!r}"
+    else:
+        factory = _torchvision_builder(spec)
+        # Detection and segmentation builders download a pretrained backbone unless told
+        # not to (weights_backbone): every weights argument is None.
+        kwargs = {name: None for name in inspect.signature(factory).parameters
+                  if name.startswith("weights")}
+        what = f"building torchvision model {spec!r}"
+    if isinstance(factory, nn.Module) or not callable(factory):
+        model = factory
+    else:
+        model = _call_factory(spec, factory, kwargs, what)
     if not isinstance(model, nn.Module):
-        raise SystemExit(f"adaptmem plan: {spec!r} did not give an nn.Module")
+        raise _UsageError(f"{spec!r} gave {type(model).__name__}, not a torch.nn.Module; name "
+                          f"a function or class that returns the model")
     return model.eval()
 
 
-def _placement_targets(args: argparse.Namespace) -> list:
-    """Targets for --mode chunk/split; devices are parsed, not probed (plan for any machine)."""
-    from ._devices import parse_size, resolve_device
-    from ._placement_plan import Target, auto_capacity, parse_dtype, qualify_labels
+def _call_factory(spec: str, factory: Any, kwargs: dict[str, Any], what: str) -> Any:
+    """``factory(**kwargs)`` on the meta device; a constructor that computes with tensors
+    (RegNet) is built again with only its parameters on meta (buffers are small)."""
+    from ._loading import empty_model
+
+    try:
+        with _no_downloads(spec):
+            try:
+                with torch.device("meta"):
+                    return factory(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - retried below, then reported
+                if not _cannot_run_on_meta(exc):
+                    raise
+            return empty_model(lambda: factory(**kwargs))
+    except _UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a factory's failure is reported, not dumped
+        raise _UsageError(f"{what} failed ({_first_line(exc)}); the factory must build the "
+                          f"model with no arguments") from None
+
+
+def _example_args(spec: str, size: int) -> tuple[Any, ...] | None:
+    """Example inputs on meta for a torchvision model (video models take frames, optical
+    flow models two images); None for a factory, whose inputs are unknown."""
+    if ":" in spec:
+        return None
+    kind = _torchvision_builder(spec).__module__
+    if ".video." in kind:
+        return (torch.empty(1, 3, 16, size, size, device="meta"),)
+    image = torch.empty(1, 3, size, size, device="meta")
+    if ".optical_flow." in kind:
+        return (image, image)
+    return (image,)
+
+
+def _cannot_run_on_meta(exc: BaseException) -> bool:
+    """Errors of the meta device itself (no kernel, data-dependent ops), not of the input."""
+    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
+
+
+def _record(model: nn.Module, spec: str, size: int) -> Any:
+    """The recorded forward on the example input, or None where there is none to run."""
+    from ._placement_plan import record_forward
+
+    example = _example_args(spec, size)
+    if example is None:
+        return None
+    try:
+        return record_forward(model, example, {})
+    except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
+        shape = "x".join(str(n) for n in example[0].shape)
+        if _cannot_run_on_meta(exc):
+            print(f"adaptmem plan: note: {spec} cannot run on the meta device "
+                  f"({_first_line(exc)}); units are in registration order, not execution "
+                  f"order", file=sys.stderr)
+            return None
+        raise _UsageError(f"{spec} does not run on a {shape} example input ({_first_line(exc)}); "
+                          f"give --image-size a size the model accepts (default 224)") from None
+
+
+def _device_spec(spec: str, dtype: torch.dtype | None
+                 ) -> tuple[torch.device, torch.dtype | None, str]:
+    """``DEVICE[@DTYPE][=CAPACITY]`` -> (device, dtype, capacity text), parsed not probed,
+    so a plan can be made for any machine."""
+    from ._placement_plan import parse_dtype
+
+    name, _, capacity = spec.partition("=")
+    name, at, dtype_name = name.partition("@")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise _UsageError(f"--device {spec!r}: {name!r} is not a device name such as 'cuda:0' "
+                          f"or 'cpu' (optionally with a dtype: 'cpu@bfloat16')") from None
+    if device.type == "cpu":
+        device = torch.device("cpu")
+    if at:
+        given = parse_dtype(dtype_name, f"the dtype in --device {spec!r}")
+        if dtype is not None and given != dtype:
+            raise _UsageError(f"--device {spec!r} asks for {given} but --dtype for {dtype}; "
+                              f"give the dtype once")
+        dtype = given
+    return device, dtype, capacity
+
+
+def _size(text: str, name: str) -> int:
+    from ._devices import parse_size
+
+    if text.strip().startswith("-"):
+        raise _UsageError(f"{name} must be zero or more bytes, got {text!r}; write a size "
+                          f"such as 100MiB")
+    return parse_size(text, name)
+
+
+def _capacity(text: str, device: torch.device, name: str) -> int | None:
+    from ._devices import resolve_device
+    from ._placement_plan import auto_capacity
+
+    if text == "auto":
+        try:
+            here = resolve_device(str(device), "--device")
+        except ValueError as exc:
+            raise _UsageError(f"{name} 'auto' reads the free memory of {device}, which this "
+                              f"machine cannot ({exc}); give a size such as 20GiB to plan for "
+                              f"another machine") from None
+        return auto_capacity(here)[0]
+    return _size(text, name) if text else None
+
+
+def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
+    """Targets for --mode chunk/split, as ``adaptive.chunk`` / ``adaptive.split`` make them,
+    and the plan options those record."""
+    from ._placement import chunk_targets
+    from ._placement_plan import Target, parse_dtype, qualify_labels
 
     dtype = parse_dtype(args.dtype, "--dtype")
     specs = args.device or ["cuda:0"]
     if args.mode == "chunk":
         if len(specs) != 1:
-            raise ValueError(f"--mode chunk takes one --device, got {specs}; use --mode split")
-        if args.budget not in (None, "auto"):
-            parse_size(args.budget, "--budget")
-        specs = [f"{specs[0]}={args.budget or 'auto'}", "cpu"]
-    elif args.budget is not None:
-        raise ValueError("--budget is for page and chunk; with --mode split write "
-                         "--device cuda:0=20GiB --device cpu")
-    pairs = []
-    for i, spec in enumerate(specs):
-        name, _, capacity = spec.partition("=")
-        try:
-            device = torch.device(name)
-        except (RuntimeError, ValueError):
-            raise ValueError(f"--device {spec!r}: {name!r} is not a device name such as "
-                             f"'cuda:0' or 'cpu'") from None
-        placed_dtype = dtype if i == 0 or args.mode == "split" else None
-        cap: int | None
-        if capacity == "auto":
-            cap, _ = auto_capacity(resolve_device(name, "--device"))
-        else:
-            cap = parse_size(capacity, f"--device {spec!r} capacity") if capacity else None
-        pairs.append((device, cap, placed_dtype))
-    labels = qualify_labels([(d, t) for d, _, t in pairs])
-    return [Target(d, c, t, label) for (d, c, t), label in zip(pairs, labels, strict=True)]
+            raise _UsageError(f"--mode chunk takes one --device, got {specs}; use --mode split")
+        device, dt, capacity = _device_spec(specs[0], dtype)
+        if capacity:
+            raise _UsageError(f"--device {specs[0]!r}: with --mode chunk give the capacity as "
+                              f"--budget {capacity}")
+        budget = args.budget if args.budget is not None else "auto"
+        cap = _capacity(budget, device, "--budget")
+        return chunk_targets(device, cap, dt), {"capacity": cap, "reserve": "auto"}
+    if args.budget is not None:
+        raise _UsageError("--budget is for page and chunk; with --mode split write "
+                          "--device cuda:0=20GiB --device cpu")
+    triples = []
+    for spec in specs:
+        device, dt, capacity = _device_spec(spec, dtype)
+        triples.append((device, _capacity(capacity, device, f"--device {spec!r} capacity"), dt))
+    labels = qualify_labels([(d, t) for d, _, t in triples])
+    targets = [Target(d, c, t, label) for (d, c, t), label in zip(triples, labels, strict=True)]
+    return targets, {"reserve": "auto"}
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ._errors import AdaptmemError
-    from ._placement_plan import plan_placement, record_forward
-    from ._planner import module_sizes, plan
+    from ._placement_plan import plan, plan_placement
+    from ._planner import module_sizes
 
-    model = _build_model(args.model)
-    example = torch.empty(1, 3, args.image_size, args.image_size, device="meta")
-    example_inputs = example if ":" not in args.model else None
+    if args.image_size <= 0:
+        raise _UsageError(f"--image-size must be a positive number of pixels, got "
+                          f"{args.image_size}")
     try:
         if args.mode == "page":
             if args.device or args.dtype:
-                raise ValueError("--device and --dtype are for --mode chunk or split")
-            result = plan(model, unit_bytes=args.budget, example_inputs=example_inputs)
+                raise _UsageError("--device and --dtype are for --mode chunk or split")
+            unit_bytes = None if args.budget is None else _size(args.budget, "--budget")
         else:
-            targets = _placement_targets(args)
-            recording = (record_forward(model, (example_inputs,), {})
-                         if example_inputs is not None else None)
+            targets, options = _placement_targets(args)
+        model = _build_model(args.model)
+        recording = _record(model, args.model, args.image_size)
+        if args.mode == "page":
+            result = plan(model, unit_bytes=unit_bytes,
+                          order=None if recording is None else recording.order)
+        else:
             result = plan_placement(model, module_sizes(model), targets, recording,
-                                    mode=args.mode)
+                                    mode=args.mode, options=options)
     except (TypeError, ValueError, AdaptmemError) as exc:
-        raise SystemExit(f"adaptmem plan: {exc}") from None
+        raise _UsageError(exc) from None
     if args.json:
         print(result.to_json(indent=2))
         return 0
@@ -110,7 +299,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(seconds=args.seconds)
 
 
+def _join_dash_values(argv: list[str]) -> list[str]:
+    """``--budget -5MiB`` -> ``--budget=-5MiB``, so argparse passes the value on."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if (token in _DASH_VALUE_OPTIONS and nxt is not None and nxt.startswith("-")
+                and not nxt.startswith("--")):
+            out.append(f"{token}={nxt}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the console script on ``argv`` (default ``sys.argv[1:]``) and return its exit
+    status; mistakes in the request exit with status 2 and one line on stderr."""
     parser = argparse.ArgumentParser(prog="adaptmem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -120,22 +328,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("plan", help="print how a model would be paged or placed")
-    p.add_argument("model", help="torchvision model name or 'package.module:factory'")
+    p.add_argument("model", help="torchvision model name (built with random weights, nothing "
+                                 "is downloaded) or 'package.module:factory'")
     p.add_argument("--mode", choices=("page", "chunk", "split"), default="page")
-    p.add_argument("--device", action="append", default=None, metavar="DEVICE[=CAPACITY]",
+    p.add_argument("--device", action="append", default=None,
+                   metavar="DEVICE[@DTYPE][=CAPACITY]",
                    help="chunk: the resident device (default cuda:0); split: repeat in order, "
-                        "e.g. --device cuda:0=20GiB --device cuda:1=20GiB --device cpu")
+                        "e.g. --device cuda:0=20GiB --device cpu@bfloat16=8GiB --device cpu")
     p.add_argument("--budget", default=None,
                    help="unit size (page) or resident capacity (chunk), e.g. 100MiB; chunk "
                         "defaults to 'auto' (free memory minus a reserve; needs the device)")
     p.add_argument("--dtype", default=None, help="dtype weights take on the placed device(s), "
                    "e.g. float16 or bfloat16 (chunk: the resident device only)")
-    p.add_argument("--image-size", type=int, default=224, help="example input size for vision models")
+    p.add_argument("--image-size", type=int, default=224,
+                   help="example input size for vision models (default 224)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
 
-    args = parser.parse_args(argv)
-    return int(args.func(args))
+    from ._example_train import add_example_parser
+
+    add_example_parser(sub)
+    args = parser.parse_args(_join_dash_values(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        return int(args.func(args))
+    except _UsageError as exc:
+        parser.exit(2, f"adaptmem {args.command}: error: {_one_line(exc)}\n")
+    raise AssertionError("unreachable")  # parser.exit raises SystemExit
 
 
 if __name__ == "__main__":

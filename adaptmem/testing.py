@@ -1,8 +1,11 @@
-"""Test helpers users need too: realistic out-of-memory errors and a memory ceiling.
+"""Test helpers users need too: realistic out-of-memory errors, a memory ceiling and a
+simulated CUDA device.
 
 ``raise_oom(kind)`` raises the exact error a backend raises when memory runs out, and
 ``MemoryCeiling`` makes any function behave as if the device held only so much, so code
 decorated with ``adaptive.batch`` can be tested on a machine without an accelerator.
+``simulated_cuda()`` runs code written for CUDA unchanged on the CPU (see its docstring);
+``adaptmem.testing_plugin`` is a pytest plugin with a ``simulated_cuda`` fixture.
 
 Example:
     >>> from adaptmem import adaptive
@@ -24,7 +27,10 @@ import threading
 
 import torch
 
-__all__ = ["OOM_KINDS", "make_oom", "raise_oom", "MemoryCeiling"]
+from ._simcuda import SimulatedCuda, SimulatedCudaError, StreamRaceError, simulated_cuda
+
+__all__ = ["OOM_KINDS", "make_oom", "raise_oom", "MemoryCeiling", "SimulatedCuda",
+           "SimulatedCudaError", "StreamRaceError", "simulated_cuda"]
 
 # The messages backends really print (taken from their sources and from real failures);
 # ``{n}`` is the size of the allocation that failed, in bytes.

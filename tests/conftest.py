@@ -1,28 +1,53 @@
-"""Shared fixtures and the one marker factory for hardware needs."""
+"""Shared fixtures and the one marker factory for hardware needs.
+
+Tests marked ``gpu`` run on the real CUDA device when there is one, else on the simulated
+one (``adaptmem.testing.simulated_cuda``, two devices of 16 GiB; a ``simulated_cuda`` marker
+changes that), so none is skipped for lack of a GPU.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
 
+from adaptmem.testing import simulated_cuda
+from adaptmem.testing_plugin import pytest_configure as _plugin_configure
+from adaptmem.testing_plugin import simulated_cuda_device  # noqa: F401 - a fixture
+
+REAL_CUDA = torch.cuda.is_available()
+SIMULATED_DEVICES = 2
+
 
 def run_if(*, cuda: bool = False, min_gpus: int = 1) -> pytest.MarkDecorator:
-    """Skip unless the hardware is there, saying why (one place for hardware needs)."""
+    """Skip unless the hardware is there, saying why (one place for hardware needs). Without
+    a real GPU, a CUDA test runs on the simulated device instead (marked ``gpu``)."""
+    if cuda and not REAL_CUDA and min_gpus <= SIMULATED_DEVICES:
+        return pytest.mark.gpu
     reasons = []
-    if cuda and not torch.cuda.is_available():
-        reasons.append("needs CUDA; none is available on this machine")
+    if cuda and not REAL_CUDA:
+        reasons.append(f"needs {min_gpus} CUDA devices; the simulation has {SIMULATED_DEVICES}")
     elif cuda and torch.cuda.device_count() < min_gpus:
         reasons.append(f"needs {min_gpus} CUDA devices, found {torch.cuda.device_count()}")
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "hardware present")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip = pytest.mark.skip(reason="gpu test: needs CUDA; none is available on this machine")
-    for item in items:
-        if "gpu" in item.keywords and not torch.cuda.is_available():
-            item.add_marker(skip)
+def pytest_configure(config: pytest.Config) -> None:
+    _plugin_configure(config)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_on_the_simulation(request: pytest.FixtureRequest) -> Iterator[None]:
+    if REAL_CUDA or request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    marker = request.node.get_closest_marker("simulated_cuda")
+    options = {"devices": SIMULATED_DEVICES, "total_memory": "16GiB",
+               **(marker.kwargs if marker is not None else {})}
+    with simulated_cuda(**options):
+        yield
 
 
 @pytest.fixture

@@ -1,9 +1,15 @@
 from __future__ import annotations
 
+import inspect
 import json
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
+from adaptmem import adaptive
+from adaptmem._planner import Plan
 from adaptmem.cli import main
 
 
@@ -44,6 +50,18 @@ def test_plan_page_mode_still_works(capsys: pytest.CaptureFixture[str]) -> None:
     assert "adaptmem plan (page)" in capsys.readouterr().out
 
 
+def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run the CLI, expect exit status 2, and return its one-line message."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    assert err.count("\n") == 0, err
+    assert err.startswith("adaptmem plan: error: ")
+    return err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -54,9 +72,123 @@ def test_plan_page_mode_still_works(capsys: pytest.CaptureFixture[str]) -> None:
           "--budget", "1MiB"], "one --device"),
         (["plan", "resnet18", "--mode", "chunk", "--budget", "1MiB", "--dtype", "int8"], "--dtype"),
         (["plan", "no_such_model"], "unknown model"),
+        # What a new user typed, each once a traceback:
+        (["plan", "resnet18", "--image-size", "0"], "--image-size must be a positive"),
+        (["plan", "resnet18", "--image-size", "-3"], "--image-size must be a positive"),
+        (["plan", "vit_b_16", "--image-size", "100"],
+         "vit_b_16 does not run on a 1x3x100x100 example input"),
+        (["plan", "torch.nn:Linear"], "must build the model with no arguments"),
+        (["plan", "torch:zeros"], "must build the model with no arguments"),
+        (["plan", "math:pi"], "gave float, not a torch.nn.Module"),
+        (["plan", "no_such_package_xyz.models:build"], "cannot import 'no_such_package_xyz.models'"),
+        (["plan", "torch.nn:NoSuchModel"], "has no attribute 'NoSuchModel'"),
+        (["plan", "torch.nn:"], "package.module:factory"),
+        # Sizes starting with "-" reach the size check instead of argparse's "expected one
+        # argument", and are refused there.
+        (["plan", "resnet18", "--budget", "-5MiB"], "--budget must be zero or more bytes"),
+        (["plan", "resnet18", "--mode", "chunk", "--device", "cpu", "--budget", "-1.5GiB"],
+         "--budget must be zero or more bytes"),
+        *([] if torch.cuda.is_available() else [
+            (["plan", "resnet18", "--mode", "chunk"], "--budget 'auto' reads the free memory"),
+            (["plan", "resnet18", "--mode", "split", "--device", "cuda:0=auto"],
+             "give a size such as 20GiB")]),
+        (["plan", "resnet18", "--mode", "chunk", "--device", "cpu@float16", "--dtype",
+          "bfloat16", "--budget", "1MiB"], "give the dtype once"),
     ],
 )
-def test_plan_errors_say_what_to_fix(argv: list[str], message: str) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert message in str(info.value)
+def test_plan_errors_are_one_line_with_exit_status_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in _usage_error(argv, capsys)
+
+
+def test_a_factory_that_downloads_weights_is_refused_not_waited_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # nothing cached: a build must download
+    err = _usage_error(["plan", "torchvision.models.detection:fasterrcnn_resnet50_fpn"], capsys)
+    assert "tried to download weights" in err and "weights=None" in err
+
+
+def _builders_with_backbone_weights() -> list[str]:
+    from torchvision import models
+
+    return [name for name in models.list_models()
+            if "weights_backbone" in inspect.signature(models.get_model_builder(name)).parameters]
+
+
+@pytest.mark.parametrize(
+    "name",
+    # Detection and segmentation builders download a backbone by default; RegNet computes
+    # with tensors in its constructor; video models take frames, RAFT two images.
+    [*_builders_with_backbone_weights(), "regnet_y_400mf", "r3d_18", "raft_small"],
+)
+def test_plan_builds_any_torchvision_model_without_downloading(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+
+    def no_network(url: str, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"tried to download {url}")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    assert main(["plan", name, "--mode", "chunk", "--device", "cpu", "--budget", "10MiB",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["total_bytes"] > 0 and data["units"]
+
+
+def test_plan_chunk_on_the_cpu_works_and_its_json_too(capsys: pytest.CaptureFixture[str]) -> None:
+    # Once "devices lists the same device and dtype twice". adaptive.chunk(model, "cpu")
+    # without a dtype keeps everything where it is: one CPU target, the capacity moot.
+    argv = ["plan", "resnet101", "--mode", "chunk", "--device", "cpu", "--budget", "100MiB"]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("totals: cpu ")
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {u["placement"] for u in data["units"]} == {"cpu"}
+
+
+@pytest.mark.parametrize(
+    ("cli", "api"),
+    [
+        (["--mode", "chunk", "--device", "cpu", "--budget", "10MiB"],
+         lambda m, x: adaptive.chunk(m, "cpu", capacity="10MiB", example_inputs=x)),
+        (["--mode", "chunk", "--device", "cpu", "--dtype", "bfloat16", "--budget", "10MiB"],
+         lambda m, x: adaptive.chunk(m, "cpu", capacity="10MiB", dtype=torch.bfloat16,
+                                     example_inputs=x)),
+        (["--mode", "chunk", "--device", "cpu@bfloat16", "--budget", "10MiB"],
+         lambda m, x: adaptive.chunk(m, "cpu", capacity="10MiB", dtype=torch.bfloat16,
+                                     example_inputs=x)),
+        (["--mode", "split", "--device", "cpu@bfloat16=10MiB", "--device", "cpu"],
+         lambda m, x: adaptive.split(m, {"cpu@bfloat16": "10MiB", "cpu": None},
+                                     example_inputs=x)),
+    ],
+)
+def test_plan_gives_the_placement_the_api_makes(
+    cli: list[str], api: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torchvision
+
+    assert main(["plan", "resnet18", *cli, "--json"]) == 0
+    planned = Plan.from_dict(json.loads(capsys.readouterr().out))
+    model = torchvision.models.resnet18().eval()
+    with api(model, torch.randn(1, 3, 224, 224)) as handle:
+        assert handle.plan.device_map == planned.device_map
+        assert [(u.name, u.placement) for u in handle.plan.units] == [
+            (u.name, u.placement) for u in planned.units]
+
+
+def test_plan_page_mode_gives_the_units_the_pager_makes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torchvision
+
+    assert main(["plan", "resnet18", "--budget", "5MiB", "--json"]) == 0
+    planned = Plan.from_dict(json.loads(capsys.readouterr().out))
+    model = torchvision.models.resnet18().eval()
+    with adaptive.page(model, "cpu", unit_bytes="5MiB", resident_bytes=0) as pager:
+        model(torch.randn(1, 3, 224, 224))  # the pager orders its units at the first call
+        assert [(u.name, u.nbytes) for u in pager.plan.units] == [
+            (u.name, u.nbytes) for u in planned.units]

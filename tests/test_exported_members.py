@@ -18,8 +18,19 @@ def test_the_adaptive_namespace_exports_the_designed_api() -> None:
         "AdaptmemError", "BatchsizeCache", "Chunker", "GlobalBatchsizeCache", "LoadError",
         "NoBatchsizeCache", "OutOfMemoryError", "Pager", "Plan", "PlacementError", "Splitter",
         "StacktraceMemoryBatchsizeCache", "batch", "chunk", "chunked", "cpu_memory",
-        "empty_model", "execute", "explicit", "get_default_cache", "is_oom", "load", "page",
-        "plan", "range", "set_default_cache", "split",
+        "empty_model", "execute", "explicit", "get_default_cache", "is_oom", "load",
+        "memory_stats", "page", "plan", "range", "set_default_cache", "spill", "split",
     ])
     for name in adaptive.__all__:
         assert getattr(adaptive, name) is not None, name
+
+
+def test_the_testing_module_exports_its_test_doubles() -> None:
+    import adaptmem.testing as testing
+
+    assert sorted(testing.__all__) == sorted([
+        "MemoryCeiling", "OOM_KINDS", "SimulatedCuda", "SimulatedCudaError", "StreamRaceError",
+        "make_oom", "raise_oom", "simulated_cuda",
+    ])
+    for name in testing.__all__:
+        assert getattr(testing, name) is not None, name

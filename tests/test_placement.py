@@ -9,6 +9,9 @@ rounding weights and activations through 50-100 layers compounds that to a few p
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import pytest
 import torch
 import torchvision
@@ -17,8 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import HeadFirst
 from strategies import (
+    DIM,
     SPLIT_WIDTH,
     build_tree_for_split,
+    module_trees,
     module_trees_for_split,
     split_placements,
 )
@@ -44,7 +49,8 @@ class NoMixedDtypes(TorchFunctionMode):
         kwargs = kwargs or {}
         dtypes = {x.dtype for x in pytree.tree_leaves((args, kwargs))
                   if isinstance(x, torch.Tensor) and x.is_floating_point()}
-        if len(dtypes) > 1 and func is not torch.Tensor.to:
+        # Tensor.to converts; setting .data is placement at a first call, not compute.
+        if len(dtypes) > 1 and func is not torch.Tensor.to and func.__name__ != "__set__":
             raise AssertionError(f"{func} mixes {sorted(map(str, dtypes))}")
         return func(*args, **kwargs)
 
@@ -632,3 +638,519 @@ def test_a_bad_device_map_fails_at_split_not_at_the_first_forward() -> None:
     splitter = adaptive.split(model, {"cpu": None}, device_map={"0": "cpu", "1": "cpu"})
     assert splitter.device_map == {"0": "cpu", "1": "cpu"}  # known before the first call
     splitter.remove()
+
+
+# -- what placement must never do to a model or to the caller's objects ---------------------
+
+
+class TwoNames(nn.Module):
+    """``a`` is also ``b.0`` and ``layers[0]``; ``c.weight`` is tied to ``b.1.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Sequential(self.a, nn.Linear(8, 8))
+        self.layers = nn.ModuleList([self.a])
+        self.c = nn.Linear(8, 8)
+        self.c.weight = self.b[1].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(x))
+
+
+def identities(model: nn.Module) -> dict[str, int]:
+    return {k: id(v) for k, v in model.state_dict(keep_vars=True).items()}
+
+
+@pytest.mark.parametrize("how", ["split", "chunk_bf16", "first_call"])
+def test_a_module_or_tensor_under_several_names_keeps_its_weights_and_remove_restores_them(
+    how: str,
+) -> None:
+    torch.manual_seed(0)
+    model = TwoNames().eval()
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    before, ids = snapshot(model), identities(model)
+    if how == "split":
+        handle = adaptive.split(model, {"cpu": None}, example_inputs=x)
+    elif how == "chunk_bf16":
+        handle = adaptive.chunk(model, "cpu", capacity=(8 * 8 + 8) * 2, dtype=torch.bfloat16,
+                                example_inputs=x)
+    else:
+        handle = adaptive.split(model, {"cpu@float64": (8 * 8 + 8) * 8, "cpu": None})
+    assert not any(t.is_meta for t in model.state_dict().values())
+    with torch.no_grad():
+        out = model(x)
+    if how == "chunk_bf16":
+        assert rel_err(out, ref) < BF16_RTOL
+    else:
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-6)
+    handle.remove()
+    assert_bitwise(model, before)
+    assert identities(model) == ids
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=module_trees(), placements=split_placements(), seed=st.integers(0, 2**16))
+def test_random_trees_with_shared_modules_keep_every_tensor_through_placement_and_remove(
+    model: nn.Module, placements: list[tuple[torch.dtype, float]], seed: int
+) -> None:
+    """Trees from the paging strategy: a module under two names called through both, a
+    module called twice, parents reading a child's weight, own parameters and buffers."""
+    torch.manual_seed(seed)
+    x = torch.randn(3, DIM)
+    with torch.no_grad():
+        ref = model(x)
+    before, ids = snapshot(model), identities(model)
+    total = module_sizes(model).total_bytes
+    devices: dict[object, object] = {("cpu", dt): int(share * total) for dt, share in placements}
+    devices["cpu"] = None
+    with adaptive.split(model, devices):
+        with torch.no_grad():
+            out = model(x)  # placed at this call
+        assert not any(t.is_meta for t in model.state_dict().values())
+        if ref.norm() > 0:
+            assert rel_err(out, ref) < BF16_RTOL
+    assert_bitwise(model, before)
+    assert identities(model) == ids
+
+
+class CachesAnchors(nn.Module):
+    """Builds a tensor from its own state at the first forward and keeps it (anchor caches),
+    and rebinds a buffer to a new tensor on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("base", torch.randn(4))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.anchors: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.anchors is None:
+            self.anchors = self.base * 2
+        self.calls = self.calls + 1
+        return self.lin(x) + self.anchors
+
+
+def test_tensors_the_model_keeps_from_the_recorded_forward_leave_no_trace() -> None:
+    torch.manual_seed(0)
+    model = CachesAnchors().eval()
+    twin = CachesAnchors().eval()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(2, 4)
+    splitter = adaptive.split(model, {"cpu@float64": 16 * 8, "cpu": None}, example_inputs=x)
+    assert model.anchors is None and int(model.calls) == 0  # the recording ran on a copy
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.allclose(model(x), twin(x))
+    assert not model.anchors.is_meta and int(model.calls) == 2
+    splitter.remove()
+    assert int(model.calls) == 2 and model.calls.dtype == torch.long
+
+
+class WritesIntoCache(nn.Module):
+    """Appends what each layer computes to a cache object the caller passes (like a
+    Hugging Face ``DynamicCache``)."""
+
+    class Cache:
+        def __init__(self) -> None:
+            self.entries: list[torch.Tensor] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, cache: WritesIntoCache.Cache) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            cache.entries.append(x)
+        return x
+
+
+@pytest.mark.parametrize("with_example_inputs", [False, True])
+def test_objects_the_caller_passes_get_nothing_from_the_recorded_forward(
+    with_example_inputs: bool,
+) -> None:
+    torch.manual_seed(0)
+    model = WritesIntoCache().eval()
+    x = torch.randn(1, 4)
+    cache = WritesIntoCache.Cache()
+    example = (x, cache) if with_example_inputs else None
+    with adaptive.split(model, {"cpu@float64": 20 * 8, "cpu": None}, example_inputs=example):
+        assert cache.entries == []
+        fresh = WritesIntoCache.Cache()
+        with torch.no_grad():
+            model(x, fresh)  # the first call places the model when no example was given
+        assert len(fresh.entries) == 3 and not any(t.is_meta for t in fresh.entries)
+        assert cache.entries == []
+
+
+class StepCounter(nn.Module):
+    """Cannot run on meta (``.item()``); advances an int step and a float running sum, and
+    draws random numbers, on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        self.total += x.sum(0)
+        noise = torch.rand(()) if self.step.item() % 2 else torch.zeros(())
+        return self.lin(x) * self.step + self.total + noise
+
+
+def test_a_model_recorded_for_real_keeps_its_buffers_and_random_state(
+    adaptmem_log: pytest.LogCaptureFixture,
+) -> None:
+    torch.manual_seed(0)
+    model = StepCounter().eval()
+    twin = StepCounter().eval()
+    twin.load_state_dict(model.state_dict())
+    xs = [torch.randn(2, 4) for _ in range(3)]
+    rng = torch.get_rng_state()
+    splitter = adaptive.split(model, {"cpu@float64": 20 * 8, "cpu": None},
+                              example_inputs=xs[0])
+    assert "recording a real forward" in adaptmem_log.text
+    assert torch.equal(torch.get_rng_state(), rng)
+    # The real forward ran on a copy of the buffers.
+    assert int(model.step) == 0 and torch.equal(model.total, torch.zeros(4, dtype=torch.float64))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        placed = [model(x) for x in xs]
+    torch.manual_seed(1)
+    with torch.no_grad():
+        unplaced = [twin(x) for x in xs]
+    for a, b in zip(placed, unplaced, strict=True):
+        assert torch.allclose(a, b, rtol=1e-6)
+    splitter.remove()
+    assert model.step.dtype == torch.long and model.total.dtype == torch.float32
+    assert int(model.step) == int(twin.step) == 3
+    assert torch.allclose(model.total, twin.total)
+    before = snapshot(model)
+    adaptive.split(model, {"cpu": None}, example_inputs=xs[0]).remove()
+    assert_bitwise(model, before)
+
+
+def test_a_model_that_cannot_be_copied_for_recording_is_refused_clearly() -> None:
+    import threading
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    model.lock = threading.Lock()  # type: ignore[assignment]
+    before = snapshot(model)
+    with pytest.raises(adaptive.PlacementError, match="deep-copied.*lock"):
+        adaptive.split(model, {"cpu": None}, example_inputs=torch.randn(1, 4))
+    assert_bitwise(model, before)
+    assert not model._forward_pre_hooks
+
+
+# -- ties whose owner never runs (T5's layout) ------------------------------------------------
+
+
+class SharedEmbedding(nn.Module):
+    """T5's layout: ``shared`` owns the embedding, ``emb`` and ``head`` use it; ``shared``
+    itself is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(1000, 16)
+        self.emb = nn.Embedding(1000, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 1000, bias=False)
+        self.emb.weight = self.shared.weight
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)))
+
+
+@pytest.mark.parametrize("capacity", [10_000, 40_000])
+def test_a_tied_weight_whose_owner_is_never_called_is_placed_with_its_users(
+    capacity: int,
+) -> None:
+    torch.manual_seed(0)
+    model = SharedEmbedding().eval()
+    ids = torch.randint(0, 1000, (2, 5))
+    with torch.no_grad():
+        ref = model(ids)
+    before = snapshot(model)
+    with adaptive.chunk(model, "cpu", capacity=capacity, dtype=torch.bfloat16) as chunker:
+        with torch.no_grad():
+            first = model(ids)  # placed at this call
+        with torch.no_grad(), NoMixedDtypes():
+            out = model(ids)
+        assert torch.equal(first, out) and rel_err(out, ref) < BF16_RTOL
+        resident = capacity >= 1000 * 16 * 2
+        assert model.shared.weight.dtype == (torch.bfloat16 if resident else torch.float32)
+        owner = next(u for u in chunker.plan.units if "shared.weight" in u.tensors)
+        assert owner.module == "emb"  # the first unit that runs with it owns it
+        places = {u.module: u.placement for u in chunker.plan.units}
+        assert places["emb"] == places["head"] == places["shared"]
+    assert_bitwise(model, before)
+
+
+# -- plan and split agree ---------------------------------------------------------------------
+
+
+class WithAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.out(self.attn(h, h, h, need_weights=False)[0])
+
+
+def test_plan_counts_bytes_in_the_dtype_of_each_device_key_and_takes_a_list() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    layer_bf16 = (64 * 64 + 64) * 2
+    for key in ("cpu@bfloat16", ("cpu", torch.bfloat16)):
+        p = adaptive.plan(model, devices={key: layer_bf16, "cpu": None})
+        assert p.device_map == {"0": "cpu@bfloat16", "1": "cpu"}
+        assert p.options["placed_bytes"]["cpu@bfloat16"] == layer_bf16
+    assert adaptive.plan(model, devices=["cpu"]).device_map == {"": "cpu"}
+    # Devices are named, not probed: plan for a machine you are not on.
+    assert adaptive.plan(model, devices={"cuda:3": None}).device_map == {"": "cuda:3"}
+    with pytest.raises(ValueError, match="not a device name"):
+        adaptive.plan(model, devices={"warp:0": None})
+    if not torch.cuda.is_available():  # "auto" reads the device's free memory
+        with pytest.raises(ValueError, match="capacity 'auto'.*give bytes, e.g. {'cuda:0': '20GiB'}"):
+            adaptive.plan(model, devices=["cuda:0"])
+    with pytest.raises(TypeError, match="unit_bytes"):
+        adaptive.plan(model, devices=["cpu"], unit_bytes=10)
+
+
+def test_plan_and_split_give_the_same_map_and_split_takes_the_plans_map() -> None:
+    torch.manual_seed(0)
+    model = WithAttention().eval()
+    x = torch.randn(2, 3, 16)
+    sizes = module_sizes(model)
+    for cap in range(0, sizes.total_bytes // 2, sizes.total_bytes // 12):
+        devices = {"cpu@bfloat16": cap, "cpu": None}
+        planned = adaptive.plan(model, devices=devices, example_inputs=x)
+        assert "attn.in_proj_weight" not in planned.device_map  # attention stays whole
+        with adaptive.split(model, devices, example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+        with adaptive.split(model, devices, device_map=planned.device_map,
+                            example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+
+
+def small_maxvit() -> nn.Module:
+    from torchvision.models.maxvit import MaxVit
+
+    return MaxVit(input_size=(32, 32), stem_channels=16, partition_size=2,
+                  block_channels=[16, 32], block_layers=[1, 1], head_dim=8,
+                  stochastic_depth_prob=0.0)
+
+
+@pytest.mark.parametrize("name", ["swin_t", "maxvit"])
+def test_windowed_attention_blocks_are_kept_whole_by_plan_as_by_split(name: str) -> None:
+    torch.manual_seed(0)
+    if name == "swin_t":
+        model, x = torchvision.models.swin_t(weights=None).eval(), torch.randn(1, 3, 64, 64)
+    else:
+        model, x = small_maxvit().eval(), torch.randn(1, 3, 32, 32)
+    total = module_sizes(model).total_bytes
+    for share in (0.25,):
+        devices = {"cpu@bfloat16": int(share * total / 2), "cpu": None}
+        planned = adaptive.plan(model, devices=devices, example_inputs=x.to("meta"))
+        with adaptive.split(model, devices, example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+        # split takes the plan's map: it splits no block whose weights are read together.
+        with adaptive.split(model, devices, device_map=planned.device_map,
+                            example_inputs=x) as splitter:
+            assert splitter.device_map == planned.device_map
+            with torch.no_grad(), NoMixedDtypes():
+                model(x)
+
+
+@pytest.mark.parametrize("engine", ["split", "page"])
+def test_plan_of_a_model_an_engine_holds_records_without_its_hooks(engine: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    x = torch.randn(1, 4)
+    devices = {"cpu@bfloat16": 40, "cpu": None}
+    expected = adaptive.plan(model, devices=devices, example_inputs=x).device_map
+    handle = (adaptive.split(model, devices, example_inputs=x) if engine == "split"
+              else adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0))
+    with handle, torch.no_grad():
+        out = model(x)
+        assert adaptive.plan(model, devices=devices, example_inputs=x).device_map == expected
+        assert torch.equal(model(x), out)
+
+
+def test_device_map_before_the_first_call_says_how_to_get_one() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    with adaptive.split(model, {"cpu@bfloat16": 40, "cpu": None}) as splitter:
+        with pytest.raises(adaptive.PlacementError, match="example_inputs=.*adaptive.plan"):
+            splitter.device_map  # noqa: B018
+        with torch.no_grad():
+            model(torch.randn(1, 4))
+        assert splitter.device_map == {"0": "cpu@bfloat16", "1": "cpu"}
+
+
+# -- acceptance: the paging zoo and Hugging Face models, placed at the first call -------------
+
+
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                      n_positions=32, bos_token_id=0, eos_token_id=1,
+                                      pad_token_id=0))
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, vocab_size=100,
+                                        max_position_embeddings=64, bos_token_id=0,
+                                        eos_token_id=1, pad_token_id=0))
+
+
+def _hf_t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    # T5's layout: `shared` is tied to both embed_tokens and lm_head and never called.
+    return T5ForConditionalGeneration(T5Config(d_model=32, d_ff=64, d_kv=16, num_layers=2,
+                                               num_heads=2, vocab_size=100,
+                                               decoder_start_token_id=0, pad_token_id=0,
+                                               eos_token_id=1))
+
+
+HF = {"hf_gpt2": _hf_gpt2, "hf_llama": _hf_llama, "hf_t5": _hf_t5}
+
+
+def _zoo_case(name: str) -> tuple[nn.Module, tuple[object, ...], dict[str, object]]:
+    if name in HF:
+        torch.manual_seed(0)
+        model = HF[name]().eval()
+        ids = torch.randint(2, 100, (2, 6))
+        kwargs: dict[str, object] = {"input_ids": ids}
+        if name == "hf_t5":
+            kwargs["decoder_input_ids"] = torch.randint(2, 100, (2, 3))
+        return model, (), kwargs
+    from test_paging import ZOO
+
+    model, args, kwargs = ZOO[name]()
+    for p in model.parameters():  # torchvision zero-initialises some heads: all-zero outputs
+        if p.is_floating_point() and not p.any():
+            nn.init.normal_(p, std=0.05)
+    return model, args, kwargs
+
+
+def _logits(out: object) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    return out["logits"]  # type: ignore[index,return-value]
+
+
+def _zoo_cases() -> list[tuple[str, str]]:
+    from test_paging import ZOO
+
+    # chunk is split over {device@dtype: capacity, "cpu": None}: the same code, so it runs on
+    # the cheap models only, the first calls inside generate() among them.
+    return [(name, "split") for name in [*ZOO, *HF]] + [(name, "chunk") for name in HF]
+
+
+@pytest.fixture
+def one_thread() -> Any:
+    """Tiny forwards: on a busy 2-core machine thread hand-offs cost more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("name", "engine"), _zoo_cases())
+def test_zoo_and_hugging_face_models_placed_at_the_first_call_match_and_restore(
+    name: str, engine: str, one_thread: None
+) -> None:
+    """Every model of the paging zoo plus GPT-2, LLaMA and T5 configs: placed at the first
+    call (``generate``'s, for the Hugging Face models), with a float64 prefix standing in
+    for a second device (the outputs match the float32 model to rounding), the same map as
+    ``adaptive.plan``, and ``remove()`` giving every tensor back bitwise, same objects."""
+    model, args, kwargs = _zoo_case(name)
+    with torch.no_grad():
+        ref = _logits(model(*args, **kwargs))
+    generate = dict(max_new_tokens=3, do_sample=False)
+    ref_tokens = model.generate(kwargs["input_ids"], **generate) if name in HF else None
+    before, ids = snapshot(model), identities(model)
+    total = module_sizes(model).total_bytes
+    devices = {"cpu@float64": total, "cpu": None}  # about half the model, in float64 bytes
+    example = args[0] if args else kwargs
+    planned = adaptive.plan(model, devices=devices, example_inputs=example)
+    if engine == "split":
+        handle = adaptive.split(model, devices)
+    else:
+        handle = adaptive.chunk(model, "cpu", capacity=total, dtype=torch.float64)
+    # T5's layer norm computes in float32 whatever its input (and converts back only to half
+    # types): its own code mixes float32 with a float64 input, placed or not.
+    strict = NoMixedDtypes() if name != "hf_t5" else contextlib.nullcontext()
+    with handle, torch.no_grad(), strict:
+        if ref_tokens is not None:  # generate makes the first call, with its own cache
+            assert torch.equal(model.generate(kwargs["input_ids"], **generate), ref_tokens)
+            assert torch.equal(model.generate(kwargs["input_ids"], **generate), ref_tokens)
+        out = _logits(model(*args, **kwargs))
+        assert out.dtype == ref.dtype and rel_err(out, ref) < 1e-5
+        placed = handle.plan.options["placed_bytes"]
+        assert 0 < placed["cpu@float64"] <= total and placed["cpu"] > 0
+        if name != "hf_t5":
+            assert handle.device_map == planned.device_map
+        # else: generate's first call to T5 passes encoder_outputs, so that forward (which
+        # decides the placement) runs only the decoder; the plan's example ran both.
+    assert_bitwise(model, before)
+    assert identities(model) == ids
+
+
+def test_t5_chunked_in_bfloat16_generates_and_matches() -> None:
+    """T5's ``shared`` embedding (tied to both ``embed_tokens`` and ``lm_head``, never called)
+    goes with its first user, so a bfloat16 prefix computes in one dtype."""
+    model, _, kwargs = _zoo_case("hf_t5")
+    with torch.no_grad():
+        ref = model(**kwargs).logits
+    total = module_sizes(model).total_bytes
+    with adaptive.chunk(model, "cpu", capacity=total // 4, dtype=torch.bfloat16,
+                        example_inputs=kwargs) as chunker:
+        places = {u.module: u.placement for u in chunker.plan.units}
+        assert places["shared"] == places["encoder.embed_tokens"] == places["lm_head"]
+        assert model.shared.weight.dtype == torch.bfloat16
+        tokens = model.generate(kwargs["input_ids"], max_new_tokens=3, do_sample=False)
+        assert tokens.shape == (2, 4)
+        with torch.no_grad():
+            assert rel_err(model(**kwargs).logits, ref) < BF16_RTOL
+
+
+def test_a_tie_that_would_overflow_a_device_moves_on_to_the_next_instead_of_failing() -> None:
+    """A buffer placed first (32 B) is also the buffer of a later module (136 B more): that
+    module must follow it, so the first device's prefix ends before the tie (150 B)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(8, 8)
+            self.bn = nn.BatchNorm1d(8)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+            self.bn.register_buffer("scale", self.scale)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.emb(x) * self.scale)
+
+    model = Tied().eval()
+    x = torch.randn(4, 8)
+    expected = model(x)
+    plan = adaptive.plan(model, devices={"cpu@float64": 150, "cpu": None}, example_inputs=x)
+    assert plan.options["placed_bytes"]["cpu@float64"] <= 150
+    with adaptive.split(model, {"cpu@float64": 150, "cpu": None}, example_inputs=x) as s:
+        assert s.device_map == plan.device_map
+        torch.testing.assert_close(model(x), expected)

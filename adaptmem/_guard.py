@@ -1,0 +1,211 @@
+"""What a placed model refuses: being copied or pickled whole, and dtype or device
+conversions made behind its engine's back. Used by the Pager, Chunker and Splitter alike.
+
+[Note: a placed model is neither copied nor converted]
+While an engine holds a model, its tensors are the engine's (paged host masters, device
+copies, copies in another dtype) and its hooks are the engine's bound methods.
+
+- ``copy.deepcopy(model)`` and ``torch.save(model)`` reach the engine through those hooks;
+  the engine refuses to be copied or pickled, with an error naming ``remove()``. A copy
+  would hold the placed tensors, not the model's own, and hooks tied to the original; and
+  since pickling reaches the hooks only after the model's own parameters, no hook can make
+  the copy what ``remove()`` would give.
+- ``model.half()``, ``.float()``, ``.to(...)``, ``.cuda()``, ``.cpu()`` go through
+  ``nn.Module._apply``, which no hook sees: it points each parameter at a converted copy and
+  registers a new object for each converted buffer (catching it at the call would mean
+  patching the module, which placement never does). The engine checks at every outermost
+  call, before doing anything, that every tensor it placed is still registered and still
+  has the dtype and device it gave it; if not, the call raises a ``PlacementError`` and
+  nothing runs. ``remove()`` registers the original objects again and restores every
+  tensor bitwise, as it was before placement; the conversion is dropped with the rest.
+  An object the forward itself registers in place of one of the engine's (dynamic RoPE
+  re-registers ``inv_freq``; ``self.steps = self.steps + 1`` reassigns a buffer) is the
+  model's own state: it is accepted at the end of that call, checked from then on, and
+  kept by ``remove()``, in the dtype and device of the object it replaced.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from ._errors import PlacementError
+
+__all__ = ["NotCopyable", "PlacementGuard"]
+
+
+class NotCopyable:
+    """An engine handle: refuses ``copy.deepcopy`` and pickling, and so does a model whose
+    hooks it holds. See [Note: a placed model is neither copied nor converted]."""
+
+    _engine = "adaptmem"  # the function that made the handle, for messages
+    _handle = "handle"  # what users call the handle
+
+    def _refuse_copy(self) -> NoReturn:
+        raise PlacementError(
+            f"cannot copy or pickle a model while {self._engine} holds it (copy.deepcopy, "
+            f"torch.save of the whole model): its tensors are the placed ones and its hooks "
+            f"belong to this {type(self).__name__}. Call {self._handle}.remove() first (the "
+            f"model is then exactly as before), copy or save it, and place it again"
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:
+        self._refuse_copy()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        self._refuse_copy()
+
+
+class PlacementGuard:
+    """Where each placed tensor is registered and what it should hold between calls.
+
+    ``expect`` records the data each tensor holds at rest; ``check`` (at every outermost
+    call) raises if a registered object was replaced or a tensor's dtype or device changed;
+    ``put_back`` (in ``remove()``) undoes both, before the engine restores its tensors, and
+    ``release`` then drops what it held.
+    """
+
+    __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
+                 "_registered", "_kinds", "_homes", "_adopted", "_passed", "_data", "_engine",
+                 "_handle")
+
+    def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
+                 handle: str) -> None:
+        self._engine, self._handle = engine, handle
+        self._names = list(tensors)
+        self._tensors = list(tensors.values())
+        # Every registration: a tensor registered under two names is checked under both.
+        where = {id(t): n for n, t in tensors.items()}
+        self._registries: list[dict[str, Any]] = []
+        self._attrs: list[str] = []
+        self._registered: list[torch.Tensor | None] = []
+        self._kinds: list[str] = []
+        self._homes: list[tuple[torch.dtype, torch.device]] = []  # as before placement
+        for prefix, module in model.named_modules():
+            for registry, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
+                for attr, t in registry.items():
+                    if t is not None and id(t) in where:
+                        self._registries.append(registry)
+                        self._attrs.append(attr)
+                        self._registered.append(t)
+                        self._kinds.append(f"{kind} {prefix + '.' if prefix else ''}{attr}")
+                        self._homes.append((t.dtype, t.device))
+        # Registrations whose object a forward replaced: index -> (dtype, device) it had.
+        self._adopted: dict[int, tuple[torch.dtype, int]] = {}
+        self._passed = False  # the last check passed: the call that followed really ran
+        self.expect({n: t.data for n, t in tensors.items()})
+
+    def expect(self, data: Mapping[str, torch.Tensor]) -> None:
+        """The data each tensor holds at rest from now on (kept to put it back)."""
+        self._data = {n: data[n] for n in self._names}
+        self._dtypes = [d.dtype for d in self._data.values()]
+        self._devices = [d.get_device() for d in self._data.values()]
+
+    def check(self) -> None:
+        """Raise ``PlacementError`` if a tensor was replaced or converted since placement."""
+        # One pass per property in C (map), not a Python loop: this runs at every call.
+        if (list(map(_dtype_of, self._tensors)) != self._dtypes
+                or list(map(_device_of, self._tensors)) != self._devices
+                or not all(map(operator.is_, map(dict.get, self._registries, self._attrs),
+                               self._registered))
+                or (self._adopted and self._adopted_changed() is not None)):
+            self._passed = False
+            self._refuse()
+        self._passed = True
+
+    def _adopted_changed(self) -> int | None:
+        for i, (dtype, device) in self._adopted.items():
+            t = self._registered[i]
+            if t is not None and (t.dtype is not dtype or t.get_device() != device):
+                return i
+        return None
+
+    def adopt_replacements(self) -> None:
+        """At the end of an outermost call: objects the forward itself registered in place of
+        the engine's (a buffer re-registered, as dynamic RoPE does, or reassigned, as in
+        ``self.steps = self.steps + 1``) are the model's own state, checked as they are from
+        now on and kept by ``remove()``. After a refused call, nothing is adopted."""
+        passed, self._passed = self._passed, False
+        if not passed or all(map(operator.is_, map(dict.get, self._registries, self._attrs),
+                   self._registered)):
+            return
+        for i, (registry, attr) in enumerate(zip(self._registries, self._attrs, strict=True)):
+            now = registry.get(attr)
+            if now is not self._registered[i]:
+                self._registered[i] = now  # None: deleted, nothing left to check there
+                if now is not None:
+                    self._adopted[i] = (now.dtype, now.get_device())
+
+    def _refuse(self) -> NoReturn:
+        what = "a tensor changed"
+        for registry, attr, t, label in zip(self._registries, self._attrs, self._registered,
+                                            self._kinds, strict=True):
+            if registry.get(attr) is not t:
+                what = (f"{label} was replaced by another object (a dtype or device "
+                        f"conversion, or an assignment)")
+                break
+        changed = self._adopted_changed()
+        if changed is not None:
+            t = self._registered[changed]
+            what = f"{self._kinds[changed]} is now {t.dtype} on {t.device}"  # type: ignore[union-attr]
+        for name, t, placed in zip(self._names, self._tensors, self._data.values(),
+                                   strict=True):
+            if t.dtype is not placed.dtype or t.get_device() != placed.get_device():
+                what = (f"{name!r} is {t.dtype} on {t.device}, but {self._engine} placed it "
+                        f"as {placed.dtype} on {placed.device}")
+                break
+        raise PlacementError(
+            f"{what} while {self._engine} holds the model: model.half(), .float(), .to(), "
+            f".cuda() and .cpu() are not followed by a placed model, so this call did not "
+            f"run. Call {self._handle}.remove() first (it restores every tensor as it was "
+            f"before placement), then convert the model and place it again"
+        )
+
+    def put_back(self) -> None:
+        """Register the original objects again and point every converted tensor back at
+        the data it held at rest. Objects a forward registered are kept, in the dtype and
+        device the object they replaced had before placement."""
+        for i, (registry, attr, t) in enumerate(zip(self._registries, self._attrs,
+                                                    self._registered, strict=True)):
+            if t is None:
+                continue
+            if i in self._adopted:
+                dtype, device = self._homes[i]
+                want = dtype if t.is_floating_point() and dtype.is_floating_point else t.dtype
+                if t.dtype != want or t.device != device:
+                    with torch.no_grad():
+                        moved = t.to(device=device, dtype=want)
+                    t = (nn.Parameter(moved, requires_grad=t.requires_grad)
+                         if isinstance(t, nn.Parameter) else moved)
+            if registry.get(attr) is not t:
+                registry[attr] = t
+        for t, data in zip(self._tensors, self._data.values(), strict=True):
+            if (t.dtype is not data.dtype or t.get_device() != data.get_device()
+                    or t.is_meta != data.is_meta):
+                _point_at(t, data)
+
+    def release(self) -> None:
+        """Forget everything (at the end of ``remove()``): no checks, no data kept alive."""
+        self._names, self._tensors, self._dtypes, self._devices = [], [], [], []
+        self._registries, self._attrs, self._registered, self._kinds = [], [], [], []
+        self._homes = []
+        self._adopted, self._data = {}, {}
+
+
+_dtype_of = operator.attrgetter("dtype")
+_device_of = torch.Tensor.get_device
+
+
+def _point_at(t: torch.Tensor, data: torch.Tensor) -> None:
+    """``t.data = data``, also across the meta device (which ``set_data`` cannot cross)."""
+    with torch.no_grad():
+        if t.is_meta == data.is_meta:
+            t.data = data
+            return
+        new = (nn.Parameter(data, requires_grad=t.requires_grad)
+               if isinstance(t, nn.Parameter) else data)
+        torch.utils.swap_tensors(t, new)

@@ -1,0 +1,274 @@
+"""The recorded forward: one run of a model that shows what placement needs to know.
+
+[Note: recording on a copy]
+Placement learns from one forward: the order modules first run in, which module's own code
+hands which tensor to a torch function, and which outputs a caller combines with other
+tensors. That forward must leave no trace, on the model or on anything the caller passed:
+models build tensors from their own state and keep them (anchor caches), callers pass
+objects the forward writes into (a Hugging Face ``DynamicCache``), buffers count steps.
+So it never runs on the model itself. It runs on a deep copy of the model and of the
+inputs, made while ``_CopyTensors`` turns every tensor the copy meets into a meta tensor
+of the same shape, dtype and strides: the copy costs no tensor memory, and ties (a tensor
+or module reachable under several names) stay ties, because deepcopy's memo maps each
+object once. Only a model that cannot run on meta (data-dependent control flow, ``.item()``)
+runs for real, on a copy that shares the parameters (read, never written, in inference) and
+holds copies of the buffers and of everything else; the random number generators of the
+CPU and the model's device are put back afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from ._claims import holder
+from ._errors import PlacementError
+
+__all__ = ["Recording", "canonical_tensors", "record_forward"]
+
+_log = logging.getLogger("adaptmem")
+
+
+@dataclass
+class Recording:
+    """What one forward showed: modules in first-call order, for every tensor the modules
+    whose own code (not a child's) passed it to a torch function, and the modules whose
+    outputs their caller combined with other tensors (see ``_UseRecorder``)."""
+
+    order: list[str]
+    uses: dict[str, set[str]] = field(default_factory=dict)
+    on_meta: bool = True
+    # Modules whose outputs their caller's own code combined with other tensors.
+    combined: set[str] = field(default_factory=set)
+
+
+def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every distinct parameter and buffer under its canonical name (as ``module_sizes``)."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for mod_name, module in model.named_modules():
+        for registry in (module._parameters, module._buffers):
+            for attr, t in registry.items():
+                if t is None or id(t) in seen:
+                    continue
+                seen.add(id(t))
+                out[f"{mod_name}.{attr}" if mod_name else attr] = t
+    return out
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    try:
+        out = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+    except (RuntimeError, NotImplementedError):  # layouts without strides (sparse, ...)
+        out = torch.empty_like(t, device="meta")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(out, requires_grad=t.requires_grad)
+    return out.requires_grad_(t.requires_grad and t.is_floating_point())
+
+
+def _real_copy(t: torch.Tensor) -> torch.Tensor:
+    out = t.detach().clone()
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(out, requires_grad=t.requires_grad)
+    return out
+
+
+class _CopyTensors(TorchFunctionMode):
+    """While ``copy.deepcopy`` runs under it, every tensor is copied by ``make``.
+
+    ``Tensor.__deepcopy__`` reaches a torch-function mode before anything else, and
+    ``Parameter.__deepcopy__`` clones ``self.data``: both are answered here, so no tensor
+    storage is copied unless ``make`` copies it, and non-leaf tensors copy too.
+    """
+
+    def __init__(self, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.make = make
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.Tensor.__deepcopy__ or func is torch.Tensor.clone:
+            return self.make(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def _copy(obj: Any, make: Callable[[torch.Tensor], torch.Tensor],
+          memo: dict[int, Any]) -> Any:
+    with _CopyTensors(make):
+        return copy.deepcopy(obj, memo)
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _drop_hooks_of(model: nn.Module, owners: set[int]) -> None:
+    """Remove from ``model`` (a copy) the hooks that are methods of ``owners``: an engine
+    holding the original must not act on the copy."""
+    for module in model.modules():
+        for attr in _HOOK_DICTS:
+            hooks = getattr(module, attr, None)
+            if not hooks:
+                continue
+            for key, hook in list(hooks.items()):
+                bound = getattr(getattr(hook, "func", hook), "__self__", None)
+                if bound is not None and id(bound) in owners:
+                    del hooks[key]
+
+
+class _UseRecorder(TorchFunctionMode):
+    """Notes which module's own code hands each known tensor to a torch function, and which
+    children's outputs their caller's own code combines with other tensors.
+
+    Outputs of a module with weights are tagged with it, in its caller (the innermost module
+    with weights around it); results of ops on tagged tensors carry the tags on. An op in the
+    caller's own code whose tensor arguments come from more than one source (two children,
+    or a child and anything else) marks those children: their outputs must be handed back
+    to the caller's device. The others can stay where they were computed.
+    """
+
+    def __init__(self, names: dict[int, str], stack: list[str], callers: list[str],
+                 uses: dict[str, set[str]], combined: set[str]):
+        super().__init__()
+        self.names, self.stack, self.callers = names, stack, callers
+        self.uses, self.combined = uses, combined
+        self.tags: dict[int, tuple[str, frozenset[str]]] = {}
+        self.alive: list[torch.Tensor] = []  # keeps ids of tagged tensors from being reused
+
+    def tag(self, obj: Any, caller: str, sources: frozenset[str]) -> None:
+        for leaf in pytree.tree_leaves(obj):
+            if isinstance(leaf, torch.Tensor):
+                self.tags[id(leaf)] = (caller, sources)
+                self.alive.append(leaf)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        if self.stack:
+            for leaf in leaves:
+                name = self.names.get(id(leaf))
+                if name is not None:
+                    self.uses.setdefault(name, set()).add(self.stack[-1])
+        result = func(*args, **kwargs)
+        if self.callers and leaves:
+            caller = self.callers[-1]
+            sources: set[str] = set()
+            other = False
+            for leaf in leaves:
+                tag = self.tags.get(id(leaf))
+                if tag is not None and tag[0] == caller:
+                    sources |= tag[1]
+                else:
+                    other = True
+            if len(leaves) > 1 and len(sources) + other > 1:
+                self.combined |= sources
+            if sources:
+                self.tag(result, caller, frozenset(sources))
+        return result
+
+
+def _run_recorded(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Recording:
+    names = {id(t): n for n, t in canonical_tensors(model).items()}
+    module_names = {id(m): n for n, m in model.named_modules()}
+    weighted = {id(m) for m in model.modules()
+                if next(m.parameters(), None) is not None or next(m.buffers(), None) is not None}
+    order: list[str] = []
+    seen: set[str] = set()
+    stack: list[str] = []
+    callers: list[str] = []  # the innermost modules with weights
+    uses: dict[str, set[str]] = {}
+    combined: set[str] = set()
+    recorder = _UseRecorder(names, stack, callers, uses, combined)
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        name = module_names.get(id(module), "?")
+        if name not in seen:
+            seen.add(name)
+            order.append(name)
+        stack.append(name)
+        if id(module) in weighted:
+            callers.append(name)
+
+    def post(module: nn.Module, _args: Any, out: Any) -> None:
+        if stack:
+            stack.pop()
+        if id(module) in weighted and callers:
+            name = callers.pop()
+            if callers and out is not None:
+                recorder.tag(out, callers[-1], frozenset((name,)))
+
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    try:
+        with torch.no_grad(), recorder:
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return Recording(order, uses, combined=combined)
+
+
+def _rng_devices(device: torch.device) -> tuple[list[int], str]:
+    if device.type in ("cpu", "meta"):
+        return [], "cuda"
+    return [device.index or 0], device.type
+
+
+def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                   keep: Iterable[object] = ()) -> Recording:
+    """Run ``model(*args, **kwargs)`` once, on a copy, to learn execution order, who reads
+    which tensor and which outputs callers combine. See [Note: recording on a copy]: neither
+    the model nor the inputs (nor anything reachable from them) change.
+
+    Args:
+        model: the model; names in the result are its ``named_modules()`` names.
+        args, kwargs: the call's inputs; tensors anywhere in them (inside objects too).
+        keep: objects the copies share instead of copying; their hooks are left off the
+            copy. The engine holding ``model``, if any, is always one of them.
+
+    Raises:
+        PlacementError: the model or the inputs cannot be deep-copied.
+        Exception: what the forward raised, when it fails for real, or on meta for a model
+            with meta tensors (there is nothing real to run instead).
+    """
+    tensors = canonical_tensors(model)
+    home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    engine = holder(model)
+    shared = {id(k): k for k in (*keep, *(() if engine is None else (engine,)))}
+    try:
+        memo: dict[int, Any] = dict(shared)
+        replica, inputs = _copy((model, (args, kwargs)), _meta_like, memo)
+    except Exception as exc:  # noqa: BLE001 - any object deepcopy cannot copy
+        raise PlacementError(
+            f"adaptmem records one forward on a copy of the model and its inputs (so that "
+            f"neither changes), but they cannot be deep-copied: {type(exc).__name__}: {exc}. "
+            f"Make that object deep-copyable, or pass example_inputs that can be copied"
+        ) from exc
+    _drop_hooks_of(replica, set(shared))
+    devices, device_type = _rng_devices(home)
+    with torch.random.fork_rng(devices=devices, device_type=device_type):
+        try:
+            return _run_recorded(replica, *inputs)
+        except Exception as exc:  # noqa: BLE001 - any failure on meta means "run it for real"
+            failure = exc
+        del replica, inputs
+        if any(t.is_meta for t in tensors.values()):
+            raise failure  # nothing real to run instead: the forward's own error says why
+        _log.info("adaptmem: the model cannot run on meta (%s); recording a real forward "
+                  "on a copy that shares its parameters", failure)
+        memo = dict(shared)
+        memo.update({id(p): p for p in model.parameters()})
+        replica, inputs = _copy((model, (args, kwargs)), _real_copy, memo)
+        _drop_hooks_of(replica, set(shared))
+        inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(home), inputs)
+        rec = _run_recorded(replica, *inputs)
+    rec.on_meta = False
+    return rec

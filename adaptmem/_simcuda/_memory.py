@@ -1,0 +1,126 @@
+"""The simulated caching allocator: bytes counted per device, a byte limit, CUDA's OOM text.
+
+A model, not a copy, of CUDA's caching allocator: blocks are rounded up to 512 bytes; when
+the cached (reserved but unused) bytes cannot hold a block, a segment is reserved (2 MiB, or
+the block rounded up to 2 MiB); past the limit the cache is emptied once and the allocation
+tried again, then ``torch.OutOfMemoryError`` is raised with CUDA's message. Fragmentation is
+not modelled: any cached bytes serve any block.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+__all__ = ["Allocator", "round_block"]
+
+_BLOCK = 512
+_SEGMENT = 2 * 1024**2
+
+
+def round_block(nbytes: int) -> int:
+    return 0 if nbytes <= 0 else -(-nbytes // _BLOCK) * _BLOCK
+
+
+def _segment(block: int) -> int:
+    return max(_SEGMENT, -(-block // _SEGMENT) * _SEGMENT)
+
+
+def _format(n: float) -> str:
+    # CUDA's own format_size: bytes, KiB, MiB, GiB with two decimals.
+    if n <= 1024:
+        return f"{int(n)} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.2f} {unit}"
+    raise AssertionError("unreachable")
+
+
+class Allocator:
+    """One simulated device's memory: what is allocated, reserved, and the limit."""
+
+    def __init__(self, index: int, total: int) -> None:
+        self.index = index
+        self.total = total
+        self.fraction = 1.0
+        self.allocated = 0
+        self.peak_allocated = 0
+        self.reserved = 0
+        self.peak_reserved = 0
+        self.num_ooms = 0
+        self.num_allocs = 0
+        self._lock = threading.Lock()
+
+    @property
+    def limit(self) -> int:
+        return int(self.total * self.fraction)
+
+    def allocate(self, nbytes: int) -> int:
+        """Count a block of ``nbytes`` (returns its rounded size) or raise CUDA's OOM."""
+        block = round_block(nbytes)
+        if block == 0:
+            return 0
+        with self._lock:
+            if self.reserved - self.allocated < block:
+                grow = _segment(block)
+                if self.reserved + grow > self.limit:
+                    # Like the real allocator: give cached segments back, then try once more.
+                    self.reserved = self.allocated
+                if self.reserved + grow > self.limit:
+                    self.num_ooms += 1
+                    raise torch.OutOfMemoryError(self._oom_message(block))
+                self.reserved += grow
+                self.peak_reserved = max(self.peak_reserved, self.reserved)
+            self.allocated += block
+            self.num_allocs += 1
+            self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block
+
+    def free(self, block: int) -> None:
+        with self._lock:
+            self.allocated -= block
+
+    def empty_cache(self) -> None:
+        with self._lock:
+            self.reserved = self.allocated
+
+    def reset_peaks(self) -> None:
+        with self._lock:
+            self.peak_allocated = self.allocated
+            self.peak_reserved = self.reserved
+
+    def _oom_message(self, block: int) -> str:
+        free = max(0, self.total - self.reserved)
+        cached = self.reserved - self.allocated
+        allowed = ""
+        if self.fraction < 1.0:
+            allowed = (f" This process has {_format(self.reserved)} memory in use. Process has "
+                       f"{_format(self.limit)} memory allowed (set_per_process_memory_fraction"
+                       f"={self.fraction:g}).")
+        return (
+            f"CUDA out of memory. Tried to allocate {_format(block)}. GPU {self.index} has a "
+            f"total capacity of {_format(self.total)} of which {_format(free)} is free.{allowed} "
+            f"Of the allocated memory {_format(self.allocated)} is allocated by PyTorch, and "
+            f"{_format(cached)} is reserved by PyTorch but unallocated. If reserved but "
+            f"unallocated memory is large try setting "
+            f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See "
+            f"documentation for Memory Management  "
+            f"(https://pytorch.org/docs/stable/notes/cuda.html#environment-variables) "
+            f"[simulated by adaptmem.testing.simulated_cuda]"
+        )
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "allocated_bytes.all.current": self.allocated,
+                "allocated_bytes.all.peak": self.peak_allocated,
+                "active_bytes.all.current": self.allocated,
+                "active_bytes.all.peak": self.peak_allocated,
+                "reserved_bytes.all.current": self.reserved,
+                "reserved_bytes.all.peak": self.peak_reserved,
+                "num_ooms": self.num_ooms,
+                "num_alloc_retries": 0,
+                "allocation.all.allocated": self.num_allocs,
+            }

@@ -1,0 +1,152 @@
+"""``simulated_cuda``: enter and leave a simulation, leaving nothing of torch changed."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+from .._devices import parse_size
+from . import _state, _tensors
+from ._state import SimState
+from ._tensors import Tensors
+from ._torch_cuda import Patches, install
+
+__all__ = ["SimulatedCuda", "SimulatedCudaError", "simulated_cuda"]
+
+
+class SimulatedCudaError(RuntimeError):
+    """Stream misuse the simulation saw and could not raise where it happened (a tensor
+    freed while another stream still used it), raised when the simulation ends."""
+
+
+class SimulatedCuda:
+    """A running simulation (see ``simulated_cuda``)."""
+
+    def __init__(self, devices: int, total_memory: int, bandwidth: float | None) -> None:
+        self.devices = devices
+        self.total_memory = total_memory
+        self.bandwidth = bandwidth
+        self._state: SimState | None = None
+        self._tensors: Tensors | None = None
+        self._patches = Patches()
+
+    @property
+    def problems(self) -> list[str]:
+        """Stream misuse seen so far (also raised as ``SimulatedCudaError`` at exit)."""
+        return list(self._state.problems) if self._state is not None else []
+
+    def __enter__(self) -> SimulatedCuda:
+        if _state._active is not None:
+            raise RuntimeError("simulated_cuda() is already active; simulations do not nest")
+        state = SimState(self.devices, self.total_memory, self.bandwidth)
+        tensors = Tensors(state)
+        _state.set_active(state)
+        _tensors._current = tensors
+        try:
+            install(state, self._patches)
+            _pin_in_loader_threads(tensors, self._patches)
+            tensors.function_mode.__enter__()
+            try:
+                tensors.dispatch_mode.__enter__()
+            except BaseException:
+                tensors.function_mode.__exit__(None, None, None)
+                raise
+        except BaseException:
+            self._patches.undo()
+            _state.set_active(None)
+            _tensors._current = None
+            raise
+        self._state, self._tensors = state, tensors
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        state, tensors = self._state, self._tensors
+        assert state is not None and tensors is not None
+        try:
+            state.synchronize(None)
+            state.stop()
+        finally:
+            try:
+                tensors.dispatch_mode.__exit__(None, None, None)
+            finally:
+                tensors.function_mode.__exit__(None, None, None)
+                tensors.closed = True
+                self._patches.undo()
+                _state.set_active(None)
+                _tensors._current = None
+        if state.problems and exc_type is None:
+            raise SimulatedCudaError(
+                "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))
+
+
+def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:
+    """A DataLoader with ``pin_memory=True`` and workers pins in a thread of its own, where
+    the simulation's modes are not active: there, pinning runs under modes of its own."""
+    from torch.utils.data._utils import pin_memory as loader_pinning
+
+    original = loader_pinning.pin_memory
+
+    def pin_memory(data: Any, device: Any = None) -> Any:
+        with _tensors._Functions(tensors), _tensors._Dispatch(tensors):
+            return original(data, device)
+
+    patches.set(loader_pinning, "pin_memory", pin_memory)
+
+
+def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
+                   bandwidth: float | None = None) -> SimulatedCuda:
+    """A simulated CUDA device: inside ``with simulated_cuda():`` code written for CUDA runs
+    unchanged on the CPU, and outside it nothing of torch is changed.
+
+    Inside the block ``torch.cuda.is_available()`` is True and ``device_count()`` is
+    ``devices``. Tensors on ``cuda``/``cuda:i`` hold real values computed on the CPU and
+    report their CUDA device; mixing them with CPU tensors (0-dim ones aside), or ``cuda:0``
+    with ``cuda:1``, raises CUDA's "Expected all tensors to be on the same device" error.
+    Every allocation counts against ``total_memory`` through a model of the caching
+    allocator (``memory_allocated``, ``memory_reserved``, ``empty_cache``, ``mem_get_info``,
+    ``set_per_process_memory_fraction``); past the limit ``torch.OutOfMemoryError`` is raised
+    with CUDA's message and nothing is allocated. Streams and events work; a copy made with
+    ``non_blocking=True`` from pinned memory completes later on a worker thread (taking
+    ``nbytes / bandwidth`` seconds when ``bandwidth`` in GB/s is given), and reading its
+    destination on a stream that did not wait for it raises ``StreamRaceError``. Freeing a
+    tensor another stream still uses without ``record_stream`` raises
+    ``SimulatedCudaError`` when the block ends.
+
+    Not simulated: kernel speed (ops run at CPU speed), memory fragmentation, real bus
+    behaviour beyond a fixed bandwidth, autograd (every op on simulated tensors runs under
+    ``no_grad``), other threads (the simulation is active in the thread that entered it),
+    ``torch.compile`` and custom CUDA kernels.
+
+    Args:
+        devices: how many devices (``cuda:0`` ...), 1 or more.
+        total_memory: bytes per device (int or a string like ``"16GiB"``).
+        bandwidth: host-to-device link speed in GB/s for asynchronous copies; None copies
+            as fast as the CPU does.
+
+    Returns:
+        A context manager; ``.problems`` lists stream misuse seen so far.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or range.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem.testing import simulated_cuda
+        >>> with simulated_cuda(total_memory="1GiB"):
+        ...     x = torch.ones(4, device="cuda")
+        ...     print(x.device, torch.cuda.memory_allocated(), (x * 2).sum().item())
+        cuda:0 512 8.0
+        >>> torch.cuda.is_available()
+        False
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be an int of 1 or more, got {devices!r}")
+    total = parse_size(total_memory, "total_memory")
+    if total <= 0:
+        raise ValueError(f"total_memory must be more than 0 bytes, got {total_memory!r}")
+    if bandwidth is not None and (isinstance(bandwidth, bool)
+                                  or not isinstance(bandwidth, numbers.Real)
+                                  or not bandwidth > 0):
+        raise ValueError(f"bandwidth must be None or a number of GB/s above 0, got "
+                         f"{bandwidth!r}")
+    return SimulatedCuda(devices, total, None if bandwidth is None else float(bandwidth))

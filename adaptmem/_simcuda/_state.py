@@ -1,0 +1,91 @@
+"""The state of one simulation: its devices, current device and streams, what was reported."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from ._memory import Allocator
+
+__all__ = ["SimState", "active", "set_active"]
+
+logger = logging.getLogger("adaptmem.testing")
+
+_active: SimState | None = None
+
+
+def active() -> SimState:
+    if _active is None:
+        raise RuntimeError("adaptmem.testing.simulated_cuda() is not active: a simulated CUDA "
+                           "object was used outside its `with simulated_cuda():` block")
+    return _active
+
+
+def set_active(state: SimState | None) -> None:
+    global _active
+    _active = state
+
+
+class SimState:
+    def __init__(self, devices: int, total: int, bandwidth: float | None) -> None:
+        from ._streams import SimStream
+
+        self.bandwidth = bandwidth
+        self.allocators = [Allocator(i, total) for i in range(devices)]
+        self.current_device = 0
+        self.streams: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.problems: list[str] = []
+        self.pinned: dict[int, Any] = {}  # host storage data_ptr -> its finalizer
+        self._ids = itertools.count(1)
+        self.lock = threading.Lock()
+        self.default_streams = [SimStream(i, _sim_state=self) for i in range(devices)]
+        self.current_streams = list(self.default_streams)
+
+    def next_stream_id(self) -> int:
+        return next(self._ids)
+
+    def device_index(self, device: Any) -> int:
+        """The simulated device meant by ``device`` (None: the current one)."""
+        if device is None:
+            return self.current_device
+        if isinstance(device, int) and not isinstance(device, bool):
+            index: int | None = device
+        else:
+            if isinstance(device, torch.Stream):
+                return int(device.device_index)
+            dev = torch.device(device)
+            if dev.type != "cuda":
+                raise ValueError(f"Expected a cuda device, but got: {dev}")
+            index = dev.index
+        if index is None:
+            return self.current_device
+        if not 0 <= index < len(self.allocators):
+            raise RuntimeError(
+                f"CUDA error: invalid device ordinal (simulated: cuda:{index} does not exist; "
+                f"simulated_cuda(devices={len(self.allocators)}) has cuda:0 to "
+                f"cuda:{len(self.allocators) - 1})")
+        return index
+
+    def current_stream(self, device: Any) -> Any:
+        return self.current_streams[self.device_index(device)]
+
+    def report(self, message: str) -> None:
+        with self.lock:
+            self.problems.append(message)
+        logger.warning("%s", message)
+
+    def synchronize(self, index: int | None) -> None:
+        for stream in list(self.streams):
+            if index is None or stream.index == index:
+                for job in stream.pending_jobs():
+                    job.done.wait()
+                stream.host_synced()
+
+    def stop(self) -> None:
+        for stream in list(self.streams):
+            stream.stop()

@@ -1,0 +1,262 @@
+"""Simulated streams and events, and the race detector.
+
+Compute runs on the host thread, in order, so a compute stream is always "caught up". What
+runs later is a copy issued with ``non_blocking=True`` from pinned memory: it becomes a job
+on its stream's worker thread (jobs of a stream run in order; with a link bandwidth, each
+takes the time the bus would). A stream that waits for an event (``wait_event``,
+``wait_stream``) learns which jobs of which streams it may now rely on; an op that reads a
+tensor a job still writes, on a stream that did not wait for that job, is a race and raises
+``StreamRaceError``. An op on a stream that did wait blocks until the job is done, which is
+what the GPU's compute stream would do.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["Job", "SimStream", "SimEvent", "StreamRaceError", "check_access"]
+
+
+class StreamRaceError(RuntimeError):
+    """A tensor was used on a stream that did not wait for the copy writing it."""
+
+
+class Job:
+    """One asynchronous copy on a stream: what it does, and when it finished."""
+
+    __slots__ = ("stream", "seq", "fn", "seconds", "deps", "done", "done_at", "what")
+
+    def __init__(self, stream: SimStream, seq: int, fn: Callable[[], None], seconds: float,
+                 deps: list[Job], what: str) -> None:
+        self.stream = stream
+        self.seq = seq
+        self.fn = fn
+        self.seconds = seconds
+        self.deps = deps
+        self.done = threading.Event()
+        self.done_at = 0.0
+        self.what = what
+
+
+class SimStream(torch.Stream):
+    """A simulated ``torch.cuda.Stream`` (a ``torch.Stream``, so ``record_stream`` takes it)."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, **kwargs: Any) -> SimStream:
+        return super().__new__(cls, device="cpu")
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        from . import _state
+
+        state = kwargs.get("_sim_state") or _state.active()
+        self._state = state
+        self.index = state.device_index(device)
+        self._priority = priority
+        self.seq = 0  # jobs enqueued so far
+        self.epoch = 1  # uses by compute since the last host synchronisation are this epoch
+        self.synced_seq = 0  # the host saw jobs up to here complete
+        self.synced_epoch = 0
+        self.waited: dict[SimStream, int] = {}  # stream -> job seq this stream waited for
+        self._last: Job | None = None
+        self._pending_deps: list[Job] = []
+        self._queue: queue.Queue[Job | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._id = state.next_stream_id()
+        state.streams.add(self)
+
+    # -- what torch.cuda.Stream offers ---------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self.index)
+
+    @property
+    def device_index(self) -> int:  # type: ignore[override]
+        return self.index
+
+    @property
+    def device_type(self) -> int:  # type: ignore[override]
+        return 1  # c10::DeviceType::CUDA
+
+    @property
+    def stream_id(self) -> int:  # type: ignore[override]
+        return self._id
+
+    @property
+    def cuda_stream(self) -> int:
+        return self._id
+
+    @property
+    def priority(self) -> int:  # type: ignore[override]
+        return self._priority
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"<simulated torch.cuda.Stream device=cuda:{self.index} id={self._id}>"
+
+    def wait_event(self, event: Any) -> None:  # type: ignore[override]
+        if not isinstance(event, SimEvent) or event.stream is None:
+            return  # an unrecorded event: nothing to wait for, as on CUDA
+        for stream, seq in event.covers.items():
+            if stream is self:
+                continue
+            if self.waited.get(stream, 0) < seq:
+                self.waited[stream] = seq
+        self._pending_deps.extend(j for j in event.jobs if not j.done.is_set())
+
+    def wait_stream(self, stream: Any) -> None:  # type: ignore[override]
+        self.wait_event(_recorded(stream))
+
+    def record_event(self, event: Any = None, stream: Any = None) -> SimEvent:  # type: ignore[override]
+        event = event if event is not None else SimEvent()
+        event.record(self)
+        return event
+
+    def query(self) -> bool:  # type: ignore[override]
+        return self._last is None or self._last.done.is_set()
+
+    def synchronize(self) -> None:  # type: ignore[override]
+        for job in (self._last, *self._pending_deps):
+            if job is not None:
+                job.done.wait()
+        self.host_synced()
+
+    # -- the simulation ------------------------------------------------------------------
+
+    def host_synced(self) -> None:
+        """The host knows everything issued on this stream so far has completed."""
+        self.synced_seq = self.seq
+        self.synced_epoch = self.epoch
+        self.epoch += 1
+        for stream, seq in self.waited.items():
+            if stream.synced_seq < seq:
+                stream.synced_seq = seq
+
+    def enqueue(self, fn: Callable[[], None], nbytes: int, what: str) -> Job:
+        """Run ``fn`` later on this stream's worker, after what the stream waited for."""
+        bandwidth = self._state.bandwidth
+        seconds = nbytes / (bandwidth * 1e9) if bandwidth else 0.0
+        deps, self._pending_deps = self._pending_deps, []
+        self.seq += 1
+        job = Job(self, self.seq, fn, seconds, deps, what)
+        if self._queue is None:
+            self._queue = queue.Queue()
+            self._thread = threading.Thread(target=self._work, args=(self._queue,),
+                                            name=f"simulated-cuda-stream-{self._id}",
+                                            daemon=True)
+            self._thread.start()
+        self._last = job
+        self._queue.put(job)
+        return job
+
+    @staticmethod
+    def _work(jobs: queue.Queue[Job | None]) -> None:
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            for dep in job.deps:
+                dep.done.wait()
+            start = time.perf_counter()
+            try:
+                job.fn()
+            finally:
+                left = start + job.seconds - time.perf_counter()
+                if left > 0:
+                    time.sleep(left)
+                job.done_at = time.perf_counter()
+                job.done.set()
+
+    def pending_jobs(self) -> list[Job]:
+        return [j for j in (self._last, *self._pending_deps) if j is not None]
+
+    def stop(self) -> None:
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = self._thread = None
+
+
+def _recorded(stream: SimStream) -> SimEvent:
+    event = SimEvent()
+    event.record(stream)
+    return event
+
+
+class SimEvent:
+    """A simulated ``torch.cuda.Event``: done when the jobs before it on its stream are."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self.stream: SimStream | None = None
+        self.jobs: tuple[Job, ...] = ()
+        self.covers: dict[SimStream, int] = {}
+        self._recorded_at = 0.0
+
+    def record(self, stream: Any = None) -> None:
+        from . import _state
+
+        stream = stream if stream is not None else _state.active().current_stream(None)
+        self.stream = stream
+        self.jobs = tuple(j for j in stream.pending_jobs() if not j.done.is_set())
+        self.covers = {**stream.waited, stream: stream.seq}
+        self._recorded_at = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        from . import _state
+
+        stream = stream if stream is not None else _state.active().current_stream(None)
+        stream.wait_event(self)
+
+    def query(self) -> bool:
+        return all(j.done.is_set() for j in self.jobs)
+
+    def synchronize(self) -> None:
+        for j in self.jobs:
+            j.done.wait()
+        for stream, seq in self.covers.items():
+            if stream.synced_seq < seq:
+                stream.synced_seq = seq
+
+    @property
+    def time(self) -> float:
+        return max((self._recorded_at, *(j.done_at for j in self.jobs)))
+
+    def elapsed_time(self, end_event: SimEvent) -> float:
+        """Milliseconds from this event to ``end_event`` (negative if it completed first)."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.stream is None or end_event.stream is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.query() and end_event.query()):
+            raise RuntimeError("Both events must be completed before calculating elapsed time.")
+        return (end_event.time - self.time) * 1000.0
+
+    def __repr__(self) -> str:
+        return "<simulated torch.cuda.Event>"
+
+
+def check_access(job: Job, stream: SimStream, what: str) -> None:
+    """An op on ``stream`` uses a tensor ``job`` writes: raise on a race, else wait for it."""
+    writer = job.stream
+    if not (writer is stream or job.seq <= writer.synced_seq
+            or stream.waited.get(writer, 0) >= job.seq):
+        raise StreamRaceError(
+            f"simulated CUDA: {what} was read before its copy completed: the copy was issued "
+            f"with non_blocking=True on {writer!r}, and {stream!r} did not wait for it. On a "
+            f"GPU this reads whatever the memory held (silent garbage). Make the reading "
+            f"stream wait first: stream.wait_stream(copy_stream) or "
+            f"stream.wait_event(event_recorded_after_the_copy)."
+        )
+    job.done.wait()

@@ -1,0 +1,559 @@
+"""Simulated CUDA tensors: a device-``cuda:i`` wrapper over a CPU tensor, and the two modes
+that make torch compute with them.
+
+[Note: how a simulated tensor finds its values]
+A simulated tensor is made with ``_make_wrapper_subclass`` (``device=cuda:i``, no data). Its
+storage object is the key of a table to the CPU tensor holding its values (the "backing")
+and to its allocation ``Record``. Keying by storage rather than by tensor object means
+shallow copies made inside torch (``param.data = t``, ``t.data``, ``nn.Parameter(t)``) find
+their values too, and the allocation is freed when the last tensor using it dies (a
+finalizer on the storage object).
+
+The ``TorchDispatchMode`` sees every aten op: it replaces simulated tensors by their
+backings, refuses what CUDA refuses (CPU and CUDA tensors mixed, two CUDA devices mixed),
+runs the op on the CPU and wraps new results, counting their bytes on the device. The
+``TorchFunctionMode`` handles the Python bindings that would reach the real CUDA runtime
+(``Tensor.to``/``cuda``/``copy_``, factories with ``device=``), ``record_stream``, and runs
+calls that involve simulated tensors under ``no_grad`` (autograd's CUDA bookkeeping would
+abort the process).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ._state import SimState
+from ._streams import SimStream, check_access
+
+__all__ = ["SimTensor", "Tensors", "Record"]
+
+aten = torch.ops.aten
+_CPU = torch.device("cpu")
+_no_torch_function = torch._C.DisableTorchFunction
+
+
+_current: Tensors | None = None  # the running simulation's tensors
+
+
+class SimTensor(torch.Tensor):
+    """A tensor on a simulated CUDA device (its values live in a CPU tensor).
+
+    Its ``__torch_function__`` does what the simulation's TorchFunctionMode does, for calls
+    the mode does not see: those made inside a Python-level torch function (the body of
+    ``F.multi_head_attention_forward`` runs with modes popped)."""
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = False) -> SimTensor:
+        # ``type(param)(data, requires_grad=...)``, as code re-making a parameter does
+        # (``nn.Parameter(t)`` of a simulated tensor is a SimTensor marked as a parameter).
+        out = data.detach()
+        if requires_grad:
+            out.requires_grad_(True)
+        out._is_param = True  # type: ignore[attr-defined]
+        return out  # type: ignore[return-value]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            if _current is None:
+                return func(*args, **kwargs)
+            return _current.function_mode.handle(func, args, kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
+                           kwargs: Any = None) -> Any:
+        raise RuntimeError(
+            f"{func}: a tensor of the simulated CUDA device was used after its "
+            f"`with adaptmem.testing.simulated_cuda():` block ended; move it to the CPU "
+            f"(.cpu()) inside the block")
+
+
+class Record:
+    """One simulated allocation: its device and size, the stream it was allocated on, the
+    streams that used it since, and the copy that still writes it."""
+
+    __slots__ = ("index", "block", "refs", "stream", "used_on", "recorded", "pending")
+
+    def __init__(self, index: int, block: int, stream: SimStream) -> None:
+        self.index = index
+        self.block = block
+        self.refs = 0
+        self.stream = stream
+        self.used_on: dict[SimStream, int] = {}
+        self.recorded: set[SimStream] = set()
+        self.pending: Any = None
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"a tensor of shape {list(t.shape)} ({t.dtype}) on {t.device}"
+
+
+class Tensors:
+    """The tensors of one simulation: the backing table and the two modes."""
+
+    def __init__(self, state: SimState) -> None:
+        self.state = state
+        self.entries: dict[int, tuple[torch.Tensor, Record]] = {}
+        self.devices = [torch.device("cuda", i) for i in range(len(state.allocators))]
+        self.closed = False
+        self.dispatch_mode = _Dispatch(self)
+        self.function_mode = _Functions(self)
+
+    # -- the table -----------------------------------------------------------------------
+
+    def wrap(self, backing: torch.Tensor, record: Record) -> torch.Tensor:
+        w = torch.Tensor._make_wrapper_subclass(
+            SimTensor, backing.shape, strides=backing.stride(),
+            storage_offset=backing.storage_offset(), dtype=backing.dtype,
+            device=self.devices[record.index], requires_grad=False)
+        storage = w.untyped_storage()
+        key = storage._cdata
+        self.entries[key] = (backing, record)
+        record.refs += 1
+        weakref.finalize(storage, self._died, key)
+        return w
+
+    def adopt(self, backing: torch.Tensor, index: int) -> torch.Tensor:
+        """A new allocation on ``cuda:index`` holding ``backing`` (raises CUDA's OOM)."""
+        return self.wrap(backing, self.allocate(backing, index))
+
+    def allocate(self, backing: torch.Tensor, index: int) -> Record:
+        return self.reserve(backing.untyped_storage().nbytes(), index)
+
+    def reserve(self, nbytes: int, index: int) -> Record:
+        block = self.state.allocators[index].allocate(nbytes)
+        return Record(index, block, self.state.current_streams[index])
+
+    def reserve_all(self, sizes: list[int], index: int) -> list[Record]:
+        """Allocations made together: when one does not fit, none is made."""
+        made: list[Record] = []
+        try:
+            for n in sizes:
+                made.append(self.reserve(n, index))
+        except BaseException:
+            for record in made:
+                self.state.allocators[index].free(record.block)
+            raise
+        return made
+
+    def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, Record]:
+        entry = self.entries.get(t.untyped_storage()._cdata)
+        if entry is None:
+            raise RuntimeError(
+                f"simulated CUDA: {_describe(t)} has no values in this simulation (it was "
+                f"made before `with simulated_cuda():` began, or by code the simulation "
+                f"does not see, e.g. with torch functions disabled)")
+        b, record = entry
+        if (t.dtype == b.dtype and t.shape == b.shape and t.stride() == b.stride()
+                and t.storage_offset() == b.storage_offset()):
+            return b, record
+        if t.dtype != b.dtype:
+            b = b.view(t.dtype)
+        return b.as_strided(t.shape, t.stride(), t.storage_offset()), record
+
+    def _died(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is None or self.closed:
+            return
+        record = entry[1]
+        record.refs -= 1
+        if record.refs:
+            return
+        self.state.allocators[record.index].free(record.block)
+        for stream, epoch in record.used_on.items():
+            if stream not in record.recorded and stream.synced_epoch < epoch:
+                self.state.report(
+                    f"simulated CUDA: a {record.block}-byte block allocated on "
+                    f"{record.stream!r} was freed while {stream!r} may still use it (used "
+                    f"there without tensor.record_stream(that stream), and not synchronized "
+                    f"since). On a GPU the allocator can hand it to the next allocation on "
+                    f"{record.stream!r} while {stream!r} still reads or writes it.")
+
+    def use(self, record: Record, stream: SimStream, t: torch.Tensor, op: Any) -> None:
+        """An op on ``stream`` uses ``record``: races raise; cross-stream uses are noted."""
+        job = record.pending
+        if job is not None:
+            if job.seq <= job.stream.synced_seq and job.done.is_set():
+                record.pending = None
+            else:
+                check_access(job, stream, f"{_describe(t)} (an input of {op})")
+        if stream is not record.stream and stream not in record.recorded:
+            record.used_on[stream] = stream.epoch
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        _, record = self.lookup(t)
+        if isinstance(stream, SimStream) and stream is not record.stream:
+            record.recorded.add(stream)
+            record.used_on.pop(stream, None)
+
+    # -- pinned host memory --------------------------------------------------------------
+
+    def pin(self, t: torch.Tensor) -> torch.Tensor:
+        pinned = t.clone(memory_format=torch.preserve_format) if t.dim() else t.clone()
+        ptr = pinned.untyped_storage().data_ptr()
+        table = self.state.pinned
+        table[ptr] = weakref.finalize(pinned, table.pop, ptr, None)
+        return pinned
+
+    def is_pinned(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self.state.pinned
+
+    # -- copies --------------------------------------------------------------------------
+
+    def to_copy(self, x: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        target = kwargs.get("device")
+        if not x.is_cuda and (target is None or target.type != "cuda"):
+            return aten._to_copy.default(x, **kwargs)
+        kwargs = dict(kwargs)
+        target = kwargs.pop("device", None)
+        non_blocking = kwargs.pop("non_blocking", False)
+        pin = kwargs.pop("pin_memory", None)
+        kwargs.pop("layout", None)
+        source = x
+        if x.is_cuda:
+            source, record = self.lookup(x)
+            self.use(record, self.state.current_streams[record.index], x, "to()")
+            if target is None:
+                target = x.device
+        if target is None or target.type != "cuda":
+            out = aten._to_copy.default(source, device=target, **kwargs)
+            return self.pin(out) if pin else out
+        index = self.state.device_index(target)
+        dtype = kwargs.get("dtype") or source.dtype
+        # Counted before the copy is made: an allocation that does not fit costs nothing.
+        record = self.reserve(source.numel() * dtype.itemsize, index)
+        if non_blocking and not x.is_cuda and self.is_pinned(x):
+            dst = torch.empty_like(source, dtype=dtype, memory_format=kwargs.get(
+                "memory_format") or torch.preserve_format)
+            out = self.wrap(dst, record)
+            self._async_copy(dst, source, record)
+            return out
+        return self.wrap(aten._to_copy.default(source, **kwargs), record)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        db, sb = dst, src
+        if src.is_cuda:
+            sb, srec = self.lookup(src)
+            self.use(srec, self.state.current_streams[srec.index], src, "copy_()")
+        if not dst.is_cuda:
+            db.copy_(sb)
+            return dst
+        db, drec = self.lookup(dst)
+        stream = self.state.current_streams[drec.index]
+        self.use(drec, stream, dst, "copy_()")
+        if non_blocking and not src.is_cuda and self.is_pinned(src):
+            self._async_copy(db, sb, drec)
+        else:
+            db.copy_(sb)
+        return dst
+
+    def _async_copy(self, dst: torch.Tensor, src: torch.Tensor, record: Record) -> None:
+        stream = self.state.current_streams[record.index]
+        nbytes = src.numel() * src.element_size()
+        def run() -> None:
+            dst.copy_(src)
+
+        record.pending = stream.enqueue(run, nbytes, "copy")
+        if stream is not record.stream:
+            record.used_on[stream] = stream.epoch
+
+
+def _mixed(a: str, b: str) -> RuntimeError:
+    return RuntimeError(
+        f"Expected all tensors to be on the same device, but found at least two devices, "
+        f"{a} and {b}! (simulated CUDA)")
+
+
+def _cudnn_batch_norm(*args: Any) -> Any:
+    out, mean, invstd = aten.native_batch_norm.default(*args)
+    return out, mean, invstd, torch.empty(0, dtype=torch.uint8)
+
+
+# Kernels CUDA picks by device type, run as their CPU equivalents.
+_CPU_EQUIVALENT = {
+    aten.cudnn_batch_norm.default: _cudnn_batch_norm,
+    aten.miopen_batch_norm.default: lambda *a: aten.native_batch_norm.default(*a),
+}
+# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices).
+_MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
+             aten._index_put_impl_.default}
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, sim: Tensors) -> None:
+        super().__init__()
+        self.sim = sim
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        sim = self.sim
+        with _no_torch_function():
+            if func is aten._to_copy.default:
+                return sim.to_copy(args[0], kwargs)
+            if func is aten.copy_.default:
+                return sim.copy(args[0], args[1], bool(args[2]) if len(args) > 2
+                                else kwargs.get("non_blocking", False))
+            if func is aten.is_pinned.default:
+                return sim.is_pinned(args[0])
+            if func is aten._pin_memory.default:
+                return sim.pin(args[0])
+            if func is aten.record_stream.default:
+                return None  # only the Python binding knows the stream; see _Functions
+            return self._run(func, args, kwargs)
+
+    def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        sim = self.sim
+        flat, spec = tree_flatten((args, kwargs))
+        index: int | None = None
+        cpu_arg: torch.Tensor | None = None
+        uses = []
+        originals: dict[int, torch.Tensor] = {}
+        storages: dict[int, Record] = {}
+        for i, x in enumerate(flat):
+            if isinstance(x, torch.Tensor):
+                if x.is_cuda:
+                    b, record = sim.lookup(x)
+                    if index is None:
+                        index = record.index
+                    elif record.index != index:
+                        raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
+                    uses.append((record, x))
+                    flat[i] = b
+                    originals[id(b)] = x
+                    storages[b.untyped_storage().data_ptr()] = record
+                elif cpu_arg is None and x.dim() and x.device.type == "cpu":
+                    cpu_arg = x
+            elif isinstance(x, torch.device) and x.type == "cuda":
+                flat[i] = _CPU
+                wanted = sim.state.device_index(x)
+                if index is not None and wanted != index:
+                    raise _mixed(f"cuda:{index}", f"cuda:{wanted}")
+                index = wanted
+        if index is None:
+            return func(*args, **kwargs)
+        if cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
+            raise _mixed(f"cuda:{index}", "cpu")
+        stream = sim.state.current_streams[index]
+        for record, x in uses:
+            sim.use(record, stream, x, func)
+        cargs, ckwargs = tree_unflatten(flat, spec)
+        out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
+        # New storages are allocated together: an OOM allocates nothing.
+        fresh: dict[int, torch.Tensor] = {}
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, torch.Tensor) and id(o) not in originals:
+                ptr = o.untyped_storage().data_ptr()
+                if ptr not in storages and ptr not in fresh:
+                    fresh[ptr] = o
+        made: list[Record] = []
+        try:
+            for ptr, o in fresh.items():
+                record = sim.allocate(o, index)
+                made.append(record)
+                storages[ptr] = record
+        except BaseException:
+            for record in made:
+                sim.state.allocators[index].free(record.block)
+            raise
+
+        def wrap(o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):
+                return o
+            original = originals.get(id(o))
+            if original is not None:
+                return original
+            return sim.wrap(o, storages[o.untyped_storage().data_ptr()])
+
+        return tree_map(wrap, out)
+
+
+_INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+_DEVICE_GUARD_ERROR = getattr(torch, "AcceleratorError", RuntimeError)
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                return True
+        elif isinstance(x, (list, tuple)):
+            for y in x:
+                if isinstance(y, torch.Tensor) and y.is_cuda:
+                    return True
+    return False
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, sim: Tensors) -> None:
+        super().__init__()
+        self.sim = sim
+        self.handlers = {
+            torch.Tensor.to: self._to,
+            torch.Tensor.cuda: self._cuda,
+            torch.Tensor.copy_: self._copy,
+            torch.Tensor.record_stream: self._record_stream,
+            torch.Tensor.data_ptr: self._data_ptr,
+            # Bindings that take the tensor's device guard: run on the backing (others are
+            # found when they raise, see handle()).
+            torch.Tensor.__getitem__: self._on_backing,
+            torch.Tensor.__setitem__: self._on_backing,
+            torch.Tensor.__invert__: self._on_backing,
+        }
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return self.handle(func, args, kwargs or {})
+
+    def handle(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        handler = self.handlers.get(func)
+        if handler is not None:
+            with torch.no_grad():
+                return handler(func, args, kwargs)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda(device):
+            return self._factory(func, args, kwargs)
+        if kwargs.get("pin_memory"):
+            out = func(*args, **{**kwargs, "pin_memory": False})
+            return tree_map(lambda o: self.sim.pin(o) if isinstance(o, torch.Tensor) else o, out)
+        try:
+            if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
+                with torch.no_grad():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        except _DEVICE_GUARD_ERROR:
+            # The binding took the real CUDA device guard before any op ran.
+            if not _touches_cuda(args, kwargs):
+                raise
+        with torch.no_grad():
+            return self._on_backing(func, args, kwargs)
+
+    def _factory(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        index = self.sim.state.device_index(kwargs["device"])
+        kwargs = {**kwargs, "device": "cpu"}
+        kwargs.pop("requires_grad", None)
+        # Sizes first (on the meta device): an allocation that does not fit costs nothing.
+        try:
+            with torch.no_grad():
+                shapes = tree_flatten(func(*args, **{**kwargs, "device": "meta"}))[0]
+        except Exception:
+            shapes = None
+        if shapes is not None:
+            records = iter(self.sim.reserve_all(
+                [o.untyped_storage().nbytes() for o in shapes if isinstance(o, torch.Tensor)],
+                index))
+            with torch.no_grad():
+                out = func(*args, **kwargs)
+            wrap = self.sim.wrap
+            return tree_map(lambda o: wrap(o, next(records)) if isinstance(o, torch.Tensor)
+                            else o, out)
+        with torch.no_grad():
+            out = func(*args, **kwargs)
+        adopt = self.sim.adopt
+        return tree_map(lambda o: adopt(o, index) if isinstance(o, torch.Tensor) else o, out)
+
+    def _to(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        x, *rest = args
+        kwargs = dict(kwargs)
+        copy = kwargs.pop("copy", False)
+        if len(rest) >= 3 and isinstance(rest[2], bool):  # to(device, dtype, non_blocking, copy)
+            copy = rest.pop(3) if len(rest) > 3 else copy
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*rest, **kwargs)
+        if not x.is_cuda and not (device is not None and device.type == "cuda"):
+            if ((device is None or device == x.device) and (dtype is None or dtype == x.dtype)
+                    and not copy and memory_format in (None, torch.preserve_format)):
+                return x  # as torch does; under a dispatch mode torch would copy
+            return func(*args, **kwargs, **({"copy": copy} if copy else {}))
+        if device is None:
+            device = x.device
+        elif device.type == "cuda":
+            device = self.sim.devices[self.sim.state.device_index(device)]
+        dtype = dtype or x.dtype
+        if device == x.device and dtype == x.dtype and not copy and memory_format in (
+                None, torch.preserve_format):
+            return x
+        return aten._to_copy.default(x, dtype=dtype, device=device, non_blocking=non_blocking,
+                                     memory_format=memory_format or torch.preserve_format)
+
+    def _cuda(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        x = args[0]
+        device = args[1] if len(args) > 1 else kwargs.get("device")
+        index = self.sim.state.device_index(device)
+        if x.is_cuda and x.device.index == index:
+            return x
+        return aten._to_copy.default(x, device=self.sim.devices[index],
+                                     non_blocking=kwargs.get("non_blocking", False))
+
+    def _copy(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        dst, src = args[0], args[1]
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        if not (dst.is_cuda or (isinstance(src, torch.Tensor) and src.is_cuda)):
+            return func(*args, **kwargs)
+        return aten.copy_.default(dst, src, non_blocking)
+
+    def _record_stream(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        t, stream = args[0], args[1] if len(args) > 1 else kwargs["stream"]
+        if not t.is_cuda:
+            return func(*args, **kwargs)
+        self.sim.record_stream(t, stream)
+        return None
+
+    def _on_backing(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` on the backings of its simulated tensors (a binding that would take
+        the real CUDA device guard), and wrap what it returns."""
+        sim = self.sim
+        flat, spec = tree_flatten((args, kwargs))
+        index: int | None = None
+        cpu_arg = False
+        backings: dict[int, tuple[torch.Tensor, Record]] = {}
+        for i, x in enumerate(flat):
+            if isinstance(x, torch.Tensor):
+                if x.is_cuda:
+                    b, record = sim.lookup(x)
+                    if index is not None and record.index != index:
+                        raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
+                    index = record.index
+                    sim.use(record, sim.state.current_streams[index], x, func.__name__)
+                    backings[b.untyped_storage().data_ptr()] = (x, record)
+                    flat[i] = b
+                elif x.dim():
+                    cpu_arg = True
+        if index is None:
+            return func(*args, **kwargs)
+        if cpu_arg and func not in _INDEXING:
+            raise _mixed(f"cuda:{index}", "cpu")
+        cargs, ckwargs = tree_unflatten(flat, spec)
+        with _no_torch_function():
+            out = func(*cargs, **ckwargs)
+        first = cargs[0] if cargs else None
+
+        def wrap(o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):
+                return o
+            if o is first and isinstance(args[0], torch.Tensor):
+                return args[0]  # in place
+            owner = backings.get(o.untyped_storage().data_ptr())
+            if owner is not None:
+                return sim.wrap(o, owner[1])
+            return sim.adopt(o, index)
+
+        return tree_map(wrap, out)
+
+    def _data_ptr(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        t = args[0]
+        if not t.is_cuda:
+            return func(*args, **kwargs)
+        return self.sim.lookup(t)[0].data_ptr()

@@ -1,0 +1,215 @@
+"""The ``torch.cuda`` (and ``torch.accelerator``) functions the simulation answers, and the
+patching that installs them for the length of a simulation only."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ._state import SimState
+from ._streams import SimEvent, SimStream
+
+__all__ = ["Patches", "cuda_functions"]
+
+_MISSING = object()
+
+
+class Patches:
+    """Attributes replaced on modules, put back exactly (absent ones removed) on ``undo``."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def set(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
+        setattr(owner, name, value)
+
+    def undo(self) -> None:
+        while self._saved:
+            owner, name, old = self._saved.pop()
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+class _Properties:
+    """What ``torch.cuda.get_device_properties`` returns for a simulated device."""
+
+    def __init__(self, index: int, total: int) -> None:
+        self.name = f"adaptmem simulated CUDA device {index}"
+        self.total_memory = total
+        self.major, self.minor = 9, 0
+        self.multi_processor_count = 132
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+        self.L2_cache_size = 50 * 1024**2
+        self.gcnArchName = ""
+        self.uuid = f"simulated-{index}"
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, "
+                f"minor={self.minor}, total_memory={self.total_memory // 1024**2}MB, "
+                f"multi_processor_count={self.multi_processor_count})")
+
+
+def cuda_functions(state: SimState) -> dict[str, Any]:
+    """The simulated ``torch.cuda`` namespace, by attribute name."""
+    allocators = state.allocators
+
+    def alloc(device: Any = None) -> Any:
+        return allocators[state.device_index(device)]
+
+    class device:  # noqa: N801 - torch.cuda.device's own name
+        def __init__(self, device: Any) -> None:
+            self.idx = -1 if device is None or device == -1 else state.device_index(device)
+            self.prev_idx = -1
+
+        def __enter__(self) -> None:
+            self.prev_idx = state.current_device
+            if self.idx >= 0:
+                state.current_device = self.idx
+
+        def __exit__(self, *exc: object) -> None:
+            state.current_device = self.prev_idx
+
+    class device_of(device):  # noqa: N801
+        def __init__(self, obj: Any) -> None:
+            super().__init__(obj.get_device() if obj.is_cuda else -1)
+
+    def set_device(device: Any) -> None:
+        state.current_device = state.device_index(device)
+
+    @contextlib.contextmanager
+    def stream(stream: Any) -> Iterator[None]:
+        if stream is None:
+            yield
+            return
+        previous_device = state.current_device
+        previous = state.current_streams[stream.index]
+        state.current_streams[stream.index] = stream
+        state.current_device = stream.index
+        try:
+            yield
+        finally:
+            state.current_streams[stream.index] = previous
+            state.current_device = previous_device
+
+    def set_stream(stream: Any) -> None:
+        state.current_streams[stream.index] = stream
+
+    def synchronize(device: Any = None) -> None:
+        state.synchronize(state.device_index(device))
+
+    def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+        if not isinstance(fraction, float):
+            raise TypeError("Invalid type for fraction argument, must be `float`")
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1")
+        alloc(device).fraction = fraction
+
+    def mem_get_info(device: Any = None) -> tuple[int, int]:
+        a = alloc(device)
+        return max(0, a.total - a.reserved), a.total
+
+    def empty_cache() -> None:
+        for a in allocators:
+            a.empty_cache()
+
+    def memory_stats(device: Any = None) -> dict[str, int]:
+        return alloc(device).stats()
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    return {
+        "is_available": lambda: True,
+        "is_initialized": lambda: True,
+        "_lazy_init": nothing,
+        "init": nothing,
+        "device_count": lambda: len(allocators),
+        "current_device": lambda: state.current_device,
+        "set_device": set_device,
+        "device": device,
+        "device_of": device_of,
+        "get_device_properties": lambda device=None: _Properties(
+            state.device_index(device), alloc(device).total),
+        "get_device_name": lambda device=None: _Properties(
+            state.device_index(device), 0).name,
+        "get_device_capability": lambda device=None: (9, 0),
+        "is_bf16_supported": lambda including_emulation=True: True,
+        "synchronize": synchronize,
+        "memory_allocated": lambda device=None: alloc(device).allocated,
+        "max_memory_allocated": lambda device=None: alloc(device).peak_allocated,
+        "memory_reserved": lambda device=None: alloc(device).reserved,
+        "max_memory_reserved": lambda device=None: alloc(device).peak_reserved,
+        "reset_peak_memory_stats": lambda device=None: alloc(device).reset_peaks(),
+        "reset_max_memory_allocated": lambda device=None: alloc(device).reset_peaks(),
+        "memory_stats": memory_stats,
+        "empty_cache": empty_cache,
+        "mem_get_info": mem_get_info,
+        "set_per_process_memory_fraction": set_per_process_memory_fraction,
+        "get_per_process_memory_fraction": lambda device=None: alloc(device).fraction,
+        "ipc_collect": nothing,
+        "manual_seed": lambda seed: None,
+        "manual_seed_all": lambda seed: None,
+        "seed": nothing,
+        "seed_all": nothing,
+        "Stream": SimStream,
+        "Event": SimEvent,
+        "current_stream": lambda device=None: state.current_stream(device),
+        "default_stream": lambda device=None: state.default_streams[
+            state.device_index(device)],
+        "stream": stream,
+        "set_stream": set_stream,
+    }
+
+
+def accelerator_functions(state: SimState, cuda: dict[str, Any]) -> dict[str, Any]:
+    """``torch.accelerator``'s answers under the simulation."""
+
+    def set_index(index: int) -> None:
+        cuda["set_device"](index)
+
+    return {
+        "is_available": lambda: True,
+        "current_accelerator": lambda check_available=False: torch.device("cuda"),
+        "device_count": cuda["device_count"],
+        "current_device_index": cuda["current_device"],
+        "current_device_idx": cuda["current_device"],
+        "set_device_index": set_index,
+        "set_device_idx": set_index,
+        "synchronize": cuda["synchronize"],
+        "current_stream": cuda["current_stream"],
+        "set_stream": cuda["set_stream"],
+        "empty_cache": cuda["empty_cache"],
+        "memory_allocated": cuda["memory_allocated"],
+        "max_memory_allocated": cuda["max_memory_allocated"],
+        "memory_reserved": cuda["memory_reserved"],
+        "max_memory_reserved": cuda["max_memory_reserved"],
+        "reset_peak_memory_stats": cuda["reset_peak_memory_stats"],
+        "memory_stats": cuda["memory_stats"],
+        "get_memory_info": cuda["mem_get_info"],
+    }
+
+
+def install(state: SimState, patches: Patches) -> None:
+    cuda = cuda_functions(state)
+    memory = getattr(torch.cuda, "memory", None)
+    streams = getattr(torch.cuda, "streams", None)
+    for name, value in cuda.items():
+        patches.set(torch.cuda, name, value)
+        for module in (memory, streams):
+            if module is not None and name in module.__dict__:
+                patches.set(module, name, value)
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        for name, value in accelerator_functions(state, cuda).items():
+            if hasattr(accelerator, name):
+                patches.set(accelerator, name, value)
+            acc_memory = getattr(accelerator, "memory", None)
+            if acc_memory is not None and name in getattr(acc_memory, "__dict__", {}):
+                patches.set(acc_memory, name, value)

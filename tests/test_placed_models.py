@@ -1,0 +1,326 @@
+"""What a model held by page, chunk or split refuses, for every engine: being deep-copied
+or pickled whole, and dtype or device conversions (``model.half()``, ``.to()``) made behind
+the engine's back. After ``remove()`` the model is as it was, bitwise, and copies fine."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from conftest import run_if
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import DIM, SPLIT_WIDTH, build_tree_for_split, module_trees, module_trees_for_split
+from torch import nn
+
+from adaptmem import PlacementError, adaptive
+
+
+class _TiedModel(nn.Module):
+    """A tied weight, a buffer registered under two names, float and int buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 8)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+        self.bn.register_buffer("scale", self.scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.bn(self.emb(x)) * self.scale)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = _TiedModel().eval()
+    model.bn.running_mean.uniform_(-1, 1)
+    model.bn.num_batches_tracked.fill_(7)
+    return model
+
+
+_X = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+ENGINES: dict[str, Callable[[nn.Module], Any]] = {
+    "page": lambda m: adaptive.page(m, "cpu", unit_bytes=0, resident_bytes=0),
+    "page, resident": lambda m: adaptive.page(m, "cpu", unit_bytes=0, resident_bytes="auto"),
+    "chunk, bfloat16 part": lambda m: adaptive.chunk(m, "cpu", capacity=150, dtype=torch.bfloat16,
+                                                     example_inputs=_X),
+    "chunk, placed at the first call": lambda m: adaptive.chunk(m, "cpu", capacity=150,
+                                                                dtype=torch.bfloat16),
+    "split": lambda m: adaptive.split(m, {"cpu": None}, example_inputs=_X),
+}
+
+
+def _state(model: nn.Module) -> dict[str, tuple[int, torch.dtype, torch.device, torch.Tensor]]:
+    return {k: (id(v), v.dtype, v.device, v.detach().clone())
+            for k, v in model.state_dict(keep_vars=True).items()}
+
+
+def _assert_as_before(model: nn.Module, before: dict[str, Any]) -> None:
+    after = _state(model)
+    assert after.keys() == before.keys()
+    for key, (ident, dtype, device, value) in before.items():
+        assert after[key][:3] == (ident, dtype, device), key
+        assert torch.equal(after[key][3], value), key
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("copier", ["deepcopy", "torch.save"])
+def test_a_placed_model_refuses_to_be_copied_naming_remove(engine: str, copier: str) -> None:
+    model = _model()
+    expected = model(_X)
+    original = _state(model)
+    handle = ENGINES[engine](model)
+    placed_output = model(_X)
+
+    def copy_it() -> Any:
+        if copier == "deepcopy":
+            return copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    with pytest.raises(PlacementError, match=r"cannot copy or pickle.*\.remove\(\) first"):
+        copy_it()
+    assert torch.equal(model(_X), placed_output)  # the placed model is unharmed
+    handle.remove()
+    _assert_as_before(model, original)
+    clone = copy_it()  # the way out the message names
+    assert torch.equal(clone(_X), expected) and torch.equal(model(_X), expected)
+    for key, value in clone.state_dict().items():
+        assert torch.equal(value, model.state_dict()[key]), key
+
+
+CONVERSIONS: dict[str, Callable[[nn.Module], Any]] = {
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "to(float64)": lambda m: m.to(torch.float64),
+    "to('meta')": lambda m: m.to("meta"),
+    "a submodule's half": lambda m: m.bn.half(),
+    "double of one buffer's owner": lambda m: m.bn.double(),
+}
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("conversion", CONVERSIONS)
+def test_a_conversion_of_a_placed_model_is_refused_and_remove_undoes_it(
+    engine: str, conversion: str
+) -> None:
+    model = _model()
+    expected = model(_X)
+    before = _state(model)
+    handle = ENGINES[engine](model)
+    model(_X)
+    forwards = handle.stats.forwards
+    CONVERSIONS[conversion](model)
+    with pytest.raises(PlacementError, match=r"holds the model.*this call did not run.*"
+                                             r"\.remove\(\) first"):
+        model(_X)
+    with pytest.raises(PlacementError, match="did not run"):  # and again, until remove()
+        model(_X)
+    assert handle.stats.forwards == forwards
+    handle.remove()
+    _assert_as_before(model, before)
+    assert torch.equal(model(_X), expected)
+    model.half()  # once removed, converting is the user's business again
+    assert model.emb.weight.dtype == model.scale.dtype == torch.float16
+
+
+@pytest.mark.parametrize("engine", ["page", "chunk, bfloat16 part", "split"])
+def test_a_part_called_on_its_own_after_a_conversion_is_refused(engine: str) -> None:
+    model = _model()
+    before = _state(model)
+    handle = ENGINES[engine](model)
+    model(_X)
+    model.half()
+    with pytest.raises(PlacementError, match="did not run"):
+        model.emb(_X)
+    handle.remove()
+    _assert_as_before(model, before)
+
+
+def test_a_conversion_before_a_lazy_placement_is_refused_at_the_first_call() -> None:
+    model = _model()
+    before = _state(model)
+    chunker = adaptive.chunk(model, "cpu", capacity=150, dtype=torch.bfloat16)
+    model.half()
+    with pytest.raises(PlacementError, match="did not run"):
+        model(_X)
+    assert chunker.plan is None  # nothing was placed
+    chunker.remove()
+    _assert_as_before(model, before)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_conversions_that_change_nothing_are_allowed(engine: str) -> None:
+    model = _model()
+    expected = model(_X)
+    with ENGINES[engine](model) as handle:
+        placed_output = model(_X)
+        if engine.startswith("chunk"):  # its bfloat16 part is already placed: leave it
+            model.head.to("cpu")
+        else:
+            model.float().to("cpu").cpu()
+        assert torch.equal(model(_X), placed_output)
+        assert handle.stats.forwards == 2
+    assert torch.equal(model(_X), expected)
+
+
+def test_editing_the_device_map_after_a_conversion_is_refused() -> None:
+    model = _model()
+    before = _state(model)
+    splitter = adaptive.split(model, {"cpu@bfloat16": None, "cpu": None}, example_inputs=_X)
+    model.half()
+    with pytest.raises(PlacementError, match="did not run"):
+        splitter.device_map = {"": "cpu"}
+    splitter.remove()
+    _assert_as_before(model, before)
+
+
+@run_if(cuda=True)
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_moving_a_placed_model_between_devices_is_refused(engine: str) -> None:
+    model = _model()
+    expected = model(_X)
+    before = _state(model)
+    handle = (adaptive.page(model, "cuda", unit_bytes=0) if engine == "page"
+              else adaptive.chunk(model, "cuda", capacity=150, example_inputs=_X))
+    model(_X)
+    model.cpu() if engine == "page" else model.cuda()
+    with pytest.raises(PlacementError, match="did not run"):
+        model(_X)
+    handle.remove()
+    _assert_as_before(model, before)
+    assert torch.equal(model(_X), expected)
+
+
+class _Stateful(nn.Module):
+    """Replaces its own buffers in forward: by assignment, and by registering anew."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        self.register_buffer("scale", self.scale * 2)
+        return self.lin(x) * self.scale * self.calls
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_buffers_a_forward_replaces_itself_are_its_own_state_not_a_conversion(
+    engine: str,
+) -> None:
+    torch.manual_seed(0)
+    reference, model = _Stateful().eval(), _Stateful().eval()
+    model.load_state_dict(reference.state_dict())
+    expected = [reference(_X) for _ in range(3)]
+    with ENGINES[engine](model):
+        outputs = [model(_X) for _ in range(3)]
+        for out, ref in zip(outputs, expected, strict=True):
+            if engine.startswith("chunk"):
+                assert torch.allclose(out, ref, rtol=2e-2, atol=0.1)  # a bfloat16 part
+            else:
+                assert torch.equal(out, ref)
+        model.half()  # a conversion of the replaced buffers is still refused
+        with pytest.raises(PlacementError, match="did not run"):
+            model(_X)
+    assert model.calls.dtype == torch.float32 and model.scale.dtype == torch.float32
+    assert model.lin.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_a_dynamic_rope_model_that_re_registers_inv_freq_keeps_generating(engine: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=100, max_position_embeddings=8,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 100, (1, 6))
+    with torch.no_grad():  # past 8 positions: inv_freq is registered anew, then reset
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    handle = (adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) if engine == "page"
+              else adaptive.chunk(model, "cpu", capacity=10**5, example_inputs=ids))
+    with handle, torch.no_grad():
+        assert torch.equal(
+            model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
+
+
+_ANY_CONVERSION = {
+    "half": lambda m: m.half(),
+    "bfloat16": lambda m: m.bfloat16(),
+    "double": lambda m: m.double(),
+    "to('meta')": lambda m: m.to("meta"),
+}
+
+
+def _changed(before: dict[str, Any], model: nn.Module) -> bool:
+    after = _state(model)
+    return any(after[k][:3] != v[:3] for k, v in before.items())
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tree=module_trees(), unit_bytes=st.integers(0, 3000),
+       resident=st.sampled_from([0, "auto"]), conversion=st.sampled_from(list(_ANY_CONVERSION)),
+       pick=st.integers(0, 1000))
+def test_any_paged_tree_refuses_any_conversion_of_any_part_and_remove_undoes_it(
+    tree: nn.Module, unit_bytes: int, resident: Any, conversion: str, pick: int
+) -> None:
+    x = torch.randn(2, DIM)
+    with torch.no_grad():
+        expected = tree(x)
+    original = _state(tree)
+    pager = adaptive.page(tree, "cpu", unit_bytes=unit_bytes, resident_bytes=resident)
+    _convert_one_part_and_call(tree, pager, x, conversion, pick)
+    _assert_as_before(tree, original)
+    with torch.no_grad():
+        assert torch.equal(tree(x), expected)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=module_trees_for_split(), share=st.floats(0.0, 1.0),
+       conversion=st.sampled_from(list(_ANY_CONVERSION)), pick=st.integers(0, 1000))
+def test_any_chunked_tree_refuses_any_conversion_of_any_part_and_remove_undoes_it(
+    spec: Any, share: float, conversion: str, pick: int
+) -> None:
+    model = build_tree_for_split(spec).eval()
+    x = torch.randn(2, SPLIT_WIDTH)
+    with torch.no_grad():
+        expected = model(x)
+    original = _state(model)
+    capacity = int(share * sum(t.numel() * 2 for t in model.state_dict().values()))
+    chunker = adaptive.chunk(model, "cpu", capacity=capacity, dtype=torch.bfloat16,
+                             example_inputs=x)
+    _convert_one_part_and_call(model, chunker, x, conversion, pick)
+    _assert_as_before(model, original)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def _convert_one_part_and_call(model: nn.Module, handle: Any, x: torch.Tensor, conversion: str,
+                               pick: int) -> None:
+    """Convert one module of the placed ``model``: if that changed any tensor, the next call
+    is refused (and nothing ran); if not, it runs. Then ``remove()``."""
+    with torch.no_grad():
+        placed_output = model(x)
+        modules = [m for _, m in model.named_modules()]
+        before = _state(model)
+        _ANY_CONVERSION[conversion](modules[pick % len(modules)])
+        if _changed(before, model):
+            with pytest.raises(PlacementError, match="did not run"):
+                model(x)
+        else:
+            assert torch.equal(model(x), placed_output)
+    handle.remove()

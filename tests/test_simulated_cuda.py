@@ -1,0 +1,287 @@
+"""The simulated CUDA device (adaptmem.testing.simulated_cuda) behaves as CUDA does."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+from adaptmem.testing import SimulatedCudaError, StreamRaceError, simulated_cuda
+
+MiB = 1024**2
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+def test_devices_are_reported_as_asked() -> None:
+    with simulated_cuda(devices=2, total_memory="8GiB"):
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 2
+        assert torch.cuda.get_device_properties(1).total_memory == 8 * 1024**3
+        assert torch.cuda.current_device() == 0
+        with torch.cuda.device(1):
+            assert torch.cuda.current_device() == 1
+            assert torch.empty(2, device="cuda").device == torch.device("cuda", 1)
+        torch.cuda.set_device(1)
+        assert torch.ones(1, device="cuda").device == torch.device("cuda", 1)
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.ones(1, device="cuda:2")
+
+
+def test_nothing_of_torch_is_changed_after_the_block_even_when_it_raised() -> None:
+    before = (torch.cuda.is_available, torch.cuda.Stream, torch.cuda.memory_allocated)
+    with pytest.raises(ValueError, match="boom"), simulated_cuda():
+        torch.ones(3, device="cuda")
+        raise ValueError("boom")
+    assert not torch.cuda.is_available()
+    assert (torch.cuda.is_available, torch.cuda.Stream, torch.cuda.memory_allocated) == before
+    assert torch.overrides._get_current_function_mode() is None
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert torch._C._len_torch_dispatch_stack() == 0
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.ones(1, device="cuda")
+
+
+def test_bad_arguments_are_refused_at_the_call() -> None:
+    with pytest.raises(ValueError, match="devices"):
+        simulated_cuda(devices=0)
+    with pytest.raises(ValueError, match="total_memory"):
+        simulated_cuda(total_memory="lots")
+    with pytest.raises(ValueError, match="bandwidth"):
+        simulated_cuda(bandwidth=-1)
+
+
+# -- tensors ---------------------------------------------------------------------------------
+
+def test_tensors_moved_or_made_on_cuda_hold_real_values() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    layer = nn.Linear(8, 3)
+    expected = layer(x).detach()
+    with simulated_cuda(), torch.no_grad():
+        xs = [x.to("cuda"), x.cuda(), x.to(torch.device("cuda", 0)),
+              torch.empty(4, 8, device="cuda").copy_(x), torch.empty_like(x, device="cuda")]
+        xs[-1].copy_(x)
+        layer.to("cuda")
+        assert isinstance(layer.weight, nn.Parameter) and layer.weight.device.type == "cuda"
+        for xc in xs:
+            assert xc.device == torch.device("cuda", 0)
+            out = layer(xc)
+            assert out.device == torch.device("cuda", 0)
+            back = out.cpu()
+            assert type(back) is torch.Tensor and back.device.type == "cpu"
+            torch.testing.assert_close(back, expected)
+        assert torch.equal(torch.arange(5, device="cuda").cpu(), torch.arange(5))
+        assert xs[0][1:3].sum().item() == pytest.approx(x[1:3].sum().item(), rel=1e-5)
+
+
+def test_mixing_devices_raises_cudas_error_but_cpu_scalars_are_allowed() -> None:
+    with simulated_cuda(devices=2):
+        a = torch.ones(3, device="cuda:0")
+        with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+            a + torch.ones(3)
+        with pytest.raises(RuntimeError, match="cuda:0 and cuda:1"):
+            a + torch.ones(3, device="cuda:1")
+        with pytest.raises(RuntimeError, match="same device"):
+            nn.Linear(3, 3)(a)
+        assert (a * torch.tensor(2.0)).sum().item() == 6.0
+        assert torch.equal(a[torch.tensor([0, 2])].cpu(), torch.ones(2))
+
+
+def test_autograd_is_off_for_simulated_tensors() -> None:
+    with simulated_cuda():
+        layer = nn.Linear(4, 4).cuda()
+        out = layer(torch.ones(2, 4, device="cuda"))  # no abort: runs under no_grad
+        assert not out.requires_grad
+        # Inside a Python-level torch function (its body runs with modes popped) too.
+        attention = nn.MultiheadAttention(16, 2).cuda()
+        q = torch.randn(3, 1, 16, device="cuda", requires_grad=True)
+        assert attention(q, q, q)[0].device.type == "cuda"
+
+
+# -- memory ----------------------------------------------------------------------------------
+
+def test_allocations_are_counted_freed_and_cached() -> None:
+    with simulated_cuda(total_memory="1GiB"):
+        assert torch.cuda.memory_allocated() == 0
+        a = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda")
+        b = torch.empty(1000, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_allocated() == 4 * MiB + 1024  # blocks of 512 bytes
+        view = a[:10]
+        del a
+        assert torch.cuda.memory_allocated() == 4 * MiB + 1024  # the view keeps it
+        del view
+        assert torch.cuda.memory_allocated() == 1024
+        assert torch.cuda.max_memory_allocated() == 4 * MiB + 1024
+        reserved = torch.cuda.memory_reserved()
+        assert reserved >= 4 * MiB + 1024  # freed blocks stay reserved
+        free, total = torch.cuda.mem_get_info()
+        assert total == 1024**3 and free == total - reserved
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() < reserved
+        torch.cuda.reset_peak_memory_stats()
+        assert torch.cuda.max_memory_allocated() == 1024
+        del b
+
+
+def test_an_allocation_past_the_limit_raises_cudas_oom_and_allocates_nothing() -> None:
+    with simulated_cuda(total_memory="1GiB"):
+        keep = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        assert torch.cuda.get_per_process_memory_fraction() == 0.5
+        before = torch.cuda.memory_allocated()
+        with pytest.raises(torch.OutOfMemoryError, match=r"CUDA out of memory\. Tried to "
+                           r"allocate 300\.00 MiB"):
+            torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.zeros(300 * MiB, dtype=torch.uint8).to("cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            keep + keep
+        assert torch.cuda.memory_allocated() == before
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        assert (keep + keep).numel() == 300 * MiB
+
+
+# -- streams and events ----------------------------------------------------------------------
+
+def _copy_on_a_side_stream(host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Stream]:
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        dev = torch.empty_like(host, device="cuda")
+        dev.copy_(host, non_blocking=True)
+    return dev, side
+
+
+def test_a_read_on_a_stream_that_did_not_wait_for_the_copy_raises() -> None:
+    with simulated_cuda(bandwidth=1):
+        host = torch.ones(MiB // 4).pin_memory()
+        dev, side = _copy_on_a_side_stream(host)
+        # torch.cuda.current_stream().wait_stream(side) deliberately missing
+        with pytest.raises(StreamRaceError, match="read before its copy completed"):
+            dev.sum()
+        torch.cuda.synchronize()
+
+
+def test_a_read_after_wait_stream_sees_the_copied_values() -> None:
+    with simulated_cuda(bandwidth=1):  # 1 MiB at 1 GB/s: about a millisecond
+        host = torch.ones(MiB // 4).pin_memory()
+        dev, side = _copy_on_a_side_stream(host)
+        torch.cuda.current_stream().wait_stream(side)
+        dev.record_stream(torch.cuda.current_stream())
+        assert dev.sum().item() == MiB // 4
+
+
+def test_non_blocking_copies_complete_later_and_events_time_them() -> None:
+    with simulated_cuda(bandwidth=0.5):  # 20 MB at 0.5 GB/s: 40 ms
+        host = torch.ones(5 * 10**6).pin_memory()
+        side = torch.cuda.Stream()
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            start.record()
+            dev = torch.empty_like(host, device="cuda").copy_(host, non_blocking=True)
+            end.record()
+        assert not end.query()  # still copying: the host went on
+        with pytest.raises(RuntimeError, match="must be completed"):
+            start.elapsed_time(end)
+        end.synchronize()
+        assert end.query() and side.query()
+        assert 30 < start.elapsed_time(end) < 2000
+        assert dev.sum().item() == 5 * 10**6  # the host synchronized: any stream may read
+
+
+def test_non_blocking_from_unpinned_memory_is_synchronous() -> None:
+    with simulated_cuda(bandwidth=0.001):
+        host = torch.ones(1000)
+        assert not host.is_pinned() and host.pin_memory().is_pinned()
+        dev, side = _copy_on_a_side_stream(host)
+        started = time.perf_counter()
+        assert dev.sum().item() == 1000  # no wait needed: the copy was done at once
+        assert time.perf_counter() - started < 1
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pin_memory_loaders_give_pinned_batches(workers: int) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.arange(8.0).reshape(4, 2))
+    with simulated_cuda():
+        loader = DataLoader(data, batch_size=2, pin_memory=True, num_workers=workers)
+        batches = [b for (b,) in loader]
+        assert all(b.is_pinned() for b in batches)
+        assert torch.equal(torch.cat([b.cuda(non_blocking=True) for b in batches]).cpu(),
+                           data.tensors[0])
+
+
+def test_freeing_a_tensor_another_stream_used_without_record_stream_is_reported() -> None:
+    with pytest.raises(SimulatedCudaError, match="without tensor.record_stream"), \
+            simulated_cuda() as sim:
+        host = torch.ones(1000).pin_memory()
+        dev, side = _copy_on_a_side_stream(host)
+        torch.cuda.current_stream().wait_stream(side)
+        dev.sum()  # used on the compute stream, allocated on the side stream
+        del dev
+        assert sim.problems
+
+
+def test_record_stream_makes_that_free_safe() -> None:
+    with simulated_cuda() as sim:
+        host = torch.ones(1000).pin_memory()
+        dev, side = _copy_on_a_side_stream(host)
+        torch.cuda.current_stream().wait_stream(side)
+        dev.record_stream(torch.cuda.current_stream())
+        dev.sum()
+        del dev
+    assert sim.problems == []
+
+
+# -- kernels CUDA picks by device type -------------------------------------------------------
+
+def test_a_torchvision_model_runs_with_cudnn_kernels_mapped_to_the_cpu() -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(x)
+        with simulated_cuda():
+            out = model.cuda()(x.cuda()).cpu()
+            model.cpu()
+    torch.testing.assert_close(out, expected)
+
+
+def test_gpt2_generate_runs_and_matches_the_cpu() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
+                                     n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 100, (1, 5))
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = model.generate(ids, **kwargs)
+        with simulated_cuda():
+            model.to("cuda")
+            out = model.generate(ids.cuda(), **kwargs)
+            assert out.device.type == "cuda"
+            out = out.cpu()
+            model.to("cpu")
+    assert torch.equal(out, expected)
+
+
+def test_the_pytest_fixture_runs_a_test_on_the_simulated_device(pytester: pytest.Pytester
+                                                                ) -> None:
+    pytester.makeconftest('pytest_plugins = ["adaptmem.testing_plugin"]')
+    pytester.makepyfile("""
+        import pytest, torch
+
+        @pytest.mark.simulated_cuda(devices=2, total_memory="1GiB")
+        def test_it(simulated_cuda_device):
+            assert torch.cuda.device_count() == 2
+            assert torch.cuda.get_device_properties(0).total_memory == 1024**3
+
+        def test_without():
+            assert not torch.cuda.is_available()
+    """)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
