@@ -20,6 +20,7 @@ abort the process).
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -223,7 +224,9 @@ class Tensors:
             if target is None:
                 target = x.device
         if target is None or target.type != "cuda":
+            started = time.perf_counter()
             out = aten._to_copy.default(source, device=target, **kwargs)
+            self._over_the_link(out.numel() * out.element_size(), started)
             return self.pin(out) if pin else out
         index = self.state.device_index(target)
         dtype = kwargs.get("dtype") or source.dtype
@@ -235,7 +238,11 @@ class Tensors:
             out = self.wrap(dst, record)
             self._async_copy(dst, source, record)
             return out
-        return self.wrap(aten._to_copy.default(source, **kwargs), record)
+        started = time.perf_counter()
+        out = self.wrap(aten._to_copy.default(source, **kwargs), record)
+        if not x.is_cuda:
+            self._over_the_link(source.numel() * dtype.itemsize, started)
+        return out
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
         db, sb = dst, src
@@ -243,7 +250,10 @@ class Tensors:
             sb, srec = self.lookup(src)
             self.use(srec, self.state.current_streams[srec.index], src, "copy_()")
         if not dst.is_cuda:
+            started = time.perf_counter()
             db.copy_(sb)
+            if src.is_cuda:
+                self._over_the_link(db.numel() * db.element_size(), started)
             return dst
         db, drec = self.lookup(dst)
         stream = self.state.current_streams[drec.index]
@@ -251,8 +261,20 @@ class Tensors:
         if non_blocking and not src.is_cuda and self.is_pinned(src):
             self._async_copy(db, sb, drec)
         else:
+            started = time.perf_counter()
             db.copy_(sb)
+            if not src.is_cuda:
+                self._over_the_link(db.numel() * db.element_size(), started)
         return dst
+
+    def _over_the_link(self, nbytes: int, started: float) -> None:
+        """A synchronous copy between host and device holds the host for the link's time
+        too (``nbytes / bandwidth``), as an asynchronous one holds its stream."""
+        bandwidth = self.state.bandwidth
+        if bandwidth:
+            left = started + nbytes / (bandwidth * 1e9) - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
 
     def _async_copy(self, dst: torch.Tensor, src: torch.Tensor, record: Record) -> None:
         stream = self.state.current_streams[record.index]
@@ -338,6 +360,12 @@ class _Dispatch(TorchDispatchMode):
                 index = wanted
         if index is None:
             return func(*args, **kwargs)
+        target = kwargs.get("device")
+        if isinstance(target, torch.device) and target.type != "cuda":
+            # ``empty_like(x, device="cpu")``, ``x.new_zeros(n, device="cpu")``: made on the
+            # host from a device tensor's metadata, so a host tensor comes back.
+            cargs, ckwargs = tree_unflatten(flat, spec)
+            return func(*cargs, **ckwargs)
         if cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
             raise _mixed(f"cuda:{index}", "cpu")
         stream = sim.state.current_streams[index]
