@@ -220,6 +220,25 @@ def test_host_tensors_made_from_a_device_tensor_are_on_the_host(make: Any) -> No
         out + torch.ones(()).expand_as(out)  # a host tensor mixes with host tensors
 
 
+@pytest.mark.parametrize("grad_mode", [torch.enable_grad, torch.no_grad, torch.inference_mode])
+def test_assigning_data_across_host_and_device_moves_the_tensor(grad_mode: Any) -> None:
+    # What a pager does to a parameter: its data goes to a host master and back to a
+    # device copy, the parameter object staying the same, in any grad mode.
+    with simulated_cuda():
+        param = nn.Parameter(torch.ones(3, device="cuda"), requires_grad=False)
+        param.marked = True  # type: ignore[attr-defined]
+        host = torch.full((3,), 2.0)
+        device = torch.full((3,), 5.0, device="cuda")
+        with grad_mode():
+            param.data = host
+            assert isinstance(param, nn.Parameter) and param.device.type == "cpu"
+            assert param.data_ptr() == host.data_ptr() and param.sum().item() == 6.0
+            param.data = device
+            assert isinstance(param, nn.Parameter) and param.device == torch.device("cuda", 0)
+            assert param.sum().item() == 15.0
+        assert param.marked  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("to_device", [True, False], ids=["host-to-device", "device-to-host"])
 @pytest.mark.parametrize("how", ["to", "cuda-or-cpu", "copy_"])
 def test_synchronous_copies_over_the_link_take_its_time(to_device: bool, how: str) -> None:

@@ -70,6 +70,15 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
+        if _current is not None and not _current.closed:
+            # ``device_tensor.data = host_tensor`` (a pager releasing a weight) leaves host
+            # data under the simulated tensor's wrapper: it is a host tensor now, as on CUDA.
+            flat, spec = tree_flatten((args, kwargs or {}))
+            if any(isinstance(x, SimTensor) and not x.is_cuda for x in flat):
+                cargs, ckwargs = tree_unflatten(
+                    [_host_view(x) if isinstance(x, SimTensor) and not x.is_cuda else x
+                     for x in flat], spec)
+                return func(*cargs, **ckwargs)
         raise RuntimeError(
             f"{func}: a tensor of the simulated CUDA device was used after its "
             f"`with adaptmem.testing.simulated_cuda():` block ended; move it to the CPU "
@@ -287,6 +296,12 @@ class Tensors:
             record.used_on[stream] = stream.epoch
 
 
+def _host_view(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over the host storage a simulated tensor's wrapper was given."""
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
+                                              t.size(), t.stride())
+
+
 def _mixed(a: str, b: str) -> RuntimeError:
     return RuntimeError(
         f"Expected all tensors to be on the same device, but found at least two devices, "
@@ -303,9 +318,10 @@ _CPU_EQUIVALENT = {
     aten.cudnn_batch_norm.default: _cudnn_batch_norm,
     aten.miopen_batch_norm.default: lambda *a: aten.native_batch_norm.default(*a),
 }
-# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices).
+# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices), and the metadata
+# check behind ``cpu_param.data = cuda_tensor`` (dispatched under inference_mode).
 _MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-             aten._index_put_impl_.default}
+             aten._index_put_impl_.default, aten._has_compatible_shallow_copy_type.default}
 
 
 class _Dispatch(TorchDispatchMode):
