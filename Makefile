@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/paging.py
 	$(PY) benchmarks/chunking.py
 	$(PY) benchmarks/loading.py
+	$(PY) benchmarks/spill.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check adaptmem tests benchmarks

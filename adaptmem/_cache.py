@@ -39,19 +39,33 @@ __all__ = [
 SETTLE_FRACTION = 0.9
 
 
+# [Note: probing a failed size] A size that failed may fail no longer: the memory was taken
+# for a while (another process, a spike) without the free-memory reading showing it, or the
+# cache does not watch free memory at all. A settled record therefore tries its smallest
+# failed size again after PROBE_AFTER successful calls, and after twice as many each time
+# that probe fails, so a real ceiling costs one failed attempt per doubling of the number
+# of calls (a quiet steady state) and a transient one is forgotten. A probe that fits clears
+# the failure and the usual bisection climbs from there.
+PROBE_AFTER = 32
+PROBE_AFTER_MAX = 1 << 20
+
+
 class SizeRecord:
     """What is known about sizes for one key: ``fits`` worked, ``fails`` ran out of memory.
 
     ``next_size`` bisects between them, so repeated calls settle within 10% of the largest
-    size that fits. All methods are thread-safe.
+    size that fits, and once settled probes ``fails`` again now and then (see [Note: probing
+    a failed size]). All methods are thread-safe.
     """
 
-    __slots__ = ("fits", "fails", "_lock")
+    __slots__ = ("fits", "fails", "_lock", "successes", "patience")
 
     def __init__(self, fits: int | None = None, fails: int | None = None) -> None:
         self.fits = fits
         self.fails = fails
         self._lock = threading.Lock()
+        self.successes = 0  # successful calls since the last failure or probe
+        self.patience = PROBE_AFTER  # successes before the next probe of ``fails``
 
     def next_size(self, initial: int, floor: int = 1) -> int:
         """The size a new call should try first: never above ``initial``, never below
@@ -62,16 +76,23 @@ class SizeRecord:
             return initial if fails is None else max(floor, min(initial, fails // 2))
         ceiling = min(initial + 1, fails) if fails is not None else initial + 1
         if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
+            if fails is not None and fails <= initial and self.successes >= self.patience:
+                self.successes = 0
+                return max(floor, fails)  # see [Note: probing a failed size]
             return max(floor, min(fits, initial))
         return max(floor, (fits + ceiling) // 2)
 
     def after_failure(self, size: int, floor: int) -> int:
         """Record that ``size`` ran out of memory; return the size to retry with."""
         with self._lock:
+            if self.fails is not None and size >= self.fails:
+                # A known failure confirmed (a probe): wait twice as long before the next.
+                self.patience = min(2 * self.patience, PROBE_AFTER_MAX)
             if self.fails is None or size < self.fails:
                 self.fails = size
             if self.fits is not None and self.fits >= size:
                 self.fits = None  # it fitted before; memory is tighter now
+            self.successes = 0
             fits = self.fits
         if fits is not None and fits < size:
             return max(floor, fits)
@@ -81,12 +102,16 @@ class SizeRecord:
         """Record that ``size`` ran to completion."""
         fits, fails = self.fits, self.fails
         if fits is not None and size <= fits and (fails is None or fails > size):
-            return  # nothing new: the settled path takes no lock
+            # Nothing new: the settled path takes no lock (a lost count delays a probe).
+            self.successes += 1
+            return
         with self._lock:
             if self.fits is None or size > self.fits:
                 self.fits = size
             if self.fails is not None and self.fails <= size:
-                self.fails = None
+                self.fails = None  # it fails no longer: probe promptly if it comes back
+                self.patience = PROBE_AFTER
+            self.successes += 1
 
     def copy_for(self, more_memory: bool) -> SizeRecord:
         """A seed for a neighbouring memory bucket: with more memory the old failure is no
@@ -138,8 +163,9 @@ class BatchsizeCache:
 class GlobalBatchsizeCache(BatchsizeCache):
     """One record per decorated function (and ``context``), wherever it is called from.
 
-    It does not watch free memory: a size that once failed stays the ceiling until a call
-    succeeds at it. Use the default cache where memory comes and goes between calls.
+    It does not watch free memory: a size that once failed stays the ceiling until a probe
+    of it (after 32, 64, 128, ... successful calls) fits again. Use the default cache where
+    memory comes and goes between calls.
     """
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:

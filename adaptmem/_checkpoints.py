@@ -6,12 +6,14 @@ data), or a Hugging Face ``*.index.json``. Every file is checked (present, compl
 before any tensor is read, so a load can refuse a bad checkpoint before it changes a model.
 
 Reading puts a tensor's bytes straight into the memory that keeps them (``Reader.read_into``),
-or into one reusable staging buffer when a conversion or a device copy follows; files are read
-with ``readinto``, not mapped, so the page cache never counts toward this process's memory.
+or through two staging chunks when a conversion or a device copy follows
+(``Reader.copy_into``); files are read with ``preadv``, not mapped, so the page cache never
+counts toward this process's memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -22,14 +24,16 @@ import sys
 import warnings
 import zipfile
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ._errors import LoadError
 
-__all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES"]
+__all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -334,13 +338,40 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
+# [Note: reading speed]
+# Copying from the page cache into memory that exists runs at memcpy speed (6-15 GB/s on a
+# shared 2-core VM); a load into new tensors is bound by the kernel handing out fresh pages
+# (zeroed, faulted in; ~1 GB/s there in a fresh process). Transparent huge pages were tried
+# and dropped: on that VM the first touch of a 2 MiB page in a fresh process costs more than
+# 512 small faults (the host backs it lazily), so they only helped memory reused in-process.
+# A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes: a reader
+# thread fills one while the caller converts the other, so reading overlaps converting and
+# staging costs 2 * _CHUNK instead of a whole tensor.
+_CHUNK = 16 * 2**20
+_preadv = getattr(os, "preadv", None)
+
+
+def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """``target.copy_(src)``; an inference tensor (a model built under ``inference_mode``)
+    can only be written in inference mode."""
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            target.copy_(src, non_blocking=non_blocking)
+    else:
+        target.copy_(src, non_blocking=non_blocking)
+
+
 class Reader:
-    """Reads checkpoint tensors; one open file per checkpoint file, one staging buffer."""
+    """Reads checkpoint tensors: one open file per checkpoint file, a reader thread and two
+    staging chunks for conversions (see [Note: reading speed])."""
 
     def __init__(self) -> None:
         self._files: dict[str, object] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._staging: torch.Tensor | None = None
+        self._chunks: list[torch.Tensor] = []
+        self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
+        self._pool: ThreadPoolExecutor | None = None
 
     def __enter__(self) -> Reader:
         return self
@@ -349,12 +380,19 @@ class Reader:
         self.close()
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for event in self._pending.values():
+            event.synchronize()  # device copies still reading a pinned chunk
+        self._pending.clear()
         for f in self._files.values():
             f.close()  # type: ignore[attr-defined]
         self._files.clear()
         # Tensors made by `mapped` keep their own reference to the mapping.
         self._maps.clear()
         self._staging = None
+        self._chunks = []
 
     def _file(self, name: str):  # type: ignore[no-untyped-def]
         f = self._files.get(name)
@@ -363,6 +401,9 @@ class Reader:
                 f = open(name, "rb", buffering=0)
             except OSError as exc:
                 raise LoadError(f"cannot open checkpoint file {name!r}: {exc}") from None
+            if hasattr(os, "posix_fadvise"):  # a larger read-ahead window for cold files
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
             self._files[name] = f
         return f
 
@@ -373,11 +414,14 @@ class Reader:
             return
         view = memoryview((ctypes.c_char * n).from_address(dest.data_ptr())).cast("B")
         f = self._file(name)
+        done = 0
         try:
-            f.seek(offset)  # type: ignore[attr-defined]
-            done = 0
             while done < n:
-                got = f.readinto(view[done:])  # type: ignore[attr-defined]
+                if _preadv is not None:  # no shared file position: safe from two threads
+                    got = _preadv(f.fileno(), [view[done:]], offset + done)
+                else:
+                    f.seek(offset + done)
+                    got = f.readinto(view[done:])
                 if not got:
                     raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes short "
                                     f"while reading at offset {offset + done}")
@@ -386,15 +430,62 @@ class Reader:
             raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
 
     def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
-        """Read ``entry`` straight into ``dest``: CPU, contiguous, same dtype and numel."""
-        if entry.tensor is not None:
-            dest.copy_(entry.tensor.reshape(dest.shape))
-            return
+        """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
+        no autograd, no version-counter bump."""
         self._fill(entry.file, entry.start, dest)
 
     def can_read_into(self, entry: Entry, dest: torch.Tensor) -> bool:
-        return (dest.device.type == "cpu" and dest.dtype == entry.dtype
+        # Entries held in memory (``entry.tensor``) are handed out by ``read`` instead.
+        return (entry.tensor is None and dest.device.type == "cpu" and dest.dtype == entry.dtype
                 and dest.is_contiguous() and entry.contiguous and dest.numel() == entry.numel)
+
+    def copy_into(self, entry: Entry, targets: list[torch.Tensor]) -> None:
+        """Read ``entry`` once and copy it into every target (any dtype, device and shape
+        with its number of elements), converting on the way."""
+        device = any(t.device.type != "cpu" for t in targets)
+        if (entry.tensor is not None or not entry.contiguous or entry.nbytes <= _CHUNK
+                or not all(t.is_contiguous() for t in targets)):
+            src = self.read(entry, pinned=device and torch.cuda.is_available())
+            for t in targets:
+                copy_to(t, src.reshape(t.shape) if src.shape != t.shape else src)
+            return
+        item = entry.dtype.itemsize
+        step = _CHUNK // item
+        pieces = [(a, min(a + step, entry.numel)) for a in range(0, entry.numel, step)]
+        chunks = self._chunk_buffers(pinned=device and torch.cuda.is_available())
+        flats = [t.view(-1) for t in targets]
+        start = entry.start
+
+        def fetch(i: int) -> None:
+            a, b = pieces[i]
+            event = self._pending.pop(i % 2, None)
+            if event is not None:  # a device copy still reads this chunk
+                event.synchronize()
+            self._fill(entry.file, start + a * item, chunks[i % 2][: (b - a) * item])
+
+        pool = self._pool
+        if pool is None:
+            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="adaptmem-load")
+        future = pool.submit(fetch, 0)
+        for i, (a, b) in enumerate(pieces):
+            future.result()
+            if i + 1 < len(pieces):
+                future = pool.submit(fetch, i + 1)
+            piece = chunks[i % 2][: (b - a) * item].view(entry.dtype)
+            for flat in flats:
+                copy_to(flat[a:b], piece, non_blocking=flat.device.type == "cuda")
+                if flat.device.type == "cuda":
+                    event = torch.cuda.Event()
+                    event.record()
+                    self._pending[i % 2] = event
+        future.result()
+
+    def _chunk_buffers(self, pinned: bool) -> list[torch.Tensor]:
+        if len(self._chunks) != 2 or (pinned and not self._chunks[0].is_pinned()):
+            self._chunks = []
+            self._chunks = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=pinned)
+                            for _ in range(2)]
+        return self._chunks
 
     def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
         """``entry`` as a CPU tensor in the staging buffer, valid until the next ``read``."""

@@ -13,8 +13,9 @@ import torch
 
 from ._cache import BatchsizeCache, _check_cache, resolve_cache
 from ._devices import resolve_device
+from ._lazy import retry_lazy
 from ._oom import shrinks_size
-from ._retry import log_probe, run_range, run_sized
+from ._retry import LAZY_TYPES, log_probe, run_range, run_sized
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 
@@ -30,7 +31,7 @@ def _check_size(value: Any, name: str, example: str) -> int:
 
 
 def _check_callable(func: Any, decorator: str) -> None:
-    if not callable(func):
+    if not callable(func) and not isinstance(func, (staticmethod, classmethod)):
         raise TypeError(
             f"{decorator} decorates a function; got {type(func).__name__} {func!r}. "
             f"Write @{decorator}(...) above a def, or {decorator}(...)(function)"
@@ -42,14 +43,30 @@ def _function_key(func: Any) -> Any:
     return getattr(getattr(func, "__func__", func), "__code__", func)
 
 
-def _positional_limit(func: Callable[..., Any], leading: int) -> tuple[str, int | None]:
+def _takes_instance(func: Callable[..., Any]) -> bool:
+    """True for a function written as a method: its first parameter is ``self`` or ``cls``."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].name in ("self", "cls") and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def _is_lazy_function(func: Any) -> bool:
+    return (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
+            or inspect.isasyncgenfunction(func))
+
+
+def _positional_limit(func: Callable[..., Any], leading: int,
+                      takes_instance: bool) -> tuple[str, int | None]:
     """The injected parameter's name, and how many positional arguments a caller may pass
     (None when the function takes ``*args`` or has no readable signature)."""
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return "", None
-    if params and params[0].name in ("self", "cls"):
+    if takes_instance:
         params = params[1:]
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if any(p.kind is p.VAR_POSITIONAL for p in params):
@@ -68,11 +85,26 @@ class _Adaptive:
 
     kind = ""
     leading = 1
+    # range and chunked run their steps to completion; see [Note: lazy results] in _lazy.py.
+    accepts_lazy = False
 
     def __init__(
-        self, func: Callable[..., Any], initial: int, floor: int, cache: Any, context: Any,
+        self, func: Any, initial: int, floor: int, cache: Any, context: Any,
         device: Any,
     ) -> None:
+        # Above @staticmethod / @classmethod: decorate the function, bind as they would.
+        self._binding = "static" if isinstance(func, staticmethod) else (
+            "class" if isinstance(func, classmethod) else "")
+        if self._binding:
+            func = func.__func__
+        if not self.accepts_lazy and _is_lazy_function(func):
+            raise TypeError(
+                f"adaptive.{self.kind} runs each step to completion and retries it while it "
+                f"runs, so it cannot take {getattr(func, '__qualname__', func)!r}, a generator "
+                f"or async function: a step that yields or awaits has done none of its work "
+                f"when it returns. Write the step as a plain function (return a list instead "
+                f"of yielding), or use @adaptive.batch, which retries generators and coroutines"
+            )
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self.__wrapped__ = func
         self._func = func
@@ -83,15 +115,23 @@ class _Adaptive:
         self.context = context
         self.device = None if device is None else resolve_device(device)
         self._name = getattr(func, "__qualname__", repr(func))
-        self._injected, self._limit = _positional_limit(func, self.leading)
+        # A method called through its class gets its instance as the first argument.
+        self._self_first = self._binding == "class" or (
+            not self._binding and _takes_instance(func))
+        self._injected, self._limit = _positional_limit(func, self.leading, self._self_first)
+        if inspect.iscoroutinefunction(func):
+            _mark_coroutine_function(self)
 
     def __reduce__(self) -> str:
         # Pickled by name, like the function it replaces (for multiprocessing and spawn).
         return self.__qualname__  # type: ignore[no-any-return,attr-defined]
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        if obj is None:
-            return self
+        binding = self._binding
+        if binding == "class":
+            return _BoundAdaptive(self, objtype if objtype is not None else type(obj))
+        if obj is None or binding == "static":
+            return self  # through the class, a method gets its instance from the caller
         return _BoundAdaptive(self, obj)
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -115,7 +155,11 @@ class _Adaptive:
 class _Batch(_Adaptive):
     kind = "batch"
 
+    accepts_lazy = True
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._self_first:  # Model.infer(model, x): the instance comes first
+            return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
         return self._run(sys._getframe(1), args, kwargs, ())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -138,20 +182,34 @@ class _Batch(_Adaptive):
                 raise
             failure = exc
         else:
+            if result.__class__ in LAZY_TYPES:
+                return self._lazy(result, size, record, cache, bound, args, kwargs)
             record.after_success(size)
             return result
-        return run_sized(
+        result, size = run_sized(
             lambda s: func(*bound, s, *args, **kwargs), size, record, floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
-        )[0]
+        )
+        if result.__class__ in LAZY_TYPES:
+            return self._lazy(result, size, record, cache, bound, args, kwargs)
+        return result
+
+    def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
+              bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # See [Note: lazy results] in _lazy.py.
+        func = self._func
+        return retry_lazy(result, size, lambda s: func(*bound, s, *args, **kwargs), record,
+                          self.floor, self._name, self.device, cache)
 
 
 class _Range(_Adaptive):
     kind = "range"
     leading = 2
 
-    def __call__(self, start: int, end: int, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._run(sys._getframe(1), (start, end, *args), kwargs, ())
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+        if self._self_first:
+            return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
+        return self._run(sys._getframe(1), args, kwargs, ())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> list[Any]:
@@ -178,16 +236,20 @@ class _Chunked(_Adaptive):
     leading = 3
 
     def __init__(self, func: Callable[..., Any], initial: int, floor: int, cache: Any,
-                 context: Any, device: Any, dimension: int) -> None:
+                 context: Any, device: Any, dimension: int, output: str | None) -> None:
         self.dimension = dimension
+        self.output = output
         super().__init__(func, initial, floor, cache, context, device)
 
-    def __call__(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._run(sys._getframe(1), (tensor, *args), kwargs, ())
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self._self_first:
+            return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
+        return self._run(sys._getframe(1), args, kwargs, ())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> torch.Tensor:
-        tensor, *rest = args
+        tensor = args[0] if args else None
+        rest = args[1:]
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{self._name}() needs a tensor first, got {type(tensor).__name__}")
         dim = self.dimension
@@ -199,16 +261,81 @@ class _Chunked(_Adaptive):
         self._check_call(tuple(rest), kwargs)
         cache, record = self._record(caller)
         func = self._func
-        run_range(
-            lambda s, e: func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs),
-            0, tensor.shape[dim], record, initial=self.initial, floor=self.floor,
-            name=self._name, device=self.device, cache=cache,
-        )
+
+        def step(s: int, e: int) -> Any:
+            return func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs)
+
+        length = tensor.shape[dim]
+        if self.output is None:
+            run_range(step, 0, length, record, initial=self.initial, floor=self.floor,
+                      name=self._name, device=self.device, cache=cache)
+            return tensor
+        writer = _ResultWriter(tensor, dim, self.output == "new", self._name)
+        if length == 0 and writer.new:
+            # As torch.cat([f(c) for c in x.split(n, dim)], dim) does: one call on the
+            # empty chunk says what the output looks like.
+            writer(0, 0, step(0, 0))
+        run_range(step, 0, length, record, initial=self.initial, floor=self.floor,
+                  name=self._name, device=self.device, cache=cache, deliver=writer)
+        if writer.new:
+            assert writer.out is not None  # the empty case made one above
+            return writer.out
         return tensor
 
 
+class _ResultWriter:
+    """Writes a successful step's result where it belongs (see ``chunked``'s ``output``)."""
+
+    def __init__(self, tensor: torch.Tensor, dim: int, new: bool, name: str) -> None:
+        self.tensor = tensor
+        self.dim = dim
+        self.new = new
+        self.name = name
+        self.out: torch.Tensor | None = None
+
+    def __call__(self, start: int, end: int, result: Any) -> None:
+        dim = self.dim
+        if not isinstance(result, torch.Tensor):
+            raise TypeError(
+                f"{self.name} returned {type(result).__name__} for [{start}, {end}); with "
+                f"output={'new' if self.new else 'input'!r} a step returns its chunk's result "
+                f"as a tensor (output=None lets the step write into its chunk instead)"
+            )
+        if not self.new:
+            target = self.tensor.narrow(dim, start, end - start)
+            if result.shape != target.shape:
+                raise ValueError(
+                    f"{self.name} returned shape {tuple(result.shape)} for a chunk of shape "
+                    f"{tuple(target.shape)}; with output='input' the result replaces the "
+                    f"chunk, so it must have the chunk's shape (output='new' allows others)"
+                )
+            target.copy_(result)
+            return
+        if not -result.dim() <= dim < result.dim() or result.shape[dim] != end - start:
+            raise ValueError(
+                f"{self.name} returned shape {tuple(result.shape)} for a chunk of "
+                f"{end - start} along dimension {dim}; with output='new' each result keeps "
+                f"its chunk's length along that dimension"
+            )
+        out = self.out
+        at = dim % result.dim()
+        if out is None:
+            shape = list(result.shape)
+            shape[at] = self.tensor.shape[dim]
+            out = self.out = result.new_empty(shape)
+        elif [n for i, n in enumerate(result.shape) if i != at] != [
+                n for i, n in enumerate(out.shape) if i != at] or result.dim() != out.dim():
+            raise ValueError(
+                f"{self.name} returned shape {tuple(result.shape)} for [{start}, {end}), "
+                f"which does not match the first step's {tuple(out.shape)} outside "
+                f"dimension {dim}; with output='new' every step's result has the same shape "
+                f"apart from that dimension"
+            )
+        out.narrow(dim, start, end - start).copy_(result)
+
+
 class _BoundAdaptive:
-    """A decorated method bound to its instance: the size goes after ``self``."""
+    """A decorated method bound to its instance (or class): the size goes after it."""
 
     __slots__ = ("_adaptive", "_obj")
 
@@ -218,6 +345,28 @@ class _BoundAdaptive:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
+
+    # What inspect.iscoroutinefunction (3.12+) and asyncio.iscoroutinefunction look for.
+    @property
+    def _is_coroutine_marker(self) -> Any:
+        return getattr(self._adaptive, "_is_coroutine_marker", None)
+
+    @property
+    def _is_coroutine(self) -> Any:
+        return getattr(self._adaptive, "_is_coroutine", None)
+
+
+def _mark_coroutine_function(adaptive: _Adaptive) -> None:
+    """Let frameworks that ask (``inspect`` / ``asyncio.iscoroutinefunction``) see that the
+    decorated ``async def`` still returns an awaitable."""
+    mark = getattr(inspect, "markcoroutinefunction", None)  # Python 3.12+
+    if mark is not None:
+        mark(adaptive)
+    import asyncio.coroutines
+
+    marker = getattr(asyncio.coroutines, "_is_coroutine", None)  # older Pythons' marker
+    if marker is not None:
+        adaptive._is_coroutine = marker  # type: ignore[attr-defined]
 
 
 def _factory(
@@ -261,9 +410,20 @@ def batch(
 ) -> Any:
     """Retry ``func`` with a smaller batch size when it runs out of memory.
 
-    The decorated function takes the batch size as its first parameter; callers leave it
+    The decorated function takes the batch size as its first parameter (after ``self`` or
+    ``cls`` for a method; above ``@staticmethod`` / ``@classmethod`` too); callers leave it
     out. Sizes that worked are remembered per call site and free memory (see ``cache``), and
     later calls probe upward by bisection, settling within 10% of the largest size that fits.
+    A settled size below a failed one tries the failed one again after 32 successful calls,
+    then 64, 128, ... while it keeps failing, so memory that was short for a while is not
+    held against later calls.
+
+    Generators and ``async def`` functions are run where their work happens: a coroutine is
+    awaited and retried whole; a generator (sync or async) is retried until it yields its
+    first item, and an out-of-memory error after that is not retried (the items already
+    yielded would come again) but raised as ``adaptmem.OutOfMemoryError``, the next call
+    starting smaller. A size is recorded as fitting only once the work ran without running
+    out of memory.
 
     Args:
         initial_batchsize: the first and largest size tried.
@@ -280,8 +440,10 @@ def batch(
     Raises:
         TypeError / ValueError: at decoration, for a missing or non-positive size or
             ``min_batchsize > initial_batchsize``; at call, if the caller passes the batch size.
-        adaptmem.OutOfMemoryError: memory ran out at ``min_batchsize``; it is also an instance
-            of the original error's type (``torch.OutOfMemoryError``, ``MemoryError``, ...).
+        adaptmem.OutOfMemoryError: memory ran out at ``min_batchsize`` (or in a generator
+            after its first item); it is also an instance of the original error's type
+            (``torch.OutOfMemoryError``, ``MemoryError``, ...), so an outer decorated
+            function shrinks its own size in turn.
 
     Example:
         >>> import torch
@@ -310,7 +472,9 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
     The caller writes ``fill(start, end, *args)``. Steps are consecutive, cover the range
     exactly once and in order; a step that runs out of memory is retried at the same offset
     with a smaller step (finished steps are never redone). Returns the list of step results.
-    Options as for ``batch`` (``initial_step``, ``min_step``).
+    Options as for ``batch`` (``initial_step``, ``min_step``). A step runs to completion
+    inside the retry, so generator and async functions are refused at decoration, and a step
+    that returns a generator or coroutine raises TypeError.
 
     Example:
         >>> from adaptmem import adaptive
@@ -330,6 +494,7 @@ def chunked(
     initial_step: int | None = None,
     min_step: int = 1,
     dimension: int = 0,
+    output: str | None = None,
     cache: Any = None,
     context: Any = None,
     device: Any = None,
@@ -337,8 +502,31 @@ def chunked(
     """Call ``func(chunk, start, end, *args)`` on slices of a tensor along ``dimension``.
 
     The caller writes ``work(tensor, *args)``; ``chunk`` is ``tensor.narrow(dimension, start,
-    end - start)`` (a view: write results into it in place). Any dimension, negative too.
-    Steps shrink on OOM as in ``range``. Returns ``tensor``.
+    end - start)``, a view. Any dimension, negative too. Steps shrink on OOM as in ``range``:
+    a step that runs out of memory is run again at the same offset with a smaller step.
+
+    ``output`` says what the step does with its result, and so what a retry can repeat:
+
+    - ``None`` (default): the step writes into ``chunk`` in place; returns ``tensor``.
+      **A step that runs out of memory after writing part of its chunk is retried over the
+      same elements, so a write that is not idempotent (``chunk += 1``, ``chunk.mul_(2)``)
+      is applied twice there.** Compute into a temporary and write it last
+      (``chunk.copy_(result)``), or use ``"input"``.
+    - ``"input"``: the step returns its chunk's new values (a tensor of the chunk's shape)
+      and leaves ``chunk`` alone; they are copied into ``tensor`` only once the step
+      succeeded, so a retried step never writes twice. Returns ``tensor``.
+    - ``"new"``: the step returns its result for the chunk (same length along
+      ``dimension``, any other shape, dtype or device, the same for every step); results
+      are written into a new tensor, only once their step succeeded. ``tensor`` is not
+      written. Returns the new tensor, as ``torch.cat([f(c) for c in tensor.split(n,
+      dimension)], dimension)`` would, without holding every result at once.
+
+    Raises:
+        ValueError: at decoration, an ``output`` other than None, ``"input"``, ``"new"``;
+            at call, a ``dimension`` out of range or a result of the wrong shape.
+        TypeError: at decoration, a generator or async function (a step must do its work
+            before it returns); at call, a first argument that is not a tensor, or with
+            ``output`` set, a step that returns something other than a tensor.
 
     Example:
         >>> import torch
@@ -348,12 +536,23 @@ def chunked(
         ...     chunk.mul_(2)
         >>> double(torch.ones(2, 5)).sum().item()
         20.0
+        >>> @adaptive.chunked(initial_step=3, output="new")
+        ... def squares(chunk, start, end):
+        ...     return chunk.pow(2)
+        >>> squares(torch.arange(5.0)).tolist()
+        [0.0, 1.0, 4.0, 9.0, 16.0]
     """
     if isinstance(dimension, bool) or not isinstance(dimension, int):
         raise TypeError(f"dimension must be an int (negative counts from the end), "
                         f"got {type(dimension).__name__} {dimension!r}")
+    if output is not None and output not in ("input", "new"):
+        raise ValueError(
+            f"output must be None (the step writes into its chunk), 'input' (the step "
+            f"returns the chunk's new values) or 'new' (the step returns its result and a new "
+            f"tensor collects them), got {output!r}"
+        )
     return _factory(_Chunked, func, initial_step, min_step, cache, context, device,
-                    ("initial_step", "min_step"), {"dimension": dimension})
+                    ("initial_step", "min_step"), {"dimension": dimension, "output": output})
 
 
 def _execute_batch(*, initial_batchsize: int | None = None, **options: Any) -> Any:
@@ -397,10 +596,12 @@ def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step
 
 
 def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int,
-                      *args: Any, dimension: int = 0, **kwargs: Any) -> torch.Tensor:
-    """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``."""
+                      *args: Any, dimension: int = 0, output: str | None = None,
+                      **kwargs: Any) -> torch.Tensor:
+    """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``
+    (``output=`` as for ``chunked``)."""
     _check_callable(func, "adaptive.explicit.chunked")
-    return chunked(initial_step=initial_step, dimension=dimension)(func)._run(  # type: ignore[no-any-return]
+    return chunked(initial_step=initial_step, dimension=dimension, output=output)(func)._run(  # type: ignore[no-any-return]
         sys._getframe(1), (tensor, *args), kwargs, ())
 
 

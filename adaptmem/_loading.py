@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._checkpoints import Checkpoint, Entry, Reader, open_checkpoint
+from ._checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
 from ._devices import default_device, format_bytes, resolve_device
 from ._errors import LoadError
+from ._oom import is_oom
 from ._planner import ModuleSizes, Plan, module_sizes
 from ._stats import LoadStats
 
@@ -63,9 +66,30 @@ def _parameters_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
-        yield
+        # Ordinary tensors even when called in inference mode: placement refuses
+        # inference tensors (they track no versions).
+        with torch.inference_mode(False), _SkipWritesToMeta():
+            yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+class _SkipWritesToMeta(TorchDispatchMode):
+    """In-place writes to meta tensors return at once, doing nothing.
+
+    What they would compute has no values to land in, yet torch runs them: ``normal_``,
+    ``uniform_``, ``trunc_normal_``'s five steps, ... through Python reference kernels, which
+    made weight initialisation (``reset_parameters``, ``torch.nn.init``, Hugging Face's
+    ``_init_weights``) most of ``empty_model``'s time. Metadata changes (``resize_``,
+    ``squeeze_``, ``as_strided_``: tagged ``inplace_view``) still run, and so does every op
+    on a real tensor: buffers get their constructor values.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if (args and isinstance(args[0], torch.Tensor) and args[0].is_meta
+                and torch.Tag.inplace in func.tags and torch.Tag.inplace_view not in func.tags):
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
@@ -74,9 +98,13 @@ def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
     Buffers are built for real on the CPU: they are small, and constructors compute the
     non-persistent ones (rotary ``inv_freq``, ``position_ids``) that no checkpoint holds.
     Parameters are moved to meta as they are registered, so at most one parameter is ever
-    held (and initialisation that runs after registration costs nothing). Pass the result to
-    ``adaptive.load`` or ``adaptive.plan``. Not thread-safe: modules built by other threads
-    while ``factory`` runs get meta parameters too.
+    held. Weight initialisation is skipped: the constructor runs as written, but every
+    in-place write to a meta tensor (``reset_parameters``, ``torch.nn.init``, Hugging Face's
+    ``_init_weights``) returns at once without computing anything, while ops on real
+    tensors (the buffers) run normally. The checkpoint fills the parameters; one it does not
+    hold (``strict=False``) is left uninitialised by ``load``, with a warning naming it.
+    Pass the result to ``adaptive.load`` or ``adaptive.plan``. Not thread-safe: modules
+    built by other threads while ``factory`` runs get meta parameters too.
 
     Args:
         factory: a zero-argument callable returning an ``nn.Module`` (a class, a lambda).
@@ -179,7 +207,9 @@ def load(
     in its final place (same device and dtype) is filled in place and keeps its identity; a
     meta tensor is replaced by a new one on the target device (same ``Parameter`` type and
     ``requires_grad``); a real tensor on another device has its ``.data`` swapped. Without
-    ``dtype``, each tensor keeps the model's dtype (as ``load_state_dict`` does).
+    ``dtype``, each tensor keeps the model's dtype (as ``load_state_dict`` does), converting
+    what the checkpoint stores (dtype, layout) on the way; writes happen outside autograd
+    and bump version counters as ``copy_`` would.
 
     Zero-copy: with ``copy=False``, CPU tensors that need no conversion are not read at all
     but stay backed by a private copy-on-write mapping of the checkpoint file: loading is
@@ -197,7 +227,10 @@ def load(
             placement, paged units to pinned host memory (plain CPU memory without CUDA). Or
             a placement handle (``adaptive.page``/``chunk``/``split``): each checkpoint tensor
             is copied in place into every copy the handle keeps (host and device).
-        strict: missing and unexpected keys are errors (shape mismatches always are).
+        strict: missing and unexpected keys are errors (shape mismatches always are). With
+            ``strict=False`` a missing tensor keeps its value in a built model; in a model
+            built on meta or from a factory it is left uninitialised (``empty_model`` skips
+            initialisation), logged as a warning naming it and listed in ``missing_keys``.
         dtype: floating tensors (parameters and buffers) are converted to this on the way;
             integer and bool tensors keep theirs. Not with a placement handle, whose copies
             already have their dtype.
@@ -213,6 +246,7 @@ def load(
             together in ``load_state_dict``'s wording; a checkpoint that is missing,
             truncated or corrupt, or a missing shard (the message names the file); a
             non-persistent buffer on meta that no checkpoint can fill. The model is unchanged.
+            Also a checkpoint tensor that cannot be copied into its target (naming both).
         TypeError / ValueError: an argument of the wrong kind or value (named in the message).
 
     Example:
@@ -249,10 +283,15 @@ def load(
     ckpt = open_checkpoint(checkpoint)
     sizes = module_sizes(model)
     dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
-    with Reader() as reader:
-        pending = _read_all(reader, ckpt, dests, sources, copy, stats)
-    _commit(model, sizes, pending)
-    _settle_unloaded(model, sizes, dests, sources)
+    # Model tensors are written in place (a built model, a handle's copies): outside
+    # autograd, or a leaf that requires grad refuses every converting copy. New tensors are
+    # ordinary ones even when the caller is in inference mode (placement refuses inference
+    # tensors, which track no versions); an inference tensor is written in inference mode.
+    with torch.inference_mode(False), torch.no_grad():
+        with Reader() as reader:
+            pending = _read_all(reader, ckpt, dests, sources, copy, stats)
+        _commit(model, sizes, pending)
+        _settle_unloaded(model, sizes, dests, sources)
     stats.seconds = time.perf_counter() - start
     logger.info(
         "adaptmem.load: %d tensors, %s read, %s mapped from %d file(s) in %.2fs (%s)",
@@ -362,38 +401,57 @@ def _read_all(
     order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
     for name in order:
         entry, dest = sources[name], dests[name]
-        mapped = False
-        if dest.into:
-            direct = next((t for t in dest.into if reader.can_read_into(entry, t)), None)
-            if direct is not None:
-                reader.read_into(entry, direct)
-                src = direct
-            else:
-                src = reader.read(entry, pinned=any(t.device.type == "cuda" for t in dest.into))
-            for t in dest.into:
-                if t is not src:
-                    t.copy_(src.reshape(t.shape) if src.shape != t.shape else src)
-                _count(stats, t)
-        else:
-            assert dest.device is not None
-            if (not copy and dest.device.type == "cpu" and not dest.pinned
-                    and dest.dtype == entry.dtype and reader.can_map(entry)):
-                new, mapped = reader.mapped(entry), True
-            else:
-                new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device,
-                                  pin_memory=dest.pinned)
-                if reader.can_read_into(entry, new):
-                    reader.read_into(entry, new)
-                else:
-                    new.copy_(reader.read(entry, pinned=dest.device.type == "cuda"))
+        try:
+            new, mapped = _read_one(reader, entry, dest, copy, stats)
+        except RuntimeError as exc:
+            if isinstance(exc, LoadError) or is_oom(exc):
+                raise
+            where = (", ".join(f"{t.dtype} on {t.device}" for t in dest.into) if dest.into
+                     else f"{dest.dtype} on {dest.device}")
+            raise LoadError(
+                f"cannot put checkpoint tensor {entry.key!r} ({entry.dtype}, shape "
+                f"{list(entry.shape)}, in {entry.file!r}) into {name!r} ({where}): {exc}"
+            ) from exc
+        if new is not None:
             pending[name] = new
-            _count(stats, new)
         stats.tensors += 1
         if mapped:
             stats.bytes_mapped += entry.nbytes
         else:
             stats.bytes_read += entry.nbytes
     return pending
+
+
+def _read_one(
+    reader: Reader, entry: Entry, dest: _Dest, copy: bool, stats: LoadStats,
+) -> tuple[torch.Tensor | None, bool]:
+    """Read one source into its destination; return (the new tensor or None, mapped)."""
+    if dest.into:
+        direct = next((t for t in dest.into if reader.can_read_into(entry, t)), None)
+        if direct is not None:
+            reader.read_into(entry, direct)
+            increment_version(direct)  # written through its pointer: say so, as copy_ would
+            others = [t for t in dest.into if t is not direct]
+            for t in others:
+                copy_to(t, direct.reshape(t.shape) if direct.shape != t.shape else direct)
+        else:
+            reader.copy_into(entry, dest.into)
+        for t in dest.into:
+            _count(stats, t)
+        return None, False
+    assert dest.device is not None
+    if (not copy and dest.device.type == "cpu" and not dest.pinned
+            and dest.dtype == entry.dtype and reader.can_map(entry)):
+        new = reader.mapped(entry)
+        _count(stats, new)
+        return new, True
+    new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device, pin_memory=dest.pinned)
+    if reader.can_read_into(entry, new):
+        reader.read_into(entry, new)
+    else:
+        reader.copy_into(entry, [new])
+    _count(stats, new)
+    return new, False
 
 
 def _count(stats: LoadStats, t: torch.Tensor) -> None:
@@ -439,16 +497,24 @@ def _settle_unloaded(
     """Tensors no checkpoint filled (non-persistent buffers; missing keys when not strict):
     moved to their target like the rest; a meta one (missing, not strict) is left empty."""
     left = {}
+    empty = []
     for name, dest in dests.items():
         if name in sources or dest.device is None:
             continue
         current = dest.current
         if current.device.type == "meta":
-            logger.warning("adaptmem.load: %s is in no checkpoint and was on meta; it is now "
-                           "uninitialised memory (like Module.to_empty)", name)
+            empty.append(name)
             left[name] = torch.empty(current.shape, dtype=dest.dtype, device=dest.device,
                                      pin_memory=dest.pinned)
         else:
             moved = current.to(device=dest.device, dtype=dest.dtype)
             left[name] = moved.pin_memory() if dest.pinned else moved
+    if empty:
+        logger.warning(
+            "adaptmem.load: %s in no checkpoint and built on meta, so %s uninitialised memory "
+            "(empty_model skips initialisation; like Module.to_empty): %s. Initialise %s "
+            "yourself (for example the owning module's reset_parameters()), or load with "
+            "strict=True to have missing keys refused", "1 tensor is" if len(empty) == 1
+            else f"{len(empty)} tensors are", "it holds" if len(empty) == 1 else "they hold",
+            ", ".join(empty), "it" if len(empty) == 1 else "them")
     _commit(model, sizes, left)

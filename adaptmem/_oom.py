@@ -8,6 +8,7 @@ import traceback
 import torch
 
 from ._devices import empty_cache
+from ._errors import OutOfMemoryError
 
 __all__ = ["is_oom", "oom_phase", "shrinks_size", "drop_frames", "free_caches", "OOM_MESSAGES"]
 
@@ -40,7 +41,8 @@ def _message_match(exc: BaseException) -> bool:
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True when ``exc`` means memory ran out: the OOM types first, then the messages.
+    """True when ``exc`` means memory ran out: the OOM types first (adaptmem's own
+    ``OutOfMemoryError`` included, whatever the original it stands for), then the messages.
 
     >>> is_oom(MemoryError())
     True
@@ -49,7 +51,9 @@ def is_oom(exc: BaseException) -> bool:
     >>> is_oom(ValueError("CUDA out of memory"))
     False
     """
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    # adaptmem's own error carries adaptmem's message, not the backend's, and stands for an
+    # original that may be a plain RuntimeError (CPU allocator, MPS, cuBLAS, CUDA driver).
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError, OutOfMemoryError)):
         return True
     return isinstance(exc, RuntimeError) and _message_match(exc)
 

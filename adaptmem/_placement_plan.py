@@ -201,11 +201,11 @@ def plan_placement(
     units = own_ties_where_first_used(units, sizes)
     by_label = {t.label: t for t in targets}
     if device_map is None:
-        placed = assign_devices(units, sizes, [(t.label, t.capacity, t.dtype) for t in targets])
+        placed, used = _assign_within_capacity(units, sizes, targets)
     else:
         placed = [replace(u, placement=label_for_unit(u, device_map, by_label)) for u in units]
         check_ties(placed)
-    used = placed_bytes(placed, sizes, by_label)
+        used = placed_bytes(placed, sizes, by_label)
     for t in targets:
         if t.capacity is not None and used.get(t.label, 0) > t.capacity:
             raise PlacementError(
@@ -221,6 +221,28 @@ def plan_placement(
     }
     opts.update(options or {})
     return Plan(mode, placed, sizes.total_bytes, opts)
+
+
+def _assign_within_capacity(units: Sequence[Unit], sizes: ModuleSizes, targets: Sequence[Target]
+                            ) -> tuple[list[Unit], dict[str, int]]:
+    """``assign_devices``, with each device's prefix cut short where the units that follow a
+    tied tensor to it (they must: a tensor is never on two devices) would overflow it.
+
+    Each pass lowers an overflowing device's limit by its overflow, so the prefix ends
+    before the tie's owner and its borrowers go on with it to the next device; the limits
+    only fall, so this ends (at worst with an empty prefix)."""
+    by_label = {t.label: t for t in targets}
+    limits = {t.label: t.capacity for t in targets}
+    while True:
+        placed = assign_devices(units, sizes, [(t.label, limits[t.label], t.dtype)
+                                               for t in targets])
+        used = placed_bytes(placed, sizes, by_label)
+        over = {label: used.get(label, 0) - cap for label, cap in limits.items()
+                if cap is not None and cap > 0 and used.get(label, 0) > cap}
+        if not over or targets[-1].label in over:  # the last device takes what is left
+            return placed, used
+        for label, excess in over.items():
+            limits[label] = max(0, limits[label] - excess)  # type: ignore[operator]
 
 
 def own_ties_where_first_used(units: Sequence[Unit], sizes: ModuleSizes) -> list[Unit]:

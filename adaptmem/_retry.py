@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -13,11 +14,15 @@ from ._devices import default_device, format_bytes, free_memory
 from ._errors import oom_error_for
 from ._oom import drop_frames, free_caches, shrinks_size
 
-__all__ = ["run_sized", "run_range", "log_probe", "logger"]
+__all__ = ["run_sized", "run_range", "shrink", "log_probe", "logger", "LAZY_TYPES"]
 
 logger = logging.getLogger("adaptmem")
 
 T = TypeVar("T")
+
+# What a call returns before any of its work has run: no out-of-memory error can have struck
+# yet, so such a result says nothing about the size (see _lazy.py for how batch runs them).
+LAZY_TYPES = frozenset({types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType})
 
 
 def _free_text(device: torch.device | None) -> str:
@@ -66,34 +71,54 @@ def run_sized(
                     raise
                 failure = exc
             else:
-                record.after_success(size)
+                # A generator or coroutine has not run yet: its wrapper records the outcome.
+                if result.__class__ not in LAZY_TYPES:
+                    record.after_success(size)
                 if tried:
                     logger.info("%s: %s=%d fits (after %s ran out of memory)",
                                 name, what, size, tried)
                 return result, size
         # Out of the except block, so nothing keeps the failed attempt's frames alive.
-        tried.append(size)
-        if size <= floor:
-            # No retry follows: keep the original traceback for whoever debugs this.
-            error = oom_error_for(failure)(
-                f"{name} ran out of memory at the smallest {what}, {floor}; tried {what} "
-                f"{', '.join(map(str, tried))} ({_free_text(device)}). Lower min_{what} if "
-                f"smaller sizes make sense, or free memory (another process, a smaller model, "
-                f"adaptive.page for the weights)."
-            )
-            error.phase = "compute"
-            raise error from failure
-        drop_frames(failure)
-        free_caches(device)
-        if isinstance(cache, StacktraceMemoryBatchsizeCache):
-            cache.memory_changed()
-        new_size = record.after_failure(size, floor)
-        logger.info(
-            "%s ran out of memory at %s=%d (%s); retrying with %s=%d",
-            name, what, size, _free_text(device), what, new_size,
-        )
-        size = new_size
+        size = shrink(failure, size, tried, record, floor=floor, name=name, what=what,
+                      device=device, cache=cache)
         failure = None
+
+
+def shrink(
+    failure: BaseException,
+    size: int,
+    tried: list[int],
+    record: SizeRecord,
+    *,
+    floor: int,
+    name: str,
+    what: str,
+    device: torch.device | None,
+    cache: BatchsizeCache,
+) -> int:
+    """After ``failure`` at ``size``: clear up and return the size to retry with, or raise
+    adaptmem's OutOfMemoryError (chaining ``failure``) when ``size`` is already the floor."""
+    tried.append(size)
+    if size <= floor:
+        # No retry follows: keep the original traceback for whoever debugs this.
+        error = oom_error_for(failure)(
+            f"{name} ran out of memory at the smallest {what}, {floor}; tried {what} "
+            f"{', '.join(map(str, tried))} ({_free_text(device)}). Lower min_{what} if "
+            f"smaller sizes make sense, or free memory (another process, a smaller model, "
+            f"adaptive.page for the weights)."
+        )
+        error.phase = "compute"
+        raise error from failure
+    drop_frames(failure)
+    free_caches(device)
+    if isinstance(cache, StacktraceMemoryBatchsizeCache):
+        cache.memory_changed()
+    new_size = record.after_failure(size, floor)
+    logger.info(
+        "%s ran out of memory at %s=%d (%s); retrying with %s=%d",
+        name, what, size, _free_text(device), what, new_size,
+    )
+    return new_size
 
 
 def run_range(
@@ -107,11 +132,14 @@ def run_range(
     name: str,
     device: torch.device | None,
     cache: BatchsizeCache,
+    deliver: Callable[[int, int, Any], None] | None = None,
 ) -> list[Any]:
     """Call ``body(s, e)`` over consecutive steps covering ``[start, end)`` once, in order.
 
     A step that runs out of memory is retried at the same offset with a smaller step, so
     finished steps are never redone. The step that worked is kept for the rest of the call.
+    Results are collected in the returned list, or handed to ``deliver(s, e, result)`` once
+    their step has succeeded (then the list stays empty).
     """
     results: list[Any] = []
     step = record.next_size(initial, floor)
@@ -128,8 +156,24 @@ def run_range(
             attempt, span, record,
             floor=min(floor, span), name=name, what="step", device=device, cache=cache,
         )
-        results.append(result)
+        if result.__class__ in LAZY_TYPES:
+            _refuse_lazy_step(result, name)
+        if deliver is None:
+            results.append(result)
+        else:
+            deliver(at, at + used, result)
         position += used
         if used < span:
             step = used
     return results
+
+
+def _refuse_lazy_step(result: Any, name: str) -> None:
+    if isinstance(result, (types.CoroutineType, types.GeneratorType)):
+        result.close()  # no "never awaited" warning on top of this error
+    raise TypeError(
+        f"a step of {name} returned a {type(result).__name__}, whose work has not run: "
+        f"range and chunked retry a step while it runs, so a step must do its work before "
+        f"it returns. Return a list (list(...)) or a tensor instead, or use @adaptive.batch, "
+        f"which retries generators and coroutines"
+    )

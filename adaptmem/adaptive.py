@@ -18,6 +18,7 @@ from ._paging import Pager, page
 from ._placement import Chunker, Splitter, chunk, split
 from ._placement_plan import plan
 from ._planner import Plan
+from ._spilling import memory_stats, spill
 
 __all__ = [
     "AdaptmemError",
@@ -42,9 +43,11 @@ __all__ = [
     "get_default_cache",
     "is_oom",
     "load",
+    "memory_stats",
     "page",
     "plan",
     "range",
     "set_default_cache",
+    "spill",
     "split",
 ]

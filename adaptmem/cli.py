@@ -348,6 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
 
+    from ._example_train import add_example_parser
+
+    add_example_parser(sub)
     args = parser.parse_args(_join_dash_values(list(sys.argv[1:] if argv is None else argv)))
     try:
         return int(args.func(args))

@@ -1,63 +1,76 @@
-"""Loading a GPT-2-large-shaped checkpoint: peak memory and time of each way to load it.
+"""Time to a ready model: adaptive.load against the meta + mmap + assign recipe, next to what
+the source allows (page-cache copy bandwidth, cold sequential disk read).
 
-    python benchmarks/loading.py                    # GPT-2 large (774M, fp32), device auto
-    python benchmarks/loading.py --model xl          # GPT-2 XL (1.56B) where memory allows
-    python benchmarks/loading.py --model tiny        # a seconds-long smoke run
+    python benchmarks/loading.py                          # GPT-2 small and large, warm and cold
+    python benchmarks/loading.py --models small --rounds 5
+    python benchmarks/loading.py --all-methods            # + baselines, accelerate, per-tensor
+    python benchmarks/loading.py --models tiny --rounds 1 # a seconds-long smoke run
 
-The model is built from a config with random weights (transformers' GPT2LMHeadModel when
-installed, else an equivalent built here), saved as .pt, .safetensors and one file per
-tensor, then every method runs in a fresh subprocess so peaks do not mix. Each process
-samples its RSS in a thread (every 2 ms) and reports:
+Each model (transformers' GPT2LMHeadModel from a config when installed, else an equivalent
+built here; random weights, fp32) is saved as ``.pt`` and ``.safetensors``. Then, for each
+round, for the page cache warm and cold (the file evicted with ``posix_fadvise(DONTNEED)``
+first), every method runs in a fresh process, in the same order, and reports:
 
-- build s / load s: building the model (real, or on meta) / reading the weights into it;
-- peak above start: highest RSS during build + load, minus RSS before building;
-- after load / after use: RSS minus start once loaded, and once every weight was read
-  (a checksum over all tensors, which also checks the load; zero-copy methods only pay for
-  pages when they are touched);
-- device peak: torch.cuda.max_memory_allocated() on a GPU.
+- build s: building the model (on meta, or with ``adaptive.empty_model``);
+- load s: reading the checkpoint into it;
+- touch s: reading every distinct weight once (``tensor.sum()``), so that methods that map
+  the file and read lazily pay for their reads too;
+- total s: build + load + touch, the time to a ready model (interpreter start and imports,
+  the same for every method, are not counted);
+- peak GiB: highest RSS (``VmHWM``) during build + load, minus RSS before building.
 
-The page cache is warmed before each run (every method reads from memory, not disk).
+Measured in the same run, per round: the page-cache copy bandwidth (the warm file read with
+``preadv`` into memory that already exists: what copying from the cache costs) and the cold
+sequential read bandwidth of the disk (the file evicted, then read front to back in 16 MiB
+reads). Each turns into a floor time for the file: ``bytes / bandwidth``.
+
+Ratios are taken within a round (both figures from the same minutes of a shared machine),
+then summarised over rounds as median [min-max].
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
+import mmap
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import torch
 from torch import nn
 
 SHAPES = {  # GPT-2 sizes: width, layers, heads
     "tiny": (256, 4, 4),
+    "small": (768, 12, 12),
     "large": (1280, 36, 20),
     "xl": (1600, 48, 25),
 }
 VOCAB, POSITIONS = 50257, 1024
-
-METHODS = [
-    # name, checkpoint kind
+RECIPE = "recipe: meta + torch.load(mmap) + assign (.pt)"
+CORE_METHODS = [  # name, checkpoint file
+    (RECIPE, "pt"),
+    ("adaptmem (.pt)", "pt"),
+    ("adaptmem (.safetensors)", "safetensors"),
+    ("adaptmem copy=False (.pt)", "pt"),
+    ("adaptmem copy=False (.safetensors)", "safetensors"),
+]
+MORE_METHODS = [
     ("baseline: to(device) + load_state_dict(torch.load)", "pt"),
     ("param-by-param copy", "pt"),
-    ("meta + torch.load(mmap) + assign", "pt"),
     ("per-tensor files, meta + assign", "dir"),
     ("accelerate load_checkpoint_in_model + dispatch (.pt)", "pt"),
     ("accelerate load_checkpoint_in_model + dispatch (.safetensors)", "safetensors"),
-    ("adaptmem (.pt)", "pt"),
-    ("adaptmem (.safetensors)", "safetensors"),
     ("adaptmem (per-tensor files)", "dir"),
-    ("adaptmem copy=False (.safetensors, file-backed)", "safetensors"),
 ]
 
 
@@ -101,25 +114,20 @@ def factory(model: str) -> Callable[[], nn.Module]:
 
 # -- one method, in its own process ---------------------------------------------------------
 
-def _rss() -> int:
-    return psutil.Process().memory_info().rss
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
-class _Sampler(threading.Thread):
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.peak = _rss()
-        self._done = threading.Event()
-
-    def run(self) -> None:
-        while not self._done.is_set():
-            self.peak = max(self.peak, _rss())
-            time.sleep(0.002)
-
-    def stop(self) -> int:
-        self._done.set()
-        self.join()
-        return max(self.peak, _rss())
+def _reset_peak() -> None:
+    try:  # VmHWM from here on (Linux); otherwise it also covers start-up
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
 
 
 def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
@@ -140,7 +148,7 @@ def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
             for name, tensor in model.state_dict(keep_vars=True).items():
                 tensor.copy_(state.pop(name))
         return model, built
-    if method.startswith("meta + torch.load"):
+    if method == RECIPE:
         with torch.device("meta"):
             model = build()
         built = time.perf_counter() - t0
@@ -171,7 +179,6 @@ def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
         model.tie_weights()
         return dispatch_model(model, device_map=device_map), built
     if method.startswith("adaptmem"):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from adaptmem import adaptive
 
         model = adaptive.empty_model(build)
@@ -181,29 +188,51 @@ def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
     raise SystemExit(f"unknown method {method!r}")
 
 
+def _touch(model: nn.Module) -> None:
+    """Read every distinct weight once."""
+    seen: set[int] = set()
+    for t in model.state_dict().values():
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        float(t.sum()) if t.is_floating_point() else int(t.sum())
+
+
 def worker(method: str, model_name: str, work: Path, device_name: str) -> None:
+    # One torch thread for every method: on a shared, busy 2-core machine, OpenMP threads
+    # waiting for a core make each op's time erratic (a 4 MB sum taking 20 ms).
+    torch.set_num_threads(1)
     device = torch.device(device_name)
     build = factory(model_name)
+    if method.startswith("adaptmem"):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import adaptmem  # noqa: F401  (imported at the top of a user's script, like torch)
     if device.type == "cuda":
         torch.cuda.init()
     gc.collect()
-    start = _rss()
-    sampler = _Sampler()
-    sampler.start()
+    start = _status_kib("VmRSS")
+    _reset_peak()
     t0 = time.perf_counter()
     with torch.no_grad():
         model, built = _build_and_load(method, build, work, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - t0
-    peak = sampler.stop()
-    after = _rss()
+    loaded = time.perf_counter()
+    peak = _status_kib("VmHWM")
+    after = _status_kib("VmRSS")
+    with torch.no_grad():
+        _touch(model)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    touched = time.perf_counter()
+    used = _status_kib("VmRSS")
     sums = {k: float(v.double().sum()) for k, v in model.state_dict().items()}
-    used = _rss()
     expected = json.loads((work / "sums.json").read_text())
-    bad = [k for k, v in expected.items() if abs(sums.get(k, float("nan")) - v) > 1e-6 * (1 + abs(v))]
+    bad = [k for k, v in expected.items()
+           if abs(sums.get(k, float("nan")) - v) > 1e-6 * (1 + abs(v))]
     result = {
-        "method": method, "build_s": built, "load_s": seconds - built,
+        "method": method, "build_s": built, "load_s": loaded - t0 - built,
+        "touch_s": touched - loaded, "total_s": touched - t0,
         "peak_above_start": peak - start, "after_load": after - start, "after_use": used - start,
         "device_peak": torch.cuda.max_memory_allocated() if device.type == "cuda" else None,
         "wrong_tensors": bad[:5],
@@ -211,114 +240,271 @@ def worker(method: str, model_name: str, work: Path, device_name: str) -> None:
     print("RESULT " + json.dumps(result))
 
 
+# -- what the source allows -----------------------------------------------------------------
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+
+
+def _read_all(path: Path, buf: bytearray) -> int:
+    """Read ``path`` front to back in len(buf) reads into ``buf``; return the bytes read."""
+    total = 0
+    view = memoryview(buf)
+    for f in _files(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            offset = 0
+            while n := os.preadv(fd, [view], offset):
+                offset += n
+            total += offset
+        finally:
+            os.close(fd)
+    return total
+
+
+def _evict(path: Path) -> None:
+    for f in _files(path):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _resident(path: Path) -> float:
+    """Fraction of ``path``'s pages in the page cache (mincore; maps, reads nothing)."""
+    import warnings
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    total = resident = 0
+    for f in _files(path):
+        size = f.stat().st_size
+        if size == 0:
+            continue
+        with open(f, "rb") as fh, mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) as mm:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            with warnings.catch_warnings():  # a read-only buffer: torch warns, reads nothing
+                warnings.simplefilter("ignore")
+                view = torch.frombuffer(mm, dtype=torch.uint8)
+            libc.mincore(ctypes.c_void_p(view.data_ptr()), ctypes.c_size_t(size), vec)
+            del view
+            resident += sum(v & 1 for v in vec)
+            total += pages
+    return resident / max(total, 1)
+
+
+def bandwidths(path: Path) -> dict[str, float]:
+    """Page-cache copy and cold sequential read bandwidth for ``path``, in bytes/s; and
+    the page-cache copy into new memory in a fresh process."""
+    buf = bytearray(16 * 2**20)  # touched once below: memory that already exists
+    _read_all(path, buf)
+    warm = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        n = _read_all(path, buf)
+        warm.append(n / (time.perf_counter() - t0))
+    fresh = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path)],
+                           capture_output=True, text=True, check=True)
+    _evict(path)
+    left = _resident(path)
+    t0 = time.perf_counter()
+    n = _read_all(path, buf)
+    cold = n / (time.perf_counter() - t0)
+    return {"page_cache_bytes_s": max(warm), "disk_bytes_s": cold, "resident_after_evict": left,
+            "fresh_memory_bytes_s": float(fresh.stdout.split()[-1])}
+
+
+def fresh_memory_probe(path: Path) -> None:
+    """In this fresh process: read the (cached) file into one new buffer of its size, the
+    least any copying load pays here (the kernel zeroes and maps every new page)."""
+    size = path.stat().st_size
+    t = torch.empty(size, dtype=torch.uint8)
+    view = memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B")
+    fd = os.open(path, os.O_RDONLY)
+    t0 = time.perf_counter()
+    done = 0
+    while done < size:
+        done += os.preadv(fd, [view[done:]], done)
+    print(size / (time.perf_counter() - t0))
+
+
 # -- the driver -----------------------------------------------------------------------------
 
-def _gib(n: float | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
+def _prepare(model: str, work: Path, more: bool) -> dict[str, object]:
+    print(f"building {model} with random weights ...", flush=True)
+    torch.manual_seed(0)
+    source = factory(model)().eval()
+    state = source.state_dict()
+    n_params = sum(p.numel() for p in source.parameters())
+    model_bytes = sum(p.nbytes for p in source.parameters()) + sum(
+        b.nbytes for b in source.buffers())
+    largest = max(t.nbytes for t in state.values())
+    (work / "sums.json").write_text(json.dumps(
+        {k: float(v.double().sum()) for k, v in state.items()}))
+    torch.save(state, work / "model.pt")
+    from safetensors.torch import save_file
 
-
-def _warm(path: Path) -> None:
-    files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
-    buf = bytearray(64 * 2**20)
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=sorted(SHAPES), default="large")
-    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--workdir", default=None, help="where checkpoints go (deleted afterwards)")
-    ap.add_argument("--only", default=None, help="run methods whose name contains this")
-    ap.add_argument("--timeout", type=float, default=300,
-                    help="seconds one method may take before it is recorded as failed")
-    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.worker:
-        worker(args.worker, args.model, Path(args.workdir), device)
-        return
-
-    work = Path(tempfile.mkdtemp(prefix="adaptmem-bench-", dir=args.workdir))
-    try:
-        print(f"building {args.model} with random weights ...", flush=True)
-        torch.manual_seed(0)
-        source = factory(args.model)().eval()
-        state = source.state_dict()
-        n_params = sum(p.numel() for p in source.parameters())
-        model_bytes = sum(p.nbytes for p in source.parameters()) + sum(
-            b.nbytes for b in source.buffers())
-        largest = max(t.nbytes for t in state.values())
-        (work / "sums.json").write_text(json.dumps(
-            {k: float(v.double().sum()) for k, v in state.items()}))
-        torch.save(state, work / "model.pt")
-        from safetensors.torch import save_file
-
-        # As save_pretrained does: a tied tensor is stored once, under its first name.
-        seen: set[int] = set()
-        unique = {}
-        for k, v in state.items():
-            if v.data_ptr() not in seen:
-                seen.add(v.data_ptr())
-                unique[k] = v.contiguous()
-        save_file(unique, str(work / "model.safetensors"), metadata={"format": "pt"})
-        del unique
+    # As save_pretrained does: a tied tensor is stored once, under its first name.
+    seen: set[int] = set()
+    unique = {}
+    for k, v in state.items():
+        if v.data_ptr() not in seen:
+            seen.add(v.data_ptr())
+            unique[k] = v.contiguous()
+    save_file(unique, str(work / "model.safetensors"), metadata={"format": "pt"})
+    del unique
+    if more:
         (work / "per-tensor").mkdir()
         for k, v in state.items():
             torch.save(v.clone(), work / "per-tensor" / f"{k}.pt")
-        del source, state
-        gc.collect()
-        print(f"{n_params / 1e6:.0f}M parameters, {_gib(model_bytes)} GiB, largest tensor "
-              f"{largest / 2**20:.0f} MiB; device {device}", flush=True)
+    del source, state
+    gc.collect()
+    os.sync()  # dirty pages cannot be evicted
+    return {"params": n_params, "model_bytes": model_bytes, "largest": largest,
+            "pt_bytes": (work / "model.pt").stat().st_size,
+            "st_bytes": (work / "model.safetensors").stat().st_size}
 
-        rows = []
-        for method, kind in METHODS:
-            if args.only and args.only not in method:
-                continue
-            _warm({"pt": work / "model.pt", "safetensors": work / "model.safetensors",
-                   "dir": work / "per-tensor"}[kind])
-            try:
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--worker", method, "--model", args.model,
-                     "--workdir", str(work), "--device", device],
-                    capture_output=True, text=True, timeout=args.timeout,
-                )
-            except subprocess.TimeoutExpired:
-                print(f"{method}: FAILED (over {args.timeout} s)", flush=True)
-                rows.append({"method": method, "failed": f"over {args.timeout} s"})
-                continue
-            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-            if line is None:
-                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-                print(f"{method}: FAILED ({tail[:160]})", flush=True)
-                rows.append({"method": method, "failed": tail[:100]})
-                continue
-            r = json.loads(line[7:])
-            rows.append(r)
-            print(f"{method}: build {r['build_s']:.1f}s load {r['load_s']:.1f}s peak "
-                  f"{_gib(r['peak_above_start'])} GiB", flush=True)
 
+def _run_method(method: str, model: str, work: Path, device: str,
+                timeout: float) -> dict[str, object]:
+    try:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--worker", method, "--models", model,
+             "--workdir", str(work), "--device", device],
+            capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"method": method, "failed": f"over {timeout} s"}
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"method": method, "failed": tail[:160]}
+    return json.loads(line[7:])  # type: ignore[no-any-return]
+
+
+def _spread(xs: list[float], fmt: str = "{:.2f}") -> str:
+    if not xs:
+        return "-"
+    if len(xs) == 1:
+        return fmt.format(xs[0])
+    return f"{fmt.format(statistics.median(xs))} [{fmt.format(min(xs))}-{fmt.format(max(xs))}]"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="small,large",
+                    help=f"comma-separated, from {', '.join(SHAPES)}")
+    ap.add_argument("--cache", default="warm,cold", help="warm, cold or both")
+    ap.add_argument("--rounds", type=int, default=3, help="repeats of every method")
+    ap.add_argument("--all-methods", action="store_true",
+                    help="also the slow baselines, accelerate and per-tensor files")
+    ap.add_argument("--only", default=None, help="run methods whose name contains this "
+                    "(the recipe always runs: ratios need it)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--workdir", default=None, help="where checkpoints go (deleted afterwards)")
+    ap.add_argument("--timeout", type=float, default=300,
+                    help="seconds one method may take before it is recorded as failed")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--fresh-memory-probe", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.fresh_memory_probe:
+        fresh_memory_probe(Path(args.fresh_memory_probe))
+        return
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.worker:
+        worker(args.worker, args.models, Path(args.workdir), device)
+        return
+
+    methods = CORE_METHODS + (MORE_METHODS if args.all_methods else [])
+    if args.only:
+        methods = [m for m in methods if args.only in m[0] or m[0] == RECIPE]
+    caches = [c.strip() for c in args.cache.split(",") if c.strip()]
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: "
+          f"{platform.machine()}, {os.cpu_count()} CPUs, "
+          f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM, "
+          f"Linux {platform.release()}, torch {torch.__version__}; device {device}; command: "
+          f"python benchmarks/loading.py {' '.join(sys.argv[1:])}", flush=True)
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        work = Path(tempfile.mkdtemp(prefix="adaptmem-bench-", dir=args.workdir))
+        try:
+            info = _prepare(model, work, args.all_methods)
+            files = {"pt": work / "model.pt", "safetensors": work / "model.safetensors",
+                     "dir": work / "per-tensor"}
+            rows: dict[tuple[str, str], list[dict[str, object]]] = {}
+            limits: dict[str, list[dict[str, float]]] = {"pt": [], "safetensors": []}
+            for rnd in range(args.rounds):
+                for kind in ("pt", "safetensors"):
+                    limits[kind].append(bandwidths(files[kind]))
+                for cache in caches:
+                    for method, kind in methods:
+                        if cache == "cold":
+                            _evict(files[kind])
+                        else:
+                            _read_all(files[kind], bytearray(16 * 2**20))
+                        r = _run_method(method, model, work, device, args.timeout)
+                        r["round"] = rnd
+                        rows.setdefault((cache, method), []).append(r)
+                        state = r.get("failed") or f"total {r['total_s']:.2f}s"
+                        print(f"  round {rnd + 1} {cache:4s} {method}: {state}", flush=True)
+            _report(model, info, methods, caches, rows, limits)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(model: str, info: dict[str, object], methods: list[tuple[str, str]],
+            caches: list[str], rows: dict[tuple[str, str], list[dict[str, object]]],
+            limits: dict[str, list[dict[str, float]]]) -> None:
+    gib = 2**30
+    print()
+    print(f"### {model}: {int(info['params']) / 1e6:.0f}M parameters, "  # type: ignore[call-overload]
+          f"{int(info['model_bytes']) / gib:.2f} GiB fp32, largest tensor "  # type: ignore[call-overload]
+          f"{int(info['largest']) / 2**20:.0f} MiB; .pt {int(info['pt_bytes']) / gib:.2f} GiB, "  # type: ignore[call-overload]
+          f".safetensors {int(info['st_bytes']) / gib:.2f} GiB")  # type: ignore[call-overload]
+    for kind, key in (("pt", "pt_bytes"), ("safetensors", "st_bytes")):
+        size = int(info[key])  # type: ignore[call-overload]
+        warm = [x["page_cache_bytes_s"] for x in limits[kind]]
+        cold = [x["disk_bytes_s"] for x in limits[kind]]
+        left = max(x["resident_after_evict"] for x in limits[kind])
+        fresh = [x["fresh_memory_bytes_s"] for x in limits[kind]]
+        print(f"- .{kind}: page-cache copy {_spread([w / 1e9 for w in warm])} GB/s "
+              f"(floor {_spread([size / w for w in warm], '{:.3f}')} s); the same into new "
+              f"memory in a fresh process {_spread([f / 1e9 for f in fresh])} GB/s (floor "
+              f"{_spread([size / f for f in fresh], '{:.3f}')} s); cold sequential read "
+              f"{_spread([c / 1e9 for c in cold])} GB/s (floor "
+              f"{_spread([size / c for c in cold], '{:.3f}')} s); "
+              f"{left:.0%} of the file cached after eviction")
+    for cache in caches:
         print()
-        print(f"{args.model}: {n_params / 1e6:.0f}M parameters, {_gib(model_bytes)} GiB fp32, "
-              f"largest tensor {largest / 2**20:.0f} MiB, device {device}")
-        print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, "
-              f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, torch {torch.__version__}")
+        print(f"{model}, {cache} page cache, {len(next(iter(rows.values())))} round(s): "
+              f"median [min-max]")
         print()
-        print("| method | build s | load s | host peak above start GiB | after load GiB | "
-              "after use GiB | device peak GiB |")
-        print("|---|---:|---:|---:|---:|---:|---:|")
-        for r in rows:
-            if "failed" in r:
-                print(f"| {r['method']} | failed: {r['failed']} | | | | | |")
+        print("| method | build s | load s | touch s | total s | total / recipe | "
+              "load / floor | peak GiB | after use GiB |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for method, kind in methods:
+            runs = [r for r in rows[(cache, method)] if "failed" not in r]
+            if not runs:
+                print(f"| {method} | failed: {rows[(cache, method)][0]['failed']} |||||||")
                 continue
-            wrong = f" (WRONG: {r['wrong_tensors']})" if r["wrong_tensors"] else ""
-            print(f"| {r['method']}{wrong} | {r['build_s']:.1f} | {r['load_s']:.1f} | "
-                  f"{_gib(r['peak_above_start'])} | {_gib(r['after_load'])} | "
-                  f"{_gib(r['after_use'])} | {_gib(r['device_peak'])} |")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+            recipe = {r["round"]: r for r in rows[(cache, RECIPE)] if "failed" not in r}
+            size = int(info["pt_bytes" if kind == "pt" else "st_bytes"])  # type: ignore[call-overload]
+            ratio = [float(r["total_s"]) / float(recipe[r["round"]]["total_s"])  # type: ignore[arg-type,index]
+                     for r in runs if r["round"] in recipe]
+            # load s against the round's floor for this file: the cold sequential read when
+            # cold; the page-cache copy into new memory of a fresh process when warm.
+            key = "disk_bytes_s" if cache == "cold" else "fresh_memory_bytes_s"
+            disk = [float(r["load_s"]) / (size / limits[kind if kind != "dir" else "pt"][  # type: ignore[arg-type]
+                int(r["round"])][key]) for r in runs]  # type: ignore[call-overload]
+            wrong = any(r["wrong_tensors"] for r in runs)
+            print(f"| {method}{' (WRONG VALUES)' if wrong else ''} | "
+                  + " | ".join(_spread([float(r[k]) for r in runs])  # type: ignore[arg-type]
+                               for k in ("build_s", "load_s", "touch_s", "total_s"))
+                  + f" | {_spread(ratio)} | {_spread(disk)} | "
+                  + _spread([float(r["peak_above_start"]) / gib for r in runs]) + " | "  # type: ignore[arg-type]
+                  + _spread([float(r["after_use"]) / gib for r in runs]) + " |")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -528,3 +528,417 @@ def test_a_real_cuda_oom_adapts_and_memory_returns_to_baseline() -> None:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(device) == baseline
+
+
+@pytest.mark.parametrize("kind", ["cpu", "mps", "cublas", "cuda-driver", "cuda-runtime", "cuda"])
+def test_an_outer_batch_adapts_when_an_inner_one_gives_up(kind: str) -> None:
+    # Memory the outer batch holds leaves the inner function room only when it is small.
+    inner_calls: list[tuple[int, int]] = []
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def inner(batchsize: int, held: int) -> int:
+        inner_calls.append((held, batchsize))
+        if held + 40 * batchsize > 100:
+            raise make_oom(kind)
+        return held
+
+    @adaptive.batch(initial_batchsize=64, cache=adaptive.NoBatchsizeCache)
+    def outer(batchsize: int) -> int:
+        return inner(batchsize)
+
+    assert outer() == 32  # 64 + 40 > 100 even at the inner floor: the outer halves once
+    assert (64, 1) in inner_calls and inner_calls[-1] == (32, 1)
+
+
+def test_nested_batches_adapt_under_a_real_cpu_memory_cap() -> None:
+    import subprocess
+    import sys
+    import textwrap
+
+    code = """
+        import logging, sys, torch
+        from adaptmem import adaptive
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        adaptive.cpu_memory.set_cpu_memory_limit(1.5)
+        room = adaptive.cpu_memory.get_available_cpu_memory()
+        # An item takes a tenth of the room: an outer batch of 8 holds 0.8 of it, and the
+        # inner function needs 4 times an item's bytes per item (0.4 of the room at 1 item).
+        per_item = int(0.1 * room) // 4
+        data = torch.arange(16, dtype=torch.float64)
+
+        @adaptive.batch(initial_batchsize=4)
+        def inner(batchsize, held):
+            out = 0.0
+            for i in range(0, len(held), batchsize):
+                scratch = held[i:i + batchsize].repeat_interleave(4, dim=0)
+                out += float(scratch[:, 0].sum()) / 4
+                del scratch
+            return out
+
+        @adaptive.batch(initial_batchsize=8)
+        def outer(batchsize, data):
+            out = 0.0
+            for chunk in data.split(batchsize):
+                held = chunk.float().view(-1, 1).expand(-1, per_item).contiguous()
+                out += inner(held)
+                del held
+            return out
+
+        print("RESULT", outer(data), float(data.sum()))
+    """
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    got, want = next(line for line in lines if line.startswith("RESULT")).split()[1:]
+    assert float(got) == float(want)
+    assert any("outer ran out of memory at batchsize=8" in line for line in lines), (
+        result.stdout)
+
+
+class _Model:
+    scale = 3
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    @staticmethod
+    def static(batchsize: int, x: int) -> int:
+        _Model.ceiling.require(batchsize)
+        return batchsize + x
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    @classmethod
+    def klass(cls, batchsize: int, x: int) -> int:
+        _Model.ceiling.require(batchsize)
+        return cls.scale * batchsize + x
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def method(self, batchsize: int, x: int) -> int:
+        _Model.ceiling.require(batchsize)
+        return self.scale * batchsize + x
+
+    ceiling = MemoryCeiling(2)
+
+
+class _Sub(_Model):
+    scale = 5
+
+
+def test_batch_above_staticmethod_and_classmethod_works_through_instances_and_classes() -> None:
+    model, sub = _Model(), _Sub()
+    assert model.static(1) == _Model.static(1) == sub.static(1) == 3
+    assert model.klass(1) == _Model.klass(1) == 7
+    assert sub.klass(1) == _Sub.klass(1) == 11  # bound to the class it is called through
+    assert model.method(1) == _Model.method(model, 1) == 7
+    assert _Model.method(sub, 1) == 11
+    assert set(_Model.ceiling.failures) == {8, 4}  # every form adapted
+    with pytest.raises(TypeError, match="batchsize"):
+        model.static(4, 1)  # the caller passing the injected size is still caught
+    with pytest.raises(TypeError, match="batchsize"):
+        _Model.klass(4, 1)
+
+
+def test_range_and_chunked_above_staticmethod_work_too() -> None:
+    class Steps:
+        @adaptive.range(initial_step=4, cache=adaptive.NoBatchsizeCache)
+        @staticmethod
+        def spans(start: int, end: int) -> tuple[int, int]:
+            return start, end
+
+        @adaptive.chunked(initial_step=2, cache=adaptive.NoBatchsizeCache)
+        @classmethod
+        def fill(cls, chunk: torch.Tensor, start: int, end: int) -> None:
+            chunk.fill_(7)
+
+    assert Steps().spans(0, 6) == Steps.spans(0, 6) == [(0, 4), (4, 6)]
+    assert Steps.fill(torch.zeros(5)).tolist() == [7.0] * 5
+
+
+def test_a_generator_is_retried_before_its_first_item_and_recorded_only_once_it_fits() -> None:
+    ceiling = MemoryCeiling(10)
+    cache = adaptive.GlobalBatchsizeCache()
+
+    @adaptive.batch(initial_batchsize=64, cache=cache)
+    def batches(batchsize: int, n: int):
+        for start in range(0, n, batchsize):
+            ceiling.require(batchsize)
+            yield list(range(start, min(start + batchsize, n)))
+
+    items = batches(25)
+    assert ceiling.attempts == []  # like any generator, nothing runs before iteration
+    out = list(items)
+    assert [x for b in out for x in b] == list(range(25))  # every item once, in order
+    assert ceiling.failures == [64, 32, 16] and [len(b) for b in out] == [8, 8, 8, 1]
+    record = cache.record(batches._key, None, None)
+    assert (record.fits, record.fails) == (8, 16)  # never "64 fits"
+    assert next(batches(25)) == list(range(8))  # the next call starts from what fitted
+
+
+def test_a_generator_out_of_memory_after_yielding_is_not_retried_or_recorded_as_fitting() -> None:
+    cache = adaptive.GlobalBatchsizeCache()
+
+    @adaptive.batch(initial_batchsize=8, cache=cache)
+    def batches(batchsize: int):
+        for i in range(4):
+            if i >= 2 and batchsize > 4:
+                raise make_oom("cpu")
+            yield i
+
+    seen = []
+    with pytest.raises(RuntimeError) as info:
+        for item in batches():
+            seen.append(item)
+    assert seen == [0, 1]  # a retry would have yielded 0 and 1 again
+    error = info.value
+    assert isinstance(error, OutOfMemoryError) and isinstance(error.__cause__, RuntimeError)
+    assert "after yielding 2 item(s)" in str(error) and "batchsize=4" in str(error)
+    record = cache.record(batches._key, None, None)
+    assert record.fits is None and record.fails == 8
+    assert list(batches()) == [0, 1, 2, 3]  # the next call starts smaller and fits
+    assert record.fits == 4
+
+
+def test_a_generator_keeps_send_throw_and_its_return_value() -> None:
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def echo(batchsize: int):
+        total = 0
+        while True:
+            try:
+                got = yield total
+            except KeyError:
+                got = 100
+            if got is None:
+                return total
+            total += got
+
+    gen = echo()
+    assert next(gen) == 0 and gen.send(2) == 2 and gen.throw(KeyError()) == 102
+    with pytest.raises(StopIteration) as stop:
+        gen.send(None)
+    assert stop.value.value == 102
+
+
+def test_an_async_function_is_awaited_and_retried_whole() -> None:
+    import asyncio
+    import inspect
+
+    ceiling = MemoryCeiling(10, kind="mps")
+    cache = adaptive.GlobalBatchsizeCache()
+
+    @adaptive.batch(initial_batchsize=64, cache=cache)
+    async def infer(batchsize: int, x: int) -> int:
+        await asyncio.sleep(0)
+        ceiling.require(batchsize)
+        return batchsize + x
+
+    assert inspect.iscoroutinefunction(infer) or asyncio.iscoroutinefunction(infer)
+    pending = infer(100)
+    assert ceiling.attempts == []
+    assert asyncio.run(pending) == 108
+    assert ceiling.failures == [64, 32, 16]
+    record = cache.record(infer._key, None, None)
+    assert (record.fits, record.fails) == (8, 16)
+
+
+def test_an_async_generator_is_retried_before_its_first_item() -> None:
+    import asyncio
+
+    ceiling = MemoryCeiling(3)
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    async def batches(batchsize: int, n: int):
+        for start in range(0, n, batchsize):
+            await asyncio.sleep(0)
+            ceiling.require(batchsize)
+            yield list(range(start, min(start + batchsize, n)))
+
+    async def collect() -> list[list[int]]:
+        return [b async for b in batches(7)]
+
+    assert asyncio.run(collect()) == [[0, 1], [2, 3], [4, 5], [6]]
+    assert ceiling.failures == [16, 8, 4]
+
+
+def test_range_and_chunked_refuse_generators_and_coroutines_clearly() -> None:
+    def gen_step(start: int, end: int):
+        yield start
+
+    async def async_step(start: int, end: int) -> None:
+        pass
+
+    for decorate in (adaptive.range(initial_step=4), adaptive.chunked(initial_step=4)):
+        for step in (gen_step, async_step):
+            with pytest.raises(TypeError, match="plain function"):
+                decorate(step)
+    # A plain function that hands back a generator is caught at its first step.
+    lazy = adaptive.range(initial_step=4)(lambda s, e: (i for i in range(s, e)))
+    with pytest.raises(TypeError, match="do its work before it returns"):
+        lazy(0, 8)
+
+
+def test_a_transient_low_ceiling_does_not_pin_the_default_cache(monkeypatch) -> None:
+    import adaptmem._cache as cache_module
+
+    monkeypatch.setattr(cache_module, "free_memory", lambda d: 8 * 2**30)  # never changes
+    cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0)
+    ceiling = MemoryCeiling(1)
+
+    @adaptive.batch(initial_batchsize=512, cache=cache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    sizes, failed = [], []
+    for capacity in [1] + [1000] * 200:  # one call site; memory was short for one call
+        ceiling.capacity = capacity
+        ceiling.reset()
+        sizes.append(infer())
+        failed.append(list(ceiling.failures))
+    assert sizes[0] == 1
+    # Climbed back by probing (within 10% of the initial size, as any search settles),
+    # with nothing failing on the way.
+    assert sizes[-1] >= 0.9 * 512
+    assert failed[1:] == [[]] * 200
+    assert next(i for i, s in enumerate(sizes) if s >= 0.9 * 512) < 80
+
+
+def test_a_real_ceiling_is_probed_rarely(monkeypatch) -> None:
+    import adaptmem._cache as cache_module
+
+    monkeypatch.setattr(cache_module, "free_memory", lambda d: 8 * 2**30)
+    cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0)
+    ceiling = MemoryCeiling(100)
+
+    @adaptive.batch(initial_batchsize=512, cache=cache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    sizes = [infer() for _ in range(4000)]
+    assert all(s <= 100 for s in sizes) and sizes[-1] >= 90
+    settled = sizes.index(sizes[-1])
+    later = [i for i, s in enumerate(ceiling.attempts) if s > 100 and i > settled + 10]
+    # Each failed probe doubles the wait: 32, 64, 128, ... calls, so a handful in 4000 calls.
+    assert 1 <= len(later) <= 7
+
+
+def test_chunked_default_applies_a_retried_in_place_write_twice_as_documented() -> None:
+    memory = MemoryCeiling(3)
+
+    @adaptive.chunked(initial_step=8, cache=adaptive.NoBatchsizeCache)
+    def add_one(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk += 1
+        memory.require(end - start)  # runs out of memory after the write
+
+    t = add_one(torch.zeros(8))
+    assert t.tolist()[:3] == [3.0, 3.0, 3.0]  # 8, then 4 failed over these, then 2 fitted
+
+
+@pytest.mark.parametrize("output", ["input", "new"])
+def test_chunked_output_writes_a_step_result_only_once_it_succeeded(output: str) -> None:
+    memory = MemoryCeiling(3)
+
+    @adaptive.chunked(initial_step=8, output=output, cache=adaptive.NoBatchsizeCache)
+    def add_one(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        result = chunk + 1
+        memory.require(end - start)  # runs out of memory after computing the result
+        return result
+
+    t = torch.zeros(8)
+    out = add_one(t)
+    assert out.tolist() == [1.0] * 8 and memory.failures == [8, 4]
+    if output == "input":
+        assert out is t
+    else:
+        assert out is not t and t.tolist() == [0.0] * 8
+
+
+def test_chunked_output_new_collects_any_result_shape_and_dtype_like_torch_cat() -> None:
+    memory = MemoryCeiling(5)
+    x = torch.randn(3, 13, 4)
+
+    @adaptive.chunked(initial_step=16, dimension=1, output="new",
+                      cache=adaptive.NoBatchsizeCache)
+    def summarise(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        memory.require(end - start)
+        return chunk.sum(-1, keepdim=True).repeat(1, 1, 2).double()
+
+    out = summarise(x)
+    want = torch.cat([c.sum(-1, keepdim=True).repeat(1, 1, 2).double()
+                      for c in x.split(4, 1)], 1)
+    assert out.dtype == torch.float64 and out.shape == (3, 13, 2)
+    assert torch.equal(out, want)
+    empty = summarise(torch.zeros(3, 0, 4))
+    assert empty.shape == (3, 0, 2)  # one call on the empty chunk, as torch.cat would see
+
+
+def test_chunked_output_rejects_bad_options_and_results_clearly() -> None:
+    with pytest.raises(ValueError, match="output must be"):
+        adaptive.chunked(initial_step=4, output="copy")
+    same = adaptive.chunked(initial_step=4, output="input")(lambda c, s, e: c[:1] * 2)
+    with pytest.raises(ValueError, match="chunk's shape"):
+        same(torch.zeros(8, 2))
+    nothing = adaptive.chunked(initial_step=4, output="new")(lambda c, s, e: None)
+    with pytest.raises(TypeError, match="returns its chunk's result"):
+        nothing(torch.zeros(8))
+    ragged = adaptive.chunked(initial_step=4, output="new")(lambda c, s, e: c.repeat(1, s + 1))
+    with pytest.raises(ValueError, match="does not match the first step"):
+        ragged(torch.zeros(8, 2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    data=st.data(),
+    ceiling=st.integers(1, 9),
+    step=st.integers(1, 12),
+)
+def test_chunked_output_modes_equal_the_unchunked_result_for_any_ceiling(
+        shape, data, ceiling, step) -> None:
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    memory = MemoryCeiling(ceiling)
+    x = torch.randn(shape)
+
+    def step_fn(chunk: torch.Tensor, s: int, e: int) -> torch.Tensor:
+        result = chunk * 2 + 1
+        memory.require(e - s)
+        return result
+
+    for output in ("input", "new"):
+        t = x.clone()
+        out = adaptive.chunked(initial_step=step, dimension=dim, output=output,
+                               cache=adaptive.NoBatchsizeCache)(step_fn)(t)
+        assert torch.equal(out, x * 2 + 1)
+
+
+def test_objects_of_a_failed_generator_or_coroutine_attempt_are_gone_before_the_retry() -> None:
+    import asyncio
+
+    class Activation:
+        pass
+
+    refs: list[weakref.ref] = []
+    alive_at_retry: list[bool] = []
+
+    def attempt(batchsize: int) -> None:
+        alive_at_retry.extend(r() is not None for r in refs)
+        activation = Activation()
+        refs.append(weakref.ref(activation))
+        if batchsize > 1:
+            raise make_oom("cpu")
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def items(batchsize: int):
+        attempt(batchsize)
+        yield batchsize
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    async def infer(batchsize: int) -> int:
+        attempt(batchsize)
+        return batchsize
+
+    assert list(items()) == [1]
+    assert alive_at_retry == [False, False, False]  # 3 earlier objects, each dead at its retry
+    refs.clear()
+    alive_at_retry.clear()
+    assert asyncio.run(infer()) == 1
+    assert alive_at_retry == [False, False, False]

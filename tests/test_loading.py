@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptmem import LoadError, adaptive
 from adaptmem._planner import module_sizes
@@ -287,6 +288,239 @@ def test_dtype_on_built_model_swaps_data_and_keeps_identity(tmp_path: Path) -> N
     assert torch.equal(weight, source.emb.weight.half())
 
 
+# -- tensors that need converting on the way in (issue 15, defect 4) ---------------------------
+
+def _save_converted(fmt: str, conversion: str, state: dict[str, torch.Tensor],
+                    root: Path) -> Path:
+    """``state`` stored as ``fmt`` with floating tensors in another dtype and/or laid out
+    non-contiguously (transposed matrices, vectors as every other element of a storage)."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach().clone()
+        if v.is_floating_point() and conversion.startswith(("float16", "float64")):
+            v = v.to(getattr(torch, conversion.split()[0]))
+        if conversion.endswith("non-contiguous") and v.dim() == 2:
+            v = v.t().contiguous().t()
+        elif conversion.endswith("non-contiguous") and v.dim() == 1:
+            v = torch.stack([v, torch.zeros_like(v)], dim=1)[:, 0]
+        out[k] = v
+    root.mkdir(parents=True, exist_ok=True)
+    if fmt == "legacy-pt":  # the pre-1.6 format, read whole
+        torch.save(out, root / "model.pt", _use_new_zipfile_serialization=False)
+        return root / "model.pt"
+    if fmt == "pt":
+        torch.save(out, root / "model.pt")  # keeps the strides
+        return root / "model.pt"
+    if fmt == "per-tensor":
+        for k, v in out.items():
+            torch.save(v, root / f"{k}.pt")
+        return root
+    return _save(fmt, out, root)
+
+
+class _ParameterHandle:
+    """A handle whose targets are the model's own parameters and buffers plus a bfloat16
+    copy that is itself a Parameter requiring grad (what a pager's masters can be)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.targets: dict[str, list[torch.Tensor]] = {}
+        for name in module_sizes(model).tensors:
+            path, _, attr = name.rpartition(".")
+            own = getattr(model.get_submodule(path), attr)
+            copies = [own]
+            if own.is_floating_point():
+                copies.append(nn.Parameter(torch.zeros(own.shape, dtype=torch.bfloat16)))
+            self.targets[name] = copies
+
+    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+        return self.targets
+
+
+_CONVERSION_CASES = [
+    (fmt, conversion)
+    for fmt in ["pt", "legacy-pt", "per-tensor", "safetensors", "sharded-safetensors"]
+    for conversion in ["float16", "non-contiguous", "float64 non-contiguous"]
+    if "safetensors" not in fmt or conversion == "float16"  # safetensors is contiguous
+]
+_TARGETS = ["built", "built under inference_mode", "factory", "plan, built", "plan, factory",
+            "handle of parameters"]
+
+
+@pytest.mark.parametrize("target", _TARGETS)
+@pytest.mark.parametrize(("fmt", "conversion"), _CONVERSION_CASES)
+def test_tensors_needing_conversion_load_into_every_target(
+    fmt: str, conversion: str, target: str, tmp_path: Path
+) -> None:
+    source = _source()
+    path = _save_converted(fmt, conversion, source.state_dict(), tmp_path)
+    if target == "factory":
+        model = adaptive.load(Net, path, device="cpu")
+    elif target == "plan, factory":
+        model = adaptive.load(Net, path, device=adaptive.plan(adaptive.empty_model(Net),
+                                                               devices={"cpu": None}))
+    else:
+        if target == "built under inference_mode":
+            with torch.inference_mode():
+                model = Net()
+        else:
+            model = Net()
+        before = dict(model.state_dict(keep_vars=True))
+        device: object = None
+        if target == "plan, built":
+            device = adaptive.plan(model, devices={"cpu": None})
+        elif target == "handle of parameters":
+            device = handle = _ParameterHandle(model)
+        assert adaptive.load(model, path, device=device) is model
+        for name, t in model.state_dict(keep_vars=True).items():
+            assert t is before[name], name  # filled in place
+        if target == "handle of parameters":
+            for name, copies in handle.targets.items():
+                if len(copies) > 1 and name != "inv_freq":
+                    assert torch.equal(copies[1], copies[0].to(torch.bfloat16)), name
+    # Values are the checkpoint's, converted to the model's dtype (float32), as
+    # load_state_dict would give.
+    want = _source().state_dict()
+    stored = torch.load(_save_converted("pt", conversion, want, tmp_path / "ref"),
+                        weights_only=True)
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype, k
+        assert torch.equal(got[k], stored[k].to(v.dtype)), k
+    assert model.head.weight is model.emb.weight
+
+
+def test_load_into_a_built_model_is_a_write_autograd_sees(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    torch.save(nn.Linear(16, 32).state_dict(), tmp_path / "linear.pt")
+    model = nn.Linear(16, 32)
+    x = torch.randn(2, 16, requires_grad=True)
+    out = model(x).sum()  # saves model.weight for x's gradient
+    adaptive.load(model, tmp_path / "linear.pt")  # same dtype: read straight into it
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()  # not a gradient computed silently with the new weights
+
+
+def test_a_copy_that_fails_is_a_load_error_naming_the_tensor(tmp_path: Path) -> None:
+    path = _save_converted("pt", "float16", _source().state_dict(), tmp_path)
+    model = Net()
+    handle = FakeHandle(model)
+    # A target whose elements share memory cannot be written element by element.
+    handle.targets["scale"] = [torch.zeros(1).expand(16)]
+    with pytest.raises(LoadError, match="'scale'.*float16") as info:
+        adaptive.load(model, path, device=handle)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+# -- empty_model skips initialisation; conversions read in pieces (issue 16) ------------------
+
+class _Initialised(nn.Module):
+    """Initialisers of every kind, and a non-persistent buffer its reset_parameters writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)  # reset_parameters: kaiming_uniform_, uniform_
+        self.emb = nn.Embedding(10, 64, padding_idx=0)  # normal_, then fill_ on a row view
+        self.pos = nn.Parameter(torch.empty(1, 8, 64))
+        self.register_buffer("table", torch.empty(8), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.pos, std=0.02)
+        with torch.no_grad():
+            self.pos.mul_(2).add_(1)
+            self.table.copy_(torch.arange(8.0)).mul_(2)
+
+
+class _WritesToMeta(TorchDispatchMode):
+    """Records every in-place op that writes values into a meta tensor (metadata changes,
+    tagged ``inplace_view``, are not writes: ``torch.load`` onto meta does ``set_``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta \
+                and torch.Tag.inplace in func.tags and torch.Tag.inplace_view not in func.tags:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_empty_model_runs_no_initialiser_on_parameters(tmp_path: Path) -> None:
+    with _WritesToMeta() as writes:
+        model = adaptive.empty_model(_Initialised)
+    assert writes.seen == []  # not one normal_/uniform_/fill_/mul_ ... on a parameter
+    assert torch.equal(model.table, torch.arange(8.0) * 2)  # buffers: the constructor's
+    assert all(p.is_meta for p in model.parameters())
+    # The same holds inside load with a factory, and the checkpoint's values arrive.
+    source = _Initialised()
+    torch.save(source.state_dict(), tmp_path / "init.pt")
+    with _WritesToMeta() as writes:
+        loaded = adaptive.load(_Initialised, tmp_path / "init.pt", device="cpu")
+    assert writes.seen == []
+    _assert_same(loaded, source)
+    assert torch.equal(loaded.table, torch.arange(8.0) * 2)
+
+
+def test_missing_key_on_meta_is_named_in_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = dict(_source().state_dict())
+    del state["scale"], state["attn.out_proj.bias"]
+    path = _save("pt", state, tmp_path)
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        model = adaptive.load(Net, path, device="cpu", strict=False)
+    [record] = [r for r in caplog.records if "uninitialised" in r.getMessage()]
+    assert "scale" in record.getMessage() and "attn.out_proj.bias" in record.getMessage()
+    assert "reset_parameters" in record.getMessage()
+    assert model.scale.device.type == "cpu"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="adaptmem"):
+        adaptive.load(Net(), path, strict=False)  # a built model keeps its values: no warning
+    assert not [r for r in caplog.records if "uninitialised" in r.getMessage()]
+
+
+@pytest.mark.parametrize("target", ["factory", "built", "handle of parameters"])
+@pytest.mark.parametrize("conversion", ["float16", "float64 non-contiguous"])
+def test_conversions_read_in_pieces_are_exact(
+    conversion: str, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import adaptmem._checkpoints as checkpoints
+
+    # Tiny staging chunks, so every tensor is converted piece by piece while the reader
+    # thread reads the next piece (a chunk of 40 bytes is not a whole number of float64s
+    # per row either).
+    monkeypatch.setattr(checkpoints, "_CHUNK", 40)
+    source = _source()
+    path = _save_converted("pt", conversion, source.state_dict(), tmp_path)
+    stored = torch.load(path, weights_only=True)
+    if target == "factory":
+        model = adaptive.load(Net, path, device="cpu", dtype=torch.bfloat16)
+        want_dtype = torch.bfloat16
+    else:
+        model = Net()
+        adaptive.load(model, path, device=_ParameterHandle(model) if "handle" in target else None)
+        want_dtype = torch.float32
+    for k, v in source.state_dict().items():
+        want = stored[k].to(want_dtype if v.is_floating_point() else v.dtype)
+        assert torch.equal(model.state_dict()[k], want), k
+
+
+def test_load_inside_inference_mode_gives_ordinary_tensors(tmp_path: Path) -> None:
+    source = _source()
+    path = _save_converted("pt", "float16", source.state_dict(), tmp_path)
+    built = Net()
+    with torch.inference_mode():
+        model = adaptive.load(Net, path, device="cpu")
+        adaptive.load(built, path, dtype=torch.bfloat16)  # new tensors swapped in
+    # Placement (page/chunk/split) refuses inference tensors: they track no versions.
+    assert not any(t.is_inference() for t in [*model.parameters(), *model.buffers()])
+    assert not any(t.is_inference() for t in [*built.parameters(), *built.buffers()])
+    _assert_same(adaptive.load(Net, path, device="cpu"), model)
+
+
 def _bad_state() -> dict[str, torch.Tensor]:
     state = dict(_source().state_dict())
     del state["scale"], state["norm.running_var"]
@@ -547,7 +781,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     from adaptmem import adaptive
     from adaptmem.cpu_memory import _status_kib, set_cpu_memory_limit
 
-    method, ckpt_bytes, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    method, model_bytes, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     layers, width = {layers}, {width}
 
     class Layer(nn.Module):  # no random init: the test is about memory, not arithmetic
@@ -562,13 +796,14 @@ _MEMORY_SCRIPT = textwrap.dedent(
     # The model is built before the cap: for the naive path that is its real copy; for
     # adaptmem a meta model whose transient per-parameter CPU allocations glibc may keep as
     # untouched address space, which RLIMIT_DATA would count although it is never resident.
-    model = adaptive.empty_model(factory) if method == "adaptmem" else factory()
-    if method != "adaptmem":
+    ours = method.startswith("adaptmem")
+    model = adaptive.empty_model(factory) if ours else factory()
+    if not ours:
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()  # an initialised model is resident, as a real one would be
-    limit = held + int(1.25 * ckpt_bytes)
-    assert ckpt_bytes > limit / 2, (ckpt_bytes, limit)
+    limit = held + int(1.25 * model_bytes)
+    assert model_bytes > limit / 2, (model_bytes, limit)
     set_cpu_memory_limit(limit / 2**30)
     try:  # reset the peak-RSS counter (VmHWM) so it measures the load alone
         with open("/proc/self/clear_refs", "w") as f:
@@ -577,7 +812,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
         pass  # then VmHWM also covers start-up, which only over-estimates the load's peak
     before = _status_kib("VmRSS")
     try:
-        if method == "adaptmem":
+        if ours:  # "adaptmem-convert": a float16 file into the float32 model
             model = adaptive.load(model, path, device="cpu")
         else:
             model.load_state_dict(torch.load(path, weights_only=True))
@@ -600,6 +835,9 @@ def test_checkpoint_over_half_the_memory_cap_loads_where_naive_path_fails(
     ckpt_bytes = sum(t.nbytes for t in state.values())
     torch.save(state, tmp_path / "big.pt")
     safetensors_torch.save_file(state, tmp_path / "big.safetensors")
+    # The conversion path: read through staging chunks and converted on the way.
+    safetensors_torch.save_file({k: v.half() for k, v in state.items()},
+                                tmp_path / "big16.safetensors")
     expect = float(state[f"{layers - 1}.weight"][0, :4].sum())
     del state
     script = _MEMORY_SCRIPT.format(layers=layers, width=width)
@@ -613,7 +851,7 @@ def test_checkpoint_over_half_the_memory_cap_loads_where_naive_path_fails(
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for method, name in [("adaptmem", "big.pt"), ("adaptmem", "big.safetensors"),
-                             ("naive", "big.pt")]
+                             ("adaptmem-convert", "big16.safetensors"), ("naive", "big.pt")]
     }
     results, errors = {}, {}
     try:
@@ -625,12 +863,13 @@ def test_checkpoint_over_half_the_memory_cap_loads_where_naive_path_fails(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for name in ("big.pt", "big.safetensors"):  # pytest keeps tmp dirs of recent runs
-            (tmp_path / name).unlink(missing_ok=True)
+        for name in ("big.pt", "big.safetensors", "big16.safetensors"):  # pytest keeps
+            (tmp_path / name).unlink(missing_ok=True)                  # recent tmp dirs
     for key, (code, err) in errors.items():
         assert code == 0, (key, err)
-    for name in ("big.pt", "big.safetensors"):
-        ours = results["adaptmem", name]
+    for key in [("adaptmem", "big.pt"), ("adaptmem", "big.safetensors"),
+                ("adaptmem-convert", "big16.safetensors")]:
+        ours = results[key]
         assert ours.startswith("loaded"), ours
         assert float(ours.split()[1]) == pytest.approx(expect)
         # Issue 5's bound: host peak above the final size <= largest tensor + 64 MiB.

@@ -42,3 +42,10 @@ def test_adaptmem_oom_is_still_an_instance_of_the_original_type(kind: str) -> No
     assert isinstance(error, type(original))
     assert isinstance(error, OutOfMemoryError)
     assert str(error) == "message"
+
+
+@pytest.mark.parametrize("kind", sorted(OOM_KINDS))
+def test_adaptmem_oom_is_recognised_whatever_the_original(kind: str) -> None:
+    # adaptmem's error has its own message, so recognising it must not depend on the text.
+    error = oom_error_for(make_oom(kind))("f ran out of memory at the smallest batchsize, 1")
+    assert is_oom(error)

@@ -1129,3 +1129,28 @@ def test_t5_chunked_in_bfloat16_generates_and_matches() -> None:
         assert tokens.shape == (2, 4)
         with torch.no_grad():
             assert rel_err(model(**kwargs).logits, ref) < BF16_RTOL
+
+
+def test_a_tie_that_would_overflow_a_device_moves_on_to_the_next_instead_of_failing() -> None:
+    """A buffer placed first (32 B) is also the buffer of a later module (136 B more): that
+    module must follow it, so the first device's prefix ends before the tie (150 B)."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(8, 8)
+            self.bn = nn.BatchNorm1d(8)
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+            self.bn.register_buffer("scale", self.scale)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(self.emb(x) * self.scale)
+
+    model = Tied().eval()
+    x = torch.randn(4, 8)
+    expected = model(x)
+    plan = adaptive.plan(model, devices={"cpu@float64": 150, "cpu": None}, example_inputs=x)
+    assert plan.options["placed_bytes"]["cpu@float64"] <= 150
+    with adaptive.split(model, {"cpu@float64": 150, "cpu": None}, example_inputs=x) as s:
+        assert s.device_map == plan.device_map
+        torch.testing.assert_close(model(x), expected)

@@ -1,0 +1,108 @@
+"""``adaptmem example train``: a training step that runs out of memory, then fits with
+``adaptive.spill`` (as Large Model Support's ManyModel example showed)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+
+from ._devices import format_bytes, resolve_device
+from ._oom import drop_frames, is_oom
+from ._spilling import memory_stats, returning_freed_memory, spill
+
+__all__ = ["add_example_parser"]
+
+
+def add_example_parser(sub: Any) -> None:
+    """Register ``adaptmem example train`` on the console script's subcommands."""
+    example = sub.add_parser("example", help="runnable examples (train: spilling activations)")
+    kinds = example.add_subparsers(dest="example", required=True)
+    train = kinds.add_parser(
+        "train", help="a training step without spilling, then with adaptive.spill",
+        description="Train one step of a torchvision model on synthetic images, first "
+                    "without spilling and then with adaptive.spill, and print the memory "
+                    "statistics. --cap makes the CPU run out for real.")
+    train.add_argument("--model", default="resnet50", help="torchvision model name")
+    train.add_argument("--image-size", type=int, default=224)
+    train.add_argument("--batch", type=int, default=16)
+    train.add_argument("--device", default=None, help="default: the GPU if any, else the CPU")
+    train.add_argument("--cap", type=float, default=None, metavar="GIB",
+                       help="CPU only: the memory this process may hold, in GiB "
+                            "(adaptive.cpu_memory.set_cpu_memory_limit)")
+    train.add_argument("--threshold", default="1MiB", help="adaptive.spill threshold")
+    train.add_argument("--limit", default="auto", help="adaptive.spill limit (bytes, 'auto')")
+    train.add_argument("--to", default=None, help="adaptive.spill tier: 'host' or a directory")
+    train.set_defaults(func=_cmd_train)
+
+
+def _step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
+    model.zero_grad(set_to_none=True)
+    loss = torch.nn.functional.cross_entropy(model(images), labels)
+    loss.backward()
+    return float(loss.detach())
+
+
+def _attempt(label: str, run: Any) -> bool:
+    start = time.perf_counter()
+    try:
+        loss = run()
+    except (RuntimeError, MemoryError) as exc:
+        # Under a cap oneDNN reports a failed allocation as "could not create a primitive".
+        what = "out of memory" if is_oom(exc) else "failed"
+        first = str(exc).strip().splitlines()[0][:110] if str(exc).strip() else type(exc).__name__
+        drop_frames(exc)  # the failed step's activations go with its frames
+        del exc
+        gc.collect()
+        print(f"{label}: {what} after {time.perf_counter() - start:.1f} s ({first})")
+        return False
+    print(f"{label}: done in {time.perf_counter() - start:.1f} s, loss {loss:.4f}")
+    return True
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import torchvision
+
+    from .cpu_memory import set_cpu_memory_limit
+
+    try:
+        device = resolve_device(args.device, "--device")
+        handle = spill(args.threshold, args.limit, args.to)
+        model = torchvision.models.get_model(args.model, weights=None)
+    except (TypeError, ValueError) as exc:
+        raise SystemExit(f"adaptmem example train: {exc}") from None
+    if args.cap is not None and device.type != "cpu":
+        raise SystemExit("adaptmem example train: --cap is for the CPU; on a GPU the step "
+                         "runs against the device's own memory")
+    model = model.to(device).train()
+    torch.manual_seed(0)
+    images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
+    labels = torch.randint(0, 1000, (args.batch,), device=device)
+    where = f"{device}" + (f", this process capped at {args.cap} GiB" if args.cap else "")
+    print(f"adaptmem example train: {args.model}, {args.batch} images of "
+          f"{args.image_size}x{args.image_size} on {where}; {handle}")
+    if args.cap is not None:
+        try:
+            set_cpu_memory_limit(args.cap)
+        except ValueError as exc:
+            raise SystemExit(f"adaptmem example train: --cap: {exc}") from None
+    # Both steps free large tensors the same way; see adaptive.spill's notes on glibc.
+    with returning_freed_memory():
+        _attempt("step without spilling", lambda: _step(model, images, labels))
+        while True:  # limit="auto" keeps more memory free after a step ran out
+            keep_free = handle.keep_free
+            ok = _attempt(f"step with adaptive.spill (keeping {keep_free:.0%} of free memory)"
+                          if handle.limit == "auto" else "step with adaptive.spill",
+                          lambda: handle(_step)(model, images, labels))
+            if ok or handle.keep_free == keep_free:  # done, or nothing left to adapt
+                break
+    s = handle.stats
+    print(f"spilled {format_bytes(s.bytes_out)} in {s.tensors_spilled} tensors "
+          f"({s.tensors_shared} more saved views of them), restored {format_bytes(s.bytes_in)}; "
+          f"prefetch hits {s.prefetch_hits}, misses {s.prefetch_misses}; "
+          f"waited {s.seconds_waiting:.2f} s")
+    print(memory_stats())
+    return 0 if ok else 1

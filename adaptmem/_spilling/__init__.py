@@ -1,0 +1,13 @@
+"""Spilling saved activations to the next memory tier during training (``adaptive.spill``),
+and the memory statistics of the whole library (``adaptive.memory_stats``).
+
+One job per file: ``_tiers`` moves bytes (scratch file, pinned host memory, side stream),
+``_hooks`` decides what to spill and when (the saved-tensor hooks, prefetching),
+``_stats`` counts.
+"""
+
+from ._hooks import Spill, returning_freed_memory, spill
+from ._stats import MemoryStats, SpillStats, memory_stats
+
+__all__ = ["MemoryStats", "Spill", "SpillStats", "memory_stats", "returning_freed_memory",
+           "spill"]

@@ -1,0 +1,198 @@
+"""Where spilled bytes go: a scratch file on disk, or (pinned) host memory.
+
+Every tier moves raw bytes: a saved tensor's whole storage, viewed as a flat ``uint8``
+tensor. Views are rebuilt on top of the restored bytes by the hooks, never by a tier.
+
+[Note: scratch files] A disk tier's file is created already unlinked (``O_TMPFILE``, or
+created and removed at once where that is missing), so the spill directory never lists it
+and no crash, interrupt or ``kill -9`` can leave one behind: the kernel reclaims the space
+when the descriptor closes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import tempfile
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["DiskFile", "check_directory", "host_buffer", "byte_view", "Mover"]
+
+_DISK_FULL = {28, 27, 122}  # ENOSPC, EFBIG, EDQUOT
+
+
+def byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A flat uint8 tensor over all of ``storage``."""
+    with torch.no_grad():
+        return torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+
+
+def _buffer(t: torch.Tensor) -> memoryview:
+    # No numpy: a memoryview straight over the CPU bytes (the caller keeps ``t`` alive).
+    n = t.numel()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else \
+        memoryview(b"")
+
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_madvise: Any = None
+
+
+def _huge_pages(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages for a fresh CPU buffer before it is filled: one page
+    fault per 2 MiB instead of per 4 KiB (measured 0.75 -> 2.6 GB/s for 8 MiB reads while
+    the mmap threshold is low; see RESULTS.md). Advice only: ignored where unsupported."""
+    global _madvise
+    if _MADV_HUGEPAGE is None or t.numel() < (4 << 20):
+        return
+    if _madvise is None:
+        try:
+            _madvise = ctypes.CDLL(None, use_errno=True).madvise
+            _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _madvise.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    if _madvise:
+        start = (t.data_ptr() + 4095) & ~4095
+        end = (t.data_ptr() + t.numel()) & ~4095
+        if end > start:
+            _madvise(start, end - start, _MADV_HUGEPAGE)
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of CPU memory, page-locked when ``pin`` and the platform allows it."""
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # pinned memory is scarce; pageable still works, only slower
+            pass
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def check_directory(path: str | os.PathLike[str]) -> str:
+    """The absolute path of a directory a scratch file can be created in, else ValueError."""
+    directory = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(directory):
+        what = "does not exist" if not os.path.exists(directory) else "is not a directory"
+        raise ValueError(
+            f"to={os.fspath(path)!r} {what}: pass an existing directory to spill into, "
+            f"or to='host' for (pinned) host memory"
+        )
+    try:
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as exc:
+        raise ValueError(
+            f"to={os.fspath(path)!r}: cannot create a scratch file there ({exc.strerror}); "
+            f"pass a directory this process can write to, or to='host'"
+        ) from exc
+    return directory
+
+
+class DiskFile:
+    """One unlinked scratch file (see [Note: scratch files]); bytes go at bump offsets and
+    the file is emptied whenever nothing in it is needed any more."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._file = tempfile.TemporaryFile(dir=directory, buffering=0)
+        self.fd = self._file.fileno()
+        self._end = 0
+        self._lock = threading.Lock()
+
+    def reserve(self, nbytes: int) -> int:
+        """The offset of a fresh region of ``nbytes`` (aligned to 4 KiB for the page cache)."""
+        with self._lock:
+            offset = self._end
+            self._end += (nbytes + 4095) // 4096 * 4096
+            return offset
+
+    def write(self, data: torch.Tensor, offset: int) -> None:
+        """Write the CPU bytes ``data`` at ``offset``; OSError (a full disk) says so."""
+        view = _buffer(data)
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], offset + done)
+        except OSError as exc:
+            if exc.errno in _DISK_FULL:
+                raise OSError(
+                    exc.errno,
+                    f"adaptive.spill could not write {len(view)} bytes to its scratch file in "
+                    f"{self.directory} ({exc.strerror}): the disk is full. Free space there, "
+                    f"pass to= a directory on a disk with room, or raise threshold/limit so "
+                    f"less is spilled",
+                ) from exc
+            raise
+        finally:
+            view.release()
+
+    def read(self, offset: int, nbytes: int, pin: bool) -> torch.Tensor:
+        """The ``nbytes`` at ``offset``, in a new CPU buffer."""
+        out = host_buffer(nbytes, pin)
+        if not pin:
+            _huge_pages(out)
+        view = _buffer(out)
+        done = 0
+        try:
+            while done < nbytes:
+                n = os.preadv(self.fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise OSError(f"scratch file in {self.directory} ended early at {done} bytes")
+                done += n
+        finally:
+            view.release()
+        return out
+
+    def empty(self) -> None:
+        """Give the disk space back; later regions start at offset 0 again."""
+        with self._lock:
+            self._end = 0
+            os.ftruncate(self.fd, 0)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Mover:
+    """Copies between an accelerator and host memory on a side stream, device-generically
+    (``torch.cuda``, ``torch.xpu``, ...). The copies are ordered after the work already
+    queued on the current stream, and the current stream waits for a copy back before use.
+
+    Not exercised by the CPU test suite: see the README's limitations."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._api: Any = getattr(torch, device.type)
+        self.side: Any = self._api.Stream(device)
+
+    def to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A pinned host copy of the device bytes ``src`` and the event that marks it done;
+        ``src`` may be dropped at once (its memory is not reused before the copy ends)."""
+        current = self._api.current_stream(self.device)
+        host = host_buffer(src.numel(), pin=True)
+        self.side.wait_stream(current)
+        with self._api.stream(self.side):
+            host.copy_(src, non_blocking=True)
+            src.record_stream(self.side)
+            done = self.side.record_event()
+        return host, done
+
+    def to_device(self, host: torch.Tensor, after: Any = None) -> tuple[torch.Tensor, Any]:
+        """A device copy of ``host`` (after the event ``after``) and the event marking it."""
+        with self._api.stream(self.side):
+            if after is not None:
+                self.side.wait_event(after)
+            out = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            out.copy_(host, non_blocking=True)
+            done = self.side.record_event()
+        return out, done
+
+    def use(self, restored: torch.Tensor, done: Any) -> None:
+        """Make the current stream wait for ``done`` before it reads ``restored``."""
+        current = self._api.current_stream(self.device)
+        current.wait_event(done)
+        restored.record_stream(current)

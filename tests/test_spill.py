@@ -1,0 +1,514 @@
+"""adaptive.spill: saved activations go to disk and come back bitwise, prefetched."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from adaptmem import adaptive
+from adaptmem._spilling import _tiers
+
+
+def _fds_into(directory: Path) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            out.append(target)
+    return out
+
+
+def _step(model: nn.Module, inputs: Callable[[], tuple[Any, ...]],
+          loss: Callable[[Any], torch.Tensor], ctx: AbstractContextManager[Any],
+          autocast: bool = False, backward_inside: bool = True) -> tuple[torch.Tensor, dict]:
+    torch.manual_seed(0)
+    args = inputs()
+    with ctx:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            value = loss(model(*args))
+        if backward_inside:
+            value.backward()
+    if not backward_inside:
+        value.backward()
+    return value.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+class _Shared(nn.Module):
+    """One block used three times, and a weight tied between two layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(64, 64), nn.GELU())
+        self.inp = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 64)
+        self.out.weight = self.inp.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for _ in range(3):
+            x = self.block(x) + x
+        return self.out(x)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if i % 2 == 0:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+            else:
+                x = block(x)
+        return x
+
+
+def _zoo() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]],
+                               Callable[[Any], torch.Tensor]]]:
+    def mean(out: Any) -> torch.Tensor:
+        return out.float().pow(2).mean()
+
+    def resnet() -> nn.Module:
+        import torchvision
+
+        return torchvision.models.resnet18(num_classes=10)
+
+    def encoder() -> nn.Module:
+        layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.1, batch_first=True)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def gpt2() -> nn.Module:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=32)
+        return GPT2LMHeadModel(config)
+
+    ids = lambda: (torch.randint(0, 128, (2, 16)),)  # noqa: E731
+    return {
+        "resnet18": (resnet, lambda: (torch.randn(2, 3, 16, 16),), mean),
+        "transformer-encoder": (encoder, lambda: (torch.randn(2, 16, 64),), mean),
+        "gpt2": (gpt2, ids, lambda out: out.logits.float().logsumexp(-1).mean()),
+        "checkpointed": (lambda: _Checkpointed(False), lambda: (torch.randn(8, 64),), mean),
+        "checkpointed-reentrant": (lambda: _Checkpointed(True),
+                                   lambda: (torch.randn(8, 64, requires_grad=True),), mean),
+        "shared-submodules": (_Shared, lambda: (torch.randn(8, 64),), mean),
+    }
+
+
+_CASES = [(name, False) for name in _zoo()] + [
+    (name, True) for name in ("transformer-encoder", "gpt2", "shared-submodules")]
+
+
+@pytest.mark.parametrize("name, autocast", _CASES,
+                         ids=[f"{n}-{'autocast-bf16' if a else 'fp32'}" for n, a in _CASES])
+def test_gradients_with_spilling_are_bitwise_those_without(name: str, autocast: bool,
+                                                           tmp_path: Path) -> None:
+    build, inputs, loss = _zoo()[name]
+    torch.manual_seed(0)
+    model = build().train()
+    reference = copy.deepcopy(model)
+    want_loss, want = _step(reference, inputs, loss, nullcontext(), autocast)
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
+    # Backward outside the block for half the cases: the scratch file outlives the block.
+    got_loss, got = _step(model, inputs, loss, handle, autocast, backward_inside=not autocast)
+    assert handle.stats.tensors_spilled > 0 and handle.stats.tensors_restored > 0
+    if not autocast:
+        assert torch.equal(got_loss, want_loss)
+        for key, grad in want.items():
+            assert grad is not None and torch.equal(got[key], grad), key
+    else:
+        # oneDNN's bfloat16 convolutions were seen (once in three runs, ResNet-18) to differ
+        # in the last bits between two identical steps inside pytest: allclose, at bf16's
+        # precision, as the zoo promises where ops are not deterministic.
+        torch.testing.assert_close(got_loss, want_loss, rtol=1.6e-2, atol=1e-5)
+        for key, grad in want.items():
+            assert grad is not None
+            torch.testing.assert_close(got[key], grad, rtol=1.6e-2, atol=1e-5, msg=key)
+    del got  # the graph is gone: nothing is left in the spill directory
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+def _exp_chain(x: torch.Tensor, n: int = 6) -> torch.Tensor:
+    for _ in range(n):
+        x = (x * 1.01).exp().log1p()
+    return x
+
+
+def test_prefetch_restores_in_reverse_save_order_ahead_of_use(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    reads: list[int] = []
+    real_read = _tiers.DiskFile.read
+
+    def recording_read(self: _tiers.DiskFile, offset: int, nbytes: int, pin: bool
+                       ) -> torch.Tensor:
+        reads.append(offset)
+        return real_read(self, offset, nbytes, pin)
+
+    monkeypatch.setattr(_tiers.DiskFile, "read", recording_read)
+    x = torch.randn(256, 1024, requires_grad=True)
+    with adaptive.spill(threshold="64KiB", limit=0, to=tmp_path, prefetch=2) as handle:
+        _exp_chain(x, 8).sum().backward()
+    assert handle.stats.tensors_restored == handle.stats.tensors_spilled >= 8
+    assert len(reads) >= 4  # the rest came back from memory: their copy out was not done
+    assert reads == sorted(reads, reverse=True)  # the last saved comes back first
+    assert handle.stats.prefetch_hits >= 1
+
+
+def test_a_storage_saved_twice_or_through_views_is_spilled_once(tmp_path: Path) -> None:
+    x = torch.randn(512, 512, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x.exp()  # saves y
+        z = y * y  # saves y twice more
+        return z.sum() + y[:, :256].sin().sum() + y.t().cos().sum()  # two views of y
+
+    f(x).backward()
+    want = x.grad.clone()
+    x.grad = None
+    with adaptive.spill(threshold="1KiB", limit=0, to=tmp_path) as handle:
+        f(x).backward()
+    y_bytes = 512 * 512 * 4
+    assert handle.stats.tensors_spilled == 1 and handle.stats.tensors_shared == 4
+    assert handle.stats.bytes_out == y_bytes and handle.stats.tensors_restored == 1
+    assert handle.stats.bytes_in in (0, y_bytes)  # 0: backward came before the copy out
+    assert torch.equal(x.grad, want)
+
+
+@pytest.mark.parametrize("threshold", [0, "1GiB"], ids=["spilled", "kept"])
+def test_a_saved_tensor_changed_in_place_raises_autograds_error(threshold: int | str,
+                                                                tmp_path: Path) -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    y = x.exp()
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as plain:
+        y = x.exp()
+        out = y.sum() * 1
+        y.add_(1)
+        out.backward()
+    with adaptive.spill(threshold=threshold, limit=0, to=tmp_path) as handle:
+        y = x.exp()
+        out = y.sum() * 1
+    y.add_(1)
+    assert handle.stats.tensors_spilled == (1 if threshold == 0 else 0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation") as spilled:
+        out.backward()
+    assert type(spilled.value) is type(plain.value)
+    assert "is at version 1; expected version 0" in str(spilled.value)
+
+
+def test_small_tensors_parameters_and_tensors_under_the_limit_stay(tmp_path: Path) -> None:
+    big = nn.Linear(1024, 1024)  # a 4 MiB weight, saved for the input's gradient
+    x = torch.randn(4, 1024, requires_grad=True)
+    with adaptive.spill(threshold="1MiB", limit=0, to=tmp_path) as handle:
+        big(x * 1).relu().sum().backward()  # activations of 16 KiB
+    assert handle.stats.tensors_spilled == 0 and handle.stats.tensors_kept == 3
+    with adaptive.spill(threshold=0, limit="1TiB", to=tmp_path) as handle:
+        big(x * 1).relu().sum().backward()
+    assert handle.stats.tensors_spilled == 0 and handle.stats.tensors_kept == 3
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        big(x * 1).relu().sum().backward()
+    assert handle.stats.tensors_spilled == 2  # the input and the relu output, not the weight
+    assert handle.stats.tensors_kept == 1
+
+
+def test_limit_auto_spills_nothing_while_memory_is_plentiful(tmp_path: Path) -> None:
+    with adaptive.spill(threshold=0, to=tmp_path) as handle:
+        _exp_chain(torch.randn(64, 64, requires_grad=True)).sum().backward()
+    assert handle.stats.tensors_saved > 0 and handle.stats.tensors_spilled == 0
+
+
+def test_the_decorator_spills_each_call_and_the_handle_counts_them(tmp_path: Path) -> None:
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
+
+    @handle
+    def train_step(x: torch.Tensor) -> float:
+        loss = _exp_chain(x).sum()
+        loss.backward()
+        return float(loss.detach())
+
+    x = torch.randn(64, 64, requires_grad=True)
+    train_step(x)
+    train_step(x)
+    assert train_step.__name__ == "train_step"
+    assert handle.stats.steps == 2
+    assert handle.stats.tensors_spilled == handle.stats.tensors_restored > 0
+    assert handle.stats.bytes_out >= handle.stats.bytes_in
+
+
+def test_the_default_tier_for_cpu_tensors_is_a_file_in_the_temporary_directory() -> None:
+    with adaptive.spill(threshold=0, limit=0) as handle:
+        _exp_chain(torch.randn(64, 64, requires_grad=True)).sum().backward()
+    assert handle.stats.tensors_spilled > 0
+    with adaptive.spill(threshold=0, limit=0, to="host") as handle:  # no host tier for CPU
+        _exp_chain(torch.randn(64, 64, requires_grad=True)).sum().backward()
+    assert handle.stats.tensors_spilled == 0
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"threshold": -1}, ValueError, "threshold"),
+    ({"threshold": "1 parsec"}, ValueError, "threshold"),
+    ({"limit": -5}, ValueError, "limit"),
+    ({"limit": "lots"}, ValueError, "'auto'"),
+    ({"to": 3}, TypeError, "directory"),
+    ({"to": "/nonexistent/spill"}, ValueError, "does not exist"),
+    ({"to": "/proc"}, ValueError, "cannot create a scratch file"),
+    ({"prefetch": -1}, ValueError, "prefetch"),
+])
+def test_bad_arguments_are_refused_at_the_call(kwargs: dict, error: type, words: str) -> None:
+    with pytest.raises(error, match=words):
+        adaptive.spill(**kwargs)
+
+
+def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        adaptive.spill(to=path)
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, data: Any, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_tiers.os, "pwrite", full)
+    x = torch.randn(128, 128, requires_grad=True)
+    with pytest.raises(OSError, match="disk is full") as caught:
+        with adaptive.spill(threshold=0, limit=0, to=tmp_path):
+            _exp_chain(x, 20).sum().backward()
+    assert caught.value.errno == errno.ENOSPC and str(tmp_path) in str(caught.value)
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+class _Interrupt(nn.Module):
+    def __init__(self, where: str, exc: type[BaseException]) -> None:
+        super().__init__()
+        self.where, self.exc = where, exc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.where == "forward":
+            raise self.exc("interrupted in forward")
+        if self.where == "backward":
+            x.register_hook(lambda _: (_ for _ in ()).throw(self.exc("interrupted in backward")))
+        return x
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("exc", [ValueError, KeyboardInterrupt])
+def test_an_interrupted_step_leaves_no_scratch_file(where: str, exc: type[BaseException],
+                                                    tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), _Interrupt(where, exc),
+                          nn.Linear(256, 256), nn.Tanh())
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
+    with pytest.raises(exc, match="interrupted"):
+        with handle:
+            model(torch.randn(512, 64)).sum().backward()
+    assert handle.stats.tensors_spilled > 0
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+    with handle:  # the handle still works for the next step
+        model[:2](torch.randn(512, 64)).sum().backward()
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+def test_backward_after_an_interrupted_block_says_the_copies_were_discarded(
+        tmp_path: Path) -> None:
+    x = torch.randn(128, 128, requires_grad=True)
+    with pytest.raises(ValueError, match="late"):
+        with adaptive.spill(threshold=0, limit=0, to=tmp_path):
+            loss = _exp_chain(x).sum()
+            raise ValueError("too late")
+    with pytest.raises(RuntimeError, match="discarded"):
+        loss.backward()
+
+
+def test_memory_stats_gathers_spill_devices_and_engines(tmp_path: Path) -> None:
+    before = adaptive.memory_stats()["spill"]["bytes_out"]
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        _exp_chain(torch.randn(64, 64, requires_grad=True)).sum().backward()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).eval()
+    with adaptive.page(model, "cpu", resident_bytes=0) as pager:
+        model(torch.randn(2, 8))
+    stats = adaptive.memory_stats(pager, handle)
+    assert stats["spill"]["bytes_out"] - before == handle.stats.bytes_out > 0
+    assert stats["pager"]["forwards"] == 1 and stats["pager"]["transfers"] > 0
+    assert stats["spill#2"]["tensors_spilled"] == handle.stats.tensors_spilled
+    assert stats["devices"]["cpu"]["in_use_bytes"] > 0
+    text = str(stats)
+    assert "bytes_out" in text and "KiB" in text and "pager:" in text
+    assert stats.as_dict()["pager"] == pager.stats.as_dict()
+    with pytest.raises(TypeError, match="memory_stats takes"):
+        adaptive.memory_stats(object())
+
+
+def test_a_step_that_runs_out_of_memory_fits_under_the_cap_when_spilled() -> None:
+    code = """
+        import ctypes, threading, time, torch
+        from adaptmem import adaptive
+        from adaptmem._spilling._stats import in_use_bytes
+        # The allocator behaviour spilling sets, set for both runs alike.
+        ctypes.CDLL(None).mallopt(-3, 1 << 20)
+        torch.set_num_threads(1)
+
+        class Layer(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.ones(512))
+
+            def forward(self, x):
+                return torch.tanh(x * self.w)
+
+        model = torch.nn.Sequential(*[Layer() for _ in range(32)])
+        x = torch.randn(2048, 512)  # 4 MiB per activation, 128 MiB saved in all
+        peak, done = [0], False
+
+        def sample():
+            while not done:
+                peak[0] = max(peak[0], in_use_bytes(torch.device("cpu")))
+                time.sleep(0.001)
+
+        cap = in_use_bytes(torch.device("cpu")) + 88 * 2**20
+        adaptive.cpu_memory.set_cpu_memory_limit(cap / 2**30)
+        try:
+            model(x).sum().backward()
+            print("PLAIN FITS")
+        except RuntimeError as exc:
+            print("PLAIN OOM", adaptive.is_oom(exc))
+        model.zero_grad(set_to_none=True)
+        threading.Thread(target=sample, daemon=True).start()
+        with adaptive.spill() as handle:
+            model(x).sum().backward()
+        done = True
+        print("SPILLED", handle.stats.bytes_out, peak[0], cap)
+        print("GRAD", float(model[0].w.grad.abs().sum()) > 0)
+    """
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                            text=True, timeout=180, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "PLAIN OOM True" in result.stdout, result.stdout
+    spilled, peak, cap = map(int, result.stdout.split("SPILLED")[1].split()[:3])
+    assert spilled >= 32 * 2**20
+    assert peak < cap
+    assert "GRAD True" in result.stdout
+
+
+def test_an_interrupted_step_frees_the_activations_it_kept(tmp_path: Path) -> None:
+    # A kept saved output handed back to autograd as-is would form a cycle through C++
+    # (node -> saved tensor -> its grad_fn node) that gc cannot collect.
+    kept: list[Any] = []
+    x = torch.randn(256, 256, requires_grad=True)
+    with pytest.raises(ValueError, match="stop"):
+        with adaptive.spill(threshold="1GiB", limit=0, to=tmp_path) as handle:
+            y = x.exp()  # exp saves its output: kept (under the threshold)
+            kept.append(weakref.ref(y.untyped_storage()))
+            del y
+            raise ValueError("stop")
+    assert handle.stats.tensors_kept >= 1
+    gc.collect()
+    assert kept[0]() is None
+
+
+def test_the_train_example_runs_a_step_without_and_with_spilling(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from adaptmem.cli import main
+
+    code = main(["example", "train", "--model", "resnet18", "--image-size", "16", "--batch", "2",
+                 "--limit", "0", "--threshold", "64KiB", "--to", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "step without spilling: done" in out and "step with adaptive.spill: done" in out
+    assert "adaptmem memory statistics" in out and "bytes_out" in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_train_example_refuses_bad_arguments() -> None:
+    from adaptmem.cli import main
+
+    with pytest.raises(SystemExit, match="threshold"):
+        main(["example", "train", "--threshold", "-1"])
+
+
+class _Done:
+    """Stands in for a device event: the copies of _CpuMover are done at once."""
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _CpuMover:
+    """The Mover protocol with CPU copies, to drive the accelerator bookkeeping (pinned
+    host tier, host-then-disk, prefetch) without a device. Streams are not exercised."""
+
+    used = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, _Done]:
+        return src.clone(), _Done()
+
+    def to_device(self, host: torch.Tensor, after: Any = None) -> tuple[torch.Tensor, _Done]:
+        return host.clone(), _Done()
+
+    def use(self, restored: torch.Tensor, done: _Done) -> None:
+        type(self).used += 1
+
+
+@pytest.mark.parametrize("to", ["host", None, "dir"])
+def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
+        to: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptmem._spilling import _hooks
+
+    monkeypatch.setattr(_hooks, "_accelerated", lambda device: True)
+    monkeypatch.setattr(_hooks, "Mover", _CpuMover)
+    _CpuMover.used = 0
+    x = torch.randn(256, 256, requires_grad=True)
+    _exp_chain(x).sum().backward()
+    want, x.grad = x.grad, None
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path if to == "dir" else to)
+    with handle:
+        _exp_chain(x).sum().backward()
+    assert torch.equal(x.grad, want)
+    assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 6
+    assert _CpuMover.used == handle.stats.bytes_in // (256 * 256 * 4) == 6
+    # Host memory is the default next tier for an accelerator; a directory adds the disk.
+    assert (handle.stats.seconds_writing > 0) == (to == "dir")
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+def test_a_retained_graph_restores_again_for_a_second_backward(tmp_path: Path) -> None:
+    x = torch.randn(256, 256, requires_grad=True)
+    loss = _exp_chain(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    want, x.grad = x.grad, None
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        loss = _exp_chain(x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert torch.equal(x.grad, want)
+    assert handle.stats.tensors_restored == handle.stats.tensors_spilled == 6
+    del loss
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
