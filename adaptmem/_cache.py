@@ -45,7 +45,11 @@ SETTLE_FRACTION = 0.9
 # failed size again after PROBE_AFTER successful calls, and after twice as many each time
 # that probe fails, so a real ceiling costs one failed attempt per doubling of the number
 # of calls (a quiet steady state) and a transient one is forgotten. A probe that fits clears
-# the failure and the usual bisection climbs from there.
+# the failure and the usual bisection climbs from there. Only work that a failed attempt
+# leaves untouched is probed: a plain function or coroutine under ``batch``, and ``chunked``
+# with ``output=``. A generator that already yielded cannot be retried (the probe's failure
+# would reach its consumer), and ``range`` and in-place ``chunked`` steps redo a failed
+# step's writes, so those never probe a size known to fail.
 PROBE_AFTER = 32
 PROBE_AFTER_MAX = 1 << 20
 
@@ -67,16 +71,18 @@ class SizeRecord:
         self.successes = 0  # successful calls since the last failure or probe
         self.patience = PROBE_AFTER  # successes before the next probe of ``fails``
 
-    def next_size(self, initial: int, floor: int = 1) -> int:
+    def next_size(self, initial: int, floor: int = 1, probe: bool = True) -> int:
         """The size a new call should try first: never above ``initial``, never below
-        ``floor``."""
+        ``floor``. ``probe=False`` for work a failed attempt would leave half-done (see
+        [Note: probing a failed size])."""
         # Read without the lock: a torn read between two writers only changes one probe.
         fits, fails = self.fits, self.fails
         if fits is None:
             return initial if fails is None else max(floor, min(initial, fails // 2))
         ceiling = min(initial + 1, fails) if fails is not None else initial + 1
         if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
-            if fails is not None and fails <= initial and self.successes >= self.patience:
+            if (probe and fails is not None and fails <= initial
+                    and self.successes >= self.patience):
                 self.successes = 0
                 return max(floor, fails)  # see [Note: probing a failed size]
             return max(floor, min(fits, initial))

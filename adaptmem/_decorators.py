@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -115,6 +116,9 @@ class _Adaptive:
         self.context = context
         self.device = None if device is None else resolve_device(device)
         self._name = getattr(func, "__qualname__", repr(func))
+        # Whether a settled call may try a size known to fail: see [Note: probing a failed
+        # size] in _cache.py (a generator's failure after its first item reaches the caller).
+        self._probes = not (inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func))
         # A method called through its class gets its instance as the first argument.
         self._self_first = self._binding == "class" or (
             not self._binding and _takes_instance(func))
@@ -171,7 +175,7 @@ class _Batch(_Adaptive):
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
-        size = record.next_size(self.initial, self.floor)
+        size = record.next_size(self.initial, self.floor, self._probes)
         if record.fits is not None and size > record.fits:
             log_probe(record, size, self._name, "batchsize")
         # The success path: one attempt, no closure, no gc, no probing.
@@ -197,6 +201,8 @@ class _Batch(_Adaptive):
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # See [Note: lazy results] in _lazy.py.
+        if result.__class__ is not types.CoroutineType:
+            self._probes = False  # see [Note: probing a failed size] in _cache.py
         func = self._func
         return retry_lazy(result, size, lambda s: func(*bound, s, *args, **kwargs), record,
                           self.floor, self._name, self.device, cache)
@@ -276,7 +282,7 @@ class _Chunked(_Adaptive):
             # empty chunk says what the output looks like.
             writer(0, 0, step(0, 0))
         run_range(step, 0, length, record, initial=self.initial, floor=self.floor,
-                  name=self._name, device=self.device, cache=cache, deliver=writer)
+                  name=self._name, device=self.device, cache=cache, deliver=writer, probe=True)
         if writer.new:
             assert writer.out is not None  # the empty case made one above
             return writer.out

@@ -24,8 +24,24 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def run_demo(seconds: float = 10.0) -> int:
-    """Run the three levers on resnet18 with random weights; returns a process exit code."""
+SIMULATED_MEMORY = "16GiB"
+SIMULATED_LINK = 25.0  # GB/s
+
+
+def run_demo(seconds: float = 10.0, simulate_gpu: bool = False) -> int:
+    """Run the three levers on resnet18 with random weights; returns a process exit code.
+
+    ``simulate_gpu``: run the GPU branch (a CUDA memory fraction, side-stream paging) on
+    ``adaptmem.testing.simulated_cuda`` instead of whatever device is here."""
+    if simulate_gpu:
+        from ._simcuda import simulated_cuda
+
+        with simulated_cuda(total_memory=SIMULATED_MEMORY, bandwidth=SIMULATED_LINK):
+            return _run(seconds, simulated=True)
+    return _run(seconds, simulated=False)
+
+
+def _run(seconds: float, simulated: bool) -> int:
     import torchvision
 
     torch.manual_seed(0)
@@ -37,6 +53,10 @@ def run_demo(seconds: float = 10.0) -> int:
     log.setLevel(logging.INFO)
     try:
         _say(f"adaptmem demo on {device} (torch {torch.__version__})")
+        if simulated:
+            _say(f"   {device} is a SIMULATED GPU (adaptmem.testing.simulated_cuda: "
+                 f"{SIMULATED_MEMORY}, a {SIMULATED_LINK:g} GB/s link); it computes on this "
+                 f"CPU, so its speeds are the CPU's, not a GPU's")
 
         # 1. Loading: a checkpoint on disk, read tensor by tensor onto its final device.
         with tempfile.TemporaryDirectory() as tmp:

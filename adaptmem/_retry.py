@@ -133,16 +133,18 @@ def run_range(
     device: torch.device | None,
     cache: BatchsizeCache,
     deliver: Callable[[int, int, Any], None] | None = None,
+    probe: bool = False,
 ) -> list[Any]:
     """Call ``body(s, e)`` over consecutive steps covering ``[start, end)`` once, in order.
 
     A step that runs out of memory is retried at the same offset with a smaller step, so
     finished steps are never redone. The step that worked is kept for the rest of the call.
     Results are collected in the returned list, or handed to ``deliver(s, e, result)`` once
-    their step has succeeded (then the list stays empty).
+    their step has succeeded (then the list stays empty). ``probe``: see
+    [Note: probing a failed size] in ``_cache``.
     """
     results: list[Any] = []
-    step = record.next_size(initial, floor)
+    step = record.next_size(initial, floor, probe)
     log_probe(record, step, name, "step")
     position = start
     while position < end:

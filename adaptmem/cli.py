@@ -296,7 +296,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
-    return run_demo(seconds=args.seconds)
+    return run_demo(seconds=args.seconds, simulate_gpu=args.simulate_gpu)
 
 
 def _join_dash_values(argv: list[str]) -> list[str]:
@@ -325,6 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="classify synthetic images under a memory cap")
     demo.add_argument("--seconds", type=float, default=60.0,
                       help="longest time the batch-size phase keeps calling (default 60)")
+    demo.add_argument("--simulate-gpu", action="store_true",
+                      help="run the GPU branch on a simulated CUDA device "
+                           "(adaptmem.testing.simulated_cuda), whatever is here")
     demo.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("plan", help="print how a model would be paged or placed")

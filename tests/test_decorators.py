@@ -821,6 +821,44 @@ def test_a_real_ceiling_is_probed_rarely(monkeypatch) -> None:
     assert 1 <= len(later) <= 7
 
 
+def test_work_a_failed_attempt_leaves_half_done_never_probes_a_failed_size() -> None:
+    """A settled in-place chunked step, range step or generator is not retried at a size
+    known to fail: the probe would write twice, or raise after items were yielded."""
+    ceiling = MemoryCeiling(8)
+
+    @adaptive.chunked(initial_step=16, cache=adaptive.GlobalBatchsizeCache)
+    def add_one(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk += 1
+        ceiling.require(end - start)  # runs out of memory after the write
+
+    @adaptive.range(initial_step=16, cache=adaptive.GlobalBatchsizeCache)
+    def fill(start: int, end: int, out: list[int]) -> None:
+        out.extend(range(start, end))
+        ceiling.require(end - start)
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.GlobalBatchsizeCache)
+    def stream(batchsize: int, n: int):
+        for i in range(0, n, batchsize):
+            if i > 0:  # memory runs out on a later batch, after an item was yielded
+                ceiling.require(batchsize)
+            yield list(range(i, min(n, i + batchsize)))
+
+    wrong_chunks, wrong_ranges, raised = [], [], []
+    for call in range(300):
+        if add_one(torch.zeros(64)).max() > 1:
+            wrong_chunks.append(call)
+        out: list[int] = []
+        fill(0, 64, out)
+        if out != list(range(64)):
+            wrong_ranges.append(call)
+        try:
+            assert [x for b in stream(64) for x in b] == list(range(64))
+        except torch.OutOfMemoryError:
+            raised.append(call)
+    # Only while the search converges (16, 12, 10, 9 all fail before 8 fits), never later.
+    assert max(wrong_chunks + wrong_ranges + raised) < 5, (wrong_chunks, wrong_ranges, raised)
+
+
 def test_chunked_default_applies_a_retried_in_place_write_twice_as_documented() -> None:
     memory = MemoryCeiling(3)
 

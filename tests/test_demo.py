@@ -19,3 +19,22 @@ def test_the_demo_loads_adapts_and_pages() -> None:
     assert "adaptive.load" in out
     assert "ran out of memory at batchsize=384" in out  # the cap forced a real adaptation
     assert "outputs identical" in out
+
+
+@pytest.mark.slow
+def test_the_demo_runs_its_gpu_branch_on_a_simulated_device() -> None:
+    # No GPU here: the simulated one takes the CUDA branch (memory fraction, side-stream
+    # paging from pinned masters), and the output says it is simulated.
+    result = subprocess.run(
+        [sys.executable, "-m", "adaptmem.cli", "demo", "--simulate-gpu", "--seconds", "5"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "adaptmem demo on cuda:0" in out
+    assert "SIMULATED GPU" in out
+    assert "1. adaptive.load" in out
+    assert "under a CUDA memory fraction" in out
+    assert "ran out of memory at batchsize=384" in out  # the simulated allocator said no
+    assert "outputs identical" in out
+    assert " 0 transfers" not in out

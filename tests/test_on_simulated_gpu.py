@@ -39,6 +39,22 @@ def test_gpu_without_prefetch_every_transfer_is_waited_on() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("on_device", [False, True], ids=["from-cpu", "already-on-cuda"])
+def test_gpu_paged_forward_under_inference_mode_matches_resident(on_device: bool) -> None:
+    # `adaptmem demo`'s path: loaded onto the device, then paged, run in inference_mode.
+    model, x, expected = _linears()
+    if on_device:
+        model.cuda()
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0,
+                       device_budget=module_sizes(model).total_bytes // 3) as pager:
+        with torch.inference_mode():
+            for _ in range(2):
+                torch.testing.assert_close(model(x.cuda()).cpu(), expected)
+        assert pager.stats.transfers > 0
+    assert all(p.device.type == ("cuda" if on_device else "cpu") for p in model.parameters())
+
+
+@pytest.mark.gpu
 def test_gpu_split_over_two_cuda_devices_and_the_cpu_matches() -> None:
     model, x, expected = _linears()
     part = module_sizes(model).total_bytes // 3

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -200,6 +201,70 @@ def test_non_blocking_from_unpinned_memory_is_synchronous() -> None:
         started = time.perf_counter()
         assert dev.sum().item() == 1000  # no wait needed: the copy was done at once
         assert time.perf_counter() - started < 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: torch.empty_like(x, device="cpu"),
+    lambda x: torch.zeros_like(x, device="cpu"),
+    lambda x: torch.full_like(x, 2.0, device="cpu"),
+    lambda x: x.new_zeros(5, device="cpu"),
+    lambda x: x.new_empty(5, device=torch.device("cpu")),
+], ids=["empty_like", "zeros_like", "full_like", "new_zeros", "new_empty"])
+def test_host_tensors_made_from_a_device_tensor_are_on_the_host(make: Any) -> None:
+    with simulated_cuda():
+        x = torch.ones(3, device="cuda")
+        held = torch.cuda.memory_allocated()
+        out = make(x)
+        assert out.device.type == "cpu" and type(out) is torch.Tensor
+        assert torch.cuda.memory_allocated() == held
+        out + torch.ones(()).expand_as(out)  # a host tensor mixes with host tensors
+
+
+@pytest.mark.parametrize("grad_mode", [torch.enable_grad, torch.no_grad, torch.inference_mode])
+def test_assigning_data_across_host_and_device_moves_the_tensor(grad_mode: Any) -> None:
+    # What a pager does to a parameter: its data goes to a host master and back to a
+    # device copy, the parameter object staying the same, in any grad mode.
+    with simulated_cuda():
+        param = nn.Parameter(torch.ones(3, device="cuda"), requires_grad=False)
+        param.marked = True  # type: ignore[attr-defined]
+        host = torch.full((3,), 2.0)
+        device = torch.full((3,), 5.0, device="cuda")
+        with grad_mode():
+            param.data = host
+            assert isinstance(param, nn.Parameter) and param.device.type == "cpu"
+            assert param.data_ptr() == host.data_ptr() and param.sum().item() == 6.0
+            param.data = device
+            assert isinstance(param, nn.Parameter) and param.device == torch.device("cuda", 0)
+            assert param.sum().item() == 15.0
+        assert param.marked  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("to_device", [True, False], ids=["host-to-device", "device-to-host"])
+@pytest.mark.parametrize("how", ["to", "cuda-or-cpu", "copy_"])
+def test_synchronous_copies_over_the_link_take_its_time(to_device: bool, how: str) -> None:
+    # A benchmark comparing a pager that copies asynchronously with one that calls
+    # .to("cuda") is only fair when both pay for the link: 4 MB at 0.1 GB/s is 40 ms.
+    with simulated_cuda(bandwidth=0.1):
+        source = torch.ones(10**6) if to_device else torch.ones(10**6, device="cuda")
+        target = "cuda" if to_device else "cpu"
+        dest = torch.empty_like(source, device=target)
+        started = time.perf_counter()
+        if how == "to":
+            out = source.to(target)
+        elif how == "cuda-or-cpu":  # non_blocking from unpinned memory is synchronous
+            out = source.cuda(non_blocking=True) if to_device else source.cpu()
+        else:
+            out = dest.copy_(source)
+        assert time.perf_counter() - started >= 0.04
+        assert out.device.type == target and out.sum().item() == 10**6
+
+
+def test_copies_on_the_device_do_not_use_the_link() -> None:
+    with simulated_cuda(bandwidth=0.001):  # 4 MB over this link would take 4 s
+        dev = torch.ones(10**6, device="cuda")
+        started = time.perf_counter()
+        assert dev.clone().to("cuda").sum().item() == 10**6
+        assert time.perf_counter() - started < 2
 
 
 @pytest.mark.parametrize("workers", [0, 1])

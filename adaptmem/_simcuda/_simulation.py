@@ -107,7 +107,8 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     ``set_per_process_memory_fraction``); past the limit ``torch.OutOfMemoryError`` is raised
     with CUDA's message and nothing is allocated. Streams and events work; a copy made with
     ``non_blocking=True`` from pinned memory completes later on a worker thread (taking
-    ``nbytes / bandwidth`` seconds when ``bandwidth`` in GB/s is given), and reading its
+    ``nbytes / bandwidth`` seconds when ``bandwidth`` in GB/s is given; a synchronous copy
+    between host and device holds the host that long), and reading its
     destination on a stream that did not wait for it raises ``StreamRaceError``. Freeing a
     tensor another stream still uses without ``record_stream`` raises
     ``SimulatedCudaError`` when the block ends.
@@ -124,8 +125,8 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     Args:
         devices: how many devices (``cuda:0`` ...), 1 or more.
         total_memory: bytes per device (int or a string like ``"16GiB"``).
-        bandwidth: host-to-device link speed in GB/s for asynchronous copies; None copies
-            as fast as the CPU does.
+        bandwidth: host<->device link speed in GB/s, for asynchronous and synchronous
+            copies alike; None copies as fast as the CPU does.
 
     Returns:
         A context manager; ``.problems`` lists stream misuse seen so far.

@@ -29,6 +29,7 @@ the CPU's stream is left as it was. An op given an explicit ``generator=`` uses 
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any
 
@@ -79,6 +80,15 @@ class SimTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
                            kwargs: Any = None) -> Any:
+        if _current is not None and not _current.closed:
+            # ``device_tensor.data = host_tensor`` (a pager releasing a weight) leaves host
+            # data under the simulated tensor's wrapper: it is a host tensor now, as on CUDA.
+            flat, spec = tree_flatten((args, kwargs or {}))
+            if any(isinstance(x, SimTensor) and not x.is_cuda for x in flat):
+                cargs, ckwargs = tree_unflatten(
+                    [_host_view(x) if isinstance(x, SimTensor) and not x.is_cuda else x
+                     for x in flat], spec)
+                return func(*cargs, **ckwargs)
         raise RuntimeError(
             f"{func}: a tensor of the simulated CUDA device was used after its "
             f"`with adaptmem.testing.simulated_cuda():` block ended; move it to the CPU "
@@ -245,7 +255,9 @@ class Tensors:
             if target is None:
                 target = x.device
         if target is None or target.type != "cuda":
+            started = time.perf_counter()
             out = aten._to_copy.default(source, device=target, **kwargs)
+            self._over_the_link(out.numel() * out.element_size(), started)
             return self.pin(out) if pin else out
         index = self.state.device_index(target)
         dtype = kwargs.get("dtype") or source.dtype
@@ -257,7 +269,11 @@ class Tensors:
             out = self.wrap(dst, record)
             self._async_copy(dst, source, record)
             return out
-        return self.wrap(aten._to_copy.default(source, **kwargs), record)
+        started = time.perf_counter()
+        out = self.wrap(aten._to_copy.default(source, **kwargs), record)
+        if not x.is_cuda:
+            self._over_the_link(source.numel() * dtype.itemsize, started)
+        return out
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
         db, sb = dst, src
@@ -265,7 +281,10 @@ class Tensors:
             sb, srec = self.lookup(src)
             self.use(srec, self.state.current_streams[srec.index], src, "copy_()")
         if not dst.is_cuda:
+            started = time.perf_counter()
             db.copy_(sb)
+            if src.is_cuda:
+                self._over_the_link(db.numel() * db.element_size(), started)
             return dst
         db, drec = self.lookup(dst)
         stream = self.state.current_streams[drec.index]
@@ -273,8 +292,20 @@ class Tensors:
         if non_blocking and not src.is_cuda and self.is_pinned(src):
             self._async_copy(db, sb, drec)
         else:
+            started = time.perf_counter()
             db.copy_(sb)
+            if not src.is_cuda:
+                self._over_the_link(db.numel() * db.element_size(), started)
         return dst
+
+    def _over_the_link(self, nbytes: int, started: float) -> None:
+        """A synchronous copy between host and device holds the host for the link's time
+        too (``nbytes / bandwidth``), as an asynchronous one holds its stream."""
+        bandwidth = self.state.bandwidth
+        if bandwidth:
+            left = started + nbytes / (bandwidth * 1e9) - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
 
     def _async_copy(self, dst: torch.Tensor, src: torch.Tensor, record: Record) -> None:
         stream = self.state.current_streams[record.index]
@@ -289,6 +320,12 @@ class Tensors:
 
 def _has_generator(flat: list[Any]) -> bool:
     return any(isinstance(x, torch.Generator) for x in flat)
+
+
+def _host_view(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor over the host storage a simulated tensor's wrapper was given."""
+    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
+                                              t.size(), t.stride())
 
 
 def _mixed(a: str, b: str) -> RuntimeError:
@@ -307,9 +344,10 @@ _CPU_EQUIVALENT = {
     aten.cudnn_batch_norm.default: _cudnn_batch_norm,
     aten.miopen_batch_norm.default: lambda *a: aten.native_batch_norm.default(*a),
 }
-# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices).
+# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices), and the metadata
+# check behind ``cpu_param.data = cuda_tensor`` (dispatched under inference_mode).
 _MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-             aten._index_put_impl_.default}
+             aten._index_put_impl_.default, aten._has_compatible_shallow_copy_type.default}
 
 
 class _Dispatch(TorchDispatchMode):
@@ -367,6 +405,12 @@ class _Dispatch(TorchDispatchMode):
             if drawing_for is not None and _SEEDED in func.tags and not _has_generator(flat):
                 return sim.draw(drawing_for, func, *args, **kwargs)
             return func(*args, **kwargs)
+        target = kwargs.get("device")
+        if isinstance(target, torch.device) and target.type != "cuda":
+            # ``empty_like(x, device="cpu")``, ``x.new_zeros(n, device="cpu")``: made on the
+            # host from a device tensor's metadata, so a host tensor comes back.
+            cargs, ckwargs = tree_unflatten(flat, spec)
+            return func(*cargs, **ckwargs)
         if cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
             raise _mixed(f"cuda:{index}", "cpu")
         stream = sim.state.current_streams[index]
