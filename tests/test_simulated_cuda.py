@@ -302,6 +302,112 @@ def test_record_stream_makes_that_free_safe() -> None:
     assert sim.problems == []
 
 
+# -- random state ----------------------------------------------------------------------------
+
+_CUDA_DRAWS = {
+    "randn factory": lambda: torch.randn(8, device="cuda"),
+    "randint factory": lambda: torch.randint(0, 1000, (8,), device="cuda"),
+    "randperm factory": lambda: torch.randperm(16, device="cuda"),
+    "normal_ in place": lambda: torch.zeros(8, device="cuda").normal_(),
+    "uniform_ in place": lambda: torch.zeros(8, device="cuda").uniform_(),
+    "rand_like": lambda: torch.rand_like(torch.zeros(8, device="cuda")),
+    "dropout": lambda: nn.functional.dropout(torch.ones(64, device="cuda"), 0.5, True),
+    "bernoulli": lambda: torch.bernoulli(torch.full((64,), 0.5, device="cuda")),
+    "multinomial": lambda: torch.multinomial(torch.ones(2, 10, device="cuda"), 5),
+    "nn.Linear made on cuda": lambda: nn.Linear(4, 4, device="cuda").weight,
+}
+
+
+@pytest.mark.parametrize("draw", list(_CUDA_DRAWS.values()), ids=list(_CUDA_DRAWS))
+def test_cuda_draws_leave_the_cpu_stream_alone_and_follow_the_cuda_seed(draw) -> None:
+    torch.manual_seed(123)
+    expected_cpu = torch.rand(3)
+    torch.manual_seed(123)
+    with simulated_cuda(total_memory="1GiB"):
+        torch.cuda.manual_seed(7)
+        first = draw().cpu()
+        assert torch.equal(torch.rand(3), expected_cpu)  # the CUDA draw took nothing
+        second = draw().cpu()
+        torch.cuda.manual_seed(7)
+        torch.rand(5)  # a CPU draw between seed and draw changes nothing on CUDA
+        again = draw().cpu()
+    assert torch.equal(again, first)
+    assert not torch.equal(second, first)  # the device's stream advanced
+
+
+def test_torch_manual_seed_seeds_the_simulated_devices_too() -> None:
+    torch.manual_seed(5)
+    with simulated_cuda(devices=2, total_memory="1GiB"):
+        at_entry = torch.randn(4, device="cuda:1").cpu()
+        torch.manual_seed(5)
+        assert torch.equal(torch.randn(4, device="cuda:1").cpu(), at_entry)
+        assert torch.cuda.initial_seed() == 5
+        torch.manual_seed(6)
+        assert not torch.equal(torch.randn(4, device="cuda:1").cpu(), at_entry)
+
+
+def test_each_device_has_its_own_stream_and_state_round_trips() -> None:
+    with simulated_cuda(devices=2, total_memory="1GiB"):
+        assert len(torch.cuda.default_generators) == 2
+        torch.cuda.manual_seed_all(1)
+        with torch.cuda.device(1):
+            torch.cuda.manual_seed(2)  # the current device only
+        assert torch.cuda.initial_seed() == 1
+        state0, state1 = torch.cuda.get_rng_state(0), torch.cuda.get_rng_state("cuda:1")
+        a0, a1 = torch.randn(4, device="cuda:0").cpu(), torch.randn(4, device="cuda:1").cpu()
+        assert not torch.equal(a0, a1)
+        torch.cuda.set_rng_state_all([state0, state1])
+        assert torch.equal(torch.randn(4, device="cuda:1").cpu(), a1)
+        torch.cuda.set_rng_state(state0, torch.device("cuda", 0))
+        assert torch.equal(torch.randn(4, device="cuda:0").cpu(), a0)
+        assert all(torch.equal(s, g.get_state()) for s, g in
+                   zip(torch.cuda.get_rng_state_all(), torch.cuda.default_generators,
+                       strict=True))
+        torch.cuda.seed_all()
+        seeds = {g.initial_seed() for g in torch.cuda.default_generators}
+        assert len(seeds) == 1 and seeds != {1}
+        with pytest.raises(RuntimeError, match="invalid device ordinal"):
+            torch.cuda.get_rng_state(2)
+
+
+def test_fork_rng_on_cuda_puts_the_device_stream_back() -> None:
+    with simulated_cuda(total_memory="1GiB"):
+        torch.cuda.manual_seed(3)
+        expected = torch.randn(4, device="cuda").cpu()
+        torch.cuda.manual_seed(3)
+        with torch.random.fork_rng(devices=[0], device_type="cuda"):
+            torch.randn(4, device="cuda")
+        assert torch.equal(torch.randn(4, device="cuda").cpu(), expected)
+
+
+def test_random_state_functions_are_put_back_after_the_block() -> None:
+    names = ("default_generators", "get_rng_state", "set_rng_state", "manual_seed",
+             "manual_seed_all", "seed", "seed_all", "initial_seed")
+    before = [getattr(torch.cuda, n) for n in names]
+    before_random = [getattr(torch.cuda.random, n, None) for n in names]
+    with simulated_cuda(devices=3):
+        assert len(torch.cuda.default_generators) == 3
+    assert [getattr(torch.cuda, n) for n in names] == before
+    assert [getattr(torch.cuda.random, n, None) for n in names] == before_random
+
+
+def test_a_model_already_on_the_simulated_device_can_be_chunked() -> None:
+    from adaptmem import adaptive
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).eval()
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        expected = model(x)
+        with simulated_cuda(total_memory="64MiB"):
+            model.cuda()
+            handle = adaptive.chunk(model, "cuda", capacity=600_000)
+            out = model(x.cuda()).cpu()
+            handle.remove()
+            model.cpu()
+    assert torch.equal(out, expected)
+
+
 # -- kernels CUDA picks by device type -------------------------------------------------------
 
 def test_a_torchvision_model_runs_with_cudnn_kernels_mapped_to_the_cpu() -> None:

@@ -112,6 +112,10 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     destination on a stream that did not wait for it raises ``StreamRaceError``. Freeing a
     tensor another stream still uses without ``record_stream`` raises
     ``SimulatedCudaError`` when the block ends.
+    Each device has a random stream of its own (``torch.cuda.manual_seed``,
+    ``get_rng_state``/``set_rng_state``, ``default_generators``, ...), seeded at entry with
+    ``torch.initial_seed()``; random ops on simulated tensors draw from it, not from the
+    CPU's stream.
 
     Not simulated: kernel speed (ops run at CPU speed), memory fragmentation, real bus
     behaviour beyond a fixed bandwidth, autograd (every op on simulated tensors runs under

@@ -45,6 +45,11 @@ class SimState:
         self.lock = threading.Lock()
         self.default_streams = [SimStream(i, _sim_state=self) for i in range(devices)]
         self.current_streams = list(self.default_streams)
+        # See [Note: simulated random state] in _tensors.py. Seeded as torch.manual_seed(s)
+        # before the block would have seeded a real device.
+        self.generators = tuple(torch.Generator().manual_seed(torch.initial_seed())
+                                for _ in range(devices))
+        self.drawing_for: int | None = None  # the device a CPU-run factory makes values for
 
     def next_stream_id(self) -> int:
         return next(self._ids)

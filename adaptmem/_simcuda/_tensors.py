@@ -16,6 +16,15 @@ runs the op on the CPU and wraps new results, counting their bytes on the device
 (``Tensor.to``/``cuda``/``copy_``, factories with ``device=``), ``record_stream``, and runs
 calls that involve simulated tensors under ``no_grad`` (autograd's CUDA bookkeeping would
 abort the process).
+
+[Note: simulated random state]
+Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
+which ``torch.cuda.default_generators``, ``get_rng_state``/``set_rng_state``,
+``manual_seed`` and the rest answer with. A random op (an aten op tagged
+``nondeterministic_seeded``) on a simulated device, and one a factory with ``device=cuda``
+runs on the CPU (``SimState.drawing_for``), runs with the CPU default generator holding
+that device's state for the length of the op: the draw advances the device's stream, and
+the CPU's stream is left as it was. An op given an explicit ``generator=`` uses it.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ _no_torch_function = torch._C.DisableTorchFunction
 
 
 _current: Tensors | None = None  # the running simulation's tensors
+_SEEDED = torch.Tag.nondeterministic_seeded
 
 
 class SimTensor(torch.Tensor):
@@ -203,6 +213,18 @@ class Tensors:
             record.recorded.add(stream)
             record.used_on.pop(stream, None)
 
+    def draw(self, index: int, run: Any, *args: Any, **kwargs: Any) -> Any:
+        """``run(*args, **kwargs)`` drawing from ``cuda:index``'s generator (see [Note:
+        simulated random state])."""
+        cpu, device = torch.default_generator, self.state.generators[index]
+        saved = cpu.get_state()
+        cpu.set_state(device.get_state())
+        try:
+            return run(*args, **kwargs)
+        finally:
+            device.set_state(cpu.get_state())
+            cpu.set_state(saved)
+
     # -- pinned host memory --------------------------------------------------------------
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
@@ -296,6 +318,10 @@ class Tensors:
             record.used_on[stream] = stream.epoch
 
 
+def _has_generator(flat: list[Any]) -> bool:
+    return any(isinstance(x, torch.Generator) for x in flat)
+
+
 def _host_view(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor over the host storage a simulated tensor's wrapper was given."""
     return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
@@ -375,6 +401,9 @@ class _Dispatch(TorchDispatchMode):
                     raise _mixed(f"cuda:{index}", f"cuda:{wanted}")
                 index = wanted
         if index is None:
+            drawing_for = sim.state.drawing_for
+            if drawing_for is not None and _SEEDED in func.tags and not _has_generator(flat):
+                return sim.draw(drawing_for, func, *args, **kwargs)
             return func(*args, **kwargs)
         target = kwargs.get("device")
         if isinstance(target, torch.device) and target.type != "cuda":
@@ -388,7 +417,10 @@ class _Dispatch(TorchDispatchMode):
         for record, x in uses:
             sim.use(record, stream, x, func)
         cargs, ckwargs = tree_unflatten(flat, spec)
-        out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
+        if _SEEDED in func.tags and not _has_generator(flat):
+            out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
+        else:
+            out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
         # New storages are allocated together: an OOM allocates nothing.
         fresh: dict[int, torch.Tensor] = {}
         for o in tree_flatten(out)[0]:
@@ -499,15 +531,24 @@ class _Functions(TorchFunctionMode):
             records = iter(self.sim.reserve_all(
                 [o.untyped_storage().nbytes() for o in shapes if isinstance(o, torch.Tensor)],
                 index))
-            with torch.no_grad():
-                out = func(*args, **kwargs)
+            out = self._make_on_cpu(index, func, args, kwargs)
             wrap = self.sim.wrap
             return tree_map(lambda o: wrap(o, next(records)) if isinstance(o, torch.Tensor)
                             else o, out)
-        with torch.no_grad():
-            out = func(*args, **kwargs)
+        out = self._make_on_cpu(index, func, args, kwargs)
         adopt = self.sim.adopt
         return tree_map(lambda o: adopt(o, index) if isinstance(o, torch.Tensor) else o, out)
+
+    def _make_on_cpu(self, index: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """``func`` run on the CPU for ``cuda:index``: its random draws come from that
+        device's generator (see [Note: simulated random state])."""
+        state = self.sim.state
+        previous, state.drawing_for = state.drawing_for, index
+        try:
+            with torch.no_grad():
+                return func(*args, **kwargs)
+        finally:
+            state.drawing_for = previous
 
     def _to(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         x, *rest = args
@@ -580,8 +621,13 @@ class _Functions(TorchFunctionMode):
         if cpu_arg and func not in _INDEXING:
             raise _mixed(f"cuda:{index}", "cpu")
         cargs, ckwargs = tree_unflatten(flat, spec)
-        with _no_torch_function():
-            out = func(*cargs, **ckwargs)
+        state = sim.state
+        previous, state.drawing_for = state.drawing_for, index
+        try:
+            with _no_torch_function():
+                out = func(*cargs, **ckwargs)
+        finally:
+            state.drawing_for = previous
         first = cargs[0] if cargs else None
 
         def wrap(o: Any) -> Any:

@@ -125,6 +125,35 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
+    generators = state.generators
+
+    def generator(device: Any = None) -> torch.Generator:
+        return generators[state.device_index(device)]
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return generator(device).get_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+        generator(device).set_state(new_state)
+
+    def set_rng_state_all(new_states: Any) -> None:
+        for i, new_state in enumerate(new_states):
+            set_rng_state(new_state, i)
+
+    def manual_seed(seed: int) -> None:
+        generator().manual_seed(int(seed))
+
+    def manual_seed_all(seed: int) -> None:
+        seed = int(seed)
+        for g in generators:
+            g.manual_seed(seed)
+
+    def seed() -> None:
+        generator().seed()
+
+    def seed_all() -> None:
+        manual_seed_all(generators[0].seed())
+
     return {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
@@ -154,10 +183,16 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
         "set_per_process_memory_fraction": set_per_process_memory_fraction,
         "get_per_process_memory_fraction": lambda device=None: alloc(device).fraction,
         "ipc_collect": nothing,
-        "manual_seed": lambda seed: None,
-        "manual_seed_all": lambda seed: None,
-        "seed": nothing,
-        "seed_all": nothing,
+        "default_generators": generators,
+        "get_rng_state": get_rng_state,
+        "get_rng_state_all": lambda: [g.get_state() for g in generators],
+        "set_rng_state": set_rng_state,
+        "set_rng_state_all": set_rng_state_all,
+        "manual_seed": manual_seed,
+        "manual_seed_all": manual_seed_all,
+        "seed": seed,
+        "seed_all": seed_all,
+        "initial_seed": lambda: generator().initial_seed(),
         "Stream": SimStream,
         "Event": SimEvent,
         "current_stream": lambda device=None: state.current_stream(device),
@@ -200,9 +235,10 @@ def install(state: SimState, patches: Patches) -> None:
     cuda = cuda_functions(state)
     memory = getattr(torch.cuda, "memory", None)
     streams = getattr(torch.cuda, "streams", None)
+    random = getattr(torch.cuda, "random", None)
     for name, value in cuda.items():
         patches.set(torch.cuda, name, value)
-        for module in (memory, streams):
+        for module in (memory, streams, random):
             if module is not None and name in module.__dict__:
                 patches.set(module, name, value)
     accelerator = getattr(torch, "accelerator", None)
