@@ -239,6 +239,35 @@ def test_assigning_data_across_host_and_device_moves_the_tensor(grad_mode: Any) 
         assert param.marked  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("where", ["cuda", "cpu", "meta"])
+def test_a_parameter_remade_with_its_own_class_is_a_parameter_again(where: str) -> None:
+    # ``type(param)(data, requires_grad=...)`` is how accelerate, transformers and
+    # bitsandbytes re-make a parameter; on CUDA ``type(param)`` is nn.Parameter.
+    with simulated_cuda():
+        param = nn.Parameter(torch.ones(2, 3).to("cuda"))  # as accelerate makes them
+        for _ in range(3):  # the result is re-made in turn, as on each offloaded forward
+            data = torch.full((2, 3), 2.0).to(where)
+            remade = type(param)(data, requires_grad=False)
+            assert isinstance(remade, nn.Parameter) and not remade.requires_grad
+            assert remade.device == data.device and remade.shape == (2, 3)
+            if where != "meta":
+                assert remade.sum().item() == 12.0
+            if where != "cuda":
+                assert type(remade) is nn.Parameter  # a host or meta one is a plain one
+            assert type(type(remade)(data)) is type(remade) and type(remade)(data).requires_grad
+            param = remade
+
+
+def test_a_parameter_whose_data_went_to_the_host_is_remade_on_the_host() -> None:
+    with simulated_cuda():
+        param = nn.Parameter(torch.ones(3).to("cuda"), requires_grad=False)
+        host = torch.full((3,), 2.0)
+        param.data = host  # what a pager does to release a weight
+        remade = type(param)(param, requires_grad=False)
+        assert type(remade) is nn.Parameter and remade.device.type == "cpu"
+        assert remade.data_ptr() == host.data_ptr() and remade.sum().item() == 6.0
+
+
 @pytest.mark.parametrize("to_device", [True, False], ids=["host-to-device", "device-to-host"])
 @pytest.mark.parametrize("how", ["to", "cuda-or-cpu", "copy_"])
 def test_synchronous_copies_over_the_link_take_its_time(to_device: bool, how: str) -> None:

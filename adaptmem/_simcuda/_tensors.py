@@ -59,14 +59,16 @@ class SimTensor(torch.Tensor):
     the mode does not see: those made inside a Python-level torch function (the body of
     ``F.multi_head_attention_forward`` runs with modes popped)."""
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = False) -> SimTensor:
-        # ``type(param)(data, requires_grad=...)``, as code re-making a parameter does
-        # (``nn.Parameter(t)`` of a simulated tensor is a SimTensor marked as a parameter).
-        out = data.detach()
-        if requires_grad:
-            out.requires_grad_(True)
-        out._is_param = True  # type: ignore[attr-defined]
-        return out  # type: ignore[return-value]
+    def __new__(cls, data: torch.Tensor | None = None,
+                requires_grad: bool = True) -> SimTensor:
+        # ``nn.Parameter(t)`` of a simulated tensor is that SimTensor marked as a parameter
+        # (nn.Parameter's path for tensor subclasses), so code re-making a parameter with
+        # ``type(param)(data, requires_grad=...)`` (accelerate, transformers) calls this
+        # class: construct what ``nn.Parameter(data, requires_grad)`` constructs on CUDA, a
+        # plain nn.Parameter for host or meta data (which then stays an nn.Parameter).
+        if isinstance(data, SimTensor) and not data.is_cuda:
+            data = _host_view(data)  # host data under a wrapper (``param.data = host``)
+        return torch.nn.Parameter(data, requires_grad)  # type: ignore[arg-type,return-value]
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
