@@ -233,6 +233,29 @@ def test_small_tensors_parameters_and_tensors_under_the_limit_stay(tmp_path: Pat
     assert handle.stats.tensors_kept == 1
 
 
+def test_views_of_frozen_parameters_and_buffers_stay_since_copying_them_frees_nothing(
+        tmp_path: Path) -> None:
+    class Masked(nn.Module):  # a frozen base layer and a large buffer, as in fine-tuning
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = nn.Linear(1024, 1024).requires_grad_(False)
+            self.register_buffer("scale", torch.rand(2048, 1024))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (self.base(x) * self.scale[: x.shape[0]]).exp()
+
+    model = Masked()
+    x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB activations
+    with adaptive.spill(threshold="1MiB", limit=0, to=tmp_path) as handle:
+        model(x).sum().backward()
+    # base.weight.t() and a slice of the buffer stay; the input stays (a leaf that requires
+    # grad), the exp output is the one activation the step made and copies out.
+    assert handle.stats.tensors_spilled == 1
+    assert handle.stats.bytes_out == 512 * 1024 * 4
+    expected = torch.autograd.grad(model(x).sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+
+
 def test_limit_auto_spills_nothing_while_memory_is_plentiful(tmp_path: Path) -> None:
     with adaptive.spill(threshold=0, to=tmp_path) as handle:
         _exp_chain(torch.randn(64, 64, requires_grad=True)).sum().backward()

@@ -4,8 +4,11 @@ prefetched in reverse save order, during backward.
 [Note: what is spilled] The unit is a tensor's whole storage: a view saved for backward
 keeps all of its storage alive, so only spilling the storage frees memory, and two views of
 one storage (or one tensor saved twice) are copied out once and restored into one shared
-storage again. Parameters (and views of them) stay, and so do tensors saved while backward
-runs (recomputation by ``torch.utils.checkpoint``, double backward): they are used at once.
+storage again. Parameters stay, and so do views of a leaf (a tensor autograd did not make:
+a parameter, frozen or not, a buffer, an input): something outside the graph holds their
+storage, so a copy would free nothing (``nn.Linear`` saves ``weight.t()``). Tensors saved
+while backward runs (recomputation by ``torch.utils.checkpoint``, double backward) stay
+too: they are used at once.
 
 [Note: version check] Autograd does not check the version counter of a tensor whose saving
 a hook took over, so this module does: each saved tensor keeps a storage-less alias that
@@ -263,7 +266,7 @@ class _Step:
                 or t.device.type == "meta" or (t.requires_grad and t.is_leaf)):
             return _keep(t, stats)
         base = t._base
-        if base is not None and base.requires_grad and base.is_leaf:
+        if base is not None and base.is_leaf:  # see [Note: what is spilled]
             return _keep(t, stats)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()

@@ -24,8 +24,8 @@ class SpillStats(Stats):
     ``tensors_saved`` counts every tensor autograd saved inside the handle; of those,
     ``tensors_spilled`` were copied out (each storage once), ``tensors_shared`` were views of
     or repeats of a storage already spilled, and ``tensors_kept`` stayed where they were
-    (under the threshold, below the limit, parameters). ``tensors_restored`` counts spilled
-    storages handed back to backward, ``bytes_in`` the bytes read back for them (a storage
+    (under the threshold, below the limit, parameters, views of parameters, buffers or
+    inputs). ``tensors_restored`` counts spilled storages handed back to backward, ``bytes_in`` the bytes read back for them (a storage
     whose copy out had not finished comes back from memory, unread; a second backward
     through a retained graph reads again). ``seconds_waiting`` is time the
     training step itself waited: for copies out to drain in forward, for copies back that
