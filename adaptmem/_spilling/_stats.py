@@ -25,9 +25,10 @@ class SpillStats(Stats):
     ``tensors_spilled`` were copied out (each storage once), ``tensors_shared`` were views of
     or repeats of a storage already spilled, and ``tensors_kept`` stayed where they were
     (under the threshold, below the limit, parameters, views of parameters, buffers or
-    inputs). ``tensors_restored`` counts spilled storages handed back to backward, ``bytes_in`` the bytes read back for them (a storage
-    whose copy out had not finished comes back from memory, unread; a second backward
-    through a retained graph reads again). ``seconds_waiting`` is time the
+    inputs). ``tensors_restored`` counts spilled storages handed back to backward,
+    ``bytes_in`` the bytes read back for them (a storage whose copy out had not finished
+    comes back from memory, unread; a second backward through a retained graph reads
+    again). ``seconds_waiting`` is time the
     training step itself waited: for copies out to drain in forward, for copies back that
     prefetching had not finished in backward. ``seconds_writing`` / ``seconds_reading`` are
     the time the background copies took. ``peak_device_bytes`` is the most memory seen in
