@@ -490,8 +490,8 @@ _MALLOC_PROBE = """
     start = held_bytes()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    if sys.argv[1] == "spill":
-        with adaptive.spill(limit=0):
+    if sys.argv[1] == "spill":  # copies waiting to be written bounded, as on a slow disk
+        with adaptive.spill(limit=0, max_pending="16MiB"):
             model(x).sum().backward()
     else:
         model(x).sum().backward()

@@ -26,8 +26,7 @@ was freed (its mmap threshold adapts upward), and keeps freed heap blocks reside
 freed by spilling would stay in the process. So the writer thread calls ``malloc_trim(0)``
 after each copy out that freed an activation, and the reader thread before each read (what
 backward freed since): free heap pages go back to the system and resident memory falls,
-without changing any setting of the allocator. Restored copies get mappings of their own,
-unmapped when backward is done with them. ``malloc_trim`` leaves the heap's address space
+without changing any setting of the allocator. ``malloc_trim`` leaves the heap's address space
 in place, and ``RLIMIT_DATA`` (``cpu_memory.set_cpu_memory_limit``) counts address space:
 under such a cap a step can fail with its resident memory well below it. For that case
 ``spill(mmap_threshold=)`` opts in to fixing glibc's ``M_MMAP_THRESHOLD`` from a step's

@@ -65,15 +65,6 @@ def _huge_pages(t: torch.Tensor) -> None:
             _madvise(start, end - start, _MADV_HUGEPAGE)
 
 
-def _mapped_buffer(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of CPU memory in a mapping of their own, unmapped when the tensor dies.
-    See [Note: glibc heap] in ``_hooks``: restored activations must not stay in a malloc
-    arena (the reader thread's) once backward is done with them."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
-
-
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     """``nbytes`` of CPU memory, page-locked when ``pin`` and the platform allows it."""
     if pin:
@@ -143,7 +134,7 @@ class DiskFile:
 
     def read(self, offset: int, nbytes: int, pin: bool) -> torch.Tensor:
         """The ``nbytes`` at ``offset``, in a new CPU buffer."""
-        out = host_buffer(nbytes, pin) if pin else _mapped_buffer(nbytes)
+        out = host_buffer(nbytes, pin)
         if not pin:
             _huge_pages(out)
         view = _buffer(out)
