@@ -518,7 +518,7 @@ def test_spilling_frees_resident_memory_and_leaves_the_allocator_as_it_was() -> 
     # allocator setting for the rest of the process.
     assert spilled_mapped == plain_mapped
     assert plain_peak > 100 * 2**20  # 32 saved activations of 4 MiB
-    assert spilled_peak < plain_peak / 2  # what spilling freed went back to the system
+    assert spilled_peak < 0.6 * plain_peak  # what spilling freed went back to the system
 
 
 def test_an_interrupted_step_frees_the_activations_it_kept(tmp_path: Path) -> None:

@@ -21,18 +21,19 @@ object is a cycle across C++ that Python's gc cannot see, so a graph that backwa
 frees (an interrupted step) would leak. A detached alias shares the storage and version
 counter without the grad_fn, and gets the same version check as a spilled tensor.
 
-[Note: glibc heap] glibc serves a large allocation from its heap once a block that size
-was freed (its mmap threshold adapts upward), and keeps freed heap blocks resident: memory
+[Note: glibc heap] glibc serves a large allocation from its heap once a block that size was
+freed (its mmap threshold adapts upward), and keeps freed heap blocks resident: memory
 freed by spilling would stay in the process. So the writer thread calls ``malloc_trim(0)``
-after each copy out that freed an activation, and the reader thread before each read (what
-backward freed since): free heap pages go back to the system and resident memory falls,
-without changing any setting of the allocator. ``malloc_trim`` leaves the heap's address space
-in place, and ``RLIMIT_DATA`` (``cpu_memory.set_cpu_memory_limit``) counts address space:
-under such a cap a step can fail with its resident memory well below it. For that case
-``spill(mmap_threshold=)`` opts in to fixing glibc's ``M_MMAP_THRESHOLD`` from a step's
-first CPU spill until it ends, so large tensors are mapped and unmapped; afterwards the
-threshold is set to 32 MiB, where the adaptive one ends up (glibc offers no way back to
-the adaptive behaviour): a process-wide setting, hence not the default.
+each time copies out have freed another 8 MiB of CPU activations, and the reader thread
+before a read each time another 8 MiB came back (backward frees about as much): free heap
+pages go back to the system and resident memory falls, without changing any setting of the
+allocator. ``malloc_trim`` leaves the heap's address space in place, and ``RLIMIT_DATA``
+(``cpu_memory.set_cpu_memory_limit``) counts address space: under such a cap a step can
+fail with its resident memory well below it. For that case ``spill(mmap_threshold=)`` opts
+in to fixing glibc's ``M_MMAP_THRESHOLD`` from a step's first CPU spill until it ends, so
+large tensors are mapped and unmapped; afterwards the threshold is set to 32 MiB, where the
+adaptive one ends up (glibc offers no way back to the adaptive behaviour): a process-wide
+setting, hence not the default.
 """
 
 from __future__ import annotations
@@ -106,6 +107,9 @@ def _glibc(name: str) -> Any:
         return None
     fn.restype = ctypes.c_int
     return fn
+
+
+_TRIM_EVERY = 8 << 20  # bytes freed (or read back) between two trims of one step
 
 
 def _return_freed_memory() -> None:
@@ -298,6 +302,7 @@ class _Step:
         self.exited = False
         self.discarded = False
         self.holds_mmap_threshold = False
+        self.freed_untrimmed = self.read_untrimmed = 0  # see [Note: glibc heap]
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     # -- forward: saving -------------------------------------------------------------------
@@ -459,8 +464,14 @@ class _Step:
                 self.room.notify_all()
         with self.lock:
             entry.state = STORED
+            freed = entry.source is not None  # a CPU activation (host copies are pinned)
             entry.source = entry.host = None  # frees the activation (the last reference)
-        _return_freed_memory()
+        if freed:
+            self.freed_untrimmed += entry.nbytes
+            if self.freed_untrimmed >= _TRIM_EVERY:
+                self.freed_untrimmed = 0
+                # Queued, not called: this call's arguments hold ``entry`` until it returns.
+                _executor("write").submit(_return_freed_memory)
 
     # -- backward: restoring ---------------------------------------------------------------
 
@@ -551,7 +562,10 @@ class _Step:
             accelerated = _accelerated(entry.device)
             if host is None:
                 assert disk is not None
-                _return_freed_memory()  # what backward freed since the last read
+                self.read_untrimmed += entry.nbytes
+                if self.read_untrimmed >= _TRIM_EVERY:  # about what backward freed since
+                    self.read_untrimmed = 0
+                    _return_freed_memory()
                 host = disk.read(entry.offset, entry.nbytes, pin=accelerated)
             if not accelerated:
                 return host, None
