@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import time
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 
 from ._devices import format_bytes, resolve_device
 from ._oom import drop_frames, is_oom
-from ._spilling import memory_stats, returning_freed_memory, spill
+from ._spilling import fixed_mmap_threshold, memory_stats, spill
 
 __all__ = ["add_example_parser"]
 
@@ -89,8 +90,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             set_cpu_memory_limit(args.cap)
         except ValueError as exc:
             raise SystemExit(f"adaptmem example train: --cap: {exc}") from None
-    # Both steps free large tensors the same way; see adaptive.spill's notes on glibc.
-    with returning_freed_memory():
+    # A cap counts address space, which glibc's heap keeps after a free: under one, both
+    # steps map large tensors of their own (see adaptive.spill's mmap_threshold).
+    with fixed_mmap_threshold(1 << 20) if args.cap is not None else contextlib.nullcontext():
         _attempt("step without spilling", lambda: _step(model, images, labels))
         while True:  # limit="auto" keeps more memory free after a step ran out
             keep_free = handle.keep_free

@@ -188,7 +188,7 @@ _CHILD = """
 import ctypes, sys, threading, time, torch
 from adaptmem import adaptive
 from adaptmem._spilling._stats import in_use_bytes
-ctypes.CDLL(None).mallopt(-3, 1 << 20)  # the allocator setting spilling uses, for all runs
+ctypes.CDLL(None).mallopt(-3, 1 << 20)  # spill(mmap_threshold="1MiB")'s setting, all runs
 torch.set_num_threads(1)
 mode, headroom = sys.argv[1], int(sys.argv[2])
 
@@ -321,7 +321,8 @@ Memory: 48 layers of tanh(x * w) on 2048x1024 fp32 inputs (8 MiB per activation,
 saved), each run in its own process; the cap is `set_cpu_memory_limit` at the memory in use
 at start plus the headroom shown; peak held is the anonymous resident memory (what the cap
 counts) sampled every millisecond, minus that at start. All runs use the allocator setting
-spilling makes (glibc mmap threshold 1 MiB), so the runs differ only in spilling.
+that `spill(mmap_threshold="1MiB")` makes under a cap (glibc mmap threshold 1 MiB), so the
+runs differ only in spilling.
 """
 
 

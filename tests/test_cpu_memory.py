@@ -89,3 +89,18 @@ def test_available_memory_without_a_cap_is_what_the_machine_reports() -> None:
 
     available = adaptive.cpu_memory.get_available_cpu_memory()
     assert 0 < available <= psutil.virtual_memory().total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux only)")
+def test_held_memory_is_what_the_cap_counts_and_grows_with_a_touched_allocation() -> None:
+    import torch
+
+    def rss_anon() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+    before = adaptive.cpu_memory.held_bytes()
+    assert abs(before - rss_anon()) < 4 * 2**20
+    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, every page touched
+    assert adaptive.cpu_memory.held_bytes() - before > 60 * 2**20
+    del block

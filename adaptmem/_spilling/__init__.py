@@ -6,8 +6,8 @@ One job per file: ``_tiers`` moves bytes (scratch file, pinned host memory, side
 ``_stats`` counts.
 """
 
-from ._hooks import Spill, returning_freed_memory, spill
+from ._hooks import Spill, fixed_mmap_threshold, spill
 from ._stats import MemoryStats, SpillStats, memory_stats
 
-__all__ = ["MemoryStats", "Spill", "SpillStats", "memory_stats", "returning_freed_memory",
+__all__ = ["MemoryStats", "Spill", "SpillStats", "fixed_mmap_threshold", "memory_stats",
            "spill"]

@@ -4,8 +4,11 @@ prefetched in reverse save order, during backward.
 [Note: what is spilled] The unit is a tensor's whole storage: a view saved for backward
 keeps all of its storage alive, so only spilling the storage frees memory, and two views of
 one storage (or one tensor saved twice) are copied out once and restored into one shared
-storage again. Parameters (and views of them) stay, and so do tensors saved while backward
-runs (recomputation by ``torch.utils.checkpoint``, double backward): they are used at once.
+storage again. Parameters stay, and so do views of a leaf (a tensor autograd did not make:
+a parameter, frozen or not, a buffer, an input): something outside the graph holds their
+storage, so a copy would free nothing (``nn.Linear`` saves ``weight.t()``). Tensors saved
+while backward runs (recomputation by ``torch.utils.checkpoint``, double backward) stay
+too: they are used at once.
 
 [Note: version check] Autograd does not check the version counter of a tensor whose saving
 a hook took over, so this module does: each saved tensor keeps a storage-less alias that
@@ -18,15 +21,19 @@ object is a cycle across C++ that Python's gc cannot see, so a graph that backwa
 frees (an interrupted step) would leak. A detached alias shares the storage and version
 counter without the grad_fn, and gets the same version check as a spilled tensor.
 
-[Note: glibc heap] glibc serves a large allocation from its heap once a block that size
-was freed (its mmap threshold adapts upward, to 32 MiB at most), and keeps freed heap
-blocks: memory freed by spilling then stays in the process, counted by ``RLIMIT_DATA``, and
-measured runs showed the freed blocks not reused (a step under a cap ran out of memory with
-half its activations on disk). So from the first spill of CPU tensors until the step ends
-the threshold is fixed at 1 MiB (``mallopt(M_MMAP_THRESHOLD)``): large tensors are mapped
-and unmapped, and their memory goes back to the system when freed. Mapping costs page
-faults, so afterwards the threshold is set to 32 MiB, where the adaptive one ends up; glibc
-offers no way back to the adaptive behaviour itself.
+[Note: glibc heap] glibc serves a large allocation from its heap once a block that size was
+freed (its mmap threshold adapts upward), and keeps freed heap blocks resident: memory
+freed by spilling would stay in the process. So the writer thread calls ``malloc_trim(0)``
+each time copies out have freed another 8 MiB of CPU activations, and the reader thread
+before a read each time another 8 MiB came back (backward frees about as much): free heap
+pages go back to the system and resident memory falls, without changing any setting of the
+allocator. ``malloc_trim`` leaves the heap's address space in place, and ``RLIMIT_DATA``
+(``cpu_memory.set_cpu_memory_limit``) counts address space: under such a cap a step can
+fail with its resident memory well below it. For that case ``spill(mmap_threshold=)`` opts
+in to fixing glibc's ``M_MMAP_THRESHOLD`` from a step's first CPU spill until it ends, so
+large tensors are mapped and unmapped; afterwards the threshold is set to 32 MiB, where the
+adaptive one ends up (glibc offers no way back to the adaptive behaviour): a process-wide
+setting, hence not the default.
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ from .._oom import is_oom
 from ._stats import SpillStats, in_use_bytes, track
 from ._tiers import DiskFile, Mover, byte_view, check_directory
 
-__all__ = ["Spill", "spill", "returning_freed_memory"]
+__all__ = ["Spill", "spill", "fixed_mmap_threshold"]
 
 logger = logging.getLogger("adaptmem")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -89,38 +96,81 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_executors.clear)
 
 
+@functools.cache
+def _glibc(name: str) -> Any:
+    """glibc's function ``name`` through ctypes, or None (another C library or platform)."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_TRIM_EVERY = 8 << 20  # bytes freed (or read back) between two trims of one step
+
+
+def _return_freed_memory() -> None:
+    """See [Note: glibc heap]."""
+    trim = _glibc("malloc_trim")
+    if trim is not None:
+        trim(ctypes.c_size_t(0))
+
+
 _M_MMAP_THRESHOLD = -3
 _mmap_lock = threading.Lock()
-_mmap_users = 0  # steps that spilled CPU tensors and have not ended
+_mmap_users = 0  # steps (and blocks) holding glibc's mmap threshold fixed
 
 
-def _mallopt_mmap_threshold(nbytes: int) -> bool:
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, nbytes))
-    except (OSError, AttributeError):
-        return False
-
-
-def _return_freed_memory(on: bool) -> None:
-    """See [Note: glibc heap]: 1 MiB while a step spills CPU tensors, 32 MiB after."""
+def _hold_mmap_threshold(nbytes: int) -> None:
+    """See [Note: glibc heap]: ``nbytes`` from the first holder on."""
     global _mmap_users
     with _mmap_lock:
-        _mmap_users += 1 if on else -1
-        if (on and _mmap_users == 1) or (not on and _mmap_users == 0):
-            _mallopt_mmap_threshold(1 << 20 if on else 32 << 20)
+        _mmap_users += 1
+        if _mmap_users == 1:
+            _glibc("mallopt")(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes))
+
+
+def _release_mmap_threshold() -> None:
+    """32 MiB once the last holder is done (glibc cannot go back to adaptive)."""
+    global _mmap_users
+    with _mmap_lock:
+        _mmap_users -= 1
+        if _mmap_users == 0:
+            _glibc("mallopt")(_M_MMAP_THRESHOLD, ctypes.c_int(32 << 20))
+
+
+def _check_mmap_threshold(value: int | str | None) -> int | None:
+    if value is None:
+        return None
+    nbytes = parse_size(value, "mmap_threshold")
+    if _glibc("mallopt") is None:
+        raise ValueError(
+            f"mmap_threshold={value!r} sets glibc's M_MMAP_THRESHOLD, and this process does not "
+            f"run on glibc ({sys.platform}, {platform.libc_ver()[0] or 'unknown C library'}); "
+            f"leave it None"
+        )
+    if not 0 < nbytes <= 32 << 20:
+        raise ValueError(f"mmap_threshold must be more than 0 and at most 32MiB (glibc's "
+                         f"largest), e.g. '1MiB'; got {value!r}")
+    return nbytes
 
 
 @contextlib.contextmanager
-def returning_freed_memory() -> Iterator[None]:
-    """Inside, memory freed by large tensors goes back to the system as it does while a
-    step spills (see [Note: glibc heap]): for comparing a step with and without spilling."""
-    _return_freed_memory(True)
+def fixed_mmap_threshold(nbytes: int) -> Iterator[None]:
+    """Inside, glibc's mmap threshold is ``nbytes`` as during a step under
+    ``spill(mmap_threshold=nbytes)`` (see [Note: glibc heap]), e.g. for a step without
+    spilling that is compared with one that spills. Nothing changes off glibc."""
+    if _glibc("mallopt") is None:
+        yield
+        return
+    _hold_mmap_threshold(nbytes)
     try:
         yield
     finally:
-        _return_freed_memory(False)
+        _release_mmap_threshold()
 
 
 def _accelerated(device: torch.device) -> bool:
@@ -251,7 +301,8 @@ class _Step:
         self.error_raised = False
         self.exited = False
         self.discarded = False
-        self.returns_freed_memory = False
+        self.holds_mmap_threshold = False
+        self.freed_untrimmed = self.read_untrimmed = 0  # see [Note: glibc heap]
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     # -- forward: saving -------------------------------------------------------------------
@@ -263,7 +314,7 @@ class _Step:
                 or t.device.type == "meta" or (t.requires_grad and t.is_leaf)):
             return _keep(t, stats)
         base = t._base
-        if base is not None and base.requires_grad and base.is_leaf:
+        if base is not None and base.is_leaf:  # see [Note: what is spilled]
             return _keep(t, stats)
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
@@ -364,9 +415,9 @@ class _Step:
                 return entry
         else:
             entry.source = src
-            if not self.returns_freed_memory:
-                self.returns_freed_memory = True
-                _return_freed_memory(True)
+            if self.handle.mmap_threshold is not None and not self.holds_mmap_threshold:
+                self.holds_mmap_threshold = True
+                _hold_mmap_threshold(self.handle.mmap_threshold)
         entry.offset = self._disk_file().reserve(nbytes)
         limit = self._max_pending(device)
         with self.room:
@@ -413,7 +464,14 @@ class _Step:
                 self.room.notify_all()
         with self.lock:
             entry.state = STORED
+            freed = entry.source is not None  # a CPU activation (host copies are pinned)
             entry.source = entry.host = None  # frees the activation (the last reference)
+        if freed:
+            self.freed_untrimmed += entry.nbytes
+            if self.freed_untrimmed >= _TRIM_EVERY:
+                self.freed_untrimmed = 0
+                # Queued, not called: this call's arguments hold ``entry`` until it returns.
+                _executor("write").submit(_return_freed_memory)
 
     # -- backward: restoring ---------------------------------------------------------------
 
@@ -504,6 +562,10 @@ class _Step:
             accelerated = _accelerated(entry.device)
             if host is None:
                 assert disk is not None
+                self.read_untrimmed += entry.nbytes
+                if self.read_untrimmed >= _TRIM_EVERY:  # about what backward freed since
+                    self.read_untrimmed = 0
+                    _return_freed_memory()
                 host = disk.read(entry.offset, entry.nbytes, pin=accelerated)
             if not accelerated:
                 return host, None
@@ -531,9 +593,9 @@ class _Step:
             self.disk = None
 
     def _end(self) -> None:
-        if self.returns_freed_memory:
-            self.returns_freed_memory = False
-            _return_freed_memory(False)
+        if self.holds_mmap_threshold:
+            self.holds_mmap_threshold = False
+            _release_mmap_threshold()
 
     def finish(self) -> None:
         """The block ended normally: the scratch file lives on while saved tensors need it."""
@@ -573,7 +635,8 @@ class Spill:
 
     def __init__(self, threshold: int | str = "1MiB", limit: int | str = "auto",
                  to: str | os.PathLike[str] | None = None, *, prefetch: int = 2,
-                 max_pending: int | str = "auto") -> None:
+                 max_pending: int | str = "auto",
+                 mmap_threshold: int | str | None = None) -> None:
         self.threshold = parse_size(threshold, "threshold")
         if isinstance(limit, str) and limit.strip().lower() == "auto":
             self.limit: int | str = "auto"
@@ -599,6 +662,7 @@ class Spill:
         self.keep_free = 0.5  # limit="auto": the share of free memory kept for backward
         self.max_pending: int | str = "auto" if max_pending == "auto" else max(
             1, parse_size(max_pending, "max_pending"))
+        self.mmap_threshold = _check_mmap_threshold(mmap_threshold)
         self._stats = SpillStats()
         self._local = threading.local()
         track(self, self._stats)
@@ -646,7 +710,7 @@ class Spill:
 
 def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
           to: str | os.PathLike[str] | None = None, *, prefetch: int = 2,
-          max_pending: int | str = "auto") -> Spill:
+          max_pending: int | str = "auto", mmap_threshold: int | str | None = None) -> Spill:
     """Spill the activations a training step saves for backward to the next memory tier, and
     bring them back, prefetched, when backward needs them.
 
@@ -672,6 +736,15 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
         prefetch: how many spilled tensors backward restores ahead of use.
         max_pending: how many bytes may wait to be copied out before forward waits;
             ``"auto"``: an eighth of the free host memory at the first spill, at most 128 MiB.
+        mmap_threshold: glibc only, for a process under ``cpu_memory.set_cpu_memory_limit``
+            (whose cap counts address space, not resident memory): from a step's first spill
+            of a CPU tensor until the step ends, allocations of at least this many bytes
+            (``"1MiB"`` works well) get mappings of their own, so memory that spilling frees
+            leaves the address space too. It is glibc's process-wide ``M_MMAP_THRESHOLD``;
+            after the step it is set to 32 MiB, not back to glibc's adaptive threshold (glibc
+            cannot do that), and large allocations then cost page faults. ``None``, the
+            default, changes no allocator setting: freed memory still goes back to the system
+            (``malloc_trim``), which lowers resident memory but not address space.
 
     Returns:
         A ``Spill`` handle; its ``stats`` (a ``SpillStats``) say what moved and how long
@@ -679,7 +752,8 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
 
     Raises:
         ValueError: a negative or unreadable ``threshold`` / ``limit``; ``to`` is not a
-            directory this process can create a file in.
+            directory this process can create a file in; ``mmap_threshold`` outside 1 byte
+            to 32 MiB, or given where the C library is not glibc.
         TypeError: ``to`` is not a string, a path or None.
         OSError: (inside the step) the spill directory's disk is full; the message says
             where and what to do.
@@ -695,4 +769,5 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
         >>> handle.stats.tensors_spilled, handle.stats.bytes_out, handle.stats.tensors_restored
         (2, 16384, 2)
     """
-    return Spill(threshold, limit, to, prefetch=prefetch, max_pending=max_pending)
+    return Spill(threshold, limit, to, prefetch=prefetch, max_pending=max_pending,
+                 mmap_threshold=mmap_threshold)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
@@ -13,6 +12,7 @@ import torch
 
 from .._devices import format_bytes
 from .._stats import Stats
+from ..cpu_memory import cpu_memory_info, held_bytes
 
 __all__ = ["SpillStats", "MemoryStats", "memory_stats", "track", "in_use_bytes"]
 
@@ -24,10 +24,11 @@ class SpillStats(Stats):
     ``tensors_saved`` counts every tensor autograd saved inside the handle; of those,
     ``tensors_spilled`` were copied out (each storage once), ``tensors_shared`` were views of
     or repeats of a storage already spilled, and ``tensors_kept`` stayed where they were
-    (under the threshold, below the limit, parameters). ``tensors_restored`` counts spilled
-    storages handed back to backward, ``bytes_in`` the bytes read back for them (a storage
-    whose copy out had not finished comes back from memory, unread; a second backward
-    through a retained graph reads again). ``seconds_waiting`` is time the
+    (under the threshold, below the limit, parameters, views of parameters, buffers or
+    inputs). ``tensors_restored`` counts spilled storages handed back to backward,
+    ``bytes_in`` the bytes read back for them (a storage whose copy out had not finished
+    comes back from memory, unread; a second backward through a retained graph reads
+    again). ``seconds_waiting`` is time the
     training step itself waited: for copies out to drain in forward, for copies back that
     prefetching had not finished in backward. ``seconds_writing`` / ``seconds_reading`` are
     the time the background copies took. ``peak_device_bytes`` is the most memory seen in
@@ -87,22 +88,11 @@ def _totals() -> SpillStats:
     return total
 
 
-def _statm_anon() -> int:
-    with open("/proc/self/statm", "rb") as f:
-        parts = f.read().split()
-    return (int(parts[1]) - int(parts[2])) * os.sysconf("SC_PAGE_SIZE")
-
-
 def in_use_bytes(device: torch.device) -> int:
     """Memory in use on ``device``: bytes allocated by torch on an accelerator, the process's
     anonymous resident memory (what ``set_cpu_memory_limit`` caps) on the CPU."""
     if device.type == "cpu":
-        try:
-            return _statm_anon()
-        except OSError:  # not Linux
-            import psutil
-
-            return int(psutil.Process().memory_info().rss)
+        return held_bytes()
     api = getattr(torch, device.type, None)
     allocated = getattr(api, "memory_allocated", None)
     if allocated is None:
@@ -122,8 +112,6 @@ def _peak_kib(field: str) -> int:
 
 
 def _devices() -> dict[str, dict[str, int]]:
-    from ..cpu_memory import cpu_memory_info
-
     out = {"cpu": {"in_use_bytes": in_use_bytes(torch.device("cpu")),
                    "peak_resident_bytes": _peak_kib("VmHWM"),
                    "capacity_bytes": cpu_memory_info()[1]}}

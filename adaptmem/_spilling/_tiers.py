@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from .._devices import stream_module
+
 __all__ = ["DiskFile", "check_directory", "host_buffer", "byte_view", "Mover"]
 
 _DISK_FULL = {28, 27, 122}  # ENOSPC, EFBIG, EDQUOT
@@ -166,7 +168,10 @@ class Mover:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._api: Any = getattr(torch, device.type)
+        api = stream_module(device)
+        if api is None:
+            raise RuntimeError(f"{device} has no streams to copy on")
+        self._api: Any = api
         self.side: Any = self._api.Stream(device)
 
     def to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]:
