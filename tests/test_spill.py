@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -21,10 +22,22 @@ import torch.utils.checkpoint
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem._spilling import _tiers
+from adaptmem._spilling import _hooks, _tiers
 
 
-def _fds_into(directory: Path) -> list[str]:
+def _fds_into(directory: Path, settle: float = 10.0) -> list[str]:
+    """Descriptors still open on files in ``directory``. The last one closes in whichever
+    thread drops the last copy (a writer or reader thread may finish just after the step),
+    so wait up to ``settle`` seconds for them to go."""
+    deadline = time.monotonic() + settle
+    while True:
+        out = _open_fds_into(directory)
+        if not out or time.monotonic() > deadline:
+            return out
+        time.sleep(0.01)
+
+
+def _open_fds_into(directory: Path) -> list[str]:
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -167,13 +180,28 @@ def test_prefetch_restores_in_reverse_save_order_ahead_of_use(tmp_path: Path,
         return real_read(self, offset, nbytes, pin)
 
     monkeypatch.setattr(_tiers.DiskFile, "read", recording_read)
+    written: list[int] = []
+    real_write = _hooks._Step._write
+
+    def counting_write(self: Any, entry: Any) -> None:
+        real_write(self, entry)
+        written.append(entry.nbytes)
+
+    monkeypatch.setattr(_hooks._Step, "_write", counting_write)
     x = torch.randn(256, 1024, requires_grad=True)
     with adaptive.spill(threshold="64KiB", limit=0, to=tmp_path, prefetch=2) as handle:
-        _exp_chain(x, 8).sum().backward()
+        y = _exp_chain(x, 8).sum()
+        # Every copy out done before backward (a loaded machine may lag), so what comes
+        # back is read from the file, in the order the prefetcher chose.
+        deadline = time.monotonic() + 30
+        while len(written) < handle.stats.tensors_spilled and time.monotonic() < deadline:
+            time.sleep(0.005)
+        y.backward()
     assert handle.stats.tensors_restored == handle.stats.tensors_spilled >= 8
-    assert len(reads) >= 4  # the rest came back from memory: their copy out was not done
+    assert len(reads) == handle.stats.tensors_spilled  # all were on disk
     assert reads == sorted(reads, reverse=True)  # the last saved comes back first
-    assert handle.stats.prefetch_hits >= 1
+    # Whether a read finished before backward reached it (a prefetch hit) depends on the
+    # machine's load; benchmarks/spill.py measures that, not this test.
 
 
 def test_a_storage_saved_twice_or_through_views_is_spilled_once(tmp_path: Path) -> None:
