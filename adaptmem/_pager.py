@@ -45,10 +45,6 @@ __all__ = ["Pager"]
 
 logger = logging.getLogger("adaptmem")
 
-# Every module of every paged model, so a model (or a part of one) is never paged twice.
-
-
-
 class _Quiet:
     """While the pager moves weights, its probe ignores what it sees (the pager's own
     work). Other TorchFunctionModes (users', a simulated device's, ``torch.device``) keep
