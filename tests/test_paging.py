@@ -1134,9 +1134,9 @@ def test_gpu_prefetch_hides_transfers_when_compute_per_unit_is_longer() -> None:
     torch.manual_seed(0)
     # 4 MiB each; the first of each forward is fetched on demand (1 in 32 transfers)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)]).eval()
-    # ~70 GFLOP per layer on a GPU (0.5 on the simulated one, computed by the CPU): well
+    # ~70 GFLOP per layer on a GPU (2 on the simulated one, computed by the CPU): well
     # above one 4 MiB copy either way
-    x = torch.randn(32768 if REAL_CUDA else 256, 1024)
+    x = torch.randn(32768 if REAL_CUDA else 1024, 1024)
     with torch.no_grad():
         expected = copy.deepcopy(model).cuda()(x.cuda()).cpu()
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0, prefetch=2) as pager:
