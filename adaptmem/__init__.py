@@ -1,7 +1,7 @@
 """adaptmem: run PyTorch inference on whatever memory a machine has."""
 
 from . import adaptive
-from ._errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._common.errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
 
 __version__ = "0.1.0"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from . import adaptive
-from ._devices import default_device, format_bytes, memory_info
+from ._common.devices import default_device, format_bytes, memory_info
 
 __all__ = ["run_demo"]
 

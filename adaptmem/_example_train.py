@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ._devices import format_bytes, resolve_device
-from ._oom import drop_frames, is_oom
+from ._common.devices import format_bytes, resolve_device
+from ._common.oom import drop_frames, is_oom
 from ._spilling import fixed_mmap_threshold, memory_stats, spill
 
 __all__ = ["add_example_parser"]

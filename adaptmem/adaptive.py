@@ -1,7 +1,9 @@
 """The namespace users import: ``from adaptmem import adaptive``. Re-exports only."""
 
 from . import cpu_memory
-from ._cache import (
+from ._common.errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._common.oom import is_oom
+from ._execution.cache import (
     BatchsizeCache,
     GlobalBatchsizeCache,
     NoBatchsizeCache,
@@ -9,15 +11,13 @@ from ._cache import (
     get_default_cache,
     set_default_cache,
 )
-from ._decorators import batch, chunked, execute, explicit
-from ._decorators import range as range  # noqa: A004 - mirrors toma's name
-from ._errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
-from ._loading import empty_model, load
-from ._oom import is_oom
-from ._paging import Pager, page
-from ._placement import Chunker, Splitter, chunk, split
-from ._placement_plan import plan
-from ._planner import Plan
+from ._execution.decorators import batch, chunked, execute, explicit
+from ._execution.decorators import range as range  # noqa: A004 - mirrors toma's name
+from ._loading.loader import empty_model, load
+from ._paging.api import Pager, page
+from ._placement.engine import Chunker, Splitter, chunk, split
+from ._planning.placement_plan import plan
+from ._planning.planner import Plan
 from ._spilling import memory_stats, spill
 
 __all__ = [

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._devices import format_bytes
+from ._common.devices import format_bytes
 
 __all__ = ["main"]
 
@@ -122,7 +122,7 @@ def _build_model(spec: str) -> nn.Module:
 def _call_factory(spec: str, factory: Any, kwargs: dict[str, Any], what: str) -> Any:
     """``factory(**kwargs)`` on the meta device; a constructor that computes with tensors
     (RegNet) is built again with only its parameters on meta (buffers are small)."""
-    from ._loading import empty_model
+    from ._loading.loader import empty_model
 
     try:
         with _no_downloads(spec):
@@ -161,7 +161,7 @@ def _cannot_run_on_meta(exc: BaseException) -> bool:
 
 def _record(model: nn.Module, spec: str, size: int) -> Any:
     """The recorded forward on the example input, or None where there is none to run."""
-    from ._placement_plan import record_forward
+    from ._planning.placement_plan import record_forward
 
     example = _example_args(spec, size)
     if example is None:
@@ -183,7 +183,7 @@ def _device_spec(spec: str, dtype: torch.dtype | None
                  ) -> tuple[torch.device, torch.dtype | None, str]:
     """``DEVICE[@DTYPE][=CAPACITY]`` -> (device, dtype, capacity text), parsed not probed,
     so a plan can be made for any machine."""
-    from ._placement_plan import parse_dtype
+    from ._planning.placement_plan import parse_dtype
 
     name, _, capacity = spec.partition("=")
     name, at, dtype_name = name.partition("@")
@@ -204,7 +204,7 @@ def _device_spec(spec: str, dtype: torch.dtype | None
 
 
 def _size(text: str, name: str) -> int:
-    from ._devices import parse_size
+    from ._common.devices import parse_size
 
     if text.strip().startswith("-"):
         raise _UsageError(f"{name} must be zero or more bytes, got {text!r}; write a size "
@@ -213,8 +213,8 @@ def _size(text: str, name: str) -> int:
 
 
 def _capacity(text: str, device: torch.device, name: str) -> int | None:
-    from ._devices import resolve_device
-    from ._placement_plan import auto_capacity
+    from ._common.devices import resolve_device
+    from ._planning.placement_plan import auto_capacity
 
     if text == "auto":
         try:
@@ -230,8 +230,8 @@ def _capacity(text: str, device: torch.device, name: str) -> int | None:
 def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     """Targets for --mode chunk/split, as ``adaptive.chunk`` / ``adaptive.split`` make them,
     and the plan options those record."""
-    from ._placement import chunk_targets
-    from ._placement_plan import Target, parse_dtype, qualify_labels
+    from ._placement.engine import chunk_targets
+    from ._planning.placement_plan import Target, parse_dtype, qualify_labels
 
     dtype = parse_dtype(args.dtype, "--dtype")
     specs = args.device or ["cuda:0"]
@@ -258,9 +258,9 @@ def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from ._errors import AdaptmemError
-    from ._placement_plan import plan, plan_placement
-    from ._planner import module_sizes
+    from ._common.errors import AdaptmemError
+    from ._planning.placement_plan import plan, plan_placement
+    from ._planning.planner import module_sizes
 
     if args.image_size <= 0:
         raise _UsageError(f"--image-size must be a positive number of pixels, got "

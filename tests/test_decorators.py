@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import adaptmem._retry as retry_module
+import adaptmem._execution.retry as retry_module
 from adaptmem import OutOfMemoryError, adaptive
 from adaptmem.testing import MemoryCeiling, make_oom
 
@@ -162,7 +162,7 @@ def test_success_path_runs_no_gc_and_reads_free_memory_at_most_once(monkeypatch)
     collects = []
     probes = []
     monkeypatch.setattr(gc, "collect", lambda *a: collects.append(a) or 0)
-    import adaptmem._cache as cache_module
+    import adaptmem._execution.cache as cache_module
 
     real = cache_module.free_memory
     monkeypatch.setattr(cache_module, "free_memory", lambda d: probes.append(d) or real(d))
@@ -219,7 +219,7 @@ def test_call_sites_learn_sizes_separately_with_the_stacktrace_cache() -> None:
 
 
 def test_a_new_memory_bucket_starts_from_its_nearest_neighbour(monkeypatch) -> None:
-    import adaptmem._cache as cache_module
+    import adaptmem._execution.cache as cache_module
 
     free = {"bytes": 0}
     monkeypatch.setattr(cache_module, "free_memory", lambda d: free["bytes"])
@@ -776,7 +776,7 @@ def test_range_and_chunked_refuse_generators_and_coroutines_clearly() -> None:
 
 
 def test_a_transient_low_ceiling_does_not_pin_the_default_cache(monkeypatch) -> None:
-    import adaptmem._cache as cache_module
+    import adaptmem._execution.cache as cache_module
 
     monkeypatch.setattr(cache_module, "free_memory", lambda d: 8 * 2**30)  # never changes
     cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0)
@@ -802,7 +802,7 @@ def test_a_transient_low_ceiling_does_not_pin_the_default_cache(monkeypatch) -> 
 
 
 def test_a_real_ceiling_is_probed_rarely(monkeypatch) -> None:
-    import adaptmem._cache as cache_module
+    import adaptmem._execution.cache as cache_module
 
     monkeypatch.setattr(cache_module, "free_memory", lambda d: 8 * 2**30)
     cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem._devices import memory_info
+from adaptmem._common.devices import memory_info
 
 GIB = 2**30
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptmem import LoadError, adaptive
-from adaptmem._planner import module_sizes
+from adaptmem._planning.planner import module_sizes
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -487,7 +487,7 @@ def test_missing_key_on_meta_is_named_in_a_warning(
 def test_conversions_read_in_pieces_are_exact(
     conversion: str, target: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import adaptmem._checkpoints as checkpoints
+    import adaptmem._loading.checkpoints as checkpoints
 
     # Tiny staging chunks, so every tensor is converted piece by piece while the reader
     # thread reads the next piece (a chunk of 40 bytes is not a whole number of float64s
@@ -670,7 +670,7 @@ def test_strided_views_and_shared_storages_in_a_pt_file_load_exactly(tmp_path: P
 def test_torch_without_storage_offsets_falls_back_to_mmap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import adaptmem._checkpoints as checkpoints
+    import adaptmem._loading.checkpoints as checkpoints
 
     source = _source()
     path = _save("pt", source.state_dict(), tmp_path)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from adaptmem import OutOfMemoryError
-from adaptmem._errors import oom_error_for
-from adaptmem._oom import is_oom
+from adaptmem._common.errors import oom_error_for
+from adaptmem._common.oom import is_oom
 from adaptmem.testing import OOM_KINDS, make_oom
 
 

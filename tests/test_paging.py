@@ -19,10 +19,10 @@ from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from adaptmem import adaptive
-from adaptmem._errors import OutOfMemoryError, PlacementError
-from adaptmem._planner import module_sizes
-from adaptmem._probe import is_metadata
-from adaptmem._transfer import SyncTransfer
+from adaptmem._common.errors import OutOfMemoryError, PlacementError
+from adaptmem._engines.transfer import SyncTransfer
+from adaptmem._paging.probe import is_metadata
+from adaptmem._planning.planner import module_sizes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -975,9 +975,9 @@ class DeferredTransfer(SyncTransfer):
 def test_pager_speaks_the_transfer_interface_with_deferred_hits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import adaptmem._pager
+    import adaptmem._paging.pager
 
-    monkeypatch.setattr(adaptmem._pager, "transfer_for", DeferredTransfer)
+    monkeypatch.setattr(adaptmem._paging.pager, "transfer_for", DeferredTransfer)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)]).eval()
     layer = 16 * 16 * 4 + 16 * 4

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from adaptmem import adaptive
-from adaptmem._planner import module_sizes
+from adaptmem._planning.planner import module_sizes
 
 BF16_RTOL = 5e-2
 
@@ -562,7 +562,7 @@ def test_split_over_cuda_and_cpu_with_fp16_matches() -> None:
 
 
 def test_auto_capacity_is_free_memory_minus_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
-    import adaptmem._placement_plan as placement
+    import adaptmem._planning.placement_plan as placement
 
     gib = 2**30
     monkeypatch.setattr(placement, "memory_info", lambda device: (3 * gib, 10 * gib))
@@ -620,7 +620,7 @@ def test_chunk_and_split_are_exported() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    import adaptmem._placement as placement
+    import adaptmem._placement.engine as placement
 
     result = doctest.testmod(placement)
     assert result.attempted > 0 and result.failed == 0

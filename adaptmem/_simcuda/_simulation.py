@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
-from .._devices import parse_size
+from .._common.devices import parse_size
 from . import _state, _tensors
 from ._state import SimState
 from ._tensors import Tensors

@@ -55,8 +55,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from .._devices import format_bytes, memory_info, parse_size
-from .._oom import is_oom
+from .._common.devices import format_bytes, memory_info, parse_size
+from .._common.oom import is_oom
 from ._stats import SpillStats, in_use_bytes, track
 from ._tiers import DiskFile, Mover, byte_view, check_directory
 

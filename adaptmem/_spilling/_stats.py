@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from .._devices import format_bytes
-from .._stats import Stats
+from .._common.devices import format_bytes
+from .._engines.stats import Stats
 from ..cpu_memory import cpu_memory_info, held_bytes
 
 __all__ = ["SpillStats", "MemoryStats", "memory_stats", "track", "in_use_bytes"]

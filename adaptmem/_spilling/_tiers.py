@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .._devices import stream_module
+from .._common.devices import stream_module
 
 __all__ = ["DiskFile", "check_directory", "host_buffer", "byte_view", "Mover"]
 

@@ -29,8 +29,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ._claims import holder
-from ._errors import PlacementError
+from .._common.claims import holder
+from .._common.errors import PlacementError
 
 __all__ = ["Recording", "canonical_tensors", "record_forward"]
 

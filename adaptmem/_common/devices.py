@@ -159,7 +159,7 @@ def memory_info(device: torch.device) -> tuple[int, int]:
     if device.type == "mps":
         total = int(torch.mps.recommended_max_memory())
         return max(0, total - int(torch.mps.driver_allocated_memory())), total
-    from .cpu_memory import cpu_memory_info
+    from ..cpu_memory import cpu_memory_info
 
     return cpu_memory_info()
 

@@ -7,8 +7,8 @@ import traceback
 
 import torch
 
-from ._devices import empty_cache
-from ._errors import OutOfMemoryError
+from .devices import empty_cache
+from .errors import OutOfMemoryError
 
 __all__ = ["is_oom", "oom_phase", "shrinks_size", "drop_frames", "free_caches", "OOM_MESSAGES"]
 

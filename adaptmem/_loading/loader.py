@@ -34,12 +34,12 @@ from torch import nn
 from torch.autograd.graph import increment_version
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
-from ._devices import default_device, format_bytes, resolve_device
-from ._errors import LoadError
-from ._oom import is_oom
-from ._planner import ModuleSizes, Plan, module_sizes
-from ._stats import LoadStats
+from .._common.devices import default_device, format_bytes, resolve_device
+from .._common.errors import LoadError
+from .._common.oom import is_oom
+from .._engines.stats import LoadStats
+from .._planning.planner import ModuleSizes, Plan, module_sizes
+from .checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
 
 __all__ = ["load", "empty_model"]
 

@@ -30,16 +30,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ._claims import claim, release
-from ._devices import first_tensor_device, format_bytes, free_memory, synchronize, to_device
-from ._errors import OutOfMemoryError, PlacementError, oom_error_for
-from ._guard import NotCopyable, PlacementGuard
-from ._hoststore import HOST, LOADED, PENDING, Slot, make_slots
-from ._oom import free_caches, is_oom
-from ._planner import Plan, module_sizes, order_units, paging_units, split_unit
-from ._probe import Probe
-from ._stats import PagingStats
-from ._transfer import SyncTransfer, Transfer, transfer_for
+from .._common.claims import claim, release
+from .._common.devices import first_tensor_device, format_bytes, free_memory, synchronize, to_device
+from .._common.errors import OutOfMemoryError, PlacementError, oom_error_for
+from .._common.oom import free_caches, is_oom
+from .._engines.guard import NotCopyable, PlacementGuard
+from .._engines.hoststore import HOST, LOADED, PENDING, Slot, make_slots
+from .._engines.stats import PagingStats
+from .._engines.transfer import SyncTransfer, Transfer, transfer_for
+from .._planning.planner import Plan, module_sizes, order_units, paging_units, split_unit
+from .probe import Probe
 
 __all__ = ["Pager"]
 

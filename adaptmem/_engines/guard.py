@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from ._errors import PlacementError
+from .._common.errors import PlacementError
 
 __all__ = ["NotCopyable", "PlacementGuard"]
 

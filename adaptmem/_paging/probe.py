@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from torch.overrides import TorchFunctionMode
 
 if TYPE_CHECKING:
-    from ._pager import Pager
+    from .pager import Pager
 
 __all__ = ["Probe", "is_metadata"]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._errors import LoadError
+from .._common.errors import LoadError
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 

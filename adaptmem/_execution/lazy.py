@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from ._cache import BatchsizeCache, SizeRecord
-from ._errors import oom_error_for
-from ._oom import shrinks_size
-from ._retry import logger, shrink
+from .._common.errors import oom_error_for
+from .._common.oom import shrinks_size
+from .cache import BatchsizeCache, SizeRecord
+from .retry import logger, shrink
 
 __all__ = ["retry_lazy", "retry_generator", "retry_async_generator", "retry_coroutine"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._devices import stream_module
+from .._common.devices import stream_module
 
 __all__ = ["Transfer", "SyncTransfer", "StreamTransfer", "transfer_for"]
 

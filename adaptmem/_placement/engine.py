@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._claims import check_placeable, claim, release
-from ._devices import format_bytes, map_tensors, parse_size, resolve_device
-from ._errors import PlacementError
-from ._guard import NotCopyable, PlacementGuard
-from ._placement_plan import (
+from .._common.claims import check_placeable, claim, release
+from .._common.devices import format_bytes, map_tensors, parse_size, resolve_device
+from .._common.errors import PlacementError
+from .._engines.guard import NotCopyable, PlacementGuard
+from .._engines.stats import PlacementStats
+from .._planning.placement_plan import (
     Recording,
     Target,
     auto_capacity,
@@ -43,8 +44,7 @@ from ._placement_plan import (
     split_label,
     targets_from_devices,
 )
-from ._planner import Plan, Unit, module_sizes
-from ._stats import PlacementStats
+from .._planning.planner import Plan, Unit, module_sizes
 
 __all__ = ["Splitter", "Chunker", "split", "chunk", "chunk_targets"]
 

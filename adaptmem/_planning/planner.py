@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._devices import format_bytes
-from ._recording import record_forward
+from .._common.devices import format_bytes
+from .recording import record_forward
 
 __all__ = [
     "TensorInfo",

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._devices import stream_module
-from ._planner import ModuleSizes
+from .._common.devices import stream_module
+from .._planning.planner import ModuleSizes
 
 __all__ = ["HOST", "LOADED", "PENDING", "Slot", "make_slots"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import PlacementError
+from .errors import PlacementError
 
 __all__ = ["claim", "release", "holder", "refuse_if_held", "check_placeable"]
 

@@ -9,10 +9,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from ._cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
-from ._devices import default_device, format_bytes, free_memory
-from ._errors import oom_error_for
-from ._oom import drop_frames, free_caches, shrinks_size
+from .._common.devices import default_device, format_bytes, free_memory
+from .._common.errors import oom_error_for
+from .._common.oom import drop_frames, free_caches, shrinks_size
+from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 
 __all__ = ["run_sized", "run_range", "shrink", "log_probe", "logger", "LAZY_TYPES"]
 
@@ -21,7 +21,7 @@ logger = logging.getLogger("adaptmem")
 T = TypeVar("T")
 
 # What a call returns before any of its work has run: no out-of-memory error can have struck
-# yet, so such a result says nothing about the size (see _lazy.py for how batch runs them).
+# yet, so such a result says nothing about the size (see lazy.py for how batch runs them).
 LAZY_TYPES = frozenset({types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType})
 
 

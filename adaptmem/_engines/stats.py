@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ._devices import format_bytes
+from .._common.devices import format_bytes
 
 __all__ = ["Stats", "PagingStats", "PlacementStats", "LoadStats"]
 

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._claims import check_placeable
-from ._devices import format_bytes, free_memory, parse_size, resolve_device
-from ._pager import Pager
-from ._planner import module_sizes
+from .._common.claims import check_placeable
+from .._common.devices import format_bytes, free_memory, parse_size, resolve_device
+from .._planning.planner import module_sizes
+from .pager import Pager
 
 __all__ = ["Pager", "page"]
 

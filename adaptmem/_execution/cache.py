@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._devices import default_device, free_memory
+from .._common.devices import default_device, free_memory
 
 __all__ = [
     "SizeRecord",

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from ._cache import BatchsizeCache, _check_cache, resolve_cache
-from ._devices import resolve_device
-from ._lazy import retry_lazy
-from ._oom import shrinks_size
-from ._retry import LAZY_TYPES, log_probe, run_range, run_sized
+from .._common.devices import resolve_device
+from .._common.oom import shrinks_size
+from .cache import BatchsizeCache, _check_cache, resolve_cache
+from .lazy import retry_lazy
+from .retry import LAZY_TYPES, log_probe, run_range, run_sized
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 
@@ -86,7 +86,7 @@ class _Adaptive:
 
     kind = ""
     leading = 1
-    # range and chunked run their steps to completion; see [Note: lazy results] in _lazy.py.
+    # range and chunked run their steps to completion; see [Note: lazy results] in lazy.py.
     accepts_lazy = False
 
     def __init__(
@@ -117,7 +117,7 @@ class _Adaptive:
         self.device = None if device is None else resolve_device(device)
         self._name = getattr(func, "__qualname__", repr(func))
         # Whether a settled call may try a size known to fail: see [Note: probing a failed
-        # size] in _cache.py (a generator's failure after its first item reaches the caller).
+        # size] in cache.py (a generator's failure after its first item reaches the caller).
         self._probes = not (inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func))
         # A method called through its class gets its instance as the first argument.
         self._self_first = self._binding == "class" or (
@@ -200,9 +200,9 @@ class _Batch(_Adaptive):
 
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # See [Note: lazy results] in _lazy.py.
+        # See [Note: lazy results] in lazy.py.
         if result.__class__ is not types.CoroutineType:
-            self._probes = False  # see [Note: probing a failed size] in _cache.py
+            self._probes = False  # see [Note: probing a failed size] in cache.py
         func = self._func
         return retry_lazy(result, size, lambda s: func(*bound, s, *args, **kwargs), record,
                           self.floor, self._name, self.device, cache)

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._devices import format_bytes, memory_info, parse_size, resolve_device
-from ._errors import PlacementError
-from ._planner import (
+from .._common.devices import format_bytes, memory_info, parse_size, resolve_device
+from .._common.errors import PlacementError
+from .planner import (
     ModuleSizes,
     Plan,
     Unit,
@@ -25,7 +25,7 @@ from ._planner import (
     order_units,
     paging_units,
 )
-from ._recording import Recording, canonical_tensors, record_forward
+from .recording import Recording, canonical_tensors, record_forward
 
 __all__ = [
     "Target",
