@@ -21,7 +21,7 @@ from adaptmem._planning.planner import module_sizes
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FORMATS = ["pt", "safetensors", "sharded-pt", "sharded-safetensors", "per-tensor"]
 
 

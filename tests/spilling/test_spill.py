@@ -458,7 +458,7 @@ def test_a_step_that_runs_out_of_memory_fits_under_the_cap_when_spilled() -> Non
         except RuntimeError as exc:
             print("PLAIN OOM", adaptive.is_oom(exc))
     """
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                             text=True, timeout=180, env=env)
     assert result.returncode == 0, result.stderr
@@ -533,7 +533,7 @@ _MALLOC_PROBE = """
                     is None, reason="reads glibc's malloc statistics")
 def test_spilling_frees_resident_memory_and_leaves_the_allocator_as_it_was() -> None:
     def run(how: str) -> tuple[int, bool]:
-        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
         result = subprocess.run([sys.executable, "-c", textwrap.dedent(_MALLOC_PROBE), how],
                                 capture_output=True, text=True, timeout=180, env=env)
         assert result.returncode == 0, result.stderr
