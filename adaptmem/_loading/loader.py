@@ -8,15 +8,11 @@ swapped into the model only once all of them were read, so a failed read leaves 
 it was. Peak memory is the final footprint plus one staging buffer of the largest tensor
 (used only for a dtype conversion or a device copy).
 
-The placement-handle protocol (``adaptive.page``/``chunk``/``split`` handles implement it):
-``handle._load_targets() -> dict[str, list[torch.Tensor]]`` maps a canonical tensor name
-(a key of ``module_sizes(model).tensors``: first ``named_modules()`` path + attribute; tied
-aliases are not listed) to the existing tensors a checkpoint value is copied into in place,
-e.g. a host master and a device copy. Targets may be on any device, of any dtype and shape
-with the model tensor's number of elements; each is filled with ``copy_`` (its own dtype and
-device). The checkpoint tensor is read once for all of them. A name the handle leaves out
-(or maps to ``[]``) falls back to the model's own tensor, filled in place when it is real; a
-name the model does not have is an error. It is called once per load, before any read.
+A placement handle (``adaptive.page``/``chunk``/``split``, or a user's own object) given as
+``device=`` says where each tensor's value goes through the ``LoadTargets`` protocol
+(``_engines/base.py``): ``load_targets()`` is called once per load, before any read, and the
+checkpoint tensor is read once for all the tensors it lists. A name it does not have is an
+error.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._common.devices import default_device, format_bytes, resolve_device
 from .._common.errors import LoadError
 from .._common.oom import is_oom
+from .._engines.base import LoadTargets
 from .._engines.stats import LoadStats
 from .._planning.planner import ModuleSizes, Plan, module_sizes
 from .checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
@@ -150,11 +147,10 @@ class _Dest:
 
 def _placements(sizes: ModuleSizes, device: Any) -> Callable[[str], Any]:
     """A function: canonical tensor name -> list of tensors to copy into, or (device, pinned)."""
-    targets_fn = getattr(device, "_load_targets", None)
-    if callable(targets_fn):
-        targets = targets_fn()
+    if isinstance(device, LoadTargets):
+        targets = device.load_targets()
         if not isinstance(targets, Mapping):
-            raise TypeError(f"{type(device).__name__}._load_targets() must return a dict of "
+            raise TypeError(f"{type(device).__name__}.load_targets() must return a dict of "
                             f"tensor name -> list of tensors, got {type(targets).__name__}")
         unknown = sorted(set(targets) - set(sizes.tensors))
         if unknown:
@@ -263,7 +259,7 @@ def load(
         raise TypeError(f"dtype must be a torch.dtype such as torch.float16, got {dtype!r}")
     if dtype is not None and not dtype.is_floating_point:
         raise ValueError(f"dtype={dtype} is not a floating dtype; it converts floating tensors")
-    if callable(getattr(device, "_load_targets", None)) and dtype is not None:
+    if isinstance(device, LoadTargets) and dtype is not None:
         raise ValueError(f"dtype cannot be combined with device={type(device).__name__}: its "
                          f"copies already have their dtype; set it when creating the handle")
     if not isinstance(checkpoint, (str, os.PathLike)):
@@ -272,7 +268,7 @@ def load(
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
     elif callable(model_or_factory):
-        if callable(getattr(device, "_load_targets", None)):
+        if isinstance(device, LoadTargets):
             raise TypeError("a placement handle manages a built model: pass that model, not a "
                             "factory, together with device=handle")
         model = empty_model(model_or_factory)
@@ -352,7 +348,7 @@ def _plan_load(
                         + "\n\t".join(errors))
 
     place = _placements(sizes, device)
-    handle = callable(getattr(device, "_load_targets", None))
+    handle = isinstance(device, LoadTargets)
     dests: dict[str, _Dest] = {}
     for name, current in tensors.items():
         want = dtype if dtype is not None and current.is_floating_point() else current.dtype

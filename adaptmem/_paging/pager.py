@@ -30,11 +30,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._common.claims import claim, release
 from .._common.devices import first_tensor_device, format_bytes, free_memory, synchronize, to_device
 from .._common.errors import OutOfMemoryError, PlacementError, oom_error_for
 from .._common.oom import free_caches, is_oom
-from .._engines.guard import NotCopyable, PlacementGuard
+from .._engines.base import Engine
+from .._engines.guard import PlacementGuard
 from .._engines.hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from .._engines.stats import PagingStats
 from .._engines.transfer import SyncTransfer, Transfer, transfer_for
@@ -81,7 +81,7 @@ class _NoRoom(Exception):
         self.oom = oom
 
 
-class Pager(NotCopyable):
+class Pager(Engine):
     """A model whose weights are paged to ``device`` module by module; see ``page``.
 
     While it holds the model, the model cannot be deep-copied or pickled whole, and a dtype
@@ -152,7 +152,7 @@ class Pager(NotCopyable):
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in self._slots.items()},
                                      self._engine, self._handle)
         # Nothing above touched the model; from here on it is paged, or put back on failure.
-        claim(self._modules.values(), self)
+        self._hold(self._modules.values())
         try:
             for s in self._slots.values():
                 if s.original is None:
@@ -783,9 +783,9 @@ class Pager(NotCopyable):
                 s.restore()
         self._guard.release()
         self._device_bytes = 0
-        release(self._modules.values(), self)
+        self._let_go()
 
-    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
         """Where checkpoint values go, for ``adaptive.load`` on a paged model.
 
         Returns ``{canonical name: tensors}``: names as ``module_sizes(model).tensors`` gives
@@ -804,11 +804,6 @@ class Pager(NotCopyable):
             out[name] = targets
         return out
 
-    def __enter__(self) -> Pager:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         paged = sum(u.nbytes for u in self._units if u.placement == "paged")

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._common.claims import check_placeable, claim, release
+from .._common.claims import check_placeable
 from .._common.devices import format_bytes, map_tensors, parse_size, resolve_device
 from .._common.errors import PlacementError
-from .._engines.guard import NotCopyable, PlacementGuard
+from .._engines.base import Engine
+from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats
 from .._planning.placement_plan import (
     Recording,
@@ -65,7 +66,7 @@ class _Frame:
     passthrough: bool
 
 
-class Splitter(NotCopyable):
+class Splitter(Engine):
     """The handle ``adaptive.split`` returns: hooks, placed tensors and the kept originals.
 
     ``.plan`` (None until placed), ``.device_map`` (once placed, or given), ``.stats``,
@@ -114,7 +115,7 @@ class Splitter(NotCopyable):
         self._hooks: list[Any] = []
         self.stats = PlacementStats()
         self._guard = PlacementGuard(model, self._tensors, self._engine, self._handle)
-        claim(self._modules.values(), self)
+        self._hold(self._modules.values())
         self._hooks.append(model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_post, always_call=True))
 
@@ -185,9 +186,9 @@ class Splitter(NotCopyable):
                 self._restore(name)
                 del self._where[name]
         self._guard.release()
-        release(self._modules.values(), self)
+        self._let_go()
 
-    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
         """Where a checkpoint value must be copied, in place, for each tensor.
 
         Keys are canonical tensor names as in ``module_sizes(model).tensors`` (the first
@@ -207,11 +208,6 @@ class Splitter(NotCopyable):
             out[name] = targets
         return out
 
-    def __enter__(self) -> Splitter:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
 
     def __repr__(self) -> str:
         state = "not placed yet" if self._plan is None else ", ".join(
@@ -330,7 +326,7 @@ class Splitter(NotCopyable):
         the kept original, so that re-placing or ``remove()`` keeps them like an unconverted
         tensor keeps them (in the original dtype, so rounded by the trip through the
         placed one). Writes are seen by the version counter of the parameter or buffer
-        itself; the loader writes through ``.data`` aliases (``_load_targets``), which leave
+        itself; the loader writes through ``.data`` aliases (``load_targets``), which leave
         it alone, and fills the original too."""
         kept = self._kept.get(name)
         versions = self._versions.get(name)
@@ -578,7 +574,7 @@ def split(
         reserve: what ``"auto"`` capacities keep free for activations (see ``chunk``).
         _allow_meta: for ``adaptive.load`` only: accept meta tensors and allocate them,
             uninitialised, where the plan puts them (fill them through
-            ``handle._load_targets()``); ``remove()`` puts the meta tensors back.
+            ``handle.load_targets()``); ``remove()`` puts the meta tensors back.
 
     Returns:
         A ``Splitter`` with ``.plan``, ``.device_map`` (assignable), ``.stats``,

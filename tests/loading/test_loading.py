@@ -129,7 +129,7 @@ def test_round_trip_into_built_model_fills_in_place(fmt: str, tmp_path: Path) ->
 
 class FakeHandle:
     """Stands in for a Pager/Chunker: a host master per tensor and, for floating tensors,
-    a second "device" copy in bfloat16 (a dtype boundary), per the _load_targets contract."""
+    a second "device" copy in bfloat16 (a dtype boundary), per the load_targets contract."""
 
     def __init__(self, model: nn.Module) -> None:
         self.targets: dict[str, list[torch.Tensor]] = {}
@@ -140,7 +140,7 @@ class FakeHandle:
                 copies.append(torch.zeros(*_shape(model, name), dtype=torch.bfloat16))
             self.targets[name] = copies
 
-    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
         return self.targets
 
 
@@ -332,7 +332,7 @@ class _ParameterHandle:
                 copies.append(nn.Parameter(torch.zeros(own.shape, dtype=torch.bfloat16)))
             self.targets[name] = copies
 
-    def _load_targets(self) -> dict[str, list[torch.Tensor]]:
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
         return self.targets
 
 

@@ -277,7 +277,7 @@ def test_tied_embedding_is_one_tensor_on_the_device_while_used() -> None:
         handle.remove()
         pager.remove()
     assert seen and all(same and ptr != master for same, ptr in seen)
-    assert "lm_head.weight" not in pager._load_targets()
+    assert "lm_head.weight" not in pager.load_targets()
 
 
 def test_plan_lists_units_in_execution_order_with_placement() -> None:
@@ -896,7 +896,7 @@ def test_load_targets_fill_in_place_reaches_masters_and_resident_copies() -> Non
     layer = 8 * 8 * 4 + 8 * 4
     x = torch.randn(2, 8)
     pager = adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer)
-    targets = pager._load_targets()
+    targets = pager.load_targets()
     assert list(targets) == list(module_sizes(model).tensors)
     assert [len(targets[n]) for n in ("0.weight", "1.weight")] == [2, 1]  # resident, paged
     with torch.no_grad():

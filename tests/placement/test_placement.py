@@ -289,7 +289,7 @@ def test_editing_the_device_map_moves_exactly_the_named_units() -> None:
         assert (p.data_ptr() != storage[name]) == moved, name
         assert p.dtype == (torch.bfloat16 if name.split(".")[0] in ("0", "3") else torch.float32)
     # A unit moved back to its own dtype gets the original tensor back, bit for bit.
-    assert torch.equal(model[1][0].weight, splitter._load_targets()["1.0.weight"][0])
+    assert torch.equal(model[1][0].weight, splitter.load_targets()["1.0.weight"][0])
     with torch.no_grad():
         assert rel_err(model(x), ref) < BF16_RTOL
     # Plain device names work when they are unambiguous; unknown labels are refused.
@@ -420,7 +420,7 @@ def test_load_targets_name_every_tensor_and_fill_in_place() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).eval()
     chunker = adaptive.chunk(model, "cpu", capacity=40, dtype=torch.bfloat16,
                              example_inputs=torch.randn(2, 4))
-    targets = chunker._load_targets()
+    targets = chunker.load_targets()
     assert list(targets) == list(module_sizes(model).tensors)
     assert len(targets["0.weight"]) == 2  # placed bf16 copy + the kept fp32 original
     assert len(targets["2.weight"]) == 1  # not converted: nothing kept
@@ -443,7 +443,7 @@ def test_a_meta_model_can_be_placed_for_the_loader_and_filled_in_place() -> None
     assert not any(p.is_meta for p in model.parameters())
     assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
     assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
-    for tensors in chunker._load_targets().values():
+    for tensors in chunker.load_targets().values():
         assert len(tensors) == 1  # nothing to keep: the originals were meta
         for t in tensors:
             t.fill_(0.5)

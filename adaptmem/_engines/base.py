@@ -1,0 +1,113 @@
+"""What every placement engine is: the handle ``adaptive.page``, ``chunk`` and ``split`` return.
+
+An engine holds a model: it claims the model's modules (no other engine may place them
+until it lets go, see ``_common/claims.py``), registers forward hooks on them, keeps
+statistics, and undoes all of it in ``remove()``, which leaving a ``with`` block calls. While
+it holds the model, the model is neither copied nor converted (see [Note: a placed model is
+neither copied nor converted] in ``guard.py``).
+
+``LoadTargets`` is the protocol ``adaptive.load(model, checkpoint, device=handle)`` uses to
+write a checkpoint into a placed model in place: every engine implements it, and so may a
+user's own handle.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from typing import Protocol, TypeVar, runtime_checkable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .._common.claims import claim, release
+from .guard import NotCopyable
+
+__all__ = ["Engine", "HookSet", "LoadTargets"]
+
+_E = TypeVar("_E", bound="Engine")
+
+
+@runtime_checkable
+class LoadTargets(Protocol):
+    """Where ``adaptive.load`` copies each checkpoint value when given a placement handle.
+
+    ``load_targets()`` maps a canonical tensor name (a key of ``module_sizes(model).tensors``:
+    the first ``named_modules()`` path plus the attribute; tied aliases are not listed) to the
+    existing tensors the value is copied into in place, e.g. a host master and a device copy.
+    Targets may be on any device, of any dtype and of any shape with the model tensor's number
+    of elements; each is filled with ``copy_``. A name left out (or mapped to ``[]``) falls
+    back to the model's own tensor. It is called once per load, before any read, outside a
+    forward; the tensors stay valid until the handle re-places the model or is removed.
+    """
+
+    def load_targets(self) -> dict[str, list[torch.Tensor]]: ...
+
+
+class HookSet:
+    """The forward hooks an engine registered, by module; removed one module at a time or
+    all together."""
+
+    __slots__ = ("_by_module",)
+
+    def __init__(self) -> None:
+        self._by_module: dict[int, tuple[RemovableHandle, ...]] = {}
+
+    def add(self, module: nn.Module, *handles: RemovableHandle) -> None:
+        """Record ``handles`` as ``module``'s hooks (replacing none: call ``remove`` first)."""
+        if id(module) in self._by_module:
+            raise RuntimeError(f"{type(module).__name__} already has this engine's hooks")
+        self._by_module[id(module)] = handles
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return id(module) in self._by_module
+
+    def __len__(self) -> int:
+        return len(self._by_module)
+
+    def remove(self, module: nn.Module) -> None:
+        """Remove ``module``'s hooks, if it has any."""
+        for h in self._by_module.pop(id(module), ()):
+            h.remove()
+
+    def clear(self) -> None:
+        """Remove every hook."""
+        for handles in self._by_module.values():
+            for h in handles:
+                h.remove()
+        self._by_module.clear()
+
+
+class Engine(NotCopyable, abc.ABC):
+    """A placement handle: holds a model's modules from ``_hold`` until ``remove()``.
+
+    Subclasses implement ``remove()`` (hooks off, every tensor back as it was, then
+    ``_let_go()``), ``load_targets()`` (see ``LoadTargets``), and expose ``stats`` (a ``Stats``).
+    """
+
+    model: nn.Module
+
+    def _hold(self, modules: Iterable[nn.Module]) -> None:
+        """Claim ``modules`` for this engine; raises if another engine holds one of them."""
+        self._held = tuple(modules)
+        claim(self._held, self)
+
+    def _let_go(self) -> None:
+        """Release what ``_hold`` claimed (safe to call twice)."""
+        release(getattr(self, "_held", ()), self)
+        self._held = ()
+
+    @abc.abstractmethod
+    def remove(self) -> None:
+        """Remove the hooks and put every tensor back where it was. Safe to call twice."""
+
+    @abc.abstractmethod
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
+        """See ``LoadTargets``."""
+
+    def __enter__(self: _E) -> _E:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
