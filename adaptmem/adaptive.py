@@ -16,8 +16,7 @@ from ._execution.decorators import range as range  # noqa: A004 - mirrors toma's
 from ._loading.loader import empty_model, load
 from ._paging.api import Pager, page
 from ._placement.engine import Chunker, Splitter, chunk, split
-from ._planning.placement_plan import plan
-from ._planning.planner import Plan
+from ._planning import Plan, plan
 from ._spilling import memory_stats, spill
 
 __all__ = [

@@ -161,7 +161,7 @@ def _cannot_run_on_meta(exc: BaseException) -> bool:
 
 def _record(model: nn.Module, spec: str, size: int) -> Any:
     """The recorded forward on the example input, or None where there is none to run."""
-    from ._planning.placement_plan import record_forward
+    from ._planning import record_forward
 
     example = _example_args(spec, size)
     if example is None:
@@ -183,7 +183,7 @@ def _device_spec(spec: str, dtype: torch.dtype | None
                  ) -> tuple[torch.device, torch.dtype | None, str]:
     """``DEVICE[@DTYPE][=CAPACITY]`` -> (device, dtype, capacity text), parsed not probed,
     so a plan can be made for any machine."""
-    from ._planning.placement_plan import parse_dtype
+    from ._planning import parse_dtype
 
     name, _, capacity = spec.partition("=")
     name, at, dtype_name = name.partition("@")
@@ -214,7 +214,7 @@ def _size(text: str, name: str) -> int:
 
 def _capacity(text: str, device: torch.device, name: str) -> int | None:
     from ._common.devices import resolve_device
-    from ._planning.placement_plan import auto_capacity
+    from ._planning import auto_capacity
 
     if text == "auto":
         try:
@@ -231,7 +231,7 @@ def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
     """Targets for --mode chunk/split, as ``adaptive.chunk`` / ``adaptive.split`` make them,
     and the plan options those record."""
     from ._placement.engine import chunk_targets
-    from ._planning.placement_plan import Target, parse_dtype, qualify_labels
+    from ._planning import Target, parse_dtype, qualify_labels
 
     dtype = parse_dtype(args.dtype, "--dtype")
     specs = args.device or ["cuda:0"]
@@ -259,8 +259,7 @@ def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ._common.errors import AdaptmemError
-    from ._planning.placement_plan import plan, plan_placement
-    from ._planning.planner import module_sizes
+    from ._planning import module_sizes, plan, plan_placement
 
     if args.image_size <= 0:
         raise _UsageError(f"--image-size must be a positive number of pixels, got "

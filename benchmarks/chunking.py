@@ -44,7 +44,7 @@ from _report import header, write_section  # noqa: E402
 
 from adaptmem import adaptive  # noqa: E402
 from adaptmem._placement.engine import Splitter
-from adaptmem._planning.planner import module_sizes
+from adaptmem._planning import module_sizes
 
 _BEST = False
 

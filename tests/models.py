@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torchvision
 from torch import nn
 
 
@@ -104,3 +108,35 @@ class HeadFirst(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.body(x))
+
+
+# -- the zoo: small real models every engine must run unchanged ------------------------------
+
+
+def _torchvision(name: str, size: int) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    kwargs = {"init_weights": False} if name == "inception_v3" else {}
+    model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
+    return model, (torch.randn(1, 3, size, size),), {}
+
+
+def _vit_small() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    return small_vit().eval(), (torch.randn(1, 3, 32, 32),), {}
+
+
+def _gpt() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    return TinyGPT().eval(), (), tiny_gpt_inputs()
+
+
+ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]] = {
+    "resnet50": functools.partial(_torchvision, "resnet50", 64),
+    "densenet121": functools.partial(_torchvision, "densenet121", 64),
+    "inception_v3": functools.partial(_torchvision, "inception_v3", 75),
+    "mobilenet_v3_large": functools.partial(_torchvision, "mobilenet_v3_large", 64),
+    "vit_b_16": functools.partial(_torchvision, "vit_b_16", 224),
+    "vit_small": _vit_small,
+    "swin_t": functools.partial(_torchvision, "swin_t", 64),
+    "tiny_gpt": _gpt,
+}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adaptmem import adaptive
-from adaptmem._planning.planner import Plan
+from adaptmem._planning import Plan
 from adaptmem.cli import main
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .._common.devices import stream_module
-from .._planning.planner import ModuleSizes
+from .._planning import ModuleSizes
 
 __all__ = ["HOST", "LOADED", "PENDING", "Slot", "make_slots"]
 

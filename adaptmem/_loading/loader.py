@@ -35,7 +35,7 @@ from .._common.errors import LoadError
 from .._common.oom import is_oom
 from .._engines.base import LoadTargets
 from .._engines.stats import LoadStats
-from .._planning.planner import ModuleSizes, Plan, module_sizes
+from .._planning import ModuleSizes, Plan, module_sizes
 from .checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
 
 __all__ = ["load", "empty_model"]

@@ -9,7 +9,7 @@ from torch import nn
 
 from .._common.claims import check_placeable
 from .._common.devices import format_bytes, free_memory, parse_size, resolve_device
-from .._planning.planner import module_sizes
+from .._planning import module_sizes
 from .pager import Pager
 
 __all__ = ["Pager", "page"]

@@ -38,7 +38,7 @@ from .._engines.guard import PlacementGuard
 from .._engines.hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from .._engines.stats import PagingStats
 from .._engines.transfer import SyncTransfer, Transfer, transfer_for
-from .._planning.planner import Plan, module_sizes, order_units, paging_units, split_unit
+from .._planning import Plan, module_sizes, order_units, paging_units, split_unit
 from .probe import Probe
 
 __all__ = ["Pager"]

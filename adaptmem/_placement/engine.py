@@ -29,13 +29,16 @@ from .._common.errors import PlacementError
 from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats
-from .._planning.placement_plan import (
+from .._planning import (
+    Plan,
     Recording,
     Target,
+    Unit,
     auto_capacity,
     canonical_tensors,
     check_ties,
     label_for_unit,
+    module_sizes,
     parse_dtype,
     placed_bytes,
     plan_placement,
@@ -45,7 +48,6 @@ from .._planning.placement_plan import (
     split_label,
     targets_from_devices,
 )
-from .._planning.planner import Plan, Unit, module_sizes
 
 __all__ = ["Splitter", "Chunker", "split", "chunk", "chunk_targets"]
 

@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from .._common.claims import holder
 from .._common.errors import PlacementError
 
-__all__ = ["Recording", "canonical_tensors", "record_forward"]
+__all__ = ["Recording", "canonical_tensors", "record_execution_order", "record_forward"]
 
 _log = logging.getLogger("adaptmem")
 
@@ -272,3 +272,12 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         rec = _run_recorded(replica, *inputs)
     rec.on_meta = False
     return rec
+
+
+def record_execution_order(model: nn.Module, *args: Any, **kwargs: Any) -> list[str]:
+    """Module names in first-call order, from one forward of ``model(*args, **kwargs)``.
+
+    The forward runs on a copy (meta when it can; see [Note: recording on a copy] in
+    ``recording.py``), so neither the model nor the inputs change.
+    """
+    return record_forward(model, args, kwargs).order

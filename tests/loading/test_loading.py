@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptmem import LoadError, adaptive
-from adaptmem._planning.planner import module_sizes
+from adaptmem._planning import module_sizes
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

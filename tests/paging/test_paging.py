@@ -3,16 +3,14 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torchvision
 from conftest import REAL_CUDA
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from models import HeadFirst, ReadsChildWeight, TinyGPT, small_vit, tiny_gpt_inputs
+from models import ZOO, HeadFirst, ReadsChildWeight, small_vit
 from strategies import DIM, module_trees
 from torch import nn
 from torch.nn import functional as F
@@ -22,7 +20,7 @@ from adaptmem import adaptive
 from adaptmem._common.errors import OutOfMemoryError, PlacementError
 from adaptmem._engines.transfer import SyncTransfer
 from adaptmem._paging.probe import is_metadata
-from adaptmem._planning.planner import module_sizes
+from adaptmem._planning import module_sizes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -33,38 +31,6 @@ def _one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-# -- the zoo ---------------------------------------------------------------------------------
-
-
-def _torchvision(name: str, size: int) -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    torch.manual_seed(0)
-    kwargs = {"init_weights": False} if name == "inception_v3" else {}
-    model = torchvision.models.get_model(name, weights=None, **kwargs).eval()
-    return model, (torch.randn(1, 3, size, size),), {}
-
-
-def _vit_small() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    torch.manual_seed(0)
-    return small_vit().eval(), (torch.randn(1, 3, 32, 32),), {}
-
-
-def _gpt() -> tuple[nn.Module, tuple[Any, ...], dict[str, Any]]:
-    torch.manual_seed(0)
-    return TinyGPT().eval(), (), tiny_gpt_inputs()
-
-
-ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]] = {
-    "resnet50": functools.partial(_torchvision, "resnet50", 64),
-    "densenet121": functools.partial(_torchvision, "densenet121", 64),
-    "inception_v3": functools.partial(_torchvision, "inception_v3", 75),
-    "mobilenet_v3_large": functools.partial(_torchvision, "mobilenet_v3_large", 64),
-    "vit_b_16": functools.partial(_torchvision, "vit_b_16", 224),
-    "vit_small": _vit_small,
-    "swin_t": functools.partial(_torchvision, "swin_t", 64),
-    "tiny_gpt": _gpt,
-}
 
 
 @functools.cache

@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from adaptmem import adaptive
-from adaptmem._planning.planner import module_sizes
+from adaptmem._planning import module_sizes
 
 BF16_RTOL = 5e-2
 
@@ -562,7 +562,7 @@ def test_split_over_cuda_and_cpu_with_fp16_matches() -> None:
 
 
 def test_auto_capacity_is_free_memory_minus_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
-    import adaptmem._planning.placement_plan as placement
+    import adaptmem._planning.targets as placement
 
     gib = 2**30
     monkeypatch.setattr(placement, "memory_info", lambda device: (3 * gib, 10 * gib))
@@ -1040,7 +1040,7 @@ def _zoo_case(name: str) -> tuple[nn.Module, tuple[object, ...], dict[str, objec
         if name == "hf_t5":
             kwargs["decoder_input_ids"] = torch.randint(2, 100, (2, 3))
         return model, (), kwargs
-    from test_paging import ZOO
+    from models import ZOO
 
     model, args, kwargs = ZOO[name]()
     for p in model.parameters():  # torchvision zero-initialises some heads: all-zero outputs
@@ -1056,7 +1056,7 @@ def _logits(out: object) -> torch.Tensor:
 
 
 def _zoo_cases() -> list[tuple[str, str]]:
-    from test_paging import ZOO
+    from models import ZOO
 
     # chunk is split over {device@dtype: capacity, "cpu": None}: the same code, so it runs on
     # the cheap models only, the first calls inside generate() among them.

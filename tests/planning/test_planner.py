@@ -8,7 +8,7 @@ from models import HeadFirst
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem._planning.planner import Plan, module_sizes, paging_units, record_execution_order
+from adaptmem._planning import Plan, module_sizes, paging_units, record_execution_order
 
 
 class Tied(nn.Module):
@@ -112,7 +112,7 @@ def test_plan_rejects_what_is_not_a_module() -> None:
 
 
 def test_split_unit_keeps_ownership_and_borrows_ties() -> None:
-    from adaptmem._planning.planner import split_unit
+    from adaptmem._planning import split_unit
 
     model = Tied()
     sizes = module_sizes(model)

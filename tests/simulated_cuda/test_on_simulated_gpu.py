@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem._planning.planner import module_sizes
+from adaptmem._planning import module_sizes
 from adaptmem.testing import SimulatedCuda, StreamRaceError
 
 

@@ -1,0 +1,111 @@
+"""``Plan``: what the planner decided (units in execution order, their bytes and placement), the
+one object every engine, ``adaptive.plan`` and the CLI show and consume.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._common.devices import format_bytes
+from .sizes import join_name
+from .units import Unit
+
+__all__ = ["Plan"]
+
+
+@dataclass
+class Plan:
+    """What an engine decided: units in execution order, their bytes and placement.
+
+    ``print(plan)`` shows a table; ``plan.to_dict()`` / ``Plan.from_dict`` round-trip
+    through JSON; ``plan.device_map`` is an accelerate-style ``{module: device}`` dict.
+    """
+
+    mode: str
+    units: list[Unit]
+    total_bytes: int
+    options: dict[str, Any] = field(default_factory=dict)
+    refinements: list[dict[str, Any]] = field(default_factory=list)
+
+    def bytes_by_placement(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for u in self.units:
+            out[u.placement] = out.get(u.placement, 0) + u.nbytes
+        return out
+
+    @property
+    def device_map(self) -> dict[str, str]:
+        """``{module name: placement}``, coarsest: a module whose units all share one
+        placement is named once instead of its descendants; a split module's own tensors
+        are named one by one (``"encoder.pos_embedding"``), as accelerate allows."""
+        out: dict[str, str] = {}
+
+        def visit(prefix: str, units: list[Unit]) -> None:
+            places = {u.placement for u in units}
+            if len(places) == 1:
+                out[prefix] = places.pop()
+                return
+            groups: dict[str, list[Unit]] = {}
+            for u in units:
+                if u.module == prefix:
+                    for t in u.tensors:
+                        out[t] = u.placement
+                    continue
+                tail = u.module[len(prefix) + 1:] if prefix else u.module
+                groups.setdefault(join_name(prefix, tail.split(".")[0]), []).append(u)
+            for child, members in groups.items():
+                visit(child, members)
+
+        if self.units:
+            visit("", list(self.units))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "total_bytes": self.total_bytes,
+            "options": {k: _jsonable(v) for k, v in self.options.items()},
+            "units": [u.to_dict() for u in self.units],
+            "refinements": list(self.refinements),
+        }
+
+    def to_json(self, **kwargs: Any) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        return cls(
+            str(d["mode"]), [Unit.from_dict(u) for u in d["units"]], int(d["total_bytes"]),
+            dict(d.get("options", {})), list(d.get("refinements", [])),
+        )
+
+    def __str__(self) -> str:
+        rows = [(str(i), u.name, format_bytes(u.nbytes), u.placement or "-")
+                for i, u in enumerate(self.units)]
+        head = ("#", "unit", "bytes", "placement")
+        widths = [max(len(r[c]) for r in [head, *rows]) for c in range(4)]
+        fmt = "  ".join(f"{{:{'>' if c in (0, 2) else '<'}{w}}}" for c, w in enumerate(widths))
+        lines = [f"adaptmem plan ({self.mode}): {len(self.units)} units, "
+                 f"{format_bytes(self.total_bytes)}", fmt.format(*head)]
+        lines += [fmt.format(*r) for r in rows]
+        lines.append("totals: " + ", ".join(
+            f"{place or '-'} {format_bytes(n)}" for place, n in self.bytes_by_placement().items()))
+        for r in self.refinements:
+            lines.append(f"refined: {r}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"Plan(mode={self.mode!r}, units={len(self.units)}, total_bytes={self.total_bytes})"
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, Mapping):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return str(v)

@@ -1,0 +1,135 @@
+"""Bytes over a module tree: every distinct tensor once (tied tensors counted once), by module
+and by subtree. Pure arithmetic; works on a model built on the meta device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+__all__ = ["TensorInfo", "ModuleSizes", "module_sizes", "tensor_bytes", "join_name"]
+
+
+def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes ``t`` takes, or would take with its floating values converted to ``dtype``."""
+    if dtype is not None and t.is_floating_point():
+        return t.numel() * dtype.itemsize
+    return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One distinct tensor of a model; ``aliases`` are its other qualified names (ties)."""
+
+    name: str
+    module: str
+    attr: str
+    kind: str  # "parameter" or "buffer"
+    nbytes: int
+    numel: int
+    dtype: torch.dtype
+    floating: bool
+    aliases: tuple[str, ...] = ()
+
+    def bytes_as(self, dtype: torch.dtype | None) -> int:
+        if dtype is not None and self.floating:
+            return self.numel * dtype.itemsize
+        return self.nbytes
+
+
+def join_name(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+@dataclass
+class ModuleSizes:
+    """Bytes of every module of a model, counting each distinct tensor once.
+
+    ``own[m]`` lists the tensors registered directly on module ``m``; ``subtree_bytes[m]``
+    counts the distinct tensors of ``m`` and everything below it. Modules registered under
+    two names appear once, under the first name ``named_modules()`` gives.
+    """
+
+    modules: list[str]
+    children: dict[str, list[str]]
+    own: dict[str, list[str]]
+    tensors: dict[str, TensorInfo]
+    subtree_bytes: dict[str, int]
+    subtree_tensors: dict[str, frozenset[str]]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def own_bytes(self, module: str, dtype: torch.dtype | None = None) -> int:
+        return sum(self.tensors[n].bytes_as(dtype) for n in self.own[module])
+
+    def bytes_of(self, names: Iterable[str], dtype: torch.dtype | None = None) -> int:
+        return sum(self.tensors[n].bytes_as(dtype) for n in names)
+
+    def largest_tensor(self) -> TensorInfo | None:
+        return max(self.tensors.values(), key=lambda t: t.nbytes, default=None)
+
+
+def module_sizes(model: nn.Module) -> ModuleSizes:
+    """Walk ``model`` once and count bytes per module, dtype-aware, ties counted once."""
+    modules: list[str] = []
+    children: dict[str, list[str]] = {}
+    own: dict[str, list[str]] = {}
+    tensors: dict[str, TensorInfo] = {}
+    by_id: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    seen_modules: dict[int, str] = {}
+    walked = list(model.named_modules())
+    for mod_name, module in walked:
+        seen_modules[id(module)] = mod_name
+    for mod_name, module in walked:
+        modules.append(mod_name)
+        own[mod_name] = []
+        # A child registered under two names is the child of its first registration only
+        # (the name named_modules() gives), wherever the other one sits.
+        children[mod_name] = [
+            full for child_name, child in module.named_children() if child is not None
+            and seen_modules[id(child)] == (full := join_name(mod_name, child_name))]
+        for kind, registry in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for attr, t in registry.items():
+                if t is None:
+                    continue
+                full = join_name(mod_name, attr)
+                canonical = by_id.get(id(t))
+                if canonical is not None:
+                    aliases[canonical].append(full)
+                    continue
+                by_id[id(t)] = full
+                aliases[full] = []
+                own[mod_name].append(full)
+                tensors[full] = TensorInfo(
+                    full, mod_name, attr, kind, tensor_bytes(t), t.numel(), t.dtype,
+                    t.is_floating_point(),
+                )
+    for name, extra in aliases.items():
+        if extra:
+            tensors[name] = replace(tensors[name], aliases=tuple(extra))
+    # children[] only keeps each module's first registration, so this is a tree.
+    subtree_tensors: dict[str, frozenset[str]] = {}
+    for mod_name in reversed(modules):
+        names = set(own[mod_name])
+        for kid in children[mod_name]:
+            names |= subtree_tensors[kid]
+        subtree_tensors[mod_name] = frozenset(names)
+    # A tensor registered on module A and tied into module B belongs to B's subtree too.
+    for canonical, extra in aliases.items():
+        for alias in extra:
+            holder = alias.rpartition(".")[0]
+            parts = holder.split(".") if holder else []
+            for i in range(len(parts) + 1):
+                prefix = ".".join(parts[:i])
+                if prefix in subtree_tensors:
+                    subtree_tensors[prefix] = subtree_tensors[prefix] | {canonical}
+    subtree_bytes = {
+        m: sum(tensors[n].nbytes for n in names) for m, names in subtree_tensors.items()
+    }
+    return ModuleSizes(modules, children, own, tensors, subtree_bytes, subtree_tensors)

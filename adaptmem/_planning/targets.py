@@ -1,0 +1,156 @@
+"""Placement targets: the devices units go to, each with a capacity, the dtype floating weights
+take there and the label plans and device maps use; parsing of ``devices=`` and ``dtype=``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._common.devices import memory_info, parse_size, resolve_device
+
+__all__ = ["Target", "parse_dtype", "dtype_name", "make_label", "split_label", "qualify_labels", "capacity_of", "auto_capacity", "targets_from_devices", "parse_device"]
+_MIN_RESERVE = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class Target:
+    """One place units can go: a device, a capacity in bytes (None: unlimited), the dtype
+    floating weights take there (None: keep theirs) and the label plans and device maps use."""
+
+    device: torch.device
+    capacity: int | None
+    dtype: torch.dtype | None
+    label: str
+
+
+def parse_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
+    """A floating ``torch.dtype`` from a dtype or its name (``"bfloat16"``); None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        found = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            value = found
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(
+            f"{name} must be a floating torch.dtype such as torch.float16 or torch.bfloat16 "
+            f"(or its name), got {value!r}"
+        )
+    return value
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def make_label(device: torch.device, dtype: torch.dtype | None, qualify: bool) -> str:
+    """``"cuda:0"``, or ``"cpu@bfloat16"`` when one device holds several dtypes."""
+    return f"{device}@{dtype_name(dtype)}" if qualify and dtype is not None else str(device)
+
+
+def split_label(label: str) -> tuple[str, torch.dtype | None]:
+    """``"cpu@bfloat16"`` -> ``("cpu", torch.bfloat16)``; ``"cuda:0"`` -> ``("cuda:0", None)``."""
+    device, sep, dtype = label.partition("@")
+    return device, (parse_dtype(dtype, f"the dtype in {label!r}") if sep else None)
+
+
+def qualify_labels(pairs: Sequence[tuple[torch.device, torch.dtype | None]]) -> list[str]:
+    """Labels for (device, dtype) pairs: plain device names unless a device repeats."""
+    counts: dict[torch.device, int] = {}
+    for device, _ in pairs:
+        counts[device] = counts.get(device, 0) + 1
+    labels = [make_label(d, t, counts[d] > 1) for d, t in pairs]
+    if len(set(labels)) != len(labels):
+        raise ValueError(
+            f"devices lists the same device and dtype twice: {labels}; give each (device, dtype) "
+            f"pair once"
+        )
+    return labels
+
+
+def capacity_of(value: Any, name: str) -> int | None:
+    """Bytes from a capacity (int, "20GiB"); None means unlimited."""
+    return None if value is None else parse_size(value, name)
+
+
+def auto_capacity(device: torch.device, reserve: Any = "auto") -> tuple[int, int]:
+    """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus a reserve.
+
+    ``reserve="auto"`` keeps back the larger of 10% of the device's total memory and
+    512 MiB, for activations, the conversion copies at unit boundaries and the allocator's
+    slack; pass bytes (or "2GiB") to choose it yourself.
+    """
+    free, total = memory_info(device)
+    if reserve == "auto":
+        kept = max(total // 10, _MIN_RESERVE)
+    else:
+        kept = capacity_of(reserve, "reserve") or 0
+    return max(0, free - kept), kept
+
+
+def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool = True
+                         ) -> list[Target]:
+    """Targets from ``split``'s ``devices`` (mapping or list) and ``dtype`` arguments.
+
+    ``probe=False`` (``adaptive.plan``: plan for any machine) parses device names without
+    asking whether the device exists here; ``"auto"`` capacities still need the device.
+    """
+    if isinstance(devices, (str, torch.device, int)) or not isinstance(devices, (Mapping, Sequence)):
+        raise TypeError(
+            f"devices must be an ordered mapping like {{'cuda:0': '20GiB', 'cpu': None}} or a "
+            f"list like ['cuda:0', 'cuda:1'], got {devices!r}"
+        )
+    items = list(devices.items()) if isinstance(devices, Mapping) else [(d, "auto") for d in devices]
+    if not items:
+        raise ValueError("devices is empty: name at least one device, e.g. {'cpu': None}")
+    if dtype is not None and not isinstance(dtype, Mapping):
+        dtype = parse_dtype(dtype)
+    resolved = []
+    for key, capacity in items:
+        key_dtype = None
+        if isinstance(key, tuple) and len(key) == 2:
+            key, key_dtype = key[0], parse_dtype(key[1], f"the dtype in devices key {key!r}")
+        elif isinstance(key, str) and "@" in key:
+            key, key_dtype = split_label(key)
+        dev = resolve_device(key, f"devices key {key!r}") if probe else parse_device(key)
+        if key_dtype is None:
+            if isinstance(dtype, Mapping):
+                given = [v for k, v in dtype.items() if str(k) in (str(key), str(dev))]
+                key_dtype = parse_dtype(given[0], f"dtype[{key!r}]") if given else None
+            else:
+                key_dtype = dtype
+        cap: int | None
+        if isinstance(capacity, str) and capacity == "auto":
+            if not probe:  # "auto" reads free memory: the device must be here after all
+                try:
+                    resolve_device(key, "devices key")
+                except ValueError as exc:
+                    raise ValueError(
+                        f"{exc}; capacity 'auto' reads the device's free memory, so to plan "
+                        f"for another machine give bytes, e.g. {{{str(key)!r}: '20GiB'}}"
+                    ) from None
+            cap, _ = auto_capacity(dev, reserve)
+        else:
+            cap = capacity_of(capacity, f"devices[{key!r}]")
+        resolved.append((dev, cap, key_dtype))
+    labels = qualify_labels([(d, t) for d, _, t in resolved])
+    return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]
+
+
+def parse_device(key: Any) -> torch.device:
+    """A device from its name without probing this machine (``"cuda"`` means ``cuda:0``)."""
+    try:
+        dev = torch.device(f"cuda:{key}" if isinstance(key, int) else key)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"devices key {key!r} is not a device name such as 'cuda:0' or "
+                         f"'cpu'") from None
+    if dev.type == "meta":
+        raise ValueError(f"devices key {key!r}: the meta device holds no data; pick 'cpu' "
+                         f"or 'cuda'")
+    if dev.type != "cpu" and dev.index is None:
+        dev = torch.device(dev.type, 0)
+    return dev
