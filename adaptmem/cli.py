@@ -183,17 +183,15 @@ def _device_spec(spec: str, dtype: torch.dtype | None
                  ) -> tuple[torch.device, torch.dtype | None, str]:
     """``DEVICE[@DTYPE][=CAPACITY]`` -> (device, dtype, capacity text), parsed not probed,
     so a plan can be made for any machine."""
+    from ._common.devices import parse_device
     from ._planning import parse_dtype
 
     name, _, capacity = spec.partition("=")
     name, at, dtype_name = name.partition("@")
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise _UsageError(f"--device {spec!r}: {name!r} is not a device name such as 'cuda:0' "
-                          f"or 'cpu' (optionally with a dtype: 'cpu@bfloat16')") from None
-    if device.type == "cpu":
-        device = torch.device("cpu")
+        device = parse_device(name, f"--device {spec!r}:")
+    except ValueError as exc:
+        raise _UsageError(f"{exc} (optionally with a dtype: 'cpu@bfloat16')") from None
     if at:
         given = parse_dtype(dtype_name, f"the dtype in --device {spec!r}")
         if dtype is not None and given != dtype:

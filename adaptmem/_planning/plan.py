@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._common.devices import format_bytes
-from .sizes import join_name
+from .._common.tree import join_name
 from .units import Unit
 
 __all__ = ["Plan"]

@@ -31,8 +31,9 @@ from torch.utils import _pytree as pytree
 
 from .._common.claims import holder
 from .._common.errors import PlacementError
+from .._common.tree import canonical_tensors
 
-__all__ = ["Recording", "canonical_tensors", "record_execution_order", "record_forward"]
+__all__ = ["Recording", "record_execution_order", "record_forward"]
 
 _log = logging.getLogger("adaptmem")
 
@@ -48,20 +49,6 @@ class Recording:
     on_meta: bool = True
     # Modules whose outputs their caller's own code combined with other tensors.
     combined: set[str] = field(default_factory=set)
-
-
-def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every distinct parameter and buffer under its canonical name (as ``module_sizes``)."""
-    out: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for mod_name, module in model.named_modules():
-        for registry in (module._parameters, module._buffers):
-            for attr, t in registry.items():
-                if t is None or id(t) in seen:
-                    continue
-                seen.add(id(t))
-                out[f"{mod_name}.{attr}" if mod_name else attr] = t
-    return out
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
