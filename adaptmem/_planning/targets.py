@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from .._common.devices import memory_info, parse_device, parse_size, resolve_device
+from .._common.devices import parse_device, parse_size, resolve_device
+from .._common.headroom import weight_room
 
 __all__ = [
     "Target", "parse_dtype", "dtype_name", "make_label", "split_label", "qualify_labels",
     "capacity_of", "auto_capacity", "targets_from_devices"
 ]
-_MIN_RESERVE = 512 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -81,18 +81,10 @@ def capacity_of(value: Any, name: str) -> int | None:
 
 
 def auto_capacity(device: torch.device, reserve: Any = "auto") -> tuple[int, int]:
-    """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus a reserve.
-
-    ``reserve="auto"`` keeps back the larger of 10% of the device's total memory and
-    512 MiB, for activations, the conversion copies at unit boundaries and the allocator's
-    slack; pass bytes (or "2GiB") to choose it yourself.
-    """
-    free, total = memory_info(device)
-    if reserve == "auto":
-        kept = max(total // 10, _MIN_RESERVE)
-    else:
-        kept = capacity_of(reserve, "reserve") or 0
-    return max(0, free - kept), kept
+    """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus the reserve
+    every engine keeps back (see [Note: headroom] in ``_common/headroom.py``); pass bytes
+    (or "2GiB") as ``reserve`` to choose it yourself."""
+    return weight_room(device, reserve)
 
 
 def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool = True
