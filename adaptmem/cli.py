@@ -159,24 +159,50 @@ def _cannot_run_on_meta(exc: BaseException) -> bool:
     return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
 
 
-def _record(model: nn.Module, spec: str, size: int) -> Any:
+def _example_from(spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inputs an ``--example package.module:function`` gives, made on the meta device:
+    a tensor, a tuple of positional inputs or a dict of keyword inputs."""
+    from ._planning import split_inputs
+
+    maker = _factory(spec)
+    if not callable(maker):
+        raise _UsageError(f"--example {spec!r} is {type(maker).__name__}, not a function; name "
+                          f"a function that returns the example inputs")
+    try:
+        with torch.device("meta"):
+            return split_inputs(maker())
+    except Exception as exc:  # noqa: BLE001 - the user's function failed: one line
+        raise _UsageError(f"--example {spec!r} failed ({_first_line(exc)}); it must return "
+                          f"a tensor, a tuple or a dict of inputs, with no arguments") from None
+
+
+def _record(model: nn.Module, spec: str, size: int, example_spec: str | None) -> Any:
     """The recorded forward on the example input, or None where there is none to run."""
     from ._planning import record_forward
 
-    example = _example_args(spec, size)
-    if example is None:
-        return None
-    try:
-        return record_forward(model, example, {})
-    except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
+    if example_spec is not None:
+        args, kwargs = _example_from(example_spec)
+        what, fix = f"the --example {example_spec!r} inputs", "check what --example returns"
+    else:
+        example = _example_args(spec, size)
+        if example is None:
+            print(f"adaptmem plan: note: no example inputs for {spec}; units are in "
+                  f"registration order (give --example package.module:function for the "
+                  f"execution order)", file=sys.stderr)
+            return None
+        args, kwargs = example, {}
         shape = "x".join(str(n) for n in example[0].shape)
+        what, fix = f"a {shape} example input", "give --image-size a size the model accepts"
+    try:
+        return record_forward(model, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
         if _cannot_run_on_meta(exc):
             print(f"adaptmem plan: note: {spec} cannot run on the meta device "
                   f"({_first_line(exc)}); units are in registration order, not execution "
                   f"order", file=sys.stderr)
             return None
-        raise _UsageError(f"{spec} does not run on a {shape} example input ({_first_line(exc)}); "
-                          f"give --image-size a size the model accepts (default 224)") from None
+        raise _UsageError(f"{spec} does not run on {what} ({_first_line(exc)}); "
+                          f"{fix}") from None
 
 
 def _device_spec(spec: str, dtype: torch.dtype | None
@@ -270,7 +296,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             targets, options = _placement_targets(args)
         model = _build_model(args.model)
-        recording = _record(model, args.model, args.image_size)
+        recording = _record(model, args.model, args.image_size, args.example)
         if args.mode == "page":
             result = plan(model, unit_bytes=unit_bytes,
                           order=None if recording is None else recording.order)
@@ -342,6 +368,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "e.g. float16 or bfloat16 (chunk: the resident device only)")
     p.add_argument("--image-size", type=int, default=224,
                    help="example input size for vision models (default 224)")
+    p.add_argument("--example", default=None, metavar="PACKAGE.MODULE:FUNCTION",
+                   help="a function returning example inputs (a tensor, tuple or dict of "
+                        "keyword inputs, made on meta) whose forward gives the execution "
+                        "order; torchvision models get one from --image-size")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
 
