@@ -7,8 +7,9 @@ before any tensor is read, so a load can refuse a bad checkpoint before it chang
 
 Reading puts a tensor's bytes straight into the memory that keeps them (``Reader.read_into``),
 or through two staging chunks when a conversion or a device copy follows
-(``Reader.copy_into``); files are read with ``preadv``, not mapped, so the page cache never
-counts toward this process's memory.
+(``Reader.copy_into``); files are read with ``preadv`` in 16 MiB pieces, with the next 64 MiB
+asked to be read ahead, not mapped, so the page cache never counts toward this process's
+memory.
 """
 
 from __future__ import annotations
@@ -339,16 +340,25 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 
 
 # [Note: reading speed]
-# Copying from the page cache into memory that exists runs at memcpy speed (6-15 GB/s on a
+# Copying from the page cache into memory that exists runs at memcpy speed (3-15 GB/s on a
 # shared 2-core VM); a load into new tensors is bound by the kernel handing out fresh pages
-# (zeroed, faulted in; ~1 GB/s there in a fresh process). Transparent huge pages were tried
-# and dropped: on that VM the first touch of a 2 MiB page in a fresh process costs more than
-# 512 small faults (the host backs it lazily), so they only helped memory reused in-process.
+# (zeroed, faulted in; 0.4-1.3 GB/s there in a fresh process). Transparent huge pages
+# (madvise(MADV_HUGEPAGE) on an anonymous mapping) were measured twice and dropped: on that
+# VM the first touch of a 2 MiB page in a fresh process costs 3-8x more than 512 small
+# faults, and pre-faulting (MADV_POPULATE_WRITE) moves the same work earlier without making
+# it cheaper (`benchmarks/loading.py --page-probe`). So new tensors are ordinary memory.
+# Files are read in _CHUNK pieces; before each, the kernel is asked (POSIX_FADV_WILLNEED) to
+# start reading the next _AHEAD bytes, so a cold disk keeps working while this thread waits
+# on page faults, beyond the kernel's own read-ahead window (which grows only as reads reach
+# it). The hint costs a page-cache lookup when the file is cached and is skipped where the
+# system lacks it.
 # A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes: a reader
 # thread fills one while the caller converts the other, so reading overlaps converting and
 # staging costs 2 * _CHUNK instead of a whole tensor.
 _CHUNK = 16 * 2**20
+_AHEAD = 64 * 2**20
 _preadv = getattr(os, "preadv", None)
+_fadvise = getattr(os, "posix_fadvise", None)
 
 
 def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -368,6 +378,7 @@ class Reader:
     def __init__(self) -> None:
         self._files: dict[str, object] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
         self._staging: torch.Tensor | None = None
         self._chunks: list[torch.Tensor] = []
         self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
@@ -389,6 +400,7 @@ class Reader:
         for f in self._files.values():
             f.close()  # type: ignore[attr-defined]
         self._files.clear()
+        self._advised.clear()
         # Tensors made by `mapped` keep their own reference to the mapping.
         self._maps.clear()
         self._staging = None
@@ -417,17 +429,32 @@ class Reader:
         done = 0
         try:
             while done < n:
+                end = min(n, done + _CHUNK)
+                self._read_ahead(name, f.fileno(), offset + end)
                 if _preadv is not None:  # no shared file position: safe from two threads
-                    got = _preadv(f.fileno(), [view[done:]], offset + done)
+                    got = _preadv(f.fileno(), [view[done:end]], offset + done)
                 else:
                     f.seek(offset + done)
-                    got = f.readinto(view[done:])
+                    got = f.readinto(view[done:end])
                 if not got:
                     raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes short "
                                     f"while reading at offset {offset + done}")
                 done += got
         except OSError as exc:
             raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
+
+    def _read_ahead(self, name: str, fd: int, end: int) -> None:
+        """Ask the kernel to start reading up to _AHEAD bytes past ``end`` (see [Note: reading
+        speed]), one _CHUNK at a time."""
+        if _fadvise is None:
+            return
+        advised = self._advised.get(name, 0)
+        if advised >= end + _AHEAD:
+            return
+        start = max(advised, end)
+        with contextlib.suppress(OSError):
+            _fadvise(fd, start, end + _AHEAD - start, os.POSIX_FADV_WILLNEED)
+        self._advised[name] = end + _AHEAD
 
     def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:

@@ -508,6 +508,32 @@ def test_conversions_read_in_pieces_are_exact(
         assert torch.equal(model.state_dict()[k], want), k
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("read_ahead", ["advised", "no posix_fadvise", "posix_fadvise fails"])
+def test_reads_in_pieces_with_read_ahead_are_exact(
+    fmt: str, read_ahead: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import adaptmem._loading.checkpoints as checkpoints
+
+    # Tiny reads and a tiny read-ahead window: every tensor is read in many pieces, each
+    # advising the kernel of the range after it; the hint is only a hint, so a system
+    # without it (or one that refuses it) loads the same values.
+    monkeypatch.setattr(checkpoints, "_CHUNK", 40)
+    monkeypatch.setattr(checkpoints, "_AHEAD", 24)
+    if read_ahead == "no posix_fadvise":
+        monkeypatch.setattr(checkpoints, "_fadvise", None)
+    elif read_ahead == "posix_fadvise fails":
+        def refuse(*args: object) -> None:
+            raise OSError(22, "Invalid argument")
+        monkeypatch.setattr(checkpoints, "_fadvise", refuse)
+    source = _source()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    _assert_same(adaptive.load(Net, path, device="cpu"), source)
+    built = Net()
+    adaptive.load(built, path)  # read straight into the built model's own tensors
+    _assert_same(built, source)
+
+
 def test_load_inside_inference_mode_gives_ordinary_tensors(tmp_path: Path) -> None:
     source = _source()
     path = _save_converted("pt", "float16", source.state_dict(), tmp_path)
