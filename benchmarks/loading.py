@@ -5,6 +5,7 @@ the source allows (page-cache copy bandwidth, cold sequential disk read).
     python benchmarks/loading.py --models small --rounds 5
     python benchmarks/loading.py --all-methods            # + baselines, accelerate, per-tensor
     python benchmarks/loading.py --models tiny --rounds 1 # a seconds-long smoke run
+    python benchmarks/loading.py --page-probe 0.5,3       # 4 KiB vs huge pages, fresh memory
 
 Each model (transformers' GPT2LMHeadModel from a config when installed, else an equivalent
 built here; random weights, fp32) is saved as ``.pt`` and ``.safetensors``. Then, for each
@@ -316,18 +317,74 @@ def bandwidths(path: Path) -> dict[str, float]:
             "fresh_memory_bytes_s": float(fresh.stdout.split()[-1])}
 
 
-def fresh_memory_probe(path: Path) -> None:
-    """In this fresh process: read the (cached) file into one new buffer of its size, the
-    least any copying load pays here (the kernel zeroes and maps every new page)."""
-    size = path.stat().st_size
-    t = torch.empty(size, dtype=torch.uint8)
-    view = memoryview((ctypes.c_char * size).from_address(t.data_ptr())).cast("B")
-    fd = os.open(path, os.O_RDONLY)
+PAGE_MODES = {  # how new memory is made before the warm file is read into it
+    "4 KiB pages (torch.empty)": "4k",
+    "huge pages (mmap + MADV_HUGEPAGE)": "thp",
+    "pre-faulted (mmap + MADV_POPULATE_WRITE)": "populate",
+    "huge + pre-faulted": "thp+populate",
+}
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23  # Linux values; Python 3.11 names neither
+
+
+def fresh_memory_probe(path: Path, mode: str = "4k", size: int | None = None) -> None:
+    """In this fresh process: read ``size`` bytes of the (cached) file into one new buffer,
+    the least any copying load pays here (the kernel zeroes and maps every new page). With
+    ``mode`` other than 4k the buffer is an anonymous mapping, 2 MiB aligned, advised to use
+    transparent huge pages and/or pre-faulted in one call before the read."""
+    size = size or path.stat().st_size
     t0 = time.perf_counter()
+    if mode == "4k":
+        t = torch.empty(size, dtype=torch.uint8)
+        addr = t.data_ptr()
+    else:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        align = 2 * 2**20
+        region = mmap.mmap(-1, size + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+        addr = -(-base // align) * align
+        for flag, advice in (("thp", _MADV_HUGEPAGE), ("populate", _MADV_POPULATE_WRITE)):
+            if flag in mode.split("+") and libc.madvise(addr, size, advice) != 0:
+                raise SystemExit(f"madvise({advice}) failed: errno {ctypes.get_errno()}")
+    view = memoryview((ctypes.c_char * size).from_address(addr)).cast("B")
+    fd = os.open(path, os.O_RDONLY)
     done = 0
     while done < size:
         done += os.preadv(fd, [view[done:]], done)
     print(size / (time.perf_counter() - t0))
+
+
+def page_probe(sizes: list[float], rounds: int, workdir: str | None) -> None:
+    """Fresh-process copies of a cached file into new memory made each way of PAGE_MODES."""
+    work = Path(tempfile.mkdtemp(prefix="adaptmem-pages-", dir=workdir))
+    try:
+        path = work / "data.bin"
+        biggest = int(max(sizes) * 2**30)
+        with open(path, "wb") as f:
+            for _ in range(-(-biggest // 2**26)):
+                f.write(os.urandom(2**26))
+        _read_all(path, bytearray(16 * 2**20))
+        got: dict[tuple[float, str], list[float]] = {}
+        for _ in range(rounds):
+            for gib in sizes:
+                for mode in PAGE_MODES.values():
+                    out = subprocess.run(
+                        [sys.executable, __file__, "--fresh-memory-probe", str(path),
+                         "--probe-pages", mode, "--probe-bytes", str(int(gib * 2**30))],
+                        capture_output=True, text=True, check=True)
+                    got.setdefault((gib, mode), []).append(float(out.stdout.split()[-1]))
+        print(f"\nnew memory in a fresh process, filled from the page cache, {rounds} round(s): "
+              f"GB/s and speed against 4 KiB pages in the same round, median [min-max]\n")
+        print("| size | " + " | ".join(PAGE_MODES) + " |")
+        print("|---|" + "---:|" * len(PAGE_MODES))
+        for gib in sizes:
+            base = got[(gib, "4k")]
+            cells = [f"{_spread([x / 1e9 for x in got[(gib, m)]])} GB/s "
+                     f"({_spread([x / b for x, b in zip(got[(gib, m)], base, strict=True)])}x)"
+                     for m in PAGE_MODES.values()]
+            print(f"| {gib:g} GiB | " + " | ".join(cells) + " |")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 # -- the driver -----------------------------------------------------------------------------
@@ -408,10 +465,22 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300,
                     help="seconds one method may take before it is recorded as failed")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--page-probe", default=None, metavar="GIB,...",
+                    help="instead of loading: copy a cached file of each size (GiB) into new "
+                    "memory made with 4 KiB pages, huge pages and/or pre-faulted, each in a "
+                    "fresh process, --rounds times")
     ap.add_argument("--fresh-memory-probe", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--probe-pages", default="4k", help=argparse.SUPPRESS)
+    ap.add_argument("--probe-bytes", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fresh_memory_probe:
-        fresh_memory_probe(Path(args.fresh_memory_probe))
+        fresh_memory_probe(Path(args.fresh_memory_probe), args.probe_pages, args.probe_bytes)
+        return
+    if args.page_probe:
+        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; Linux "
+              f"{platform.release()}; command: python benchmarks/loading.py "
+              f"{' '.join(sys.argv[1:])}", flush=True)
+        page_probe([float(x) for x in args.page_probe.split(",")], args.rounds, args.workdir)
         return
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.worker:
