@@ -344,9 +344,9 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # shared 2-core VM); a load into new tensors is bound by the kernel handing out fresh pages
 # (zeroed, faulted in; 0.4-1.3 GB/s there in a fresh process). Transparent huge pages
 # (madvise(MADV_HUGEPAGE) on an anonymous mapping) were measured twice and dropped: on that
-# VM the first touch of a 2 MiB page in a fresh process costs 3-8x more than 512 small
-# faults, and pre-faulting (MADV_POPULATE_WRITE) moves the same work earlier without making
-# it cheaper (`benchmarks/loading.py --page-probe`). So new tensors are ordinary memory.
+# VM, new memory in huge pages filled 5-9x slower in a fresh process than in 4 KiB pages,
+# and pre-faulting (MADV_POPULATE_WRITE) moves the same work earlier without making it
+# cheaper (`benchmarks/loading.py --page-probe`). So new tensors are ordinary memory.
 # Files are read in _CHUNK pieces; before each, the kernel is asked (POSIX_FADV_WILLNEED) to
 # start reading the next _AHEAD bytes, so a cold disk keeps working while this thread waits
 # on page faults, beyond the kernel's own read-ahead window (which grows only as reads reach
