@@ -303,6 +303,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             result = plan_placement(model, module_sizes(model), targets, recording,
                                     mode=args.mode, options=options)
+        if recording is not None and args.mode != "page":
+            _report_activations(result, model, args)
     except (TypeError, ValueError, AdaptmemError) as exc:
         raise _UsageError(exc) from None
     if args.json:
@@ -314,6 +316,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print("placed (in each device's dtype): " + ", ".join(
             f"{label} {format_bytes(n)}" for label, n in placed.items()))
     return 0
+
+
+def _report_activations(result: Any, model: nn.Module, args: argparse.Namespace) -> None:
+    """Add the predicted activation bytes per item (and the largest batch left room for on the
+    first device) to ``result.options``, from the same example inputs as the recording."""
+    from ._planning import activation_report
+
+    if args.example is not None:
+        inputs = _example_from(args.example)
+    else:
+        inputs = (_example_args(args.model, args.image_size) or (), {})
+    first = result.units[0].placement if result.units else None
+    capacity = result.options.get("devices", {}).get(str(first)) if first else None
+    room = None
+    if capacity is not None:
+        room = max(0, capacity - result.options.get("placed_bytes", {}).get(str(first), 0))
+    result.options["activations"] = activation_report(model, *inputs, room)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
