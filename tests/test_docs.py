@@ -15,7 +15,7 @@ LEVER_PAGES = ["adaptive-execution.md", "paging.md", "chunk-and-split.md", "load
 
 _FENCE = re.compile(r"^```.*?^```[ \t]*$", re.S | re.M)
 _INLINE_CODE = re.compile(r"`[^`\n]*`")
-_LINK = re.compile(r"!?\[[^\]\n]*\]\(([^)\s]+)\)")
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def _prose(text: str) -> str:
