@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -402,6 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except _UsageError as exc:
         parser.exit(2, f"adaptmem {args.command}: error: {_one_line(exc)}\n")
+    except BrokenPipeError:  # `adaptmem plan ... | head`: the reader left, which is fine
+        devnull = os.open(os.devnull, os.O_WRONLY)  # no second error flushing stdout at exit
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     raise AssertionError("unreachable")  # parser.exit raises SystemExit
 
 

@@ -196,3 +196,20 @@ def test_plan_page_mode_gives_the_units_the_pager_makes(
         model(torch.randn(1, 3, 224, 224))  # the pager orders its units at the first call
         assert [(u.name, u.nbytes) for u in pager.plan.units] == [
             (u.name, u.nbytes) for u in planned.units]
+
+
+def test_plan_piped_into_head_ends_quietly() -> None:
+    """``adaptmem plan ... | head -1``: the reader leaving early is no error (150 KB of JSON,
+    more than a pipe holds, so the write really meets the closed pipe)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    run = subprocess.run(
+        f"{sys.executable} -m adaptmem.cli plan densenet201 --budget 1KiB --json | head -1",
+        shell=True, capture_output=True, text=True, env=env, timeout=120)
+    assert run.stdout.strip() == "{"
+    assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
