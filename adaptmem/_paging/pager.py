@@ -38,7 +38,7 @@ from .._engines.guard import PlacementGuard
 from .._engines.hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from .._engines.stats import PagingStats
 from .._engines.transfer import SyncTransfer, Transfer, transfer_for
-from .._planning import Plan, module_sizes, order_units, paging_units, split_unit
+from .._planning import Placement, Plan, module_sizes, order_units, paging_units, split_unit
 from .probe import Probe
 
 __all__ = ["Pager"]
@@ -89,8 +89,9 @@ class Pager(Engine):
     running; ``remove()`` first. See [Note: a placed model is neither copied nor converted].
 
     Attributes:
-        plan: the units in execution order, each ``"resident"`` or ``"paged"``; refinements
-            made at run time are listed in ``plan.refinements``.
+        plan: the units in execution order, each ``Placement.RESIDENT`` or
+            ``Placement.PAGED`` (equal to ``"resident"`` and ``"paged"``); refinements made
+            at run time are listed in ``plan.refinements``.
         stats: a ``PagingStats`` with bytes moved, transfers, prefetch hits and misses,
             refinements and the peak device bytes held for weights.
     """
@@ -205,7 +206,7 @@ class Pager(Engine):
                 used += need
                 self._add_device_bytes(need)
                 self._resident_bytes += need
-            placed.append(replace(unit, placement="resident" if resident else "paged"))
+            placed.append(replace(unit, placement=Placement.RESIDENT if resident else Placement.PAGED))
         self._units = placed
         self.plan.units = list(placed)
 
@@ -323,7 +324,7 @@ class Pager(Engine):
                 needs = self._alone.get(mid)
                 if needs is not None and len(self._stack) > 1:
                     for s in needs:
-                        if s.state != LOADED:
+                        if s.state is not LOADED:
                             break
                     else:
                         return None  # its unit is running: everything is there already
@@ -354,10 +355,10 @@ class Pager(Engine):
         The usual case is handled inline: everything the module needs was prefetched
         together, and nothing wrote to it through the parameter since (its version counter)."""
         first = needs[0]
-        if first.state == PENDING:
+        if first.state is PENDING:
             ticket = first.ticket
             for s in needs:
-                if s.state != PENDING or s.ticket is not ticket or s.tensor._version != s.version:
+                if s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version:
                     self._acquire(frame)
                     break
             else:
@@ -396,8 +397,8 @@ class Pager(Engine):
             ahead: tuple[Slot, ...] | list[Slot] = plan[k]
             masters: tuple[torch.Tensor, ...] | None = self._schedule_masters[k]
             for s in ahead:  # usually all of it is on the host
-                if s.state != HOST:
-                    ahead = [s for s in ahead if s.state == HOST]
+                if s.state is not HOST:
+                    ahead = [s for s in ahead if s.state is HOST]
                     masters = None
                     break
             if not ahead:
@@ -503,7 +504,7 @@ class Pager(Engine):
 
     def _acquire(self, frame: _Frame) -> None:
         needs = self._needs_of(frame.module)
-        missing = [s for s in needs if s.state != LOADED]
+        missing = [s for s in needs if s.state is not LOADED]
         if missing:
             needs = self._bring_in_or_refine(frame, missing, needs)
         for s in needs:
@@ -535,7 +536,7 @@ class Pager(Engine):
                                                     and self._refine(outer, exc))):
                     self._give_up(name, missing, exc)
             needs = self._needs_of(frame.module)
-            missing = [s for s in needs if s.state != LOADED]
+            missing = [s for s in needs if s.state is not LOADED]
             if not missing:
                 return needs
 
@@ -543,21 +544,21 @@ class Pager(Engine):
         for s in missing:
             # Written in place since its copy was made (by a hook, or by an earlier module's
             # forward): the copy is stale.
-            if s.state == PENDING and s.tensor._version != s.version:
+            if s.state is PENDING and s.tensor._version != s.version:
                 self._unload(s)
         ticket = missing[0].ticket
-        if missing[0].state == PENDING:
+        if missing[0].state is PENDING:
             # The usual steady state: everything was prefetched together.
             together = True
             for s in missing:
-                if s.state != PENDING or s.ticket is not ticket:
+                if s.state is not PENDING or s.ticket is not ticket:
                     together = False
                     break
             if together:
                 self._install(missing, self._transfer.wait(
                     [(ticket, [s.copy for s in missing])], False))  # type: ignore[misc]
                 return
-        absent = [s for s in missing if s.state == HOST]
+        absent = [s for s in missing if s.state is HOST]
         need = sum(s.nbytes for s in absent)
         if absent:
             if not self._fits(need):
@@ -628,7 +629,7 @@ class Pager(Engine):
             self._stats.peak_device_bytes = self._device_bytes
 
     def _unload(self, s: Slot) -> None:
-        if s.state == LOADED:
+        if s.state is LOADED:
             s.tensor.data = s.master
         s.copy, s.ticket, s.state = None, None, HOST
         self._device_bytes -= s.nbytes
@@ -636,7 +637,7 @@ class Pager(Engine):
     def _drop_pending(self, keep: Any) -> None:
         kept = {id(s) for s in keep}
         for s in self._slots.values():
-            if s.state == PENDING and id(s) not in kept:
+            if s.state is PENDING and id(s) not in kept:
                 self._unload(s)
 
     def _release(self, slots: tuple[Slot, ...] | list[Slot]) -> None:
@@ -688,7 +689,7 @@ class Pager(Engine):
                 continue
             if self._learning:
                 self._direct.setdefault(self._name(frame.module), set()).add(s.name)
-            if s.state != LOADED:
+            if s.state is not LOADED:
                 with self._quiet:
                     try:
                         self._bring_in([s], keep=frame.slots)
@@ -701,12 +702,12 @@ class Pager(Engine):
 
     def _refine(self, module: str, cause: _NoRoom) -> bool:
         for i, unit in enumerate(self._units):
-            if unit.module != module or unit.own or unit.placement == "resident":
+            if unit.module != module or unit.own or unit.placement is Placement.RESIDENT:
                 continue
             parts = split_unit(self._sizes, unit)
             if not parts:
                 return False
-            parts = [replace(p, placement="paged") for p in parts]
+            parts = [replace(p, placement=Placement.PAGED) for p in parts]
             self._units[i:i + 1] = parts
             self.plan.units = list(self._units)
             why = "out of memory" if cause.oom is not None else "over device_budget"
@@ -806,7 +807,7 @@ class Pager(Engine):
 
 
     def __repr__(self) -> str:
-        paged = sum(u.nbytes for u in self._units if u.placement == "paged")
+        paged = sum(u.nbytes for u in self._units if u.placement is Placement.PAGED)
         return (f"Pager(device={str(self.device)!r}, units={len(self._units)}, "
                 f"paged={format_bytes(paged)}, resident="
                 f"{format_bytes(self._sizes.total_bytes - paged)})")
