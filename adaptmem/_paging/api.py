@@ -9,6 +9,7 @@ from torch import nn
 
 from .._common.claims import check_placeable
 from .._common.devices import format_bytes, free_memory, parse_size, resolve_device
+from .._engines.transfer import Transfer
 from .._planning import module_sizes
 from .pager import Pager
 
@@ -31,6 +32,7 @@ def page(
     device_budget: int | str | None = None,
     pin_memory: bool = True,
     output_device: Any = None,
+    _transfer: Transfer | None = None,
 ) -> Pager:
     """Page ``model``'s weights to ``device`` just in time, and return the ``Pager``.
 
@@ -53,6 +55,7 @@ def page(
             memory decides). Units that do not fit under it are split at run time.
         pin_memory: pin the host masters when the device is an accelerator.
         output_device: where outputs go; None returns them on the inputs' device.
+        _transfer: internal (tests, benchmarks): how host masters reach the device.
 
     Returns:
         A ``Pager`` with ``.plan``, ``.stats`` and ``.remove()``; also a context manager.
@@ -94,7 +97,8 @@ def page(
     # under inference_mode, or the model could not run with autograd on afterwards.
     with torch.inference_mode(False):
         return Pager(model, dev, unit_bytes=units, prefetch=prefetch, resident_bytes=resident,
-                     device_budget=budget, pin_memory=pin_memory, output_device=out_dev)
+                     device_budget=budget, pin_memory=pin_memory, output_device=out_dev,
+                     transfer=_transfer)
 
 
 def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,

@@ -37,7 +37,7 @@ from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
 from .._engines.hoststore import HOST, LOADED, PENDING, Slot, make_slots
 from .._engines.stats import PagingStats
-from .._engines.transfer import SyncTransfer, Transfer, transfer_for
+from .._engines.transfer import Transfer, transfer_for
 from .._planning import Placement, Plan, module_sizes, order_units, paging_units, split_unit
 from .probe import Probe
 
@@ -94,21 +94,25 @@ class Pager(Engine):
             at run time are listed in ``plan.refinements``.
         stats: a ``PagingStats`` with bytes moved, transfers, prefetch hits and misses,
             refinements and the peak device bytes held for weights.
+
+    ``transfer`` is how host masters reach the device (default: ``transfer_for(device)``);
+    tests and benchmarks pass their own.
     """
 
     _engine, _handle = "adaptive.page", "pager"
 
     def __init__(self, model: nn.Module, device: torch.device, *, unit_bytes: int | None,
                  prefetch: int, resident_bytes: int | None, device_budget: int | None,
-                 pin_memory: bool, output_device: torch.device | None) -> None:
+                 pin_memory: bool, output_device: torch.device | None,
+                 transfer: Transfer | None = None) -> None:
         self.model = model
         self.device = device
         self.prefetch = prefetch
         self.budget = device_budget
         self.output_device = output_device
         self._stats = PagingStats()
-        self._transfer: Transfer = transfer_for(device)
-        self._synchronous = isinstance(self._transfer, SyncTransfer)
+        self._transfer = transfer if transfer is not None else transfer_for(device)
+        self._synchronous = self._transfer.synchronous
         self._sizes = module_sizes(model)
         self._modules = dict(model.named_modules())
         self._name_of = {id(m): n for n, m in self._modules.items()}

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -521,10 +522,10 @@ def test_a_module_inside_a_unit_that_does_not_fit_on_its_own_splits_the_unit() -
     reference = copy.deepcopy(model)
     layer = 16 * 16 * 4 + 16 * 4
     x = torch.randn(2, 16)
-    pager = adaptive.page(model, "cpu", unit_bytes=4 * layer, resident_bytes=0)
+    pager, double = page_out_of_room(model, math.inf, unit_bytes=4 * layer, resident_bytes=0)
     with pager, torch.no_grad():
         assert torch.equal(model(x), reference(x))  # learned with "0" as one unit
-        pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer)
+        double.limit = layer
         assert torch.equal(model[0][1](x), reference[0][1](x))  # inside "0", 2 layers
         assert pager.stats.refinements >= 2  # "0", then "0.1"
         assert torch.equal(model(x), reference(x))
@@ -689,25 +690,33 @@ def test_a_tensor_larger_than_the_budget_raises_a_transfer_error_with_sizes() ->
 class OutOfRoomTransfer(SyncTransfer):
     """A device with ``limit`` bytes: copies beyond it raise a real torch OOM."""
 
-    def __init__(self, device: torch.device, pager_ref: list[Any], limit: int) -> None:
-        super().__init__(device)
-        self.pager_ref = pager_ref
+    def __init__(self, limit: float) -> None:
+        super().__init__(torch.device("cpu"))
+        self.pager: Any = None  # the pager it serves, once there is one
         self.limit = limit
         self.failures = 0
 
     def start(self, hosts: Any) -> Any:
         need = sum(h.numel() * h.element_size() for h in hosts)
-        if self.pager_ref[0]._device_bytes + need > self.limit:
+        held = 0 if self.pager is None else self.pager._device_bytes
+        if held + need > self.limit:
             self.failures += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test double)")
         return super().start(hosts)
 
 
+def page_out_of_room(model: nn.Module, limit: float,
+                     **options: Any) -> tuple[adaptive.Pager, OutOfRoomTransfer]:
+    """``model`` paged to a CPU "device" that holds ``limit`` bytes of weights."""
+    double = OutOfRoomTransfer(limit)
+    pager = adaptive.page(model, "cpu", _transfer=double, **options)
+    double.pager = pager
+    return pager, double
+
+
 def test_transfer_oom_refines_the_unit_and_the_same_forward_continues() -> None:
     model, x, expected, layer = _blocks()
-    pager = adaptive.page(model, "cpu", unit_bytes=None, resident_bytes=0)
-    double = OutOfRoomTransfer(pager.device, [pager], limit=3 * layer)
-    pager._transfer = double
+    pager, double = page_out_of_room(model, 3 * layer, unit_bytes=None, resident_bytes=0)
     calls = []
     handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
     with pager, torch.no_grad():
@@ -720,8 +729,7 @@ def test_transfer_oom_refines_the_unit_and_the_same_forward_continues() -> None:
 
 def test_transfer_oom_that_cannot_be_resolved_keeps_the_original_type_and_phase() -> None:
     model, x, expected, layer = _blocks()
-    pager = adaptive.page(model, "cpu", unit_bytes=None, resident_bytes=0)
-    pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer // 2)
+    pager, _ = page_out_of_room(model, layer // 2, unit_bytes=None, resident_bytes=0)
     with pytest.raises(torch.OutOfMemoryError) as info:
         model(x)
     err = info.value
@@ -938,23 +946,18 @@ class DeferredTransfer(SyncTransfer):
         return hits, 0
 
 
-def test_pager_speaks_the_transfer_interface_with_deferred_hits(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import adaptmem._paging.pager
-
-    monkeypatch.setattr(adaptmem._paging.pager, "transfer_for", DeferredTransfer)
+def test_pager_speaks_the_transfer_interface_with_deferred_hits() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)]).eval()
     layer = 16 * 16 * 4 + 16 * 4
     x = torch.randn(2, 16)
     expected = model(x)
-    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer) as pager:
+    transfer = DeferredTransfer(torch.device("cpu"))
+    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer,
+                       _transfer=transfer) as pager:
         with torch.no_grad():
             for _ in range(3):
                 assert torch.equal(model(x), expected)
-        transfer = pager._transfer
-        assert isinstance(transfer, DeferredTransfer)
         stats = pager.stats  # settles
     assert stats.prefetch_misses == transfer.demands - 1  # minus making unit 0 resident
     assert stats.prefetch_hits > 0 and transfer.unsettled == 0
@@ -1050,8 +1053,7 @@ def test_batch_decorator_does_not_shrink_for_a_transfer_oom_of_the_pager() -> No
         sizes.append(batchsize)
         return model(x[:batchsize])
 
-    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
-    pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer // 2)
+    pager, _ = page_out_of_room(model, layer // 2, unit_bytes=0, resident_bytes=0)
     with pager, pytest.raises(OutOfMemoryError) as info, torch.no_grad():
         infer()
     assert info.value.phase == "transfer" and isinstance(info.value, torch.OutOfMemoryError)
