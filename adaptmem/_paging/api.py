@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from .._common.claims import check_placeable
-from .._common.devices import format_bytes, free_memory, parse_size, resolve_device
+from .._common.devices import format_bytes, parse_size, resolve_device
 from .._engines.transfer import Transfer
 from .._planning import module_sizes
 from .pager import Pager
+from .slots import room_for_weights
 
 __all__ = ["Pager", "page"]
 
@@ -105,10 +106,7 @@ def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,
                      resident: int | None, budget: int | None) -> int | None:
     """The coarsest unit size whose working set (``prefetch + 2`` units) fits."""
     total = module_sizes(model).total_bytes
-    if budget is not None:
-        room = budget
-    else:
-        room = int(free_memory(device) * (0.5 if device.type == "cpu" else 0.8))
+    room = room_for_weights(device, budget)
     if resident is None and total <= room:
         return None
     working = room - resident if resident is not None else room // 2

@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from adaptmem import adaptive
 from adaptmem._common.errors import OutOfMemoryError, PlacementError
 from adaptmem._engines.transfer import SyncTransfer
-from adaptmem._paging.probe import is_metadata
+from adaptmem._paging.learner import is_metadata
 from adaptmem._planning import module_sizes
 
 
@@ -125,7 +125,7 @@ def test_weight_read_without_calling_its_module_is_learned_and_loaded() -> None:
     with pager, probe, torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(x), expected)
-        needs = {s.name for s in pager._needs[id(model)]}
+        needs = {s.name for s in pager._needs.by_module[id(model)]}
     assert {"inner.weight", "inner.bias"} <= needs
     assert probe.offenders == []
 
@@ -158,7 +158,7 @@ def test_random_module_trees_paged_at_random_unit_sizes_give_the_unpaged_output(
             assert torch.equal(tree(x), expected)
             for module, out in alone.values():
                 assert torch.equal(module(x), out)
-                assert pager._device_bytes == 0  # nothing left behind by the call
+                assert pager._table.held == 0  # nothing left behind by the call
             assert torch.equal(tree(x), expected)
     assert probe.offenders == []
     after = tree.state_dict()
@@ -236,7 +236,7 @@ def test_tied_embedding_is_one_tensor_on_the_device_while_used() -> None:
 
     pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
     handle = model.lm_head.register_forward_pre_hook(check)  # runs after the pager's hook
-    master = pager._slots["wte.weight"].master.untyped_storage().data_ptr()
+    master = pager._table.slots["wte.weight"].master.untyped_storage().data_ptr()
     try:
         with torch.no_grad():
             assert _same(model(**kwargs), expected)
@@ -401,7 +401,7 @@ def test_a_submodule_called_on_its_own_leaves_no_copy_behind() -> None:
         model(x)
         model(x)
         assert torch.equal(model[0](x), reference[0](x))
-        assert pager._device_bytes == 0  # nothing prefetched for the decoder stays
+        assert pager._table.held == 0  # nothing prefetched for the decoder stays
         for net in (model, reference):
             net[1][0].weight.data.zero_()
         assert torch.equal(model(x), reference(x))
@@ -421,7 +421,8 @@ def test_a_submodule_called_before_the_model_ever_ran_is_watched_and_then_learne
         with probe, torch.no_grad():
             for _ in range(3):
                 assert torch.equal(model.encoder(tokens), reference.encoder(tokens))
-            assert len(pager._calls) < 2 * len(dict(model.named_modules()))  # not growing
+            calls = pager._learner.calls
+            assert len(calls) < 2 * len(dict(model.named_modules()))  # not growing
             assert torch.equal(model(images), reference(images))  # learns from here
             hits = pager.stats.prefetch_hits
             assert torch.equal(model(images), reference(images))
@@ -453,7 +454,7 @@ def test_a_module_inside_a_paged_unit_called_on_its_own_brings_in_its_weights() 
                     else:
                         got, want = inner(tokens), ref(tokens)
                     assert torch.equal(got, want)
-                    assert pager._device_bytes == 0  # released when the call ended
+                    assert pager._table.held == 0  # released when the call ended
             assert torch.equal(model(images), reference(images))
     assert probe.offenders == []
 
@@ -481,7 +482,7 @@ def test_a_layer_of_a_unit_called_where_its_unit_is_not_running_brings_in_its_we
         with probe, torch.no_grad():
             for skip in (False, False, True, True, False):  # learned without the skip
                 assert torch.equal(model(x, skip=skip), reference(x, skip=skip))
-                assert pager._device_bytes == 0
+                assert pager._table.held == 0
     assert probe.offenders == []
 
 
@@ -511,7 +512,7 @@ def test_a_recursive_module_inside_a_unit_called_on_its_own_keeps_its_weights() 
             for _ in range(2):
                 assert torch.equal(model(x), reference(x))
                 assert torch.equal(model[0][0](x), reference[0][0](x))
-                assert pager._device_bytes == 0
+                assert pager._table.held == 0
     assert probe.offenders == []
 
 
@@ -560,7 +561,7 @@ def test_a_layer_of_a_resident_unit_tied_to_a_paged_weight_brings_that_weight_in
             for skip in (False, False, True):
                 assert torch.equal(model(x, skip=skip), reference(x, skip=skip))
             assert torch.equal(model.r[1](x), reference.r[1](x))
-            assert pager._device_bytes == pager._resident_bytes
+            assert pager._table.held == pager._table.resident_bytes
     assert probe.offenders == []
 
 
@@ -593,7 +594,7 @@ def test_a_module_inside_a_unit_that_also_reads_another_unit_brings_in_both_on_i
             for _ in range(2):
                 assert torch.equal(model(x), expected)
                 assert torch.equal(model.a[1](x), expected_inner)
-                assert pager._device_bytes == 0
+                assert pager._table.held == 0
     assert probe.offenders == []
 
 
@@ -640,7 +641,7 @@ def test_exception_in_forward_passes_through_and_releases_device_copies() -> Non
             with pytest.raises(ValueError) as info:
                 model(x)
             assert info.value is boom
-            assert pager._device_bytes == 0 and not pager._stack
+            assert pager._table.held == 0 and not pager._stack
         model.fail = False
         with torch.no_grad():
             out = model(x)
@@ -698,7 +699,7 @@ class OutOfRoomTransfer(SyncTransfer):
 
     def start(self, hosts: Any) -> Any:
         need = sum(h.numel() * h.element_size() for h in hosts)
-        held = 0 if self.pager is None else self.pager._device_bytes
+        held = 0 if self.pager is None else self.pager._table.held
         if held + need > self.limit:
             self.failures += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test double)")
@@ -913,9 +914,10 @@ def test_a_path_the_first_forward_did_not_take_is_watched_and_learned(
             assert torch.equal(model(x, rare=True), expected)
             for rare in (False, True, False, True):  # both paths known: no more relearning
                 model(x, rare=rare)
-                assert not pager._learning and not pager._relearn and pager._probe is None
+                learner = pager._learner
+                assert not learner.learning and not learner.relearn and learner.probe is None
         assert {"rare.inner.weight", "rare.inner.bias"} <= {
-            s.name for s in pager._needs[id(model.rare)]}
+            s.name for s in pager._needs.by_module[id(model.rare)]}
     assert probe.offenders == []
     assert sum("ran for the first time" in r.message for r in adaptmem_log.records) == 1
 
@@ -1039,7 +1041,7 @@ def test_batch_decorator_shrinks_for_compute_ooms_inside_a_paged_model() -> None
     with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
         with torch.no_grad():
             out = infer()
-        assert pager._device_bytes <= 2 * (8 * 8 * 4 + 8 * 4) and not pager._stack
+        assert pager._table.held <= 2 * (8 * 8 * 4 + 8 * 4) and not pager._stack
     assert sizes[0] == 16 and sizes[-1] <= 4
     torch.testing.assert_close(out, expected)
 
@@ -1069,7 +1071,7 @@ def test_gpu_outputs_come_back_on_the_input_device_and_masters_are_pinned() -> N
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
         with torch.no_grad():
             out = model(**kwargs)
-        assert all(s.master.is_pinned() for s in pager._slots.values())
+        assert all(s.master.is_pinned() for s in pager._table.slots.values())
     assert out["logits"].device.type == "cpu"
     torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
 
@@ -1146,7 +1148,7 @@ def test_gpu_a_model_already_on_cuda_is_paged_and_put_back_there_bitwise() -> No
     with torch.no_grad():
         expected = model(x)
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
-        assert all(s.master.device.type == "cpu" for s in pager._slots.values())
+        assert all(s.master.device.type == "cpu" for s in pager._table.slots.values())
         with torch.no_grad():
             assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
     for n, t in [*model.named_parameters(), *model.named_buffers()]:
