@@ -32,7 +32,6 @@ KNOWN = {
     "adaptmem._simcuda._simulation uses _state._active",
     "adaptmem._simcuda._simulation uses _tensors._Functions",
     "adaptmem._simcuda._simulation uses _tensors._Dispatch",
-    "adaptmem._paging.pager.Pager",
     "adaptmem._placement.engine.Splitter",
     "adaptmem._spilling._hooks._Step",
 }

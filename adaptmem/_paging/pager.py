@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from .._engines.transfer import Transfer, transfer_for
 from .._planning import Placement, Plan, module_sizes, order_units, paging_units
 from .hooks import Frame, Hooks
 from .learner import Learner, Quiet
-from .needs import Needs, enclosing_unit, unit_heads
+from .needs import Needs
 from .refine import Refiner
 from .schedule import Schedule
 from .slots import NoRoom, SlotTable, room_for_weights
@@ -100,7 +99,8 @@ class Pager(Engine):
             for s in slots.values():
                 if s.original is None:
                     s.tensor.data = s.master
-            self._make_resident(resident_bytes)
+            self._units = self._table.keep_resident(self._units, self._allowance(resident_bytes))
+            self.plan.units = list(self._units)
             self._guard.expect({n: s.copy if s.resident else s.master  # type: ignore[misc]
                                 for n, s in slots.items()})
             self._compute_needs()
@@ -110,29 +110,18 @@ class Pager(Engine):
             self.remove()
             raise
 
-    def _make_resident(self, resident_bytes: int | None) -> None:
-        """Keep units on the device for good, in order, while they fit ``resident_bytes``
-        ("auto", None: what free memory allows after room for the paged working set)."""
-        allowance = resident_bytes
-        if allowance is None:
-            room = room_for_weights(self.device, self.budget)
-            working = (self.prefetch + 2) * max((u.nbytes for u in self._units), default=0)
-            allowance = room if self._sizes.total_bytes <= room else max(0, room - working)
-        placed = []
-        for unit in self._units:
-            slots = [self._table.slots[n] for n in unit.tensors]
-            used = self._table.resident_bytes
-            resident = bool(slots) and used + sum(s.nbytes for s in slots) <= allowance
-            if resident and not self._table.make_resident(slots, unit.name):
-                resident, allowance = False, used
-            placed.append(replace(unit, placement=Placement.RESIDENT if resident
-                                  else Placement.PAGED))
-        self._units = placed
-        self.plan.units = list(placed)
+    def _allowance(self, resident_bytes: int | None) -> int:
+        """The bytes of units kept resident: ``resident_bytes``, or for "auto" (None) what
+        free memory allows after room for the paged working set."""
+        if resident_bytes is not None:
+            return resident_bytes
+        room = room_for_weights(self.device, self.budget)
+        working = (self.prefetch + 2) * max((u.nbytes for u in self._units), default=0)
+        return room if self._sizes.total_bytes <= room else max(0, room - working)
 
     def _compute_needs(self) -> None:
-        """What each module acquires, and once a forward is learned, the prefetch schedule
-        and hooks for every module that acquires something."""
+        """What each module acquires; once a forward is learned, the prefetch schedule and
+        hooks on every module that acquires something (while learning, all have them)."""
         self._needs.compute(self._units, self._modules, self._table, self._learner)
         if self._learner.learning:
             return
@@ -151,7 +140,10 @@ class Pager(Engine):
         root = module is self.model
         stack = self._stack
         if root:
-            args, kwargs = self._begin_forward(args, kwargs)
+            self._begin_call()
+            self._stats.forwards += 1
+            self._input_device = first_tensor_device((args, kwargs))
+            args, kwargs = to_device((args, kwargs), self.device)
         elif not stack:  # a submodule called on its own (an encoder, say)
             self._begin_call()
         mid = id(module)
@@ -207,12 +199,6 @@ class Pager(Engine):
             output = to_device(output, target)
         return output
 
-    def _begin_forward(self, args: Any, kwargs: Any) -> tuple[Any, Any]:
-        self._begin_call()
-        self._stats.forwards += 1
-        self._input_device = first_tensor_device((args, kwargs))
-        return to_device((args, kwargs), self.device)
-
     def _begin_call(self) -> None:
         """An outermost call into the model begins: of the model, or of a submodule on its
         own. Until a whole forward has been learned, every call is watched by the probe."""
@@ -259,38 +245,20 @@ class Pager(Engine):
     # -- acquiring -------------------------------------------------------------------------
 
     def _acquire(self, frame: Frame, needs: tuple[Slot, ...]) -> None:
-        try:
-            if needs:
-                self._table.acquire(needs)
-        except NoRoom as exc:
-            needs = self._refine(frame.module, needs, exc)
-        frame.slots = needs
-
-    def _refine(self, module: nn.Module, needs: tuple[Slot, ...],
-                cause: NoRoom) -> tuple[Slot, ...]:
-        """``module``'s ``needs`` did not fit: split its unit and acquire what it needs then;
-        again while that does not fit. A module inside a unit, called where its unit is not
-        running, may split that unit (which may make the module a unit of its own). Returns
-        what it acquired."""
+        """Hold ``needs`` while ``frame`` runs. What does not fit is split (see refine.py),
+        and what the module needs after the split is acquired instead."""
+        module = frame.module
         while True:
-            name = self._name(module)
-            outer = (enclosing_unit(name, unit_heads(self._units))
-                     if id(module) in self._needs.alone else None)
-            parts = self._refiner.split(self._units, name, cause)
-            if not parts and outer is not None:
-                parts = self._refiner.split(self._units, outer, cause)
-            if not parts:
-                self._refiner.give_up(name, [s for s in needs if s.state is not LOADED], cause)
-            self._compute_needs()
-            for p in parts:
-                self._hooks.add(self._modules[p.module])
-            needs = self._needs.for_call(id(module), len(self._stack) == 1) or ()
             try:
                 if needs:
                     self._table.acquire(needs)
-                return needs
-            except NoRoom as exc:
-                cause = exc
+                frame.slots = needs
+                return
+            except NoRoom as cause:
+                self._refiner.refine(self._units, self._name(module), id(module) in
+                                     self._needs.alone, needs, cause)
+            self._compute_needs()  # hooks the parts' modules too
+            needs = self._needs.for_call(id(module), len(self._stack) == 1) or ()
 
     def _touch(self, args: Any, kwargs: Any) -> None:
         """The probe saw an op: any weight among its arguments is loaded first (and, while

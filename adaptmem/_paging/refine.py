@@ -16,9 +16,10 @@ from typing import NoReturn
 
 from .._common.devices import format_bytes, free_memory
 from .._common.errors import OutOfMemoryError, oom_error_for
-from .._engines.hoststore import Slot
+from .._engines.hoststore import LOADED, Slot
 from .._engines.stats import PagingStats
 from .._planning import ModuleSizes, Placement, Plan, Unit, split_unit
+from .needs import enclosing_unit, unit_heads
 from .slots import NoRoom, SlotTable
 
 __all__ = ["Refiner"]
@@ -37,15 +38,27 @@ class Refiner:
         self.stats = stats
         self.table = table
 
-    def split(self, units: list[Unit], module: str, cause: NoRoom) -> list[Unit]:
-        """Split the paged unit of ``module`` in ``units``, in place. Returns its parts;
-        none when ``module`` has no paged unit, or its unit has no parts."""
+    def refine(self, units: list[Unit], module: str, inside: bool, needs: Sequence[Slot],
+               cause: NoRoom) -> None:
+        """``module``'s ``needs`` did not fit (``cause``): split its unit in ``units``, in
+        place, or when it has none to split and lies ``inside`` a unit (called where that
+        unit is not running), that unit, which may make ``module`` a unit of its own.
+        Raises the transfer error when there is nothing to split."""
+        if self._split(units, module, cause):
+            return
+        outer = enclosing_unit(module, unit_heads(units)) if inside else None
+        if outer is None or not self._split(units, outer, cause):
+            self.give_up(module, [s for s in needs if s.state is not LOADED], cause)
+
+    def _split(self, units: list[Unit], module: str, cause: NoRoom) -> bool:
+        """Split the paged unit of ``module`` in ``units``, in place. False when ``module``
+        has no paged unit, or its unit has no parts."""
         for i, unit in enumerate(units):
             if unit.module != module or unit.own or unit.placement is Placement.RESIDENT:
                 continue
             parts = split_unit(self.sizes, unit)
             if not parts:
-                return []
+                return False
             parts = [replace(p, placement=Placement.PAGED) for p in parts]
             units[i:i + 1] = parts
             self.plan.units = list(units)
@@ -59,8 +72,8 @@ class Refiner:
                 "%s free): split into %d units", unit.name, format_bytes(unit.nbytes),
                 device, why, format_bytes(self.table.held), format_bytes(free_memory(device)),
                 len(parts))
-            return parts
-        return []
+            return True
+        return False
 
     def give_up(self, module: str, missing: Sequence[Slot], cause: NoRoom) -> NoReturn:
         """Raise the transfer error: ``missing`` (``module``'s) does not fit and cannot be

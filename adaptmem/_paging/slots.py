@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from .._common.oom import free_caches, is_oom
 from .._engines.hoststore import HOST, LOADED, PENDING, Slot
 from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer
+from .._planning import Placement, Unit
 
 __all__ = ["NoRoom", "SlotTable", "room_for_weights"]
 
@@ -169,7 +171,22 @@ class SlotTable:
         self.stats.transfers += 1
         self.stats.bytes_moved += nbytes
 
-    def make_resident(self, slots: Sequence[Slot], unit: str) -> bool:
+    def keep_resident(self, units: Sequence[Unit], allowance: int) -> list[Unit]:
+        """Copy units to the device for good, in order, while their bytes fit in
+        ``allowance``; the first that does not fit in memory ends it. Returns ``units``,
+        each marked resident or paged."""
+        placed = []
+        for unit in units:
+            slots = [self.slots[n] for n in unit.tensors]
+            used = self.resident_bytes
+            resident = bool(slots) and used + sum(s.nbytes for s in slots) <= allowance
+            if resident and not self._make_resident(slots, unit.name):
+                resident, allowance = False, used
+            placed.append(replace(unit, placement=Placement.RESIDENT if resident
+                                  else Placement.PAGED))
+        return placed
+
+    def _make_resident(self, slots: Sequence[Slot], unit: str) -> bool:
         """Copy ``slots`` (``unit``'s) to the device for good. Returns False, changing
         nothing, when they do not fit (an out-of-memory error)."""
         try:
