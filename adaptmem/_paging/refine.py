@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import NoReturn
 
 from .._common.devices import format_bytes, free_memory
-from .._common.errors import OutOfMemoryError, oom_error_for
+from .._common.errors import OutOfMemoryError, Phase, oom_error_for
 from .._engines.hoststore import LOADED, Slot
 from .._engines.stats import PagingStats
 from .._planning import ModuleSizes, Placement, Plan, Unit, split_unit
@@ -92,8 +92,8 @@ class Refiner:
         )
         if cause.oom is not None:
             err = oom_error_for(cause.oom)(message)
-            err.phase = "transfer"
+            err.phase = Phase.TRANSFER
             raise err from cause.oom
         err = OutOfMemoryError(message)
-        err.phase = "transfer"
+        err.phase = Phase.TRANSFER
         raise err
