@@ -26,7 +26,7 @@ import torch
 
 from .._common.devices import free_memory
 from .._common.oom import free_caches, is_oom
-from .._engines.hoststore import HOST, LOADED, PENDING, Slot
+from .._engines.hoststore import HOST, LOADED, PENDING, Slot  # See [Note: slot states on ...]
 from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer
 from .._planning import Placement, Unit
