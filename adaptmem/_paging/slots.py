@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._common.devices import free_memory
+from .._common.headroom import weight_room
 from .._common.oom import free_caches, is_oom
 from .._engines.hoststore import HOST, LOADED, PENDING, Slot  # See [Note: slot states on ...]
 from .._engines.stats import PagingStats
@@ -37,11 +37,11 @@ logger = logging.getLogger("adaptmem")
 
 
 def room_for_weights(device: torch.device, budget: int | None) -> int:
-    """The device bytes weights may take: ``budget``, else a share of free memory that
-    leaves room for activations (on the CPU, half: the masters share the same memory)."""
+    """The device bytes weights may take: ``budget``, else free memory minus the reserve
+    every engine keeps back (see [Note: headroom] in ``_common/headroom.py``)."""
     if budget is not None:
         return budget
-    return int(free_memory(device) * (0.5 if device.type == "cpu" else 0.8))
+    return weight_room(device)[0]
 
 
 class NoRoom(Exception):
