@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _report import header, write_section  # noqa: E402
 
 from adaptmem import adaptive  # noqa: E402
-from adaptmem._placement.engine import Splitter
+from adaptmem._placement import Splitter
 from adaptmem._planning import module_sizes
 
 _BEST = False
