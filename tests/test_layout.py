@@ -36,7 +36,6 @@ KNOWN = {
     "adaptmem._simcuda._simulation uses _tensors._Functions",
     "adaptmem._simcuda._simulation uses _tensors._Dispatch",
     "adaptmem._paging.pager.Pager",
-    "adaptmem._spilling._hooks._Step",
 }
 MAX_CLASS_LINES = 300
 
