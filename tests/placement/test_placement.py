@@ -627,6 +627,27 @@ def test_docstring_examples_run() -> None:
     assert result.attempted > 0 and result.failed == 0
 
 
+def test_place_with_example_inputs_places_a_lazy_handle_now_and_only_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).eval()
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        ref = model(x)
+    with adaptive.chunk(model, "cpu", capacity=8 * 9 * 2, dtype=torch.bfloat16) as chunker:
+        assert chunker.plan is None
+        chunker.place(example_inputs=x)
+        assert chunker.device_map == {"0": "cpu@bfloat16", "1": "cpu"}
+        assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+        with pytest.raises(adaptive.PlacementError, match="placed already"):
+            chunker.place({"0": "cpu", "1": "cpu"}, example_inputs=x)
+        assert chunker.device_map == {"0": "cpu@bfloat16", "1": "cpu"}  # nothing applied
+        with pytest.raises(TypeError, match="device_map .* or example_inputs"):
+            chunker.place()
+        with torch.no_grad():
+            assert rel_err(model(x), ref) < BF16_RTOL
+    assert model[0].weight.dtype == torch.float32
+
+
 def test_a_bad_device_map_fails_at_split_not_at_the_first_forward() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).eval()
     with pytest.raises(adaptive.PlacementError, match="without a device"):
