@@ -159,41 +159,65 @@ def _cannot_run_on_meta(exc: BaseException) -> bool:
     return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
 
 
-def _record(model: nn.Module, spec: str, size: int) -> Any:
+def _example_from(spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inputs an ``--example package.module:function`` gives, made on the meta device:
+    a tensor, a tuple of positional inputs or a dict of keyword inputs."""
+    from ._planning import split_inputs
+
+    maker = _factory(spec)
+    if not callable(maker):
+        raise _UsageError(f"--example {spec!r} is {type(maker).__name__}, not a function; name "
+                          f"a function that returns the example inputs")
+    try:
+        with torch.device("meta"):
+            return split_inputs(maker())
+    except Exception as exc:  # noqa: BLE001 - the user's function failed: one line
+        raise _UsageError(f"--example {spec!r} failed ({_first_line(exc)}); it must return "
+                          f"a tensor, a tuple or a dict of inputs, with no arguments") from None
+
+
+def _record(model: nn.Module, spec: str, size: int, example_spec: str | None) -> Any:
     """The recorded forward on the example input, or None where there is none to run."""
     from ._planning import record_forward
 
-    example = _example_args(spec, size)
-    if example is None:
-        return None
-    try:
-        return record_forward(model, example, {})
-    except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
+    if example_spec is not None:
+        args, kwargs = _example_from(example_spec)
+        what, fix = f"the --example {example_spec!r} inputs", "check what --example returns"
+    else:
+        example = _example_args(spec, size)
+        if example is None:
+            print(f"adaptmem plan: note: no example inputs for {spec}; units are in "
+                  f"registration order (give --example package.module:function for the "
+                  f"execution order)", file=sys.stderr)
+            return None
+        args, kwargs = example, {}
         shape = "x".join(str(n) for n in example[0].shape)
+        what, fix = f"a {shape} example input", "give --image-size a size the model accepts"
+    try:
+        return record_forward(model, args, kwargs)
+    except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
         if _cannot_run_on_meta(exc):
             print(f"adaptmem plan: note: {spec} cannot run on the meta device "
                   f"({_first_line(exc)}); units are in registration order, not execution "
                   f"order", file=sys.stderr)
             return None
-        raise _UsageError(f"{spec} does not run on a {shape} example input ({_first_line(exc)}); "
-                          f"give --image-size a size the model accepts (default 224)") from None
+        raise _UsageError(f"{spec} does not run on {what} ({_first_line(exc)}); "
+                          f"{fix}") from None
 
 
 def _device_spec(spec: str, dtype: torch.dtype | None
                  ) -> tuple[torch.device, torch.dtype | None, str]:
     """``DEVICE[@DTYPE][=CAPACITY]`` -> (device, dtype, capacity text), parsed not probed,
     so a plan can be made for any machine."""
+    from ._common.devices import parse_device
     from ._planning import parse_dtype
 
     name, _, capacity = spec.partition("=")
     name, at, dtype_name = name.partition("@")
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise _UsageError(f"--device {spec!r}: {name!r} is not a device name such as 'cuda:0' "
-                          f"or 'cpu' (optionally with a dtype: 'cpu@bfloat16')") from None
-    if device.type == "cpu":
-        device = torch.device("cpu")
+        device = parse_device(name, f"--device {spec!r}:")
+    except ValueError as exc:
+        raise _UsageError(f"{exc} (optionally with a dtype: 'cpu@bfloat16')") from None
     if at:
         given = parse_dtype(dtype_name, f"the dtype in --device {spec!r}")
         if dtype is not None and given != dtype:
@@ -272,13 +296,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             targets, options = _placement_targets(args)
         model = _build_model(args.model)
-        recording = _record(model, args.model, args.image_size)
+        recording = _record(model, args.model, args.image_size, args.example)
         if args.mode == "page":
             result = plan(model, unit_bytes=unit_bytes,
                           order=None if recording is None else recording.order)
         else:
             result = plan_placement(model, module_sizes(model), targets, recording,
                                     mode=args.mode, options=options)
+        if recording is not None and args.mode != "page":
+            _report_activations(result, model, args)
     except (TypeError, ValueError, AdaptmemError) as exc:
         raise _UsageError(exc) from None
     if args.json:
@@ -290,6 +316,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print("placed (in each device's dtype): " + ", ".join(
             f"{label} {format_bytes(n)}" for label, n in placed.items()))
     return 0
+
+
+def _report_activations(result: Any, model: nn.Module, args: argparse.Namespace) -> None:
+    """Add the predicted activation bytes per item (and the largest batch left room for on the
+    first device) to ``result.options``, from the same example inputs as the recording."""
+    from ._planning import activation_report
+
+    if args.example is not None:
+        inputs = _example_from(args.example)
+    else:
+        inputs = (_example_args(args.model, args.image_size) or (), {})
+    first = result.units[0].placement if result.units else None
+    capacity = result.options.get("devices", {}).get(str(first)) if first else None
+    room = None
+    if capacity is not None:
+        room = max(0, capacity - result.options.get("placed_bytes", {}).get(str(first), 0))
+    result.options["activations"] = activation_report(model, *inputs, room)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -344,6 +387,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "e.g. float16 or bfloat16 (chunk: the resident device only)")
     p.add_argument("--image-size", type=int, default=224,
                    help="example input size for vision models (default 224)")
+    p.add_argument("--example", default=None, metavar="PACKAGE.MODULE:FUNCTION",
+                   help="a function returning example inputs (a tensor, tuple or dict of "
+                        "keyword inputs, made on meta) whose forward gives the execution "
+                        "order; torchvision models get one from --image-size")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_cmd_plan)
 

@@ -140,3 +140,26 @@ ZOO: dict[str, Callable[[], tuple[nn.Module, tuple[Any, ...], dict[str, Any]]]] 
     "swin_t": functools.partial(_torchvision, "swin_t", 64),
     "tiny_gpt": _gpt,
 }
+
+
+# Zero-argument factories and example inputs, as `adaptmem plan MODULE:FACTORY --example
+# MODULE:FUNCTION` takes them (the tests directory is importable while tests run).
+def vit_small_example() -> torch.Tensor:
+    return torch.randn(1, 3, 32, 32)
+
+
+def tiny_gpt_example() -> dict[str, torch.Tensor]:
+    return tiny_gpt_inputs()
+
+
+def hf_gpt2() -> nn.Module:
+    """A two-layer Hugging Face GPT-2 from a config (random weights, nothing downloaded)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
+                                      n_positions=32, bos_token_id=0, eos_token_id=1,
+                                      pad_token_id=0)).eval()
+
+
+def hf_gpt2_example() -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.arange(12).reshape(2, 6) % 100}

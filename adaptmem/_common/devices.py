@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from .tree import first_tensor_device, map_tensors  # re-exported until importers move
+
 __all__ = [
     "resolve_device",
+    "parse_device",
     "default_device",
     "memory_info",
     "free_memory",
@@ -139,6 +142,23 @@ def resolve_device(device: Any, name: str = "device") -> torch.device:
     return dev
 
 
+def parse_device(device: Any, name: str = "device") -> torch.device:
+    """A ``torch.device`` from its name without asking whether this machine has it, for plans
+    made for another machine (``resolve_device`` checks). An integer or an accelerator name
+    without an index means index 0 (``"cuda"`` is ``cuda:0``); the CPU has no index."""
+    try:
+        dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"{name} {device!r} is not a device name such as 'cuda:0' or "
+                         f"'cpu'") from None
+    if dev.type == "meta":
+        raise ValueError(f"{name} {device!r}: the meta device holds no data; pick 'cpu' "
+                         f"or 'cuda'")
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    return dev if dev.index is not None else torch.device(dev.type, 0)
+
+
 def memory_info(device: torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes on ``device``: on CUDA within any per-process memory fraction,
     on the CPU under any adaptmem CPU limit."""
@@ -197,29 +217,6 @@ def stream_module(device: torch.device) -> Any:
     return module if all(hasattr(module, n) for n in needed) else None
 
 
-def map_tensors(obj: Any, fn: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and namedtuples; other
-    values come back as they were (the same object when nothing inside changed)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple):
-        items = [map_tensors(x, fn) for x in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
-            return obj
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [map_tensors(x, fn) for x in obj]
-    if isinstance(obj, dict):
-        out = {k: map_tensors(v, fn) for k, v in obj.items()}
-        if all(out[k] is v for k, v in obj.items()):
-            return obj
-        try:
-            return type(obj)(out)
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return out
-    return obj
-
-
 def to_device(
     obj: Any,
     device: torch.device,
@@ -236,20 +233,3 @@ def to_device(
         return t.to(device=device, dtype=target, non_blocking=non_blocking)
 
     return map_tensors(obj, move)
-
-
-def first_tensor_device(obj: Any) -> torch.device | None:
-    """The device of the first tensor found in nested ``obj``, or None."""
-    if isinstance(obj, torch.Tensor):
-        return obj.device
-    if isinstance(obj, (tuple, list)):
-        for x in obj:
-            d = first_tensor_device(x)
-            if d is not None:
-                return d
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            d = first_tensor_device(x)
-            if d is not None:
-                return d
-    return None

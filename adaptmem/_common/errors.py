@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 
+from .enums import TextEnum
+
 __all__ = [
+    "Phase",
     "AdaptmemError",
     "OutOfMemoryError",
     "PlacementError",
@@ -17,16 +20,23 @@ class AdaptmemError(RuntimeError):
     """Root of every error adaptmem raises on its own account."""
 
 
+class Phase(TextEnum):
+    """Where memory ran out; compares equal to its text (``Phase.TRANSFER == "transfer"``)."""
+
+    COMPUTE = "compute"  # inside the user's function: a smaller batch or step helps
+    TRANSFER = "transfer"  # while moving weights to a device: finer units help
+
+
 class OutOfMemoryError(AdaptmemError):
     """Memory ran out and adaptmem could not adapt further.
 
     Instances raised by adaptmem are also instances of the original out-of-memory type
     (``torch.OutOfMemoryError``, ``MemoryError``, ...), so existing ``except`` clauses keep
     working. ``phase`` says where memory ran out: ``"compute"`` (inside the user's function)
-    or ``"transfer"`` (while moving weights to a device).
+    or ``"transfer"`` (while moving weights to a device), a ``Phase`` equal to that text.
     """
 
-    phase: str = "compute"
+    phase: Phase = Phase.COMPUTE
 
 
 class PlacementError(AdaptmemError):

@@ -8,7 +8,7 @@ import traceback
 import torch
 
 from .devices import empty_cache
-from .errors import OutOfMemoryError
+from .errors import OutOfMemoryError, Phase
 
 __all__ = ["is_oom", "oom_phase", "shrinks_size", "drop_frames", "free_caches", "OOM_MESSAGES"]
 
@@ -58,15 +58,16 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and _message_match(exc)
 
 
-def oom_phase(exc: BaseException) -> str:
-    """``"transfer"`` if memory ran out while adaptmem moved weights, else ``"compute"``."""
-    return getattr(exc, "phase", "compute")
+def oom_phase(exc: BaseException) -> Phase:
+    """``Phase.TRANSFER`` if memory ran out while adaptmem moved weights, else
+    ``Phase.COMPUTE``."""
+    return Phase(getattr(exc, "phase", Phase.COMPUTE))
 
 
 def shrinks_size(exc: BaseException) -> bool:
     """True for an out-of-memory error that a smaller batch or step can help: one raised in
     compute, not one a pager raised while moving weights."""
-    return is_oom(exc) and oom_phase(exc) != "transfer"
+    return is_oom(exc) and oom_phase(exc) is not Phase.TRANSFER
 
 
 def drop_frames(exc: BaseException) -> None:

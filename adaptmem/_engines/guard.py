@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .._common.errors import PlacementError
+from .._common.tree import registrations
 
 __all__ = ["NotCopyable", "PlacementGuard"]
 
@@ -85,15 +86,13 @@ class PlacementGuard:
         self._registered: list[torch.Tensor | None] = []
         self._kinds: list[str] = []
         self._homes: list[tuple[torch.dtype, torch.device]] = []  # as before placement
-        for prefix, module in model.named_modules():
-            for registry, kind in ((module._parameters, "parameter"), (module._buffers, "buffer")):
-                for attr, t in registry.items():
-                    if t is not None and id(t) in where:
-                        self._registries.append(registry)
-                        self._attrs.append(attr)
-                        self._registered.append(t)
-                        self._kinds.append(f"{kind} {prefix + '.' if prefix else ''}{attr}")
-                        self._homes.append((t.dtype, t.device))
+        for r in registrations(model):
+            if id(r.tensor) in where:
+                self._registries.append(r.registry)
+                self._attrs.append(r.attr)
+                self._registered.append(r.tensor)
+                self._kinds.append(f"{r.kind} {r.name}")
+                self._homes.append((r.tensor.dtype, r.tensor.device))
         # Registrations whose object a forward replaced: index -> (dtype, device) it had.
         self._adopted: dict[int, tuple[torch.dtype, int]] = {}
         self._passed = False  # the last check passed: the call that followed really ran

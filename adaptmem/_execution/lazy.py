@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .._common.errors import oom_error_for
+from .._common.errors import Phase, oom_error_for
 from .._common.oom import shrinks_size
 from .cache import BatchsizeCache, SizeRecord
 from .retry import logger, shrink
@@ -67,7 +67,7 @@ class _Run:
             f"retry every batch, decorate a function that handles one batch and call it "
             f"from the generator."
         )
-        error.phase = "compute"
+        error.phase = Phase.COMPUTE
         return error
 
 

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._common.devices import default_device, format_bytes, free_memory
-from .._common.errors import oom_error_for
+from .._common.errors import Phase, oom_error_for
 from .._common.oom import drop_frames, free_caches, shrinks_size
 from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 
@@ -107,7 +107,7 @@ def shrink(
             f"smaller sizes make sense, or free memory (another process, a smaller model, "
             f"adaptive.page for the weights)."
         )
-        error.phase = "compute"
+        error.phase = Phase.COMPUTE
         raise error from failure
     drop_frames(failure)
     free_caches(device)

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._common.devices import first_tensor_device, format_bytes, free_memory, synchronize, to_device
-from .._common.errors import OutOfMemoryError, PlacementError, oom_error_for
+from .._common.errors import OutOfMemoryError, Phase, PlacementError, oom_error_for
 from .._common.oom import free_caches, is_oom
 from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
@@ -740,10 +740,10 @@ class Pager(Engine):
         )
         if cause.oom is not None:
             err = oom_error_for(cause.oom)(message)
-            err.phase = "transfer"
+            err.phase = Phase.TRANSFER
             raise err from cause.oom
         err = OutOfMemoryError(message)
-        err.phase = "transfer"
+        err.phase = Phase.TRANSFER
         raise err
 
     # -- public ----------------------------------------------------------------------------

@@ -19,7 +19,10 @@ from .sizes import ModuleSizes
 from .targets import Target, dtype_name
 from .units import Unit, assign_devices, order_units, paging_units
 
-__all__ = ["ATOMIC_MODULE_TYPES", "placement_units", "plan_placement", "own_ties_where_first_used", "placed_bytes", "label_for_unit", "check_ties"]
+__all__ = [
+    "ATOMIC_MODULE_TYPES", "placement_units", "plan_placement", "own_ties_where_first_used",
+    "placed_bytes", "label_for_unit", "check_ties"
+]
 
 # Their forwards may read children's weights without calling the children, on fast paths
 # that depend on grad mode and device (so a meta forward cannot reveal it): never split them.

@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-__all__ = ["TensorInfo", "ModuleSizes", "module_sizes", "tensor_bytes", "join_name"]
+from .._common.tree import join_name, registrations
+
+__all__ = ["TensorInfo", "ModuleSizes", "module_sizes", "tensor_bytes"]
 
 
 def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
@@ -38,10 +40,6 @@ class TensorInfo:
         if dtype is not None and self.floating:
             return self.numel * dtype.itemsize
         return self.nbytes
-
-
-def join_name(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 @dataclass
@@ -80,7 +78,6 @@ def module_sizes(model: nn.Module) -> ModuleSizes:
     children: dict[str, list[str]] = {}
     own: dict[str, list[str]] = {}
     tensors: dict[str, TensorInfo] = {}
-    by_id: dict[int, str] = {}
     aliases: dict[str, list[str]] = {}
     seen_modules: dict[int, str] = {}
     walked = list(model.named_modules())
@@ -94,22 +91,15 @@ def module_sizes(model: nn.Module) -> ModuleSizes:
         children[mod_name] = [
             full for child_name, child in module.named_children() if child is not None
             and seen_modules[id(child)] == (full := join_name(mod_name, child_name))]
-        for kind, registry in (("parameter", module._parameters), ("buffer", module._buffers)):
-            for attr, t in registry.items():
-                if t is None:
-                    continue
-                full = join_name(mod_name, attr)
-                canonical = by_id.get(id(t))
-                if canonical is not None:
-                    aliases[canonical].append(full)
-                    continue
-                by_id[id(t)] = full
-                aliases[full] = []
-                own[mod_name].append(full)
-                tensors[full] = TensorInfo(
-                    full, mod_name, attr, kind, tensor_bytes(t), t.numel(), t.dtype,
-                    t.is_floating_point(),
-                )
+    for r in registrations(model):  # see [Note: canonical tensor names] in _common/tree.py
+        if r.name != r.canonical:
+            aliases[r.canonical].append(r.name)
+            continue
+        t = r.tensor
+        aliases[r.name] = []
+        own[r.module_name].append(r.name)
+        tensors[r.name] = TensorInfo(r.name, r.module_name, r.attr, r.kind, tensor_bytes(t),
+                                     t.numel(), t.dtype, t.is_floating_point())
     for name, extra in aliases.items():
         if extra:
             tensors[name] = replace(tensors[name], aliases=tuple(extra))

@@ -10,10 +10,13 @@ from typing import Any
 
 import torch
 
-from .._common.devices import memory_info, parse_size, resolve_device
+from .._common.devices import parse_device, parse_size, resolve_device
+from .._common.headroom import weight_room
 
-__all__ = ["Target", "parse_dtype", "dtype_name", "make_label", "split_label", "qualify_labels", "capacity_of", "auto_capacity", "targets_from_devices", "parse_device"]
-_MIN_RESERVE = 512 * 1024**2
+__all__ = [
+    "Target", "parse_dtype", "dtype_name", "make_label", "split_label", "qualify_labels",
+    "capacity_of", "auto_capacity", "targets_from_devices"
+]
 
 
 @dataclass(frozen=True)
@@ -78,18 +81,10 @@ def capacity_of(value: Any, name: str) -> int | None:
 
 
 def auto_capacity(device: torch.device, reserve: Any = "auto") -> tuple[int, int]:
-    """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus a reserve.
-
-    ``reserve="auto"`` keeps back the larger of 10% of the device's total memory and
-    512 MiB, for activations, the conversion copies at unit boundaries and the allocator's
-    slack; pass bytes (or "2GiB") to choose it yourself.
-    """
-    free, total = memory_info(device)
-    if reserve == "auto":
-        kept = max(total // 10, _MIN_RESERVE)
-    else:
-        kept = capacity_of(reserve, "reserve") or 0
-    return max(0, free - kept), kept
+    """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus the reserve
+    every engine keeps back (see [Note: headroom] in ``_common/headroom.py``); pass bytes
+    (or "2GiB") as ``reserve`` to choose it yourself."""
+    return weight_room(device, reserve)
 
 
 def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool = True
@@ -116,7 +111,7 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
             key, key_dtype = key[0], parse_dtype(key[1], f"the dtype in devices key {key!r}")
         elif isinstance(key, str) and "@" in key:
             key, key_dtype = split_label(key)
-        dev = resolve_device(key, f"devices key {key!r}") if probe else parse_device(key)
+        dev = resolve_device(key, f"devices key {key!r}") if probe else parse_device(key, f"devices key {key!r}")
         if key_dtype is None:
             if isinstance(dtype, Mapping):
                 given = [v for k, v in dtype.items() if str(k) in (str(key), str(dev))]
@@ -139,18 +134,3 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
         resolved.append((dev, cap, key_dtype))
     labels = qualify_labels([(d, t) for d, _, t in resolved])
     return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]
-
-
-def parse_device(key: Any) -> torch.device:
-    """A device from its name without probing this machine (``"cuda"`` means ``cuda:0``)."""
-    try:
-        dev = torch.device(f"cuda:{key}" if isinstance(key, int) else key)
-    except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"devices key {key!r} is not a device name such as 'cuda:0' or "
-                         f"'cpu'") from None
-    if dev.type == "meta":
-        raise ValueError(f"devices key {key!r}: the meta device holds no data; pick 'cpu' "
-                         f"or 'cuda'")
-    if dev.type != "cpu" and dev.index is None:
-        dev = torch.device(dev.type, 0)
-    return dev

@@ -4,31 +4,25 @@ execution order the recorder learned, and assigned to devices in that order.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from .._common.enums import TextEnum
 from .sizes import ModuleSizes
 
 __all__ = ["Placement", "Unit", "paging_units", "split_unit", "order_units", "assign_devices"]
 
 
-class Placement(str, enum.Enum):
+class Placement(TextEnum):
     """Where a paging unit's tensors live between calls. ``Unit.placement`` is one of these
     for a paging plan and a target label (``"cuda:0"``, ``"cpu@bfloat16"``) for a placement
     plan; both compare equal to their text (``Placement.PAGED == "paged"``)."""
 
     PAGED = "paged"  # host master, copied to the device for each call
     RESIDENT = "resident"  # kept on the device
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 @dataclass

@@ -562,12 +562,13 @@ def test_split_over_cuda_and_cpu_with_fp16_matches() -> None:
 
 
 def test_auto_capacity_is_free_memory_minus_the_reserve(monkeypatch: pytest.MonkeyPatch) -> None:
+    import adaptmem._common.headroom as headroom
     import adaptmem._planning.targets as placement
 
     gib = 2**30
-    monkeypatch.setattr(placement, "memory_info", lambda device: (3 * gib, 10 * gib))
+    monkeypatch.setattr(headroom, "memory_info", lambda device: (3 * gib, 10 * gib))
     assert placement.auto_capacity(torch.device("cpu")) == (2 * gib, gib)  # 10% of total
-    monkeypatch.setattr(placement, "memory_info", lambda device: (3 * gib, 2 * gib))
+    monkeypatch.setattr(headroom, "memory_info", lambda device: (3 * gib, 2 * gib))
     assert placement.auto_capacity(torch.device("cpu"))[1] == 512 * 2**20  # the floor
     assert placement.auto_capacity(torch.device("cpu"), "1GiB") == (2 * gib, gib)
     model = nn.Sequential(nn.Linear(4, 4)).eval()

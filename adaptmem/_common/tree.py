@@ -1,0 +1,117 @@
+"""Walking a model's tensors and a call's nested arguments, the one way every lever does it.
+
+[Note: canonical tensor names]
+A tensor registered under several names (tied weights: ``lm_head.weight`` is
+``embed.weight``; one module registered under two paths) is one tensor: it is counted,
+placed, paged and loaded once, under its *canonical* name, the first name
+``model.named_modules()`` order gives it (module path, then parameters before buffers, in
+registration order). The other names are its aliases. The planner's sizes, the recorder,
+the engines' guards and host stores, and the loader all name tensors this way, so their
+names agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = [
+    "Registration",
+    "registrations",
+    "canonical_tensors",
+    "join_name",
+    "map_tensors",
+    "tensors_in",
+    "first_tensor_device",
+]
+
+
+def join_name(prefix: str, name: str) -> str:
+    """``"encoder.layer"`` + ``"weight"`` -> ``"encoder.layer.weight"``; the root has no prefix."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+class Registration(NamedTuple):
+    """One name under which a parameter or buffer is registered."""
+
+    name: str  # full dotted name of this registration
+    canonical: str  # the tensor's canonical name (== name for its first registration)
+    module_name: str
+    module: nn.Module
+    kind: str  # "parameter" or "buffer"
+    attr: str
+    tensor: torch.Tensor
+
+    @property
+    def registry(self) -> dict[str, Any]:
+        """The module's dict that holds this registration (``_parameters`` or ``_buffers``)."""
+        return self.module._parameters if self.kind == "parameter" else self.module._buffers
+
+
+def registrations(model: nn.Module) -> Iterator[Registration]:
+    """Every parameter and buffer registration of ``model`` (None entries skipped), in
+    ``named_modules()`` order, each with its tensor's canonical name; see [Note: canonical
+    tensor names]."""
+    first: dict[int, str] = {}
+    for mod_name, module in model.named_modules():
+        for kind, registry in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for attr, t in registry.items():
+                if t is None:
+                    continue
+                name = join_name(mod_name, attr)
+                canonical = first.setdefault(id(t), name)
+                yield Registration(name, canonical, mod_name, module, kind, attr, t)
+
+
+def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every distinct parameter and buffer under its canonical name."""
+    return {r.name: r.tensor for r in registrations(model) if r.name == r.canonical}
+
+
+# Nested call arguments and outputs: tuples (namedtuples too), lists and dicts, walked by
+# hand rather than with pytree because these run at every hooked call.
+
+
+def map_tensors(obj: Any, fn: Any) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and namedtuples; other
+    values come back as they were (the same object when nothing inside changed)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        items = [map_tensors(x, fn) for x in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [map_tensors(x, fn) for x in obj]
+    if isinstance(obj, dict):
+        out = {k: map_tensors(v, fn) for k, v in obj.items()}
+        if all(out[k] is v for k, v in obj.items()):
+            return obj
+        try:
+            return type(obj)(out)
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return out
+    return obj
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested ``obj``, in the order ``map_tensors`` visits them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from tensors_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from tensors_in(x)
+
+
+def first_tensor_device(obj: Any) -> torch.device | None:
+    """The device of the first tensor found in nested ``obj``, or None."""
+    for t in tensors_in(obj):
+        return t.device
+    return None
