@@ -4,7 +4,6 @@ and re-places the model when its ``device_map`` is edited (``device_map.py``).""
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from .._common.devices import format_bytes
+from .._common.enums import TextEnum
 from .._common.errors import PlacementError
 from .._engines.base import Engine, HookSet
 from .._engines.guard import PlacementGuard
@@ -42,17 +42,11 @@ __all__ = ["Splitter", "Chunker", "Mode"]
 _log = logging.getLogger("adaptmem")
 
 
-class Mode(str, enum.Enum):
-    """Which engine a handle is (``plan.mode`` holds its text); compares equal to its text."""
+class Mode(TextEnum):
+    """Which engine a handle is (``plan.mode`` holds its text)."""
 
     SPLIT = "split"
     CHUNK = "chunk"
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 class Splitter(BoundaryHooks, Engine):
