@@ -255,7 +255,7 @@ def _capacity(text: str, device: torch.device, name: str) -> int | None:
 def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     """Targets for --mode chunk/split, as ``adaptive.chunk`` / ``adaptive.split`` make them,
     and the plan options those record."""
-    from ._placement.engine import chunk_targets
+    from ._placement import chunk_targets
     from ._planning import Target, parse_dtype, qualify_labels
 
     dtype = parse_dtype(args.dtype, "--dtype")

@@ -32,8 +32,6 @@ KNOWN = {
     "adaptmem._simcuda._simulation uses _state._active",
     "adaptmem._simcuda._simulation uses _tensors._Functions",
     "adaptmem._simcuda._simulation uses _tensors._Dispatch",
-    "adaptmem._placement.engine.Splitter",
-    "adaptmem._spilling._hooks._Step",
 }
 MAX_CLASS_LINES = 300
 
