@@ -59,7 +59,7 @@ class Pager(Engine):
     tests and benchmarks pass their own.
     """
 
-    _engine, _handle = "adaptive.page", "pager"
+    made_by, handle_name, held_as = "adaptive.page", "pager", "paged"
 
     def __init__(self, model: nn.Module, device: torch.device, *, unit_bytes: int | None,
                  prefetch: int, resident_bytes: int | None, device_budget: int | None,
@@ -92,7 +92,7 @@ class Pager(Engine):
         self._hooks = Hooks(self._pre_hook, self._post_hook)
         slots = self._table.slots
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
-                                     self._engine, self._handle)
+                                     self.made_by, self.handle_name)
         # Nothing above touched the model; from here on it is paged, or put back on failure.
         self._hold(self._modules.values())
         try:

@@ -61,7 +61,7 @@ class Splitter(BoundaryHooks, Engine):
     """
 
     _mode = Mode.SPLIT
-    _engine, _handle = "adaptive.split", "splitter"
+    made_by, handle_name = "adaptive.split", "splitter"
 
     def __init__(
         self,
@@ -92,7 +92,7 @@ class Splitter(BoundaryHooks, Engine):
         self._placing = threading.Lock()
         self._hooks = HookSet()
         self.stats = PlacementStats()
-        self._guard = PlacementGuard(model, tensors, self._engine, self._handle)
+        self._guard = PlacementGuard(model, tensors, self.made_by, self.handle_name)
         self._hold(self._modules.values())
         self._hooks.add(model,
                         model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
@@ -250,4 +250,4 @@ class Chunker(Splitter):
     """The handle ``adaptive.chunk`` returns: a Splitter over ``{device: capacity, "cpu": None}``."""
 
     _mode = Mode.CHUNK
-    _engine, _handle = "adaptive.chunk", "chunker"
+    made_by, handle_name = "adaptive.chunk", "chunker"
