@@ -23,8 +23,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._common.devices import first_tensor_device, format_bytes, synchronize, to_device
+from .._common.devices import format_bytes, synchronize, to_device
 from .._common.errors import PlacementError
+from .._common.tree import first_tensor_device
 from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
 from .._engines.hoststore import LOADED, Slot, make_slots

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._common.devices import map_tensors
+from .._common.tree import map_tensors
 from .._engines.base import HookSet
 from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats

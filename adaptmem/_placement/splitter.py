@@ -16,6 +16,7 @@ from torch import nn
 from .._common.devices import format_bytes
 from .._common.enums import TextEnum
 from .._common.errors import PlacementError
+from .._common.tree import canonical_tensors
 from .._engines.base import Engine, HookSet
 from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats
@@ -24,7 +25,6 @@ from .._planning import (
     Recording,
     Target,
     Unit,
-    canonical_tensors,
     check_ties,
     label_for_unit,
     module_sizes,
