@@ -15,7 +15,7 @@ from ._execution.decorators import batch, chunked, execute, explicit
 from ._execution.decorators import range as range  # noqa: A004 - mirrors toma's name
 from ._loading.loader import empty_model, load
 from ._paging.api import Pager, page
-from ._placement.engine import Chunker, Splitter, chunk, split
+from ._placement import Chunker, Splitter, chunk, split
 from ._planning import Plan, plan
 from ._spilling import memory_stats, spill
 

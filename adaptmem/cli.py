@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -254,7 +255,7 @@ def _capacity(text: str, device: torch.device, name: str) -> int | None:
 def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, Any]]:
     """Targets for --mode chunk/split, as ``adaptive.chunk`` / ``adaptive.split`` make them,
     and the plan options those record."""
-    from ._placement.engine import chunk_targets
+    from ._placement import chunk_targets
     from ._planning import Target, parse_dtype, qualify_labels
 
     dtype = parse_dtype(args.dtype, "--dtype")
@@ -303,6 +304,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             result = plan_placement(model, module_sizes(model), targets, recording,
                                     mode=args.mode, options=options)
+        if recording is not None and args.mode != "page":
+            _report_activations(result, model, args)
     except (TypeError, ValueError, AdaptmemError) as exc:
         raise _UsageError(exc) from None
     if args.json:
@@ -314,6 +317,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print("placed (in each device's dtype): " + ", ".join(
             f"{label} {format_bytes(n)}" for label, n in placed.items()))
     return 0
+
+
+def _report_activations(result: Any, model: nn.Module, args: argparse.Namespace) -> None:
+    """Add the predicted activation bytes per item (and the largest batch left room for on the
+    first device) to ``result.options``, from the same example inputs as the recording."""
+    from ._planning import activation_report
+
+    if args.example is not None:
+        inputs = _example_from(args.example)
+    else:
+        inputs = (_example_args(args.model, args.image_size) or (), {})
+    first = result.units[0].placement if result.units else None
+    capacity = result.options.get("devices", {}).get(str(first)) if first else None
+    room = None
+    if capacity is not None:
+        room = max(0, capacity - result.options.get("placed_bytes", {}).get(str(first), 0))
+    result.options["activations"] = activation_report(model, *inputs, room)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -383,6 +403,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except _UsageError as exc:
         parser.exit(2, f"adaptmem {args.command}: error: {_one_line(exc)}\n")
+    except BrokenPipeError:  # `adaptmem plan ... | head`: the reader left, which is fine
+        devnull = os.open(os.devnull, os.O_WRONLY)  # no second error flushing stdout at exit
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     raise AssertionError("unreachable")  # parser.exit raises SystemExit
 
 

@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _report import header, write_section  # noqa: E402
 
 from adaptmem import adaptive  # noqa: E402
-from adaptmem._placement.engine import Splitter
+from adaptmem._placement import Splitter
+from adaptmem._placement.boundaries import BoundaryHooks
 from adaptmem._planning import module_sizes
 
 _BEST = False
@@ -69,23 +70,23 @@ class ConversionClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self._original = Splitter._convert
+        self._original = BoundaryHooks._convert
 
     def __enter__(self) -> ConversionClock:
         clock, original = self, self._original
 
-        def convert(handle: Splitter, obj: Any, device: Any, dtype: Any) -> Any:
+        def convert(handle: BoundaryHooks, obj: Any, device: Any, dtype: Any) -> Any:
             start = time.perf_counter()
             try:
                 return original(handle, obj, device, dtype)
             finally:
                 clock.seconds += time.perf_counter() - start
 
-        Splitter._convert = convert  # type: ignore[method-assign]
+        BoundaryHooks._convert = convert  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        Splitter._convert = self._original  # type: ignore[method-assign]
+        BoundaryHooks._convert = self._original  # type: ignore[method-assign]
 
 
 def build(name: str) -> nn.Module:

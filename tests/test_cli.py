@@ -22,8 +22,10 @@ def test_plan_prints_a_chunk_table_for_resnet101_with_a_100mib_budget(
     assert lines[0].startswith("adaptmem plan (chunk):")
     assert "unit" in lines[1] and "bytes" in lines[1] and "placement" in lines[1]
     assert "conv1" in out and "fc" in out
-    totals = lines[-1]
+    totals = next(line for line in lines if line.startswith("totals: "))
     assert totals.startswith("totals: cuda:0 ") and ", cpu " in totals
+    assert lines[-1].startswith("activations (predicted on meta): ")
+    assert lines[-1].endswith("left on cuda:0: 0")  # 100 MiB of weights leave no room
     resident = float(totals.split("cuda:0 ")[1].split(" MiB")[0])
     assert 90 < resident <= 100
 
@@ -144,7 +146,9 @@ def test_plan_chunk_on_the_cpu_works_and_its_json_too(capsys: pytest.CaptureFixt
     # without a dtype keeps everything where it is: one CPU target, the capacity moot.
     argv = ["plan", "resnet101", "--mode", "chunk", "--device", "cpu", "--budget", "100MiB"]
     assert main(argv) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("totals: cpu ")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("totals: cpu ")
+    assert "per item" in lines[-1] and "largest batch" not in lines[-1]  # no capacity here
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert {u["placement"] for u in data["units"]} == {"cpu"}
@@ -192,3 +196,20 @@ def test_plan_page_mode_gives_the_units_the_pager_makes(
         model(torch.randn(1, 3, 224, 224))  # the pager orders its units at the first call
         assert [(u.name, u.nbytes) for u in pager.plan.units] == [
             (u.name, u.nbytes) for u in planned.units]
+
+
+def test_plan_piped_into_head_ends_quietly() -> None:
+    """``adaptmem plan ... | head -1``: the reader leaving early is no error (150 KB of JSON,
+    more than a pipe holds, so the write really meets the closed pipe)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    run = subprocess.run(
+        f"{sys.executable} -m adaptmem.cli plan densenet201 --budget 1KiB --json | head -1",
+        shell=True, capture_output=True, text=True, env=env, timeout=120)
+    assert run.stdout.strip() == "{"
+    assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr

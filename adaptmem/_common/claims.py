@@ -44,8 +44,8 @@ def refuse_if_held(model: nn.Module) -> None:
     handle = holder(model)
     if handle is None:
         return
-    paged = type(handle).__name__ == "Pager"
-    kind, by = ("paged", "adaptive.page") if paged else ("placed", "adaptive.chunk/split")
+    kind = getattr(handle, "held_as", "placed")  # engines say what they hold a model as
+    by = getattr(handle, "made_by", type(handle).__name__)
     held_model = getattr(handle, "model", None) or getattr(handle, "_model", None)
     if held_model is model:
         what = f"this model is already {kind} by {by}"

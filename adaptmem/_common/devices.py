@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .tree import first_tensor_device, map_tensors  # re-exported until importers move
+from .tree import map_tensors
 
 __all__ = [
     "resolve_device",
@@ -21,9 +21,7 @@ __all__ = [
     "synchronize",
     "parse_size",
     "format_bytes",
-    "map_tensors",
     "to_device",
-    "first_tensor_device",
     "stream_module",
 ]
 

@@ -43,14 +43,15 @@ class NotCopyable:
     """An engine handle: refuses ``copy.deepcopy`` and pickling, and so does a model whose
     hooks it holds. See [Note: a placed model is neither copied nor converted]."""
 
-    _engine = "adaptmem"  # the function that made the handle, for messages
-    _handle = "handle"  # what users call the handle
+    made_by = "adaptmem"  # the function that made the handle, named in messages
+    handle_name = "handle"  # what users call the handle
+    held_as = "placed"  # what a model held by this engine is: "paged" or "placed"
 
     def _refuse_copy(self) -> NoReturn:
         raise PlacementError(
-            f"cannot copy or pickle a model while {self._engine} holds it (copy.deepcopy, "
+            f"cannot copy or pickle a model while {self.made_by} holds it (copy.deepcopy, "
             f"torch.save of the whole model): its tensors are the placed ones and its hooks "
-            f"belong to this {type(self).__name__}. Call {self._handle}.remove() first (the "
+            f"belong to this {type(self).__name__}. Call {self.handle_name}.remove() first (the "
             f"model is then exactly as before), copy or save it, and place it again"
         )
 

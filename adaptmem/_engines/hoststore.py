@@ -7,6 +7,7 @@ its master in host memory, and while the tensor is needed on the device, the dev
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
@@ -15,10 +16,21 @@ from torch import nn
 from .._common.devices import stream_module
 from .._planning import ModuleSizes
 
-__all__ = ["HOST", "LOADED", "PENDING", "Slot", "make_slots"]
+__all__ = ["HOST", "LOADED", "PENDING", "Slot", "SlotState", "make_slots"]
 
-# Where a slot's tensor is: only on the host, a device copy on its way, loaded on the device.
-HOST, PENDING, LOADED = 0, 1, 2
+
+class SlotState(enum.Enum):
+    """Where a slot's tensor is. Compare with ``is`` against the module names below."""
+
+    HOST = "host"  # only the host master
+    PENDING = "pending"  # a device copy on its way
+    LOADED = "loaded"  # the device copy is ``tensor.data``
+
+
+# [Note: slot states on the hot path] Reading a member off an Enum class costs about 0.1 us
+# (``EnumType`` attribute lookup), several times a global's; the pager compares states per
+# tensor in every hook, so it uses these module names, and ``is``.
+HOST, PENDING, LOADED = SlotState.HOST, SlotState.PENDING, SlotState.LOADED
 
 
 class Slot:
@@ -38,7 +50,7 @@ class Slot:
         self.nbytes = master.numel() * master.element_size()
         self.copy: torch.Tensor | None = None
         self.ticket: Any = None
-        self.state = HOST
+        self.state: SlotState = HOST
         self.version = 0  # the tensor's version counter when its device copy was made
         self.refs = 0
         self.resident = False
@@ -49,7 +61,7 @@ class Slot:
         """Put the data back on its original device and dtype, bitwise, and forget any
         device copy. A loaded device copy is the live data (a resident weight edited in
         place, through ``.data`` too), so it is copied into the master first."""
-        if self.state == LOADED and self.copy is not None:
+        if self.state is LOADED and self.copy is not None:
             self.master.copy_(self.copy)
         if self.original is not None:
             self.tensor.data = self.original

@@ -25,8 +25,12 @@ class Transfer:
     some tickets' copies and marks the copies as used by compute; it returns whether compute
     had to wait (always for a ``demand`` fetch, started just now), or None when that is only
     known later, from ``settle()``, which returns the ``(hits, misses)`` decided since its
-    last call (``block=False``: only those known without waiting).
+    last call (``block=False``: only those known without waiting). ``synchronous``: every
+    copy is complete when ``start`` returns, so a prefetched copy is always a hit and the
+    pager need not call ``wait`` for it.
     """
+
+    synchronous = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -44,6 +48,8 @@ class Transfer:
 
 class SyncTransfer(Transfer):
     """Copies on the caller's thread; every ticket is ready at once."""
+
+    synchronous = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)

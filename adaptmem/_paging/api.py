@@ -8,9 +8,11 @@ import torch
 from torch import nn
 
 from .._common.claims import check_placeable
-from .._common.devices import format_bytes, free_memory, parse_size, resolve_device
+from .._common.devices import format_bytes, parse_size, resolve_device
+from .._engines.transfer import Transfer
 from .._planning import module_sizes
 from .pager import Pager
+from .slots import room_for_weights
 
 __all__ = ["Pager", "page"]
 
@@ -31,6 +33,7 @@ def page(
     device_budget: int | str | None = None,
     pin_memory: bool = True,
     output_device: Any = None,
+    _transfer: Transfer | None = None,
 ) -> Pager:
     """Page ``model``'s weights to ``device`` just in time, and return the ``Pager``.
 
@@ -53,6 +56,7 @@ def page(
             memory decides). Units that do not fit under it are split at run time.
         pin_memory: pin the host masters when the device is an accelerator.
         output_device: where outputs go; None returns them on the inputs' device.
+        _transfer: internal (tests, benchmarks): how host masters reach the device.
 
     Returns:
         A ``Pager`` with ``.plan``, ``.stats`` and ``.remove()``; also a context manager.
@@ -94,17 +98,15 @@ def page(
     # under inference_mode, or the model could not run with autograd on afterwards.
     with torch.inference_mode(False):
         return Pager(model, dev, unit_bytes=units, prefetch=prefetch, resident_bytes=resident,
-                     device_budget=budget, pin_memory=pin_memory, output_device=out_dev)
+                     device_budget=budget, pin_memory=pin_memory, output_device=out_dev,
+                     transfer=_transfer)
 
 
 def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,
                      resident: int | None, budget: int | None) -> int | None:
     """The coarsest unit size whose working set (``prefetch + 2`` units) fits."""
     total = module_sizes(model).total_bytes
-    if budget is not None:
-        room = budget
-    else:
-        room = int(free_memory(device) * (0.5 if device.type == "cpu" else 0.8))
+    room = room_for_weights(device, budget)
     if resident is None and total <= room:
         return None
     working = room - resident if resident is not None else room // 2

@@ -2,7 +2,6 @@
 assignment -> ``Plan``. Pure arithmetic over the module tree apart from the recorder, whose
 forward runs on a copy. Every engine, ``adaptive.plan`` and the CLI import from here."""
 
-from .._common.tree import canonical_tensors, join_name
 from .assignment import (
     ATOMIC_MODULE_TYPES,
     check_ties,
@@ -12,6 +11,7 @@ from .assignment import (
     placement_units,
     plan_placement,
 )
+from .peak import NotPredictable, PeakPrediction, activation_report, predict_model, predict_per_item
 from .plan import Plan
 from .planner import plan, split_inputs
 from .recording import Recording, record_execution_order, record_forward
@@ -30,9 +30,10 @@ from .targets import (
 from .units import Placement, Unit, assign_devices, order_units, paging_units, split_unit
 
 __all__ = [
+    "NotPredictable", "PeakPrediction", "activation_report", "predict_model", "predict_per_item",
     "ATOMIC_MODULE_TYPES", "ModuleSizes", "Placement", "Plan", "Recording", "Target",
-    "TensorInfo", "Unit", "assign_devices", "auto_capacity", "canonical_tensors", "capacity_of",
-    "check_ties", "dtype_name", "join_name", "label_for_unit", "make_label", "module_sizes",
+    "TensorInfo", "Unit", "assign_devices", "auto_capacity", "capacity_of",
+    "check_ties", "dtype_name", "label_for_unit", "make_label", "module_sizes",
     "order_units", "own_ties_where_first_used", "paging_units", "parse_dtype",
     "placed_bytes", "placement_units", "plan", "plan_placement", "qualify_labels",
     "record_execution_order", "record_forward", "split_inputs", "split_label", "split_unit",

@@ -93,6 +93,9 @@ class Plan:
         lines += [fmt.format(*r) for r in rows]
         lines.append("totals: " + ", ".join(
             f"{place or '-'} {format_bytes(n)}" for place, n in self.bytes_by_placement().items()))
+        act = self.options.get("activations")
+        if act is not None:
+            lines.append(_activations_line(act, str(self.units[0].placement) if self.units else ""))
         for r in self.refinements:
             lines.append(f"refined: {r}")
         return "\n".join(lines)
@@ -109,3 +112,14 @@ def _jsonable(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     return str(v)
+
+
+def _activations_line(act: Mapping[str, Any], first: str) -> str:
+    if not act.get("predicted"):
+        return f"activations: not predicted ({act.get('reason', 'unknown')})"
+    line = (f"activations (predicted on meta): {format_bytes(act['per_item_bytes'])} per item "
+            f"+ {format_bytes(act['fixed_bytes'])}")
+    if "largest_batch" in act:
+        line += (f"; largest batch within 80% of the {format_bytes(act['room_bytes'])} left "
+                 f"on {first}: {act['largest_batch']}")
+    return line

@@ -13,9 +13,10 @@ from torch import nn
 
 from .._common.devices import parse_size
 from .assignment import plan_placement
+from .peak import activation_report
 from .plan import Plan
 from .recording import Recording, record_forward
-from .sizes import module_sizes
+from .sizes import ModuleSizes, module_sizes
 from .targets import targets_from_devices
 from .units import Placement, order_units, paging_units
 
@@ -89,6 +90,21 @@ def plan(
     if example_inputs is not None:
         recording = record_forward(model, *split_inputs(example_inputs))
         order = recording.order if order is None else order
+    result = _plan(model, sizes, recording, unit_bytes, devices, dtype, order)
+    if example_inputs is not None:
+        room = None
+        if devices is not None:
+            first = result.units[0].placement if result.units else None
+            capacity = result.options.get("devices", {}).get(str(first))
+            if capacity is not None:
+                room = max(0, capacity - result.options.get("placed_bytes", {}).get(first, 0))
+        result.options["activations"] = activation_report(model, *split_inputs(example_inputs),
+                                                          room)
+    return result
+
+
+def _plan(model: nn.Module, sizes: ModuleSizes, recording: Recording | None, unit_bytes: Any,
+          devices: Any, dtype: Any, order: Sequence[str] | None) -> Plan:
     if devices is None:
         if dtype is not None:
             raise TypeError("dtype is for a placement plan: pass devices= too, e.g. "

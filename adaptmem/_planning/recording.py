@@ -33,7 +33,7 @@ from .._common.claims import holder
 from .._common.errors import PlacementError
 from .._common.tree import canonical_tensors
 
-__all__ = ["Recording", "record_execution_order", "record_forward"]
+__all__ = ["Recording", "meta_copy", "record_execution_order", "record_forward"]
 
 _log = logging.getLogger("adaptmem")
 
@@ -90,6 +90,32 @@ def _copy(obj: Any, make: Callable[[torch.Tensor], torch.Tensor],
           memo: dict[int, Any]) -> Any:
     with _CopyTensors(make):
         return copy.deepcopy(obj, memo)
+
+
+def meta_copy(obj: Any) -> Any:
+    """A deep copy of ``obj`` in which every tensor (inside modules and objects too) is a meta
+    tensor of the same shape, dtype and strides; ties stay ties and nothing is allocated. The
+    hooks an engine put on a module in ``obj`` are left off its copy. See [Note: recording
+    on a copy]."""
+    engines = {id(e): e for e in (holder(m) for m in _modules_in(obj)) if e is not None}
+    try:
+        copied = _copy(obj, _meta_like, dict(engines))
+    except Exception as exc:  # noqa: BLE001 - any object deepcopy cannot copy
+        raise PlacementError(
+            f"adaptmem traces on a meta copy of the arguments (so that none of them changes), "
+            f"but they cannot be deep-copied: {type(exc).__name__}: {exc}"
+        ) from exc
+    for m in _modules_in(copied):
+        _drop_hooks_of(m, set(engines))
+    return copied
+
+
+def _modules_in(obj: Any) -> list[nn.Module]:
+    """Modules among ``obj``'s nested tuples, lists and dict values."""
+    if isinstance(obj, nn.Module):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return [m for item in items for m in _modules_in(item)]
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

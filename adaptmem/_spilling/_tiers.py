@@ -16,13 +16,14 @@ import mmap
 import os
 import tempfile
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._common.devices import stream_module
 
-__all__ = ["DiskFile", "check_directory", "host_buffer", "byte_view", "Mover"]
+__all__ = ["DiskFile", "check_directory", "host_buffer", "byte_view", "Mover", "Transfers",
+           "HostLink"]
 
 _DISK_FULL = {28, 27, 122}  # ENOSPC, EFBIG, EDQUOT
 
@@ -201,3 +202,29 @@ class Mover:
         current = self._api.current_stream(self.device)
         current.wait_event(done)
         restored.record_stream(current)
+
+
+class Transfers(Protocol):
+    """What a step needs of a ``Mover``: copies to host memory and back, and the wait
+    before a restored copy is read."""
+
+    def to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
+
+    def to_device(self, host: torch.Tensor, after: Any = None) -> tuple[torch.Tensor, Any]: ...
+
+    def use(self, restored: torch.Tensor, done: Any) -> None: ...
+
+
+class HostLink:
+    """How a device's tensors reach host memory: whether they go through it (an
+    accelerator's do; the CPU's are host memory already) and what copies them there.
+    ``Spill(link=...)`` takes another, e.g. one that drives the accelerator path with CPU
+    copies."""
+
+    def through_host(self, device: torch.device) -> bool:
+        """Whether ``device``'s tensors go through host memory (and a ``mover``)."""
+        return device.type != "cpu"
+
+    def mover(self, device: torch.device) -> Transfers:
+        """What copies ``device``'s tensors; raises RuntimeError where it has no streams."""
+        return Mover(device)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from torch.overrides import TorchFunctionMode
 from adaptmem import adaptive
 from adaptmem._common.errors import OutOfMemoryError, PlacementError
 from adaptmem._engines.transfer import SyncTransfer
-from adaptmem._paging.probe import is_metadata
+from adaptmem._paging.learner import is_metadata
 from adaptmem._planning import module_sizes
 
 
@@ -124,7 +125,7 @@ def test_weight_read_without_calling_its_module_is_learned_and_loaded() -> None:
     with pager, probe, torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(x), expected)
-        needs = {s.name for s in pager._needs[id(model)]}
+        needs = {s.name for s in pager._needs.by_module[id(model)]}
     assert {"inner.weight", "inner.bias"} <= needs
     assert probe.offenders == []
 
@@ -157,7 +158,7 @@ def test_random_module_trees_paged_at_random_unit_sizes_give_the_unpaged_output(
             assert torch.equal(tree(x), expected)
             for module, out in alone.values():
                 assert torch.equal(module(x), out)
-                assert pager._device_bytes == 0  # nothing left behind by the call
+                assert pager._table.held == 0  # nothing left behind by the call
             assert torch.equal(tree(x), expected)
     assert probe.offenders == []
     after = tree.state_dict()
@@ -235,7 +236,7 @@ def test_tied_embedding_is_one_tensor_on_the_device_while_used() -> None:
 
     pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
     handle = model.lm_head.register_forward_pre_hook(check)  # runs after the pager's hook
-    master = pager._slots["wte.weight"].master.untyped_storage().data_ptr()
+    master = pager._table.slots["wte.weight"].master.untyped_storage().data_ptr()
     try:
         with torch.no_grad():
             assert _same(model(**kwargs), expected)
@@ -400,7 +401,7 @@ def test_a_submodule_called_on_its_own_leaves_no_copy_behind() -> None:
         model(x)
         model(x)
         assert torch.equal(model[0](x), reference[0](x))
-        assert pager._device_bytes == 0  # nothing prefetched for the decoder stays
+        assert pager._table.held == 0  # nothing prefetched for the decoder stays
         for net in (model, reference):
             net[1][0].weight.data.zero_()
         assert torch.equal(model(x), reference(x))
@@ -420,7 +421,8 @@ def test_a_submodule_called_before_the_model_ever_ran_is_watched_and_then_learne
         with probe, torch.no_grad():
             for _ in range(3):
                 assert torch.equal(model.encoder(tokens), reference.encoder(tokens))
-            assert len(pager._calls) < 2 * len(dict(model.named_modules()))  # not growing
+            calls = pager._learner.calls
+            assert len(calls) < 2 * len(dict(model.named_modules()))  # not growing
             assert torch.equal(model(images), reference(images))  # learns from here
             hits = pager.stats.prefetch_hits
             assert torch.equal(model(images), reference(images))
@@ -452,7 +454,7 @@ def test_a_module_inside_a_paged_unit_called_on_its_own_brings_in_its_weights() 
                     else:
                         got, want = inner(tokens), ref(tokens)
                     assert torch.equal(got, want)
-                    assert pager._device_bytes == 0  # released when the call ended
+                    assert pager._table.held == 0  # released when the call ended
             assert torch.equal(model(images), reference(images))
     assert probe.offenders == []
 
@@ -480,7 +482,7 @@ def test_a_layer_of_a_unit_called_where_its_unit_is_not_running_brings_in_its_we
         with probe, torch.no_grad():
             for skip in (False, False, True, True, False):  # learned without the skip
                 assert torch.equal(model(x, skip=skip), reference(x, skip=skip))
-                assert pager._device_bytes == 0
+                assert pager._table.held == 0
     assert probe.offenders == []
 
 
@@ -510,7 +512,7 @@ def test_a_recursive_module_inside_a_unit_called_on_its_own_keeps_its_weights() 
             for _ in range(2):
                 assert torch.equal(model(x), reference(x))
                 assert torch.equal(model[0][0](x), reference[0][0](x))
-                assert pager._device_bytes == 0
+                assert pager._table.held == 0
     assert probe.offenders == []
 
 
@@ -521,10 +523,10 @@ def test_a_module_inside_a_unit_that_does_not_fit_on_its_own_splits_the_unit() -
     reference = copy.deepcopy(model)
     layer = 16 * 16 * 4 + 16 * 4
     x = torch.randn(2, 16)
-    pager = adaptive.page(model, "cpu", unit_bytes=4 * layer, resident_bytes=0)
+    pager, double = page_out_of_room(model, math.inf, unit_bytes=4 * layer, resident_bytes=0)
     with pager, torch.no_grad():
         assert torch.equal(model(x), reference(x))  # learned with "0" as one unit
-        pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer)
+        double.limit = layer
         assert torch.equal(model[0][1](x), reference[0][1](x))  # inside "0", 2 layers
         assert pager.stats.refinements >= 2  # "0", then "0.1"
         assert torch.equal(model(x), reference(x))
@@ -559,7 +561,7 @@ def test_a_layer_of_a_resident_unit_tied_to_a_paged_weight_brings_that_weight_in
             for skip in (False, False, True):
                 assert torch.equal(model(x, skip=skip), reference(x, skip=skip))
             assert torch.equal(model.r[1](x), reference.r[1](x))
-            assert pager._device_bytes == pager._resident_bytes
+            assert pager._table.held == pager._table.resident_bytes
     assert probe.offenders == []
 
 
@@ -592,7 +594,7 @@ def test_a_module_inside_a_unit_that_also_reads_another_unit_brings_in_both_on_i
             for _ in range(2):
                 assert torch.equal(model(x), expected)
                 assert torch.equal(model.a[1](x), expected_inner)
-                assert pager._device_bytes == 0
+                assert pager._table.held == 0
     assert probe.offenders == []
 
 
@@ -639,7 +641,7 @@ def test_exception_in_forward_passes_through_and_releases_device_copies() -> Non
             with pytest.raises(ValueError) as info:
                 model(x)
             assert info.value is boom
-            assert pager._device_bytes == 0 and not pager._stack
+            assert pager._table.held == 0 and not pager._stack
         model.fail = False
         with torch.no_grad():
             out = model(x)
@@ -689,25 +691,33 @@ def test_a_tensor_larger_than_the_budget_raises_a_transfer_error_with_sizes() ->
 class OutOfRoomTransfer(SyncTransfer):
     """A device with ``limit`` bytes: copies beyond it raise a real torch OOM."""
 
-    def __init__(self, device: torch.device, pager_ref: list[Any], limit: int) -> None:
-        super().__init__(device)
-        self.pager_ref = pager_ref
+    def __init__(self, limit: float) -> None:
+        super().__init__(torch.device("cpu"))
+        self.pager: Any = None  # the pager it serves, once there is one
         self.limit = limit
         self.failures = 0
 
     def start(self, hosts: Any) -> Any:
         need = sum(h.numel() * h.element_size() for h in hosts)
-        if self.pager_ref[0]._device_bytes + need > self.limit:
+        held = 0 if self.pager is None else self.pager._table.held
+        if held + need > self.limit:
             self.failures += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test double)")
         return super().start(hosts)
 
 
+def page_out_of_room(model: nn.Module, limit: float,
+                     **options: Any) -> tuple[adaptive.Pager, OutOfRoomTransfer]:
+    """``model`` paged to a CPU "device" that holds ``limit`` bytes of weights."""
+    double = OutOfRoomTransfer(limit)
+    pager = adaptive.page(model, "cpu", _transfer=double, **options)
+    double.pager = pager
+    return pager, double
+
+
 def test_transfer_oom_refines_the_unit_and_the_same_forward_continues() -> None:
     model, x, expected, layer = _blocks()
-    pager = adaptive.page(model, "cpu", unit_bytes=None, resident_bytes=0)
-    double = OutOfRoomTransfer(pager.device, [pager], limit=3 * layer)
-    pager._transfer = double
+    pager, double = page_out_of_room(model, 3 * layer, unit_bytes=None, resident_bytes=0)
     calls = []
     handle = model.register_forward_pre_hook(lambda m, a: calls.append(1))
     with pager, torch.no_grad():
@@ -720,8 +730,7 @@ def test_transfer_oom_refines_the_unit_and_the_same_forward_continues() -> None:
 
 def test_transfer_oom_that_cannot_be_resolved_keeps_the_original_type_and_phase() -> None:
     model, x, expected, layer = _blocks()
-    pager = adaptive.page(model, "cpu", unit_bytes=None, resident_bytes=0)
-    pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer // 2)
+    pager, _ = page_out_of_room(model, layer // 2, unit_bytes=None, resident_bytes=0)
     with pytest.raises(torch.OutOfMemoryError) as info:
         model(x)
     err = info.value
@@ -905,9 +914,10 @@ def test_a_path_the_first_forward_did_not_take_is_watched_and_learned(
             assert torch.equal(model(x, rare=True), expected)
             for rare in (False, True, False, True):  # both paths known: no more relearning
                 model(x, rare=rare)
-                assert not pager._learning and not pager._relearn and pager._probe is None
+                learner = pager._learner
+                assert not learner.learning and not learner.relearn and learner.probe is None
         assert {"rare.inner.weight", "rare.inner.bias"} <= {
-            s.name for s in pager._needs[id(model.rare)]}
+            s.name for s in pager._needs.by_module[id(model.rare)]}
     assert probe.offenders == []
     assert sum("ran for the first time" in r.message for r in adaptmem_log.records) == 1
 
@@ -938,23 +948,18 @@ class DeferredTransfer(SyncTransfer):
         return hits, 0
 
 
-def test_pager_speaks_the_transfer_interface_with_deferred_hits(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import adaptmem._paging.pager
-
-    monkeypatch.setattr(adaptmem._paging.pager, "transfer_for", DeferredTransfer)
+def test_pager_speaks_the_transfer_interface_with_deferred_hits() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)]).eval()
     layer = 16 * 16 * 4 + 16 * 4
     x = torch.randn(2, 16)
     expected = model(x)
-    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer) as pager:
+    transfer = DeferredTransfer(torch.device("cpu"))
+    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=layer,
+                       _transfer=transfer) as pager:
         with torch.no_grad():
             for _ in range(3):
                 assert torch.equal(model(x), expected)
-        transfer = pager._transfer
-        assert isinstance(transfer, DeferredTransfer)
         stats = pager.stats  # settles
     assert stats.prefetch_misses == transfer.demands - 1  # minus making unit 0 resident
     assert stats.prefetch_hits > 0 and transfer.unsettled == 0
@@ -1036,7 +1041,7 @@ def test_batch_decorator_shrinks_for_compute_ooms_inside_a_paged_model() -> None
     with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as pager:
         with torch.no_grad():
             out = infer()
-        assert pager._device_bytes <= 2 * (8 * 8 * 4 + 8 * 4) and not pager._stack
+        assert pager._table.held <= 2 * (8 * 8 * 4 + 8 * 4) and not pager._stack
     assert sizes[0] == 16 and sizes[-1] <= 4
     torch.testing.assert_close(out, expected)
 
@@ -1050,8 +1055,7 @@ def test_batch_decorator_does_not_shrink_for_a_transfer_oom_of_the_pager() -> No
         sizes.append(batchsize)
         return model(x[:batchsize])
 
-    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
-    pager._transfer = OutOfRoomTransfer(pager.device, [pager], limit=layer // 2)
+    pager, _ = page_out_of_room(model, layer // 2, unit_bytes=0, resident_bytes=0)
     with pager, pytest.raises(OutOfMemoryError) as info, torch.no_grad():
         infer()
     assert info.value.phase == "transfer" and isinstance(info.value, torch.OutOfMemoryError)
@@ -1067,7 +1071,7 @@ def test_gpu_outputs_come_back_on_the_input_device_and_masters_are_pinned() -> N
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
         with torch.no_grad():
             out = model(**kwargs)
-        assert all(s.master.is_pinned() for s in pager._slots.values())
+        assert all(s.master.is_pinned() for s in pager._table.slots.values())
     assert out["logits"].device.type == "cpu"
     torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-4, atol=1e-4)
 
@@ -1144,7 +1148,7 @@ def test_gpu_a_model_already_on_cuda_is_paged_and_put_back_there_bitwise() -> No
     with torch.no_grad():
         expected = model(x)
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
-        assert all(s.master.device.type == "cpu" for s in pager._slots.values())
+        assert all(s.master.device.type == "cpu" for s in pager._table.slots.values())
         with torch.no_grad():
             assert torch.equal(model(x), expected) and torch.equal(model(x), expected)
     for n, t in [*model.named_parameters(), *model.named_buffers()]:

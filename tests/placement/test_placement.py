@@ -597,7 +597,7 @@ def test_two_threads_making_the_first_call_place_the_model_once() -> None:
     with torch.no_grad():
         ref = model(x)
     outputs: list[torch.Tensor] = []
-    with adaptive.split(model, {"cpu@bfloat16": 3 * (16 * 16 + 16) * 2, "cpu": None}) as s:
+    with adaptive.split(model, {"cpu@bfloat16": 3 * (16 * 16 + 16) * 2, "cpu": None}):
         def call() -> None:
             with torch.no_grad():
                 outputs.append(model(x))
@@ -608,7 +608,8 @@ def test_two_threads_making_the_first_call_place_the_model_once() -> None:
         for t in threads:
             t.join()
         assert len(outputs) == 4
-        assert len(s._hooks) == 2 + 2 * 6  # root hooks plus one pair per layer, once
+        hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+        assert hooks == 2 + 2 * 6  # root hooks plus one pair per layer, once
         for out in outputs:
             assert rel_err(out, ref) < BF16_RTOL
 
@@ -621,10 +622,31 @@ def test_chunk_and_split_are_exported() -> None:
 def test_docstring_examples_run() -> None:
     import doctest
 
-    import adaptmem._placement.engine as placement
+    import adaptmem._placement.api as placement
 
     result = doctest.testmod(placement)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_place_with_example_inputs_places_a_lazy_handle_now_and_only_once() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).eval()
+    x = torch.randn(1, 8)
+    with torch.no_grad():
+        ref = model(x)
+    with adaptive.chunk(model, "cpu", capacity=8 * 9 * 2, dtype=torch.bfloat16) as chunker:
+        assert chunker.plan is None
+        chunker.place(example_inputs=x)
+        assert chunker.device_map == {"0": "cpu@bfloat16", "1": "cpu"}
+        assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+        with pytest.raises(adaptive.PlacementError, match="placed already"):
+            chunker.place({"0": "cpu", "1": "cpu"}, example_inputs=x)
+        assert chunker.device_map == {"0": "cpu@bfloat16", "1": "cpu"}  # nothing applied
+        with pytest.raises(TypeError, match="device_map .* or example_inputs"):
+            chunker.place()
+        with torch.no_grad():
+            assert rel_err(model(x), ref) < BF16_RTOL
+    assert model[0].weight.dtype == torch.float32
 
 
 def test_a_bad_device_map_fails_at_split_not_at_the_first_forward() -> None:

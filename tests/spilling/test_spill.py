@@ -22,7 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem._spilling import _hooks, _tiers
+from adaptmem._spilling import HostLink, Spill, _copies, _tiers
 
 
 def _fds_into(directory: Path, settle: float = 10.0) -> list[str]:
@@ -181,13 +181,13 @@ def test_prefetch_restores_in_reverse_save_order_ahead_of_use(tmp_path: Path,
 
     monkeypatch.setattr(_tiers.DiskFile, "read", recording_read)
     written: list[int] = []
-    real_write = _hooks._Step._write
+    real_write = _copies.Copies.write
 
     def counting_write(self: Any, entry: Any) -> None:
         real_write(self, entry)
         written.append(entry.nbytes)
 
-    monkeypatch.setattr(_hooks._Step, "_write", counting_write)
+    monkeypatch.setattr(_copies.Copies, "write", counting_write)
     x = torch.randn(256, 1024, requires_grad=True)
     with adaptive.spill(threshold="64KiB", limit=0, to=tmp_path, prefetch=2) as handle:
         y = _exp_chain(x, 8).sum()
@@ -611,18 +611,24 @@ class _CpuMover:
         type(self).used += 1
 
 
+class _CpuLink(HostLink):
+    """CPU tensors taken through host memory as an accelerator's are, by ``_CpuMover``."""
+
+    def through_host(self, device: torch.device) -> bool:
+        return True
+
+    def mover(self, device: torch.device) -> _CpuMover:
+        return _CpuMover(device)
+
+
 @pytest.mark.parametrize("to", ["host", None, "dir"])
 def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
-        to: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from adaptmem._spilling import _hooks
-
-    monkeypatch.setattr(_hooks, "_accelerated", lambda device: True)
-    monkeypatch.setattr(_hooks, "Mover", _CpuMover)
+        to: str | None, tmp_path: Path) -> None:
     _CpuMover.used = 0
     x = torch.randn(256, 256, requires_grad=True)
     _exp_chain(x).sum().backward()
     want, x.grad = x.grad, None
-    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path if to == "dir" else to)
+    handle = Spill(threshold=0, limit=0, to=tmp_path if to == "dir" else to, link=_CpuLink())
     with handle:
         _exp_chain(x).sum().backward()
     assert torch.equal(x.grad, want)

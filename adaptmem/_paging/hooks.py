@@ -1,0 +1,61 @@
+"""The pager's forward hooks and its call stack.
+
+Each module gets one pre-hook and one post-hook (``with_kwargs=True``; the post-hook with
+``always_call=True``, so it runs when the forward raises). The call stack holds a ``Frame``
+per module running now, with the slots its pre-hook acquired and its post-hook releases; a
+call that finds the stack empty is an outermost call, of the model or of a submodule on its
+own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from .._engines.base import HookSet
+from .._engines.hoststore import Slot
+
+__all__ = ["Frame", "Hooks"]
+
+
+class Frame:
+    """A module running now, and the slots it holds."""
+
+    __slots__ = ("module", "slots")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.slots: Sequence[Slot] = ()
+
+
+class Hooks:
+    """One ``pre``/``post`` hook pair per module, added at most once."""
+
+    __slots__ = ("pre", "post", "installed")
+
+    def __init__(self, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+        self.pre = pre
+        self.post = post
+        self.installed = HookSet()
+
+    def add(self, module: nn.Module) -> None:
+        """Hook ``module``, unless it is hooked already."""
+        if module in self.installed:
+            return
+        self.installed.add(
+            module,
+            module.register_forward_pre_hook(self.pre, with_kwargs=True),
+            module.register_forward_hook(self.post, with_kwargs=True, always_call=True))
+
+    def remove(self, module: nn.Module) -> None:
+        """Unhook ``module``, if it is hooked."""
+        self.installed.remove(module)
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return module in self.installed
+
+    def clear(self) -> None:
+        """Unhook every module."""
+        self.installed.clear()

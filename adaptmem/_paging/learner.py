@@ -1,0 +1,160 @@
+"""Learning what a forward reads: the probe that watches it, and what watched forwards saw.
+
+The planner cannot see a module that reads a child's weight without calling the child
+(``MultiheadAttention`` and ``out_proj``, swin's ``ShiftedWindowAttention`` and ``qkv``).
+A ``Probe``, a ``TorchFunctionMode``, sees every op and hands its arguments to the pager,
+which loads any weight among them before the op runs. The ``Learner`` keeps what watched
+forwards saw: the order modules were called in, the tensors each module's own code read,
+and the modules always running around each one. Every outermost call (of the model, or of a
+submodule on its own) is watched until a whole forward has been learned; a forward that
+then calls a module the learned one did not is watched from there, and the next one is
+learned again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["Learner", "Probe", "Quiet", "is_metadata"]
+
+logger = logging.getLogger("adaptmem")
+
+# Reading these from a weight does not need its values, so the probe leaves it on the host.
+_METADATA = frozenset({
+    "shape", "dtype", "device", "is_cuda", "is_cpu", "is_mps", "is_xpu", "is_meta",
+    "requires_grad", "ndim", "layout", "is_sparse", "is_quantized", "names", "size", "dim",
+    "numel", "nelement", "stride", "element_size", "itemsize", "nbytes", "is_floating_point",
+    "is_complex", "is_contiguous", "data_ptr", "get_device", "storage_offset", "grad_fn",
+    "is_leaf", "_version", "__len__",
+})
+
+
+def is_metadata(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name in _METADATA
+
+
+class Quiet:
+    """While entered (it nests), probes built on it look away: the pager moving weights is
+    not the model reading them. Other TorchFunctionModes (users', a simulated device's,
+    ``torch.device``) keep seeing everything: disabling torch functions would turn them off
+    too."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
+class Probe(TorchFunctionMode):
+    """Watches a forward: hands the arguments of every op that reads values (not metadata)
+    to ``on_op`` before the op runs, unless ``quiet`` is entered."""
+
+    def __init__(self, on_op: Callable[[Any, Any], None], quiet: Quiet) -> None:
+        super().__init__()
+        self.on_op = on_op
+        self.quiet = quiet
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.quiet.depth and not is_metadata(func):
+            self.on_op(args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Learner:
+    """What watched forwards saw, accumulated over all of them, and the probe watching now.
+
+    Attributes:
+        learning: no whole forward has been learned yet (or one is being learned again).
+        relearn: a module ran that the learned forward did not call; the next outermost
+            call learns again.
+        probe: the ``Probe`` watching the current call, if any.
+        calls: the modules called so far in the forward being learned, in call order.
+        seen: ids of the modules a learned forward called.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], on_op: Callable[[Any, Any], None],
+                 quiet: Quiet) -> None:
+        self.modules = modules
+        self.on_op = on_op
+        self.quiet = quiet
+        self.learning = True
+        self.relearn = False
+        self.probe: Probe | None = None
+        self.calls: list[str] = []
+        self.seen: set[int] = set()
+        # The tensors ops received while each module was the innermost one running, and
+        # the modules always running around each module when it was called.
+        self._direct: dict[str, set[str]] = {}
+        self._enclosing: dict[str, set[str]] = {}
+
+    def begin_call(self) -> bool:
+        """An outermost call begins: watch it while learning. Returns True when learning
+        starts again (every module needs its hooks back)."""
+        again = self.relearn
+        if again:
+            self.relearn, self.learning = False, True
+        if self.learning:
+            self.calls = []
+            self._watch()
+        return again
+
+    def called(self, name: str, running: set[str]) -> None:
+        """Module ``name`` was called while the modules ``running`` were."""
+        self.calls.append(name)
+        before = self._enclosing.get(name)
+        self._enclosing[name] = running if before is None else before & running
+
+    def read(self, module: str, tensor: str) -> None:
+        """An op read ``tensor`` while ``module`` was the innermost module running."""
+        self._direct.setdefault(module, set()).add(tensor)
+
+    def watch_unseen(self, name: str) -> None:
+        """Module ``name`` ran for the first time since the forward was learned: watch the
+        rest of this call, and learn again from the next one."""
+        logger.info("adaptmem page: module %r ran for the first time; watching this forward "
+                    "and relearning the execution order from the next one", name or "<root>")
+        self._watch()
+        self.relearn = True
+
+    def finish(self, failed: bool) -> list[str] | None:
+        """Stop watching. Returns the modules in the order the forward first called them
+        when it has just been learned whole (not ``failed``), else None: what a failed
+        call saw stays learned, and the next call is watched again."""
+        probe, self.probe = self.probe, None
+        if probe is None:
+            return None
+        if torch.overrides._get_current_function_mode() is probe:
+            probe.__exit__(None, None, None)
+        if not self.learning or failed:
+            return None
+        self.learning = False
+        self.seen |= {id(self.modules[n]) for n in self.calls}
+        return list(dict.fromkeys(self.calls))
+
+    def reads(self, name: str, brought: dict[str, set[str]]) -> set[str]:
+        """The tensors module ``name``'s own code read that neither it nor a module always
+        running around it brings (``brought``: what each module brings)."""
+        extra = self._direct.get(name, set()) - brought.get(name, set())
+        for outer in self._enclosing.get(name, ()):
+            extra -= brought.get(outer, set())
+        return extra
+
+    def _watch(self) -> None:
+        self.probe = Probe(self.on_op, self.quiet)
+        self.probe.__enter__()

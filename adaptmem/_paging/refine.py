@@ -1,0 +1,99 @@
+"""Run-time refinement: a unit that does not fit on the device when a module needs it is
+split into its parts, and the same forward goes on with them. A tensor that cannot be split
+further fails with an error that says what to change.
+
+Where an out-of-memory error strikes decides which lever moves: during a weight transfer the
+pager refines its units; during compute ``adaptive.batch`` shrinks the batch. The pager's
+error says which (``OutOfMemoryError.phase == "transfer"``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import NoReturn
+
+from .._common.devices import format_bytes, free_memory
+from .._common.errors import OutOfMemoryError, Phase, oom_error_for
+from .._engines.hoststore import LOADED, Slot
+from .._engines.stats import PagingStats
+from .._planning import ModuleSizes, Placement, Plan, Unit, split_unit
+from .needs import enclosing_unit, unit_heads
+from .slots import NoRoom, SlotTable
+
+__all__ = ["Refiner"]
+
+logger = logging.getLogger("adaptmem")
+
+
+class Refiner:
+    """Splits the pager's units at run time and records each split in ``plan`` and
+    ``stats``, or raises the transfer error."""
+
+    def __init__(self, sizes: ModuleSizes, plan: Plan, stats: PagingStats,
+                 table: SlotTable) -> None:
+        self.sizes = sizes
+        self.plan = plan
+        self.stats = stats
+        self.table = table
+
+    def refine(self, units: list[Unit], module: str, inside: bool, needs: Sequence[Slot],
+               cause: NoRoom) -> None:
+        """``module``'s ``needs`` did not fit (``cause``): split its unit in ``units``, in
+        place, or when it has none to split and lies ``inside`` a unit (called where that
+        unit is not running), that unit, which may make ``module`` a unit of its own.
+        Raises the transfer error when there is nothing to split."""
+        if self._split(units, module, cause):
+            return
+        outer = enclosing_unit(module, unit_heads(units)) if inside else None
+        if outer is None or not self._split(units, outer, cause):
+            self.give_up(module, [s for s in needs if s.state is not LOADED], cause)
+
+    def _split(self, units: list[Unit], module: str, cause: NoRoom) -> bool:
+        """Split the paged unit of ``module`` in ``units``, in place. False when ``module``
+        has no paged unit, or its unit has no parts."""
+        for i, unit in enumerate(units):
+            if unit.module != module or unit.own or unit.placement is Placement.RESIDENT:
+                continue
+            parts = split_unit(self.sizes, unit)
+            if not parts:
+                return False
+            parts = [replace(p, placement=Placement.PAGED) for p in parts]
+            units[i:i + 1] = parts
+            self.plan.units = list(units)
+            why = "out of memory" if cause.oom is not None else "over device_budget"
+            self.plan.refinements.append({"unit": unit.name, "bytes": unit.nbytes,
+                                          "reason": why, "into": [p.name for p in parts]})
+            self.stats.refinements += 1
+            device = self.table.device
+            logger.info(
+                "adaptmem page: unit %s (%s) did not fit on %s (%s; %s of weights held, "
+                "%s free): split into %d units", unit.name, format_bytes(unit.nbytes),
+                device, why, format_bytes(self.table.held), format_bytes(free_memory(device)),
+                len(parts))
+            return True
+        return False
+
+    def give_up(self, module: str, missing: Sequence[Slot], cause: NoRoom) -> NoReturn:
+        """Raise the transfer error: ``missing`` (``module``'s) does not fit and cannot be
+        split further. An instance of the original OOM's type when there was one."""
+        table = self.table
+        largest = max(missing, key=lambda s: s.nbytes)
+        limit = (f"device_budget={format_bytes(table.budget)}" if table.budget is not None
+                 else f"{format_bytes(free_memory(table.device))} free")
+        message = (
+            f"adaptmem page: module {module or '<root>'!r} needs {format_bytes(cause.need)} of "
+            f"weights on {table.device} at once (largest tensor {largest.name!r}, "
+            f"{format_bytes(largest.nbytes)}), but with {format_bytes(table.held)} already "
+            f"held (resident units and running parents) it does not fit under {limit}. "
+            f"It cannot be split further: raise device_budget, lower resident_bytes, or free "
+            f"device memory."
+        )
+        if cause.oom is not None:
+            err = oom_error_for(cause.oom)(message)
+            err.phase = Phase.TRANSFER
+            raise err from cause.oom
+        err = OutOfMemoryError(message)
+        err.phase = Phase.TRANSFER
+        raise err

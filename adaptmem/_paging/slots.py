@@ -1,0 +1,284 @@
+"""The slot table: every tensor's slot (``hoststore.Slot``), the bytes the slots hold on the
+device, and the one way weights come in and go out.
+
+Loading a tensor assigns ``tensor.data = copy``; releasing it assigns ``tensor.data =
+master`` and drops the copy. Slots are reference-counted, so tied tensors and nested units
+are on the device once. Parameters are never written back; a buffer the forward wrote in
+place (a cache) is.
+
+[Note: the one fast path] In the steady state a module's weights were all prefetched
+together (one ticket) while the module before it ran, and nothing wrote to them since (their
+version counters): ``acquire`` checks exactly that and installs them, on a synchronous
+transfer without calling ``wait``, since such a copy was done before ``start`` returned.
+Everything else (a miss, a stale copy, a tensor a running module holds already, a fetch that
+does not fit) takes ``bring_in``, which handles every case and is correct without the fast
+path. ``release`` runs per unit too, so it does ``unload``'s work inline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from .._common.headroom import weight_room
+from .._common.oom import free_caches, is_oom
+from .._engines.hoststore import HOST, LOADED, PENDING, Slot  # See [Note: slot states on ...]
+from .._engines.stats import PagingStats
+from .._engines.transfer import Transfer
+from .._planning import Placement, Unit
+
+__all__ = ["NoRoom", "SlotTable", "room_for_weights"]
+
+logger = logging.getLogger("adaptmem")
+
+
+def room_for_weights(device: torch.device, budget: int | None) -> int:
+    """The device bytes weights may take: ``budget``, else free memory minus the reserve
+    every engine keeps back (see [Note: headroom] in ``_common/headroom.py``)."""
+    if budget is not None:
+        return budget
+    return weight_room(device)[0]
+
+
+class NoRoom(Exception):
+    """A fetch did not fit (budget, or an OOM that survived one retry)."""
+
+    def __init__(self, need: int, oom: BaseException | None = None) -> None:
+        super().__init__(need)
+        self.need = need
+        self.oom = oom
+
+
+class SlotTable:
+    """The slots by canonical name, their transfer to the device, and the bytes they hold.
+
+    Attributes:
+        slots: ``{canonical name: Slot}``.
+        by_id: the slot of each registered tensor, by ``id(tensor)``.
+        held: device bytes held for weights now (resident and paged).
+        resident_bytes: of those, the bytes of resident units.
+    """
+
+    def __init__(self, slots: dict[str, Slot], device: torch.device, transfer: Transfer,
+                 budget: int | None, stats: PagingStats) -> None:
+        self.slots = slots
+        self.by_id = {id(s.tensor): s for s in slots.values()}
+        self.device = device
+        self.transfer = transfer
+        self.synchronous = transfer.synchronous
+        self.budget = budget
+        self.stats = stats
+        self.held = 0
+        self.resident_bytes = 0
+        self._written: set[str] = set()  # buffers already reported as written in place
+
+    def fits(self, need: int) -> bool:
+        return self.budget is None or self.held + need <= self.budget
+
+    def acquire(self, needs: Sequence[Slot]) -> None:
+        """Load ``needs`` and hold a reference to each. Raises ``NoRoom``, holding nothing,
+        when they do not fit. See [Note: the one fast path]."""
+        first = needs[0]
+        if first.state is PENDING:
+            ticket = first.ticket
+            for s in needs:
+                if s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version:
+                    break
+            else:
+                if self.synchronous:
+                    self.stats.prefetch_hits += 1
+                    for s in needs:
+                        s.tensor.data = s.copy  # type: ignore[assignment]
+                        s.state, s.ticket = LOADED, None
+                        s.refs += 1
+                else:
+                    self._install(needs, self.transfer.wait(
+                        ((ticket, [s.copy for s in needs]),), False))  # type: ignore[misc]
+                    for s in needs:
+                        s.refs += 1
+                return
+        missing = [s for s in needs if s.state is not LOADED]
+        if missing:
+            self.bring_in(missing, keep=needs)
+        for s in needs:
+            s.refs += 1
+
+    def bring_in(self, missing: list[Slot], keep: Collection[Slot]) -> None:
+        """Load ``missing`` (none of them loaded), waiting for copies on their way and
+        fetching the rest. When the fetch does not fit, copies prefetched for others (not
+        in ``keep``) are dropped, caches emptied and it is tried once more; then it raises
+        ``NoRoom``."""
+        for s in missing:
+            # Written in place since its copy was made (by a hook, or by an earlier module's
+            # forward): the copy is stale.
+            if s.state is PENDING and s.tensor._version != s.version:
+                self.unload(s)
+        absent = [s for s in missing if s.state is HOST]
+        need = sum(s.nbytes for s in absent)
+        if absent:
+            if not self.fits(need):
+                self.drop_pending(keep)
+                if not self.fits(need):
+                    raise NoRoom(need)
+            try:
+                self.fetch(absent)
+            except Exception as exc:
+                if not is_oom(exc):
+                    raise
+                self.drop_pending(keep)
+                free_caches(self.device)
+                try:
+                    self.fetch(absent)
+                except Exception as again:
+                    if not is_oom(again):
+                        raise
+                    free_caches(self.device)
+                    raise NoRoom(need, again) from None
+        ticket = missing[0].ticket
+        if all(s.ticket is ticket for s in missing):  # the usual case: one prefetch or fetch
+            groups = [(ticket, [s.copy for s in missing])]
+        else:
+            tickets: dict[int, list[Slot]] = {}
+            for s in missing:
+                tickets.setdefault(id(s.ticket), []).append(s)
+            groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
+        self._install(missing, self.transfer.wait(groups, demand=bool(absent)))  # type: ignore[arg-type]
+
+    def _install(self, slots: Sequence[Slot], waited: bool | None) -> None:
+        """Point each slot's tensor at its device copy; count whether compute waited on it
+        (a prefetch miss) or found it ready (a hit); None means neither applies."""
+        if waited:
+            self.stats.prefetch_misses += 1
+        elif waited is not None:
+            self.stats.prefetch_hits += 1
+        for s in slots:
+            s.tensor.data = s.copy  # type: ignore[assignment]
+            s.state, s.ticket = LOADED, None
+
+    def fetch(self, slots: Sequence[Slot], masters: Sequence[torch.Tensor] | None = None) -> None:
+        """Start copying ``slots`` (all on the host) to the device (``masters``: theirs, when
+        known)."""
+        copies, ticket = self._start(masters or [s.master for s in slots])
+        nbytes = 0
+        for s, c in zip(slots, copies, strict=True):
+            s.copy, s.ticket, s.state, s.version = c, ticket, PENDING, s.tensor._version
+            nbytes += s.nbytes
+        self._add(nbytes)
+        self.stats.transfers += 1
+        self.stats.bytes_moved += nbytes
+
+    def keep_resident(self, units: Sequence[Unit], allowance: int) -> list[Unit]:
+        """Copy units to the device for good, in order, while their bytes fit in
+        ``allowance``; the first that does not fit in memory ends it. Returns ``units``,
+        each marked resident or paged."""
+        placed = []
+        for unit in units:
+            slots = [self.slots[n] for n in unit.tensors]
+            used = self.resident_bytes
+            resident = bool(slots) and used + sum(s.nbytes for s in slots) <= allowance
+            if resident and not self._make_resident(slots, unit.name):
+                resident, allowance = False, used
+            placed.append(replace(unit, placement=Placement.RESIDENT if resident
+                                  else Placement.PAGED))
+        return placed
+
+    def _make_resident(self, slots: Sequence[Slot], unit: str) -> bool:
+        """Copy ``slots`` (``unit``'s) to the device for good. Returns False, changing
+        nothing, when they do not fit (an out-of-memory error)."""
+        try:
+            copies, ticket = self._start([s.master for s in slots])
+            self.transfer.wait([(ticket, copies)], demand=True)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            logger.info("adaptmem page: %s did not fit on %s while making it resident (%s); "
+                        "it is paged instead", unit, self.device, exc)
+            return False
+        nbytes = 0
+        for s, c in zip(slots, copies, strict=True):
+            s.copy, s.state, s.resident = c, LOADED, True
+            s.tensor.data = c
+            nbytes += s.nbytes
+        self._add(nbytes)
+        self.resident_bytes += nbytes
+        return True
+
+    def _start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+        if torch.is_inference_mode_enabled():
+            # A copy made under inference_mode is an inference tensor, which a forward with
+            # autograd on could not use; resident copies outlive the mode they were made in.
+            with torch.inference_mode(False):
+                return self.transfer.start(hosts)
+        return self.transfer.start(hosts)
+
+    def _add(self, nbytes: int) -> None:
+        self.held += nbytes
+        if self.held > self.stats.peak_device_bytes:
+            self.stats.peak_device_bytes = self.held
+
+    def release(self, slots: Sequence[Slot]) -> None:
+        """Drop a reference to each of ``slots``; those no longer held go back to the host."""
+        freed = 0
+        for s in slots:
+            s.refs -= 1
+            if s.refs == 0 and not s.resident:  # unload, inline: see [Note: the one fast path]
+                if s.buffer and s.tensor._version != s.version:
+                    self._write_back(s)
+                s.tensor.data = s.master
+                s.copy = None
+                s.state = HOST
+                freed += s.nbytes
+        self.held -= freed
+
+    def unload(self, s: Slot) -> None:
+        """Forget ``s``'s device copy (loaded or on its way)."""
+        if s.state is LOADED:
+            s.tensor.data = s.master
+        s.copy, s.ticket, s.state = None, None, HOST
+        self.held -= s.nbytes
+
+    def drop_pending(self, keep: Collection[Slot] = ()) -> None:
+        """Forget every copy on its way, but those of ``keep``."""
+        kept = {id(s) for s in keep}
+        for s in self.slots.values():
+            if s.state is PENDING and id(s) not in kept:
+                self.unload(s)
+
+    def _write_back(self, s: Slot) -> None:
+        """The forward wrote a paged tensor in place (a cache kept in a buffer): keep what
+        it wrote, by copying the device copy into the host master before dropping it."""
+        if s.name not in self._written:
+            self._written.add(s.name)
+            logger.info("adaptmem page: %r was written in place during a forward; its device "
+                        "copy is copied back to the host after each use (keep it resident to "
+                        "avoid that: raise resident_bytes)", s.name)
+        s.master.copy_(s.copy)  # type: ignore[arg-type]
+
+    def settle(self, block: bool) -> None:
+        """Count the prefetch hits and misses the transfer has decided since last time."""
+        hits, misses = self.transfer.settle(block)
+        self.stats.prefetch_hits += hits
+        self.stats.prefetch_misses += misses
+
+    def restore(self) -> None:
+        """Every tensor back on its original device and dtype; nothing held on the device."""
+        for s in self.slots.values():
+            s.restore()
+        self.held = 0
+
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
+        """``{canonical name: [host master, device copy if resident]}``; see
+        ``Pager.load_targets``."""
+        self.settle(block=True)
+        self.drop_pending()
+        out = {}
+        for name, s in self.slots.items():
+            targets = [s.master]
+            if s.resident and s.copy is not None:
+                targets.append(s.copy)
+            out[name] = targets
+        return out

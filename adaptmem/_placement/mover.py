@@ -1,0 +1,136 @@
+"""Moving a model's tensors between placements, and putting them back bitwise.
+
+Placement swaps tensor storage only (``param.data = ...``): parameter identity, ``state_dict``
+keys and module classes never change. Where a unit's dtype differs from a tensor's own, the
+original is kept for ``remove()``; see [Note: writes to a converted copy].
+
+[Note: writes to a converted copy] A placed tensor may be written by the forward (a step
+counter, a running statistic). When it is a converted copy, the write is carried into the
+kept original before the next move or ``remove()``, so the model keeps it as an unconverted
+tensor would (in the original dtype, so rounded by the trip through the placed one). Writes
+are seen by the version counter of the parameter or buffer itself; the loader writes through
+``.data`` aliases (``load_targets``), which leave it alone, and fills the original too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .._planning import Target, Unit
+
+__all__ = ["PlacedTensors", "set_data"]
+
+
+class PlacedTensors:
+    """A model's tensors (by canonical name) and where each one is placed: the label of its
+    target, and the original a dtype change replaced, kept for ``restore_all()``."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], targets: Mapping[str, Target]
+                 ) -> None:
+        self.tensors = dict(tensors)
+        self.original = {n: (t.device, t.dtype) for n, t in self.tensors.items()}
+        self._targets = targets
+        self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
+        # (placed tensor's version, kept original's version) when placed:
+        # see [Note: writes to a converted copy].
+        self._versions: dict[str, tuple[int, int]] = {}
+        self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
+
+    def apply(self, units: Sequence[Unit]) -> None:
+        """Move every tensor whose label changed; on any failure put back what moved."""
+        wanted = {t: u.placement for u in units for t in u.tensors}
+        before = dict(self._where)
+        moved: list[str] = []
+        try:
+            with torch.no_grad():
+                for name, label in wanted.items():
+                    if self._where.get(name) != label:
+                        moved.append(name)
+                        self._move(name, self._targets[label])
+                        self._where[name] = label
+        except BaseException:
+            with torch.no_grad():
+                for name in moved:
+                    if name in before:
+                        self._move(name, self._targets[before[name]])
+                        self._where[name] = before[name]
+                    else:
+                        self._restore(name)
+                        self._where.pop(name, None)
+            raise
+
+    def restore_all(self) -> None:
+        """Every moved tensor back, bitwise, on its original device and dtype."""
+        with torch.no_grad():
+            for name in list(self._where):
+                self._restore(name)
+                del self._where[name]
+
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
+        """See ``Splitter.load_targets``."""
+        out: dict[str, list[torch.Tensor]] = {}
+        for name, t in self.tensors.items():
+            targets = [t.data]
+            kept = self._kept.get(name)
+            if kept is not None and not kept.is_meta:
+                targets.append(kept)
+            out[name] = targets
+        return out
+
+    def _move(self, name: str, target: Target) -> None:
+        t = self.tensors[name]
+        self._sync_back(name)
+        device, dtype = self.original[name]
+        want = target.dtype if target.dtype is not None and t.is_floating_point() else dtype
+        source = self._kept.get(name, t.data)
+        if source.is_meta and not t.data.is_meta:
+            source = t.data  # materialised from meta earlier: its values live only here
+        if source.device == target.device and source.dtype == want:
+            placed = source
+        elif source.is_meta:
+            placed = torch.empty_like(source, device=target.device, dtype=want)
+        else:
+            placed = source.to(device=target.device, dtype=want, copy=True)
+        if want != dtype or source.is_meta:
+            self._kept.setdefault(name, source)
+        else:
+            self._kept.pop(name, None)
+        set_data(t, placed)
+        kept = self._kept.get(name)
+        self._versions[name] = (t._version, -1 if kept is None else kept._version)
+
+    def _sync_back(self, name: str) -> None:
+        """See [Note: writes to a converted copy]."""
+        kept = self._kept.get(name)
+        versions = self._versions.get(name)
+        if kept is None or kept.is_meta or versions is None:
+            return
+        t = self.tensors[name]
+        if t._version != versions[0] and kept._version == versions[1]:
+            kept.copy_(t.data)
+            self._versions[name] = (t._version, kept._version)
+
+    def _restore(self, name: str) -> None:
+        t = self.tensors[name]
+        self._sync_back(name)
+        self._versions.pop(name, None)
+        kept = self._kept.pop(name, None)
+        if kept is not None:
+            set_data(t, kept)
+        device, dtype = self.original[name]
+        if t.device != device or t.dtype != dtype:
+            set_data(t, t.data.to(device=device, dtype=dtype))
+
+
+def set_data(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Point ``t`` (a registered parameter or buffer) at ``data``, keeping its identity."""
+    if t.is_meta == data.is_meta:
+        t.data = data
+        return
+    # set_data cannot cross between meta and real tensors; swapping contents can, and the
+    # Python object (and so every reference to the parameter) stays the same.
+    new = nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else data
+    torch.utils.swap_tensors(t, new)

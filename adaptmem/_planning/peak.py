@@ -1,0 +1,190 @@
+"""Predicting the memory a call needs per item, before running it for real.
+
+[Note: predicting peak memory on meta]
+A forward on meta tensors allocates nothing but still computes every shape, so counting the
+bytes of the tensors it creates, and freeing them as Python drops them, gives the peak the
+real call would reach above what already existed (weights, inputs). Run at two batch sizes,
+the peaks fit ``peak(b) = fixed + per_item * b``: activations grow with the batch, workspace
+and outputs of fixed shape do not. The real peak is higher by what meta cannot see (the
+allocator's rounding and cached blocks, library workspaces, kernels that allocate outside
+torch), so users of the prediction keep a margin and still treat an out-of-memory error as
+the last word. A call that cannot run on meta (``.item()``, data-dependent shapes, custom
+kernels) has no prediction: ``predict_per_item`` raises ``NotPredictable``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .recording import meta_copy
+
+__all__ = [
+    "PeakTracker", "PeakPrediction", "NotPredictable", "predict_per_item", "predict_model",
+    "activation_report",
+]
+
+
+class NotPredictable(Exception):
+    """The call could not be traced on the meta device; the message says why."""
+
+
+class PeakTracker(TorchDispatchMode):
+    """Counts the bytes of the storages ops create while it is active and the highest total
+    alive at once (``peak``); storages that existed before are not counted. Works on any
+    device; on meta it is what a real run would allocate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._owners: dict[int, int] = {}  # storage -> how many tracked tensors use it
+        self._bytes: dict[int, int] = {}  # storage -> its bytes
+        self._seen: set[int] = set()  # ids of the live tensors counted
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        known = {id(t) for t in inputs}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in known and id(t) not in self._seen:
+                key = t.untyped_storage()._cdata  # one per storage, shared by its views
+                if key in self._owners:  # a view of a storage made while tracking
+                    self._hold(t, key, 0)
+                elif all(i.untyped_storage()._cdata != key for i in inputs):  # new memory
+                    self._hold(t, key, t.untyped_storage().nbytes())
+                # else a view of (or in-place result in) memory that existed before: not counted
+        return out
+
+    def _hold(self, t: torch.Tensor, key: int, nbytes: int) -> None:
+        self._seen.add(id(t))
+        if key in self._owners:
+            self._owners[key] += 1
+        else:
+            self._owners[key] = 1
+            self._bytes[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._drop, id(t), key)
+
+    def _drop(self, tensor_id: int, key: int) -> None:
+        self._seen.discard(tensor_id)
+        left = self._owners.get(key, 0) - 1
+        if left > 0:
+            self._owners[key] = left
+            return
+        if self._owners.pop(key, None) is not None:
+            self.live -= self._bytes.pop(key, 0)
+
+
+@dataclass(frozen=True)
+class PeakPrediction:
+    """``peak(batch) = fixed_bytes + per_item_bytes * batch``, from traces at ``sizes``."""
+
+    sizes: tuple[int, int]
+    peaks: tuple[int, int]
+    fixed_bytes: int
+    per_item_bytes: float
+
+    def peak(self, batch: int) -> int:
+        """Predicted bytes the call allocates at ``batch`` items."""
+        return int(self.fixed_bytes + self.per_item_bytes * batch)
+
+    def largest(self, room: int, margin: float = 0.8) -> int:
+        """The largest batch whose predicted peak stays within ``margin * room``: 0 when not
+        even one item fits, ``2**31 - 1`` for a call whose memory does not grow with it."""
+        usable = room * margin - self.fixed_bytes
+        if usable < 0:
+            return 0
+        if self.per_item_bytes <= 0:
+            return 2**31 - 1
+        return min(2**31 - 1, math.floor(usable / self.per_item_bytes))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sizes": list(self.sizes), "peaks": list(self.peaks),
+                "fixed_bytes": self.fixed_bytes, "per_item_bytes": self.per_item_bytes}
+
+
+def predict_per_item(call: Callable[..., Any], *args: Any, sizes: tuple[int, int] = (2, 4),
+                     **kwargs: Any) -> PeakPrediction:
+    """Trace ``call(batch, *args, **kwargs)`` on meta copies of ``args``/``kwargs`` (models and
+    tensors inside them included; nothing the caller passed changes) at two batch sizes and
+    fit the bytes allocated per item. See [Note: predicting peak memory on meta].
+
+    Raises:
+        NotPredictable: the call failed on meta (the message names the error).
+    """
+    small, large = sizes
+    if not 0 < small < large:
+        raise ValueError(f"sizes must be two increasing positive batch sizes, got {sizes}")
+    peaks = []
+    for batch in sizes:
+        meta_args, meta_kwargs = meta_copy((args, kwargs))
+        tracker = PeakTracker()
+        try:
+            with torch.no_grad(), tracker:
+                result = call(batch, *meta_args, **meta_kwargs)
+                del result
+        except Exception as exc:  # noqa: BLE001 - any failure on meta means "no prediction"
+            raise NotPredictable(f"{type(exc).__name__}: {exc}") from exc
+        peaks.append(tracker.peak)
+    per_item = (peaks[1] - peaks[0]) / (large - small)
+    fixed = max(0, int(peaks[0] - per_item * small))
+    return PeakPrediction((small, large), (peaks[0], peaks[1]), fixed, per_item)
+
+
+def predict_model(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  sizes: tuple[int, int] = (2, 4)) -> PeakPrediction:
+    """``predict_per_item`` for ``model(*args, **kwargs)``: every input tensor whose first
+    dimension is the batch (the first input tensor's first dimension) is traced at each size.
+
+    Raises:
+        NotPredictable: no input tensor has a batch dimension, or the forward fails on meta.
+    """
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise NotPredictable("the example inputs have no tensor with a batch dimension")
+    batch = tensors[0].shape[0]
+
+    def at(size: int, t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+            return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        return t
+
+    def forward(size: int, m: torch.nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
+        return m(*[_map(at, size, x) for x in a], **{n: _map(at, size, x) for n, x in k.items()})
+
+    return predict_per_item(forward, model, args, kwargs, sizes=sizes)
+
+
+def _map(fn: Callable[[int, Any], Any], size: int, obj: Any) -> Any:
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_map(fn, size, x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map(fn, size, v) for k, v in obj.items()}
+    return fn(size, obj)
+
+
+def activation_report(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      room: int | None) -> dict[str, Any]:
+    """What a plan reports about activations: bytes per item and fixed (see
+    ``predict_model``), and the largest batch whose predicted peak fits 80% of ``room``
+    (the first device's capacity left after its weights; omitted when unknown), or why
+    there is no prediction."""
+    try:
+        p = predict_model(model, args, kwargs)
+    except NotPredictable as exc:
+        return {"predicted": False, "reason": str(exc)}
+    report: dict[str, Any] = {"predicted": True, "per_item_bytes": int(p.per_item_bytes),
+                              "fixed_bytes": p.fixed_bytes}
+    if room is not None:
+        report["room_bytes"] = room
+        report["largest_batch"] = p.largest(room)
+    return report
