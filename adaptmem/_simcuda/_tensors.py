@@ -30,6 +30,7 @@ the CPU's stream is left as it was. An op given an explicit ``generator=`` uses 
 from __future__ import annotations
 
 import time
+import types
 import weakref
 from typing import Any
 
@@ -320,8 +321,9 @@ class Tensors:
             record.used_on[stream] = stream.epoch
 
 
-def _has_generator(flat: list[Any]) -> bool:
-    return any(isinstance(x, torch.Generator) for x in flat)
+def _has_generator(args: Any, kwargs: dict[str, Any]) -> bool:
+    return (isinstance(kwargs.get("generator"), torch.Generator)
+            or any(isinstance(x, torch.Generator) for x in args))
 
 
 def _host_view(t: torch.Tensor) -> torch.Tensor:
@@ -375,81 +377,144 @@ class _Dispatch(TorchDispatchMode):
             return self._run(func, args, kwargs)
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        # See [Note: the per-op cost of the simulation]: one walk over the arguments (aten
+        # schemas nest at most one list deep), no pytree.
         sim = self.sim
-        flat, spec = tree_flatten((args, kwargs))
-        index: int | None = None
-        cpu_arg: torch.Tensor | None = None
-        uses = []
-        originals: dict[int, torch.Tensor] = {}
-        storages: dict[int, Record] = {}
-        for i, x in enumerate(flat):
-            if isinstance(x, torch.Tensor):
-                if x.is_cuda:
-                    b, record = sim.lookup(x)
-                    if index is None:
-                        index = record.index
-                    elif record.index != index:
-                        raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
-                    uses.append((record, x))
-                    flat[i] = b
-                    originals[id(b)] = x
-                    storages[b.untyped_storage().data_ptr()] = record
-                elif cpu_arg is None and x.dim() and x.device.type == "cpu":
-                    cpu_arg = x
-            elif isinstance(x, torch.device) and x.type == "cuda":
-                flat[i] = _CPU
-                wanted = sim.state.device_index(x)
-                if index is not None and wanted != index:
-                    raise _mixed(f"cuda:{index}", f"cuda:{wanted}")
-                index = wanted
+        u = _Unwrapping(sim)
+        cargs = u.args(args)
+        ckwargs = u.kwargs(kwargs)
+        index = u.index
         if index is None:
             drawing_for = sim.state.drawing_for
-            if drawing_for is not None and _SEEDED in func.tags and not _has_generator(flat):
+            if drawing_for is not None and _SEEDED in func.tags and not _has_generator(
+                    args, kwargs):
                 return sim.draw(drawing_for, func, *args, **kwargs)
             return func(*args, **kwargs)
         target = kwargs.get("device")
         if isinstance(target, torch.device) and target.type != "cuda":
             # ``empty_like(x, device="cpu")``, ``x.new_zeros(n, device="cpu")``: made on the
             # host from a device tensor's metadata, so a host tensor comes back.
-            cargs, ckwargs = tree_unflatten(flat, spec)
             return func(*cargs, **ckwargs)
-        if cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
+        if u.cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
             raise _mixed(f"cuda:{index}", "cpu")
         stream = sim.state.current_streams[index]
-        for record, x in uses:
+        for record, x in u.uses:
             sim.use(record, stream, x, func)
-        cargs, ckwargs = tree_unflatten(flat, spec)
-        if _SEEDED in func.tags and not _has_generator(flat):
+        if _SEEDED in func.tags and not _has_generator(args, kwargs):
             out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
         else:
             out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
         # New storages are allocated together: an OOM allocates nothing.
+        originals, storages = u.originals, u.storages
         fresh: dict[int, torch.Tensor] = {}
-        for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor) and id(o) not in originals:
+        for o in _tensors_in(out):
+            if id(o) not in originals:
                 ptr = o.untyped_storage().data_ptr()
                 if ptr not in storages and ptr not in fresh:
                     fresh[ptr] = o
-        made: list[Record] = []
-        try:
-            for ptr, o in fresh.items():
-                record = sim.allocate(o, index)
-                made.append(record)
-                storages[ptr] = record
-        except BaseException:
-            for record in made:
-                sim.state.allocators[index].free(record.block)
-            raise
+        if fresh:
+            made: list[Record] = []
+            try:
+                for ptr, o in fresh.items():
+                    record = sim.allocate(o, index)
+                    made.append(record)
+                    storages[ptr] = record
+            except BaseException:
+                for record in made:
+                    sim.state.allocators[index].free(record.block)
+                raise
 
-        def wrap(o: Any) -> Any:
-            if not isinstance(o, torch.Tensor):
-                return o
+        def wrap(o: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(o))
             if original is not None:
                 return original
             return sim.wrap(o, storages[o.untyped_storage().data_ptr()])
 
-        return tree_map(wrap, out)
+        return _map_tensors(wrap, out)
+
+
+class _Unwrapping:
+    """The arguments of one op with simulated tensors replaced by their backings, and what
+    was seen on the way: the device, a CPU tensor among them, the allocations used."""
+
+    __slots__ = ("sim", "index", "cpu_arg", "uses", "originals", "storages")
+
+    def __init__(self, sim: Tensors) -> None:
+        self.sim = sim
+        self.index: int | None = None
+        self.cpu_arg: torch.Tensor | None = None
+        self.uses: list[tuple[Record, torch.Tensor]] = []
+        self.originals: dict[int, torch.Tensor] = {}  # id(backing) -> simulated tensor
+        self.storages: dict[int, Record] = {}  # backing data_ptr -> its allocation
+
+    def args(self, args: Any) -> Any:
+        out = list(args)
+        for i, a in enumerate(args):
+            if type(a) is list or type(a) is tuple:
+                out[i] = type(a)(self.leaf(y) for y in a)
+            else:
+                out[i] = self.leaf(a)
+        return out
+
+    def kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if not kwargs:
+            return kwargs
+        out = {}
+        for k, a in kwargs.items():
+            if type(a) is list or type(a) is tuple:
+                out[k] = type(a)(self.leaf(y) for y in a)
+            else:
+                out[k] = self.leaf(a)
+        return out
+
+    def leaf(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                b, record = self.sim.lookup(x)
+                if self.index is None:
+                    self.index = record.index
+                elif record.index != self.index:
+                    raise _mixed(f"cuda:{self.index}", f"cuda:{record.index}")
+                self.uses.append((record, x))
+                self.originals[id(b)] = x
+                self.storages[b.untyped_storage().data_ptr()] = record
+                return b
+            if self.cpu_arg is None and x.dim() and x.device.type == "cpu":
+                self.cpu_arg = x
+            return x
+        if isinstance(x, torch.device) and x.type == "cuda":
+            wanted = self.sim.state.device_index(x)
+            if self.index is not None and wanted != self.index:
+                raise _mixed(f"cuda:{self.index}", f"cuda:{wanted}")
+            self.index = wanted
+            return _CPU
+        return x
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors an op returned (a tensor, or tuples and lists of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        found = []
+        for o in out:
+            found += _tensors_in(o)
+        return found
+    return []
+
+
+def _map_tensors(fn: Any, out: Any) -> Any:
+    """``out`` with every tensor in it replaced by ``fn(tensor)``, containers kept."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if type(out) is tuple or type(out) is list:
+        return type(out)(_map_tensors(fn, o) for o in out)
+    if isinstance(out, tuple):  # torch.return_types.* (one sequence) or a named tuple
+        items = [_map_tensors(fn, o) for o in out]
+        return type(out)(items) if hasattr(type(out), "n_fields") else type(out)(*items)
+    if isinstance(out, list):
+        return type(out)(_map_tensors(fn, o) for o in out)
+    return out
 
 
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
@@ -462,6 +527,18 @@ def _is_cuda(device: Any) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
     return isinstance(device, int) and not isinstance(device, bool)
+
+
+_no_subclass_function = torch._C.DisableTorchFunctionSubclass
+_BINDING_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType,
+                  types.WrapperDescriptorType, types.MethodWrapperType,
+                  types.GetSetDescriptorType)
+
+
+def _is_binding(func: Any) -> bool:
+    """``func`` is a C binding of torch (``torch.add``, ``Tensor.add``, a property getter;
+    not cached by identity: a getter's method-wrapper is a new object at every access)."""
+    return isinstance(func, _BINDING_TYPES)
 
 
 def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -508,6 +585,14 @@ class _Functions(TorchFunctionMode):
             out = func(*args, **{**kwargs, "pin_memory": False})
             return tree_map(lambda o: self.sim.pin(o) if isinstance(o, torch.Tensor) else o, out)
         try:
+            if _is_binding(func):
+                # See [Note: the per-op cost of the simulation]. A C binding has no Python
+                # body whose calls the subclass hook would need to see: run it without.
+                with _no_subclass_function():
+                    if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
+                        with torch.no_grad():
+                            return func(*args, **kwargs)
+                    return func(*args, **kwargs)
             if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
                 with torch.no_grad():
                     return func(*args, **kwargs)
