@@ -106,9 +106,10 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     allocator (``memory_allocated``, ``memory_reserved``, ``empty_cache``, ``mem_get_info``,
     ``set_per_process_memory_fraction``); past the limit ``torch.OutOfMemoryError`` is raised
     with CUDA's message and nothing is allocated. Streams and events work; a copy made with
-    ``non_blocking=True`` from pinned memory completes later on a worker thread (taking
-    ``nbytes / bandwidth`` seconds when ``bandwidth`` in GB/s is given; a synchronous copy
-    between host and device holds the host that long), and reading its
+    ``non_blocking=True`` from pinned memory completes later: ``nbytes / bandwidth`` seconds
+    after the call returns when ``bandwidth`` in GB/s is given, queued behind its stream's
+    earlier copies (the host goes on meanwhile; a synchronous copy between host and device
+    holds the host that long). Reading its
     destination on a stream that did not wait for it raises ``StreamRaceError``. Freeing a
     tensor another stream still uses without ``record_stream`` raises
     ``SimulatedCudaError`` when the block ends.

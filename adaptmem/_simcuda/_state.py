@@ -88,7 +88,7 @@ class SimState:
         for stream in list(self.streams):
             if index is None or stream.index == index:
                 for job in stream.pending_jobs():
-                    job.done.wait()
+                    job.wait()
                 stream.host_synced()
 
     def stop(self) -> None:

@@ -17,6 +17,20 @@ runs the op on the CPU and wraps new results, counting their bytes on the device
 calls that involve simulated tensors under ``no_grad`` (autograd's CUDA bookkeeping would
 abort the process).
 
+[Note: the per-op cost of the simulation]
+Every op on a simulated tensor costs host time a GPU does not spend: the dispatch into
+Python, the table lookups, the allocation count, the wrapping of results (about 10-15 us an
+op on a 2-core x86 VM, where the op itself may take 1 us). That cost lands on whatever the
+op is part of, so it is kept small on the paths every op takes: ``_Dispatch._run`` walks an
+op's arguments once by hand (aten schemas nest at most one list deep), not with pytree; a
+C binding (``torch.add``, ``Tensor.add``, a property getter), which has no Python body
+whose inner calls the simulation would need to see, runs without the second pass through
+``SimTensor.__torch_function__``, and so do the handlers, which call only bindings; a
+factory that draws nothing and reads no simulated tensor (``empty_like(host, device=
+"cuda")``, every copy a pager makes) runs without the dispatch mode; and an allocation's
+death is reported by a weak reference, not a ``weakref.finalize``. Benchmarks built on the
+simulation report this cost beside their figures (benchmarks/paging.py).
+
 [Note: simulated random state]
 Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
 which ``torch.cuda.default_generators``, ``get_rng_state``/``set_rng_state``,
@@ -123,7 +137,8 @@ class Tensors:
 
     def __init__(self, state: SimState) -> None:
         self.state = state
-        self.entries: dict[int, tuple[torch.Tensor, Record]] = {}
+        # storage key -> (backing, allocation, the weak reference that reports its death)
+        self.entries: dict[int, tuple[torch.Tensor, Record, Any]] = {}
         self.devices = [torch.device("cuda", i) for i in range(len(state.allocators))]
         self.closed = False
         self.dispatch_mode = _Dispatch(self)
@@ -138,9 +153,9 @@ class Tensors:
             device=self.devices[record.index], requires_grad=False)
         storage = w.untyped_storage()
         key = storage._cdata
-        self.entries[key] = (backing, record)
+        died = self._died
+        self.entries[key] = (backing, record, weakref.ref(storage, lambda r: died(key, r)))
         record.refs += 1
-        weakref.finalize(storage, self._died, key)
         return w
 
     def adopt(self, backing: torch.Tensor, index: int) -> torch.Tensor:
@@ -173,7 +188,7 @@ class Tensors:
                 f"simulated CUDA: {_describe(t)} has no values in this simulation (it was "
                 f"made before `with simulated_cuda():` began, or by code the simulation "
                 f"does not see, e.g. with torch functions disabled)")
-        b, record = entry
+        b, record, _ = entry
         if (t.dtype == b.dtype and t.shape == b.shape and t.stride() == b.stride()
                 and t.storage_offset() == b.storage_offset()):
             return b, record
@@ -181,9 +196,12 @@ class Tensors:
             b = b.view(t.dtype)
         return b.as_strided(t.shape, t.stride(), t.storage_offset()), record
 
-    def _died(self, key: int) -> None:
-        entry = self.entries.pop(key, None)
-        if entry is None or self.closed:
+    def _died(self, key: int, ref: Any) -> None:
+        entry = self.entries.get(key)
+        if entry is None or entry[2] is not ref:  # the key was reused since
+            return
+        del self.entries[key]
+        if self.closed:
             return
         record = entry[1]
         record.refs -= 1
@@ -203,7 +221,7 @@ class Tensors:
         """An op on ``stream`` uses ``record``: races raise; cross-stream uses are noted."""
         job = record.pending
         if job is not None:
-            if job.seq <= job.stream.synced_seq and job.done.is_set():
+            if job.seq <= job.stream.synced_seq and job.finished():
                 record.pending = None
             else:
                 check_access(job, stream, f"{_describe(t)} (an input of {op})")
@@ -530,6 +548,11 @@ def _is_cuda(device: Any) -> bool:
 
 
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
+_no_python_dispatch = torch._C._DisableTorchDispatch
+# Factories that draw no random numbers and return one tensor.
+_PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
+                    torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_strided,
+                    torch.arange, torch.eye, torch.linspace}
 _BINDING_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType,
                   types.GetSetDescriptorType)
@@ -576,7 +599,8 @@ class _Functions(TorchFunctionMode):
     def handle(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         handler = self.handlers.get(func)
         if handler is not None:
-            with torch.no_grad():
+            # Handlers call C bindings only (see [Note: the per-op cost of the simulation]).
+            with torch.no_grad(), _no_subclass_function():
                 return handler(func, args, kwargs)
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
@@ -608,6 +632,8 @@ class _Functions(TorchFunctionMode):
         index = self.sim.state.device_index(kwargs["device"])
         kwargs = {**kwargs, "device": "cpu"}
         kwargs.pop("requires_grad", None)
+        if func in _PLAIN_FACTORIES and not any(isinstance(a, SimTensor) for a in args):
+            return self._plain_factory(index, func, args, kwargs)
         # Sizes first (on the meta device): an allocation that does not fit costs nothing.
         try:
             with torch.no_grad():
@@ -625,6 +651,22 @@ class _Functions(TorchFunctionMode):
         out = self._make_on_cpu(index, func, args, kwargs)
         adopt = self.sim.adopt
         return tree_map(lambda o: adopt(o, index) if isinstance(o, torch.Tensor) else o, out)
+
+    def _plain_factory(self, index: int, func: Any, args: Any,
+                       kwargs: dict[str, Any]) -> torch.Tensor:
+        """A factory that draws nothing, of host arguments (``empty_like(host_tensor,
+        device="cuda")``, the pager's every copy): made without the dispatch mode, which
+        has nothing to do there."""
+        with _no_python_dispatch():
+            # Size first (on the meta device): an allocation that does not fit costs nothing.
+            meta = func(*args, **{**kwargs, "device": "meta"})
+            record = self.sim.reserve(meta.untyped_storage().nbytes(), index)
+            try:
+                out = func(*args, **kwargs)
+            except BaseException:
+                self.sim.state.allocators[index].free(record.block)
+                raise
+        return self.sim.wrap(out, record)
 
     def _make_on_cpu(self, index: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """``func`` run on the CPU for ``cuda:index``: its random draws come from that
