@@ -35,6 +35,18 @@ class SimulatedCuda:
         """Stream misuse seen so far (also raised as ``SimulatedCudaError`` at exit)."""
         return list(self._state.problems) if self._state is not None else []
 
+    @property
+    def copy_stats(self) -> dict[str, float]:
+        """The host's time on ``non_blocking`` copies so far: ``copies`` (how many),
+        ``copy_seconds`` (moving their bytes: the simulation's own cost, which a GPU's copy
+        engine does not put on the host) and ``wait_seconds`` (blocked until a copy had
+        completed: what a schedule that overlaps copies with compute keeps small)."""
+        state = self._state
+        if state is None:
+            return {"copies": 0, "copy_seconds": 0.0, "wait_seconds": 0.0}
+        return {"copies": state.copies, "copy_seconds": state.copy_seconds,
+                "wait_seconds": state.wait_seconds}
+
     def __enter__(self) -> SimulatedCuda:
         if _state._active is not None:
             raise RuntimeError("simulated_cuda() is already active; simulations do not nest")
@@ -130,7 +142,8 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
             copies alike; None copies as fast as the CPU does.
 
     Returns:
-        A context manager; ``.problems`` lists stream misuse seen so far.
+        A context manager; ``.problems`` lists stream misuse seen so far, ``.copy_stats``
+        the host's time on ``non_blocking`` copies (moving bytes, waiting for them).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or range.

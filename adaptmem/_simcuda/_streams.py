@@ -54,6 +54,7 @@ class Job:
         left = self.done_at - time.perf_counter()
         if left > 0:
             time.sleep(left)
+            self.stream._state.wait_seconds += left
 
 
 class SimStream(torch.Stream):
@@ -158,7 +159,11 @@ class SimStream(torch.Stream):
         carried them: after the stream's earlier jobs and what it waited for."""
         bandwidth = self._state.bandwidth
         deps, self._pending_deps = self._pending_deps, []
+        moving = time.perf_counter()
         fn()
+        state = self._state
+        state.copies += 1
+        state.copy_seconds += time.perf_counter() - moving
         # The link starts once the call has returned: the memcpy's host time is the
         # simulation's own cost, not the link's.
         start = max(time.perf_counter(), self._link_free_at,

@@ -201,7 +201,7 @@ def test_non_blocking_copies_complete_later_and_events_time_them() -> None:
 
 def test_a_copy_in_flight_completes_on_the_links_time_while_the_host_runs_python() -> None:
     threads = threading.active_count()
-    with simulated_cuda(bandwidth=0.5):  # 20 MB at 0.5 GB/s: 40 ms
+    with simulated_cuda(bandwidth=0.5) as sim:  # 20 MB at 0.5 GB/s: 40 ms
         host = torch.ones(5 * 10**6).pin_memory()
         side = torch.cuda.Stream()
         end = torch.cuda.Event(enable_timing=True)
@@ -218,10 +218,11 @@ def test_a_copy_in_flight_completes_on_the_links_time_while_the_host_runs_python
         torch.cuda.current_stream().wait_event(end)
         assert dev[0].item() == 1.0
         assert time.perf_counter() - waited < 0.03
+        assert sim.copy_stats["copies"] == 1 and sim.copy_stats["wait_seconds"] == 0
 
 
 def test_copies_on_one_stream_take_turns_on_the_link() -> None:
-    with simulated_cuda(bandwidth=0.5):  # 10 MB at 0.5 GB/s: 20 ms each
+    with simulated_cuda(bandwidth=0.5) as sim:  # 10 MB at 0.5 GB/s: 20 ms each
         host = torch.ones(25 * 10**5).pin_memory()
         side = torch.cuda.Stream()
         first, second = torch.cuda.Event(), torch.cuda.Event()
@@ -235,6 +236,8 @@ def test_copies_on_one_stream_take_turns_on_the_link() -> None:
         assert not second.query()  # still behind the first one
         second.synchronize()
         assert time.perf_counter() - started >= 0.04
+        stats = sim.copy_stats
+        assert stats["copies"] == 2 and 0 < stats["wait_seconds"] <= time.perf_counter() - started
 
 
 def test_ops_returning_several_tensors_give_them_on_the_device() -> None:
