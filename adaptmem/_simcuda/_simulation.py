@@ -38,9 +38,10 @@ class SimulatedCuda:
     @property
     def copy_stats(self) -> dict[str, float]:
         """The host's time on ``non_blocking`` copies so far: ``copies`` (how many),
-        ``copy_seconds`` (moving their bytes: the simulation's own cost, which a GPU's copy
-        engine does not put on the host) and ``wait_seconds`` (blocked until a copy had
-        completed: what a schedule that overlaps copies with compute keeps small)."""
+        ``copy_seconds`` (the host thread's CPU time moving their bytes: the simulation's
+        own cost, which a GPU's copy engine does not put on the host) and ``wait_seconds``
+        (wall time blocked until a copy had completed: what a schedule that overlaps copies
+        with compute keeps small)."""
         state = self._state
         if state is None:
             return {"copies": 0, "copy_seconds": 0.0, "wait_seconds": 0.0}

@@ -159,11 +159,11 @@ class SimStream(torch.Stream):
         carried them: after the stream's earlier jobs and what it waited for."""
         bandwidth = self._state.bandwidth
         deps, self._pending_deps = self._pending_deps, []
-        moving = time.perf_counter()
+        moving = time.thread_time()
         fn()
         state = self._state
         state.copies += 1
-        state.copy_seconds += time.perf_counter() - moving
+        state.copy_seconds += time.thread_time() - moving
         # The link starts once the call has returned: the memcpy's host time is the
         # simulation's own cost, not the link's.
         start = max(time.perf_counter(), self._link_free_at,
