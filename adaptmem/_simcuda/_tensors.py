@@ -309,8 +309,13 @@ class Tensors:
             return dst
         db, drec = self.lookup(dst)
         stream = self.state.current_streams[drec.index]
-        self.use(drec, stream, dst, "copy_()")
-        if non_blocking and not src.is_cuda and self.is_pinned(src):
+        queued = non_blocking and not src.is_cuda and self.is_pinned(src)
+        pending = drec.pending
+        if not (queued and pending is not None and pending.stream is stream):
+            self.use(drec, stream, dst, "copy_()")
+        # else: a copy into a buffer its own stream is still filling queues behind that copy,
+        # as on a GPU (a double buffer refilled on a side stream): the host does not wait.
+        if queued:
             self._async_copy(db, sb, drec)
         else:
             started = time.perf_counter()

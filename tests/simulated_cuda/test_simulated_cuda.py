@@ -240,6 +240,22 @@ def test_copies_on_one_stream_take_turns_on_the_link() -> None:
         assert stats["copies"] == 2 and 0 < stats["wait_seconds"] <= time.perf_counter() - started
 
 
+def test_refilling_a_buffer_on_its_own_stream_does_not_hold_the_host() -> None:
+    with simulated_cuda(bandwidth=0.01):  # 1 MB at 0.01 GB/s: 100 ms each
+        first, second = torch.ones(25 * 10**4).pin_memory(), torch.full((25 * 10**4,), 2.0)
+        second = second.pin_memory()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            buffer = torch.empty_like(first, device="cuda").copy_(first, non_blocking=True)
+            issued = time.perf_counter()
+            buffer.copy_(second, non_blocking=True)  # queued behind the first on the stream
+            assert time.perf_counter() - issued < 0.05
+        assert not side.query()
+        torch.cuda.current_stream().wait_stream(side)
+        assert buffer.sum().item() == 2 * 25 * 10**4
+        assert time.perf_counter() - issued >= 0.19  # both took their turn on the link
+
+
 def test_ops_returning_several_tensors_give_them_on_the_device() -> None:
     torch.manual_seed(0)
     x = torch.randn(6, 5)
