@@ -40,8 +40,9 @@ class SimulatedCuda:
         """The host's time on ``non_blocking`` copies so far: ``copies`` (how many),
         ``copy_seconds`` (the host thread's CPU time moving their bytes: the simulation's
         own cost, which a GPU's copy engine does not put on the host) and ``wait_seconds``
-        (wall time blocked until a copy had completed: what a schedule that overlaps copies
-        with compute keeps small)."""
+        (wall time the host slept on the link: until a ``non_blocking`` copy it needed had
+        completed, which a schedule that overlaps copies with compute keeps small, and for
+        the link's time of each synchronous copy)."""
         state = self._state
         if state is None:
             return {"copies": 0, "copy_seconds": 0.0, "wait_seconds": 0.0}

@@ -40,9 +40,9 @@ class SimState:
         self.current_device = 0
         self.streams: weakref.WeakSet[Any] = weakref.WeakSet()
         self.problems: list[str] = []
-        # The host's time on asynchronous copies: its CPU time moving their bytes (the
-        # simulation's own cost; a GPU's copy engine spends none) and the time it was blocked
-        # waiting for them to complete.
+        # The host's time on copies: its CPU time moving the bytes of asynchronous ones (the
+        # simulation's own cost; a GPU's copy engine spends none) and the time it slept on
+        # the link (until an asynchronous copy completed, or for a synchronous one).
         self.copies = 0
         self.copy_seconds = 0.0
         self.wait_seconds = 0.0

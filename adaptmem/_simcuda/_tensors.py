@@ -332,6 +332,7 @@ class Tensors:
             left = started + nbytes / (bandwidth * 1e9) - time.perf_counter()
             if left > 0:
                 time.sleep(left)
+                self.state.wait_seconds += left
 
     def _async_copy(self, dst: torch.Tensor, src: torch.Tensor, record: Record) -> None:
         stream = self.state.current_streams[record.index]
