@@ -638,7 +638,8 @@ class _Functions(TorchFunctionMode):
         index = self.sim.state.device_index(kwargs["device"])
         kwargs = {**kwargs, "device": "cpu"}
         kwargs.pop("requires_grad", None)
-        if func in _PLAIN_FACTORIES and not any(isinstance(a, SimTensor) for a in args):
+        if (func in _PLAIN_FACTORIES and not any(isinstance(a, SimTensor) for a in args)
+                and not any(isinstance(v, torch.Tensor) for v in kwargs.values())):
             return self._plain_factory(index, func, args, kwargs)
         # Sizes first (on the meta device): an allocation that does not fit costs nothing.
         try:
