@@ -214,15 +214,13 @@ def test_a_copy_in_flight_completes_on_the_links_time_while_the_host_runs_python
         while time.perf_counter() - issued < 0.06:  # Python-heavy host work, holding the GIL
             sum(range(1000))
         assert end.query()  # done meanwhile: the host never waited for it
-        waited = time.perf_counter()
         torch.cuda.current_stream().wait_event(end)
         assert dev[0].item() == 1.0
-        assert time.perf_counter() - waited < 0.03
         assert sim.copy_stats["copies"] == 1 and sim.copy_stats["wait_seconds"] == 0
 
 
 def test_copies_on_one_stream_take_turns_on_the_link() -> None:
-    with simulated_cuda(bandwidth=0.5) as sim:  # 10 MB at 0.5 GB/s: 20 ms each
+    with simulated_cuda(bandwidth=0.1) as sim:  # 10 MB at 0.1 GB/s: 100 ms each
         host = torch.ones(25 * 10**5).pin_memory()
         side = torch.cuda.Stream()
         first, second = torch.cuda.Event(), torch.cuda.Event()
@@ -235,13 +233,13 @@ def test_copies_on_one_stream_take_turns_on_the_link() -> None:
         first.synchronize()
         assert not second.query()  # still behind the first one
         second.synchronize()
-        assert time.perf_counter() - started >= 0.04
+        assert time.perf_counter() - started >= 0.2
         stats = sim.copy_stats
         assert stats["copies"] == 2 and 0 < stats["wait_seconds"] <= time.perf_counter() - started
 
 
 def test_refilling_a_buffer_on_its_own_stream_does_not_hold_the_host() -> None:
-    with simulated_cuda(bandwidth=0.01):  # 1 MB at 0.01 GB/s: 100 ms each
+    with simulated_cuda(bandwidth=0.005):  # 1 MB at 0.005 GB/s: 200 ms each
         first, second = torch.ones(25 * 10**4).pin_memory(), torch.full((25 * 10**4,), 2.0)
         second = second.pin_memory()
         side = torch.cuda.Stream()
@@ -249,11 +247,11 @@ def test_refilling_a_buffer_on_its_own_stream_does_not_hold_the_host() -> None:
             buffer = torch.empty_like(first, device="cuda").copy_(first, non_blocking=True)
             issued = time.perf_counter()
             buffer.copy_(second, non_blocking=True)  # queued behind the first on the stream
-            assert time.perf_counter() - issued < 0.05
+            assert time.perf_counter() - issued < 0.1
         assert not side.query()
         torch.cuda.current_stream().wait_stream(side)
         assert buffer.sum().item() == 2 * 25 * 10**4
-        assert time.perf_counter() - issued >= 0.19  # both took their turn on the link
+        assert time.perf_counter() - issued >= 0.39  # both took their turn on the link
 
 
 def test_ops_returning_several_tensors_give_them_on_the_device() -> None:
