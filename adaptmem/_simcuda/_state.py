@@ -40,6 +40,12 @@ class SimState:
         self.current_device = 0
         self.streams: weakref.WeakSet[Any] = weakref.WeakSet()
         self.problems: list[str] = []
+        # The host's time on copies: its CPU time moving the bytes of asynchronous ones (the
+        # simulation's own cost; a GPU's copy engine spends none) and the time it slept on
+        # the link (until an asynchronous copy completed, or for a synchronous one).
+        self.copies = 0
+        self.copy_seconds = 0.0
+        self.wait_seconds = 0.0
         self.pinned: dict[int, Any] = {}  # host storage data_ptr -> its finalizer
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
@@ -88,7 +94,7 @@ class SimState:
         for stream in list(self.streams):
             if index is None or stream.index == index:
                 for job in stream.pending_jobs():
-                    job.done.wait()
+                    job.wait()
                 stream.host_synced()
 
     def stop(self) -> None:
