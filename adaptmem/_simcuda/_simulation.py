@@ -6,7 +6,7 @@ import numbers
 from typing import Any
 
 from .._common.devices import parse_size
-from . import _state, _tensors
+from . import _active, _tensors
 from ._state import SimState
 from ._tensors import Tensors
 from ._torch_cuda import Patches, install
@@ -50,12 +50,12 @@ class SimulatedCuda:
                 "wait_seconds": state.wait_seconds}
 
     def __enter__(self) -> SimulatedCuda:
-        if _state._active is not None:
+        if _active.running() is not None:
             raise RuntimeError("simulated_cuda() is already active; simulations do not nest")
         state = SimState(self.devices, self.total_memory, self.bandwidth)
         tensors = Tensors(state)
-        _state.set_active(state)
-        _tensors._current = tensors
+        _active.set_active(state)
+        _tensors.set_current(tensors)
         try:
             install(state, self._patches)
             _pin_in_loader_threads(tensors, self._patches)
@@ -67,8 +67,8 @@ class SimulatedCuda:
                 raise
         except BaseException:
             self._patches.undo()
-            _state.set_active(None)
-            _tensors._current = None
+            _active.set_active(None)
+            _tensors.set_current(None)
             raise
         self._state, self._tensors = state, tensors
         return self
@@ -86,8 +86,8 @@ class SimulatedCuda:
                 tensors.function_mode.__exit__(None, None, None)
                 tensors.closed = True
                 self._patches.undo()
-                _state.set_active(None)
-                _tensors._current = None
+                _active.set_active(None)
+                _tensors.set_current(None)
         if state.problems and exc_type is None:
             raise SimulatedCudaError(
                 "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))
@@ -101,7 +101,7 @@ def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:
     original = loader_pinning.pin_memory
 
     def pin_memory(data: Any, device: Any = None) -> Any:
-        with _tensors._Functions(tensors), _tensors._Dispatch(tensors):
+        with _tensors.Functions(tensors), _tensors.Dispatch(tensors):
             return original(data, device)
 
     patches.set(loader_pinning, "pin_memory", pin_memory)

@@ -11,30 +11,14 @@ from typing import Any
 import torch
 
 from ._memory import Allocator
+from ._streams import SimStream
 
-__all__ = ["SimState", "active", "set_active"]
+__all__ = ["SimState"]
 
 logger = logging.getLogger("adaptmem.testing")
 
-_active: SimState | None = None
-
-
-def active() -> SimState:
-    if _active is None:
-        raise RuntimeError("adaptmem.testing.simulated_cuda() is not active: a simulated CUDA "
-                           "object was used outside its `with simulated_cuda():` block")
-    return _active
-
-
-def set_active(state: SimState | None) -> None:
-    global _active
-    _active = state
-
-
 class SimState:
     def __init__(self, devices: int, total: int, bandwidth: float | None) -> None:
-        from ._streams import SimStream
-
         self.bandwidth = bandwidth
         self.allocators = [Allocator(i, total) for i in range(devices)]
         self.current_device = 0

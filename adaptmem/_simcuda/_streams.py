@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from . import _active
+
 __all__ = ["Job", "SimStream", "SimEvent", "StreamRaceError", "check_access"]
 
 
@@ -64,9 +66,7 @@ class SimStream(torch.Stream):
         return super().__new__(cls, device="cpu")
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        from . import _state
-
-        state = kwargs.get("_sim_state") or _state.active()
+        state = kwargs.get("_sim_state") or _active.active()
         self._state = state
         self.index = state.device_index(device)
         self._priority = priority
@@ -200,18 +200,14 @@ class SimEvent:
         self._recorded_at = 0.0
 
     def record(self, stream: Any = None) -> None:
-        from . import _state
-
-        stream = stream if stream is not None else _state.active().current_stream(None)
+        stream = stream if stream is not None else _active.active().current_stream(None)
         self.stream = stream
         self.jobs = tuple(j for j in stream.pending_jobs() if not j.finished())
         self.covers = {**stream.waited, stream: stream.seq}
         self._recorded_at = time.perf_counter()
 
     def wait(self, stream: Any = None) -> None:
-        from . import _state
-
-        stream = stream if stream is not None else _state.active().current_stream(None)
+        stream = stream if stream is not None else _active.active().current_stream(None)
         stream.wait_event(self)
 
     def query(self) -> bool:

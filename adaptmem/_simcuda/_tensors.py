@@ -21,7 +21,7 @@ abort the process).
 Every op on a simulated tensor costs host time a GPU does not spend: the dispatch into
 Python, the table lookups, the allocation count, the wrapping of results (about 10-15 us an
 op on a 2-core x86 VM, where the op itself may take 1 us). That cost lands on whatever the
-op is part of, so it is kept small on the paths every op takes: ``_Dispatch._run`` walks an
+op is part of, so it is kept small on the paths every op takes: ``Dispatch._run`` walks an
 op's arguments once by hand (aten schemas nest at most one list deep), not with pytree; a
 C binding (``torch.add``, ``Tensor.add``, a property getter), which has no Python body
 whose inner calls the simulation would need to see, runs without the second pass through
@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ._state import SimState
 from ._streams import SimStream, check_access
 
-__all__ = ["SimTensor", "Tensors", "Record"]
+__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "set_current"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
@@ -64,6 +64,12 @@ _no_torch_function = torch._C.DisableTorchFunction
 
 
 _current: Tensors | None = None  # the running simulation's tensors
+
+
+def set_current(tensors: Tensors | None) -> None:
+    """Make ``tensors`` the running simulation's (None when it ends)."""
+    global _current
+    _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
@@ -141,8 +147,8 @@ class Tensors:
         self.entries: dict[int, tuple[torch.Tensor, Record, Any]] = {}
         self.devices = [torch.device("cuda", i) for i in range(len(state.allocators))]
         self.closed = False
-        self.dispatch_mode = _Dispatch(self)
-        self.function_mode = _Functions(self)
+        self.dispatch_mode = Dispatch(self)
+        self.function_mode = Functions(self)
 
     # -- the table -----------------------------------------------------------------------
 
@@ -378,7 +384,7 @@ _MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
              aten._index_put_impl_.default, aten._has_compatible_shallow_copy_type.default}
 
 
-class _Dispatch(TorchDispatchMode):
+class Dispatch(TorchDispatchMode):
     def __init__(self, sim: Tensors) -> None:
         super().__init__()
         self.sim = sim
@@ -397,7 +403,7 @@ class _Dispatch(TorchDispatchMode):
             if func is aten._pin_memory.default:
                 return sim.pin(args[0])
             if func is aten.record_stream.default:
-                return None  # only the Python binding knows the stream; see _Functions
+                return None  # only the Python binding knows the stream; see Functions
             return self._run(func, args, kwargs)
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -582,7 +588,7 @@ def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
     return False
 
 
-class _Functions(TorchFunctionMode):
+class Functions(TorchFunctionMode):
     def __init__(self, sim: Tensors) -> None:
         super().__init__()
         self.sim = sim
