@@ -6,7 +6,7 @@ import numbers
 from typing import Any
 
 from .._common.devices import parse_size
-from . import _state, _tensors
+from . import _active, _tensors
 from ._state import SimState
 from ._tensors import Tensors
 from ._torch_cuda import Patches, install
@@ -35,13 +35,27 @@ class SimulatedCuda:
         """Stream misuse seen so far (also raised as ``SimulatedCudaError`` at exit)."""
         return list(self._state.problems) if self._state is not None else []
 
+    @property
+    def copy_stats(self) -> dict[str, float]:
+        """The host's time on ``non_blocking`` copies so far: ``copies`` (how many),
+        ``copy_seconds`` (the host thread's CPU time moving their bytes: the simulation's
+        own cost, which a GPU's copy engine does not put on the host) and ``wait_seconds``
+        (wall time the host slept on the link: until a ``non_blocking`` copy it needed had
+        completed, which a schedule that overlaps copies with compute keeps small, and for
+        the link's time of each synchronous copy)."""
+        state = self._state
+        if state is None:
+            return {"copies": 0, "copy_seconds": 0.0, "wait_seconds": 0.0}
+        return {"copies": state.copies, "copy_seconds": state.copy_seconds,
+                "wait_seconds": state.wait_seconds}
+
     def __enter__(self) -> SimulatedCuda:
-        if _state._active is not None:
+        if _active.running() is not None:
             raise RuntimeError("simulated_cuda() is already active; simulations do not nest")
         state = SimState(self.devices, self.total_memory, self.bandwidth)
         tensors = Tensors(state)
-        _state.set_active(state)
-        _tensors._current = tensors
+        _active.set_active(state)
+        _tensors.set_current(tensors)
         try:
             install(state, self._patches)
             _pin_in_loader_threads(tensors, self._patches)
@@ -53,8 +67,8 @@ class SimulatedCuda:
                 raise
         except BaseException:
             self._patches.undo()
-            _state.set_active(None)
-            _tensors._current = None
+            _active.set_active(None)
+            _tensors.set_current(None)
             raise
         self._state, self._tensors = state, tensors
         return self
@@ -72,8 +86,8 @@ class SimulatedCuda:
                 tensors.function_mode.__exit__(None, None, None)
                 tensors.closed = True
                 self._patches.undo()
-                _state.set_active(None)
-                _tensors._current = None
+                _active.set_active(None)
+                _tensors.set_current(None)
         if state.problems and exc_type is None:
             raise SimulatedCudaError(
                 "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))
@@ -87,7 +101,7 @@ def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:
     original = loader_pinning.pin_memory
 
     def pin_memory(data: Any, device: Any = None) -> Any:
-        with _tensors._Functions(tensors), _tensors._Dispatch(tensors):
+        with _tensors.Functions(tensors), _tensors.Dispatch(tensors):
             return original(data, device)
 
     patches.set(loader_pinning, "pin_memory", pin_memory)
@@ -106,9 +120,10 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     allocator (``memory_allocated``, ``memory_reserved``, ``empty_cache``, ``mem_get_info``,
     ``set_per_process_memory_fraction``); past the limit ``torch.OutOfMemoryError`` is raised
     with CUDA's message and nothing is allocated. Streams and events work; a copy made with
-    ``non_blocking=True`` from pinned memory completes later on a worker thread (taking
-    ``nbytes / bandwidth`` seconds when ``bandwidth`` in GB/s is given; a synchronous copy
-    between host and device holds the host that long), and reading its
+    ``non_blocking=True`` from pinned memory completes later: ``nbytes / bandwidth`` seconds
+    after the call returns when ``bandwidth`` in GB/s is given, queued behind its stream's
+    earlier copies (the host goes on meanwhile; a synchronous copy between host and device
+    holds the host that long). Reading its
     destination on a stream that did not wait for it raises ``StreamRaceError``. Freeing a
     tensor another stream still uses without ``record_stream`` raises
     ``SimulatedCudaError`` when the block ends.
@@ -129,7 +144,8 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
             copies alike; None copies as fast as the CPU does.
 
     Returns:
-        A context manager; ``.problems`` lists stream misuse seen so far.
+        A context manager; ``.problems`` lists stream misuse seen so far, ``.copy_stats``
+        the host's time on ``non_blocking`` copies (moving bytes, waiting for them).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or range.

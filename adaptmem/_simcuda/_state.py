@@ -11,35 +11,25 @@ from typing import Any
 import torch
 
 from ._memory import Allocator
+from ._streams import SimStream
 
-__all__ = ["SimState", "active", "set_active"]
+__all__ = ["SimState"]
 
 logger = logging.getLogger("adaptmem.testing")
 
-_active: SimState | None = None
-
-
-def active() -> SimState:
-    if _active is None:
-        raise RuntimeError("adaptmem.testing.simulated_cuda() is not active: a simulated CUDA "
-                           "object was used outside its `with simulated_cuda():` block")
-    return _active
-
-
-def set_active(state: SimState | None) -> None:
-    global _active
-    _active = state
-
-
 class SimState:
     def __init__(self, devices: int, total: int, bandwidth: float | None) -> None:
-        from ._streams import SimStream
-
         self.bandwidth = bandwidth
         self.allocators = [Allocator(i, total) for i in range(devices)]
         self.current_device = 0
         self.streams: weakref.WeakSet[Any] = weakref.WeakSet()
         self.problems: list[str] = []
+        # The host's time on copies: its CPU time moving the bytes of asynchronous ones (the
+        # simulation's own cost; a GPU's copy engine spends none) and the time it slept on
+        # the link (until an asynchronous copy completed, or for a synchronous one).
+        self.copies = 0
+        self.copy_seconds = 0.0
+        self.wait_seconds = 0.0
         self.pinned: dict[int, Any] = {}  # host storage data_ptr -> its finalizer
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
@@ -88,7 +78,7 @@ class SimState:
         for stream in list(self.streams):
             if index is None or stream.index == index:
                 for job in stream.pending_jobs():
-                    job.done.wait()
+                    job.wait()
                 stream.host_synced()
 
     def stop(self) -> None:

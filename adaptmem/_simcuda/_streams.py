@@ -2,23 +2,32 @@
 
 Compute runs on the host thread, in order, so a compute stream is always "caught up". What
 runs later is a copy issued with ``non_blocking=True`` from pinned memory: it becomes a job
-on its stream's worker thread (jobs of a stream run in order; with a link bandwidth, each
-takes the time the bus would). A stream that waits for an event (``wait_event``,
-``wait_stream``) learns which jobs of which streams it may now rely on; an op that reads a
-tensor a job still writes, on a stream that did not wait for that job, is a race and raises
-``StreamRaceError``. An op on a stream that did wait blocks until the job is done, which is
-what the GPU's compute stream would do.
+on its stream. See [Note: a simulated copy's timeline]. A stream that waits for an event
+(``wait_event``, ``wait_stream``) learns which jobs of which streams it may now rely on; an
+op that reads a tensor a job still writes, on a stream that did not wait for that job, is a
+race and raises ``StreamRaceError``. An op on a stream that did wait blocks until the job is
+done, which is what the GPU's compute stream would do.
+
+[Note: a simulated copy's timeline]
+A job moves its bytes when it is issued (a memcpy on the host thread), and is *done* at a
+time computed then: ``nbytes / bandwidth`` after the later of the call's return, the
+stream's earlier jobs and the jobs the stream waited for. Until that time, whoever must wait for it
+(an op on a stream that waited, ``synchronize``, ``Event.synchronize``) sleeps, and
+``query()`` answers False. So copies overlap with compute exactly as far as the link allows,
+and nothing else runs beside the host thread: a worker thread would fight the host thread
+for the GIL (a Python-heavy forward holds it, and the copy's own bookkeeping needs it), and
+its hand-offs cost the host thread time a GPU's copy engine does not.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from . import _active
 
 __all__ = ["Job", "SimStream", "SimEvent", "StreamRaceError", "check_access"]
 
@@ -28,20 +37,26 @@ class StreamRaceError(RuntimeError):
 
 
 class Job:
-    """One asynchronous copy on a stream: what it does, and when it finished."""
+    """One asynchronous copy on a stream: when it is done (see [Note: a simulated copy's
+    timeline])."""
 
-    __slots__ = ("stream", "seq", "fn", "seconds", "deps", "done", "done_at", "what")
+    __slots__ = ("stream", "seq", "done_at", "what")
 
-    def __init__(self, stream: SimStream, seq: int, fn: Callable[[], None], seconds: float,
-                 deps: list[Job], what: str) -> None:
+    def __init__(self, stream: SimStream, seq: int, done_at: float, what: str) -> None:
         self.stream = stream
         self.seq = seq
-        self.fn = fn
-        self.seconds = seconds
-        self.deps = deps
-        self.done = threading.Event()
-        self.done_at = 0.0
+        self.done_at = done_at
         self.what = what
+
+    def finished(self) -> bool:
+        return time.perf_counter() >= self.done_at
+
+    def wait(self) -> None:
+        """Block the host until the job is done (sleeping: other threads run meanwhile)."""
+        left = self.done_at - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+            self.stream._state.wait_seconds += left
 
 
 class SimStream(torch.Stream):
@@ -51,9 +66,7 @@ class SimStream(torch.Stream):
         return super().__new__(cls, device="cpu")
 
     def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
-        from . import _state
-
-        state = kwargs.get("_sim_state") or _state.active()
+        state = kwargs.get("_sim_state") or _active.active()
         self._state = state
         self.index = state.device_index(device)
         self._priority = priority
@@ -64,8 +77,7 @@ class SimStream(torch.Stream):
         self.waited: dict[SimStream, int] = {}  # stream -> job seq this stream waited for
         self._last: Job | None = None
         self._pending_deps: list[Job] = []
-        self._queue: queue.Queue[Job | None] | None = None
-        self._thread: threading.Thread | None = None
+        self._link_free_at = 0.0  # when the stream's last job is done
         self._id = state.next_stream_id()
         state.streams.add(self)
 
@@ -112,7 +124,7 @@ class SimStream(torch.Stream):
                 continue
             if self.waited.get(stream, 0) < seq:
                 self.waited[stream] = seq
-        self._pending_deps.extend(j for j in event.jobs if not j.done.is_set())
+        self._pending_deps.extend(j for j in event.jobs if not j.finished())
 
     def wait_stream(self, stream: Any) -> None:  # type: ignore[override]
         self.wait_event(_recorded(stream))
@@ -123,12 +135,12 @@ class SimStream(torch.Stream):
         return event
 
     def query(self) -> bool:  # type: ignore[override]
-        return self._last is None or self._last.done.is_set()
+        return self._last is None or self._last.finished()
 
     def synchronize(self) -> None:  # type: ignore[override]
         for job in (self._last, *self._pending_deps):
             if job is not None:
-                job.done.wait()
+                job.wait()
         self.host_synced()
 
     # -- the simulation ------------------------------------------------------------------
@@ -143,48 +155,31 @@ class SimStream(torch.Stream):
                 stream.synced_seq = seq
 
     def enqueue(self, fn: Callable[[], None], nbytes: int, what: str) -> Job:
-        """Run ``fn`` later on this stream's worker, after what the stream waited for."""
+        """Move the bytes now (``fn``) and return the job, done when the link would have
+        carried them: after the stream's earlier jobs and what it waited for."""
         bandwidth = self._state.bandwidth
-        seconds = nbytes / (bandwidth * 1e9) if bandwidth else 0.0
         deps, self._pending_deps = self._pending_deps, []
+        moving = time.thread_time()
+        fn()
+        state = self._state
+        state.copies += 1
+        state.copy_seconds += time.thread_time() - moving
+        # The link starts once the call has returned: the memcpy's host time is the
+        # simulation's own cost, not the link's.
+        start = max(time.perf_counter(), self._link_free_at,
+                    max((d.done_at for d in deps), default=0.0))
+        done_at = start + nbytes / (bandwidth * 1e9) if bandwidth else start
+        self._link_free_at = done_at
         self.seq += 1
-        job = Job(self, self.seq, fn, seconds, deps, what)
-        if self._queue is None:
-            self._queue = queue.Queue()
-            self._thread = threading.Thread(target=self._work, args=(self._queue,),
-                                            name=f"simulated-cuda-stream-{self._id}",
-                                            daemon=True)
-            self._thread.start()
+        job = Job(self, self.seq, done_at, what)
         self._last = job
-        self._queue.put(job)
         return job
-
-    @staticmethod
-    def _work(jobs: queue.Queue[Job | None]) -> None:
-        while True:
-            job = jobs.get()
-            if job is None:
-                return
-            for dep in job.deps:
-                dep.done.wait()
-            start = time.perf_counter()
-            try:
-                job.fn()
-            finally:
-                left = start + job.seconds - time.perf_counter()
-                if left > 0:
-                    time.sleep(left)
-                job.done_at = time.perf_counter()
-                job.done.set()
 
     def pending_jobs(self) -> list[Job]:
         return [j for j in (self._last, *self._pending_deps) if j is not None]
 
     def stop(self) -> None:
-        if self._queue is not None and self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._queue = self._thread = None
+        """Nothing runs beside the host thread (see [Note: a simulated copy's timeline])."""
 
 
 def _recorded(stream: SimStream) -> SimEvent:
@@ -205,26 +200,22 @@ class SimEvent:
         self._recorded_at = 0.0
 
     def record(self, stream: Any = None) -> None:
-        from . import _state
-
-        stream = stream if stream is not None else _state.active().current_stream(None)
+        stream = stream if stream is not None else _active.active().current_stream(None)
         self.stream = stream
-        self.jobs = tuple(j for j in stream.pending_jobs() if not j.done.is_set())
+        self.jobs = tuple(j for j in stream.pending_jobs() if not j.finished())
         self.covers = {**stream.waited, stream: stream.seq}
         self._recorded_at = time.perf_counter()
 
     def wait(self, stream: Any = None) -> None:
-        from . import _state
-
-        stream = stream if stream is not None else _state.active().current_stream(None)
+        stream = stream if stream is not None else _active.active().current_stream(None)
         stream.wait_event(self)
 
     def query(self) -> bool:
-        return all(j.done.is_set() for j in self.jobs)
+        return all(j.finished() for j in self.jobs)
 
     def synchronize(self) -> None:
         for j in self.jobs:
-            j.done.wait()
+            j.wait()
         for stream, seq in self.covers.items():
             if stream.synced_seq < seq:
                 stream.synced_seq = seq
@@ -259,4 +250,4 @@ def check_access(job: Job, stream: SimStream, what: str) -> None:
             f"stream wait first: stream.wait_stream(copy_stream) or "
             f"stream.wait_event(event_recorded_after_the_copy)."
         )
-    job.done.wait()
+    job.wait()

@@ -17,6 +17,20 @@ runs the op on the CPU and wraps new results, counting their bytes on the device
 calls that involve simulated tensors under ``no_grad`` (autograd's CUDA bookkeeping would
 abort the process).
 
+[Note: the per-op cost of the simulation]
+Every op on a simulated tensor costs host time a GPU does not spend: the dispatch into
+Python, the table lookups, the allocation count, the wrapping of results (about 10-15 us an
+op on a 2-core x86 VM, where the op itself may take 1 us). That cost lands on whatever the
+op is part of, so it is kept small on the paths every op takes: ``Dispatch._run`` walks an
+op's arguments once by hand (aten schemas nest at most one list deep), not with pytree; a
+C binding (``torch.add``, ``Tensor.add``, a property getter), which has no Python body
+whose inner calls the simulation would need to see, runs without the second pass through
+``SimTensor.__torch_function__``, and so do the handlers, which call only bindings; a
+factory that draws nothing and reads no simulated tensor (``empty_like(host, device=
+"cuda")``, every copy a pager makes) runs without the dispatch mode; and an allocation's
+death is reported by a weak reference, not a ``weakref.finalize``. Benchmarks built on the
+simulation report this cost beside their figures (benchmarks/paging.py).
+
 [Note: simulated random state]
 Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
 which ``torch.cuda.default_generators``, ``get_rng_state``/``set_rng_state``,
@@ -30,6 +44,7 @@ the CPU's stream is left as it was. An op given an explicit ``generator=`` uses 
 from __future__ import annotations
 
 import time
+import types
 import weakref
 from typing import Any
 
@@ -41,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from ._state import SimState
 from ._streams import SimStream, check_access
 
-__all__ = ["SimTensor", "Tensors", "Record"]
+__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "set_current"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
@@ -49,6 +64,12 @@ _no_torch_function = torch._C.DisableTorchFunction
 
 
 _current: Tensors | None = None  # the running simulation's tensors
+
+
+def set_current(tensors: Tensors | None) -> None:
+    """Make ``tensors`` the running simulation's (None when it ends)."""
+    global _current
+    _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
 
 
@@ -122,11 +143,12 @@ class Tensors:
 
     def __init__(self, state: SimState) -> None:
         self.state = state
-        self.entries: dict[int, tuple[torch.Tensor, Record]] = {}
+        # storage key -> (backing, allocation, the weak reference that reports its death)
+        self.entries: dict[int, tuple[torch.Tensor, Record, Any]] = {}
         self.devices = [torch.device("cuda", i) for i in range(len(state.allocators))]
         self.closed = False
-        self.dispatch_mode = _Dispatch(self)
-        self.function_mode = _Functions(self)
+        self.dispatch_mode = Dispatch(self)
+        self.function_mode = Functions(self)
 
     # -- the table -----------------------------------------------------------------------
 
@@ -137,9 +159,9 @@ class Tensors:
             device=self.devices[record.index], requires_grad=False)
         storage = w.untyped_storage()
         key = storage._cdata
-        self.entries[key] = (backing, record)
+        died = self._died
+        self.entries[key] = (backing, record, weakref.ref(storage, lambda r: died(key, r)))
         record.refs += 1
-        weakref.finalize(storage, self._died, key)
         return w
 
     def adopt(self, backing: torch.Tensor, index: int) -> torch.Tensor:
@@ -172,7 +194,7 @@ class Tensors:
                 f"simulated CUDA: {_describe(t)} has no values in this simulation (it was "
                 f"made before `with simulated_cuda():` began, or by code the simulation "
                 f"does not see, e.g. with torch functions disabled)")
-        b, record = entry
+        b, record, _ = entry
         if (t.dtype == b.dtype and t.shape == b.shape and t.stride() == b.stride()
                 and t.storage_offset() == b.storage_offset()):
             return b, record
@@ -180,9 +202,12 @@ class Tensors:
             b = b.view(t.dtype)
         return b.as_strided(t.shape, t.stride(), t.storage_offset()), record
 
-    def _died(self, key: int) -> None:
-        entry = self.entries.pop(key, None)
-        if entry is None or self.closed:
+    def _died(self, key: int, ref: Any) -> None:
+        entry = self.entries.get(key)
+        if entry is None or entry[2] is not ref:  # the key was reused since
+            return
+        del self.entries[key]
+        if self.closed:
             return
         record = entry[1]
         record.refs -= 1
@@ -202,7 +227,7 @@ class Tensors:
         """An op on ``stream`` uses ``record``: races raise; cross-stream uses are noted."""
         job = record.pending
         if job is not None:
-            if job.seq <= job.stream.synced_seq and job.done.is_set():
+            if job.seq <= job.stream.synced_seq and job.finished():
                 record.pending = None
             else:
                 check_access(job, stream, f"{_describe(t)} (an input of {op})")
@@ -290,8 +315,13 @@ class Tensors:
             return dst
         db, drec = self.lookup(dst)
         stream = self.state.current_streams[drec.index]
-        self.use(drec, stream, dst, "copy_()")
-        if non_blocking and not src.is_cuda and self.is_pinned(src):
+        queued = non_blocking and not src.is_cuda and self.is_pinned(src)
+        pending = drec.pending
+        if not (queued and pending is not None and pending.stream is stream):
+            self.use(drec, stream, dst, "copy_()")
+        # else: a copy into a buffer its own stream is still filling queues behind that copy,
+        # as on a GPU (a double buffer refilled on a side stream): the host does not wait.
+        if queued:
             self._async_copy(db, sb, drec)
         else:
             started = time.perf_counter()
@@ -308,6 +338,7 @@ class Tensors:
             left = started + nbytes / (bandwidth * 1e9) - time.perf_counter()
             if left > 0:
                 time.sleep(left)
+                self.state.wait_seconds += left
 
     def _async_copy(self, dst: torch.Tensor, src: torch.Tensor, record: Record) -> None:
         stream = self.state.current_streams[record.index]
@@ -320,8 +351,9 @@ class Tensors:
             record.used_on[stream] = stream.epoch
 
 
-def _has_generator(flat: list[Any]) -> bool:
-    return any(isinstance(x, torch.Generator) for x in flat)
+def _has_generator(args: Any, kwargs: dict[str, Any]) -> bool:
+    return (isinstance(kwargs.get("generator"), torch.Generator)
+            or any(isinstance(x, torch.Generator) for x in args))
 
 
 def _host_view(t: torch.Tensor) -> torch.Tensor:
@@ -352,7 +384,7 @@ _MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
              aten._index_put_impl_.default, aten._has_compatible_shallow_copy_type.default}
 
 
-class _Dispatch(TorchDispatchMode):
+class Dispatch(TorchDispatchMode):
     def __init__(self, sim: Tensors) -> None:
         super().__init__()
         self.sim = sim
@@ -371,85 +403,148 @@ class _Dispatch(TorchDispatchMode):
             if func is aten._pin_memory.default:
                 return sim.pin(args[0])
             if func is aten.record_stream.default:
-                return None  # only the Python binding knows the stream; see _Functions
+                return None  # only the Python binding knows the stream; see Functions
             return self._run(func, args, kwargs)
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        # See [Note: the per-op cost of the simulation]: one walk over the arguments (aten
+        # schemas nest at most one list deep), no pytree.
         sim = self.sim
-        flat, spec = tree_flatten((args, kwargs))
-        index: int | None = None
-        cpu_arg: torch.Tensor | None = None
-        uses = []
-        originals: dict[int, torch.Tensor] = {}
-        storages: dict[int, Record] = {}
-        for i, x in enumerate(flat):
-            if isinstance(x, torch.Tensor):
-                if x.is_cuda:
-                    b, record = sim.lookup(x)
-                    if index is None:
-                        index = record.index
-                    elif record.index != index:
-                        raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
-                    uses.append((record, x))
-                    flat[i] = b
-                    originals[id(b)] = x
-                    storages[b.untyped_storage().data_ptr()] = record
-                elif cpu_arg is None and x.dim() and x.device.type == "cpu":
-                    cpu_arg = x
-            elif isinstance(x, torch.device) and x.type == "cuda":
-                flat[i] = _CPU
-                wanted = sim.state.device_index(x)
-                if index is not None and wanted != index:
-                    raise _mixed(f"cuda:{index}", f"cuda:{wanted}")
-                index = wanted
+        u = _Unwrapping(sim)
+        cargs = u.args(args)
+        ckwargs = u.kwargs(kwargs)
+        index = u.index
         if index is None:
             drawing_for = sim.state.drawing_for
-            if drawing_for is not None and _SEEDED in func.tags and not _has_generator(flat):
+            if drawing_for is not None and _SEEDED in func.tags and not _has_generator(
+                    args, kwargs):
                 return sim.draw(drawing_for, func, *args, **kwargs)
             return func(*args, **kwargs)
         target = kwargs.get("device")
         if isinstance(target, torch.device) and target.type != "cuda":
             # ``empty_like(x, device="cpu")``, ``x.new_zeros(n, device="cpu")``: made on the
             # host from a device tensor's metadata, so a host tensor comes back.
-            cargs, ckwargs = tree_unflatten(flat, spec)
             return func(*cargs, **ckwargs)
-        if cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
+        if u.cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
             raise _mixed(f"cuda:{index}", "cpu")
         stream = sim.state.current_streams[index]
-        for record, x in uses:
+        for record, x in u.uses:
             sim.use(record, stream, x, func)
-        cargs, ckwargs = tree_unflatten(flat, spec)
-        if _SEEDED in func.tags and not _has_generator(flat):
+        if _SEEDED in func.tags and not _has_generator(args, kwargs):
             out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
         else:
             out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
         # New storages are allocated together: an OOM allocates nothing.
+        originals, storages = u.originals, u.storages
         fresh: dict[int, torch.Tensor] = {}
-        for o in tree_flatten(out)[0]:
-            if isinstance(o, torch.Tensor) and id(o) not in originals:
+        for o in _tensors_in(out):
+            if id(o) not in originals:
                 ptr = o.untyped_storage().data_ptr()
                 if ptr not in storages and ptr not in fresh:
                     fresh[ptr] = o
-        made: list[Record] = []
-        try:
-            for ptr, o in fresh.items():
-                record = sim.allocate(o, index)
-                made.append(record)
-                storages[ptr] = record
-        except BaseException:
-            for record in made:
-                sim.state.allocators[index].free(record.block)
-            raise
+        if fresh:
+            made: list[Record] = []
+            try:
+                for ptr, o in fresh.items():
+                    record = sim.allocate(o, index)
+                    made.append(record)
+                    storages[ptr] = record
+            except BaseException:
+                for record in made:
+                    sim.state.allocators[index].free(record.block)
+                raise
 
-        def wrap(o: Any) -> Any:
-            if not isinstance(o, torch.Tensor):
-                return o
+        def wrap(o: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(o))
             if original is not None:
                 return original
             return sim.wrap(o, storages[o.untyped_storage().data_ptr()])
 
-        return tree_map(wrap, out)
+        return _map_tensors(wrap, out)
+
+
+class _Unwrapping:
+    """The arguments of one op with simulated tensors replaced by their backings, and what
+    was seen on the way: the device, a CPU tensor among them, the allocations used."""
+
+    __slots__ = ("sim", "index", "cpu_arg", "uses", "originals", "storages")
+
+    def __init__(self, sim: Tensors) -> None:
+        self.sim = sim
+        self.index: int | None = None
+        self.cpu_arg: torch.Tensor | None = None
+        self.uses: list[tuple[Record, torch.Tensor]] = []
+        self.originals: dict[int, torch.Tensor] = {}  # id(backing) -> simulated tensor
+        self.storages: dict[int, Record] = {}  # backing data_ptr -> its allocation
+
+    def args(self, args: Any) -> Any:
+        out = list(args)
+        for i, a in enumerate(args):
+            if type(a) is list or type(a) is tuple:
+                out[i] = type(a)(self.leaf(y) for y in a)
+            else:
+                out[i] = self.leaf(a)
+        return out
+
+    def kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if not kwargs:
+            return kwargs
+        out = {}
+        for k, a in kwargs.items():
+            if type(a) is list or type(a) is tuple:
+                out[k] = type(a)(self.leaf(y) for y in a)
+            else:
+                out[k] = self.leaf(a)
+        return out
+
+    def leaf(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                b, record = self.sim.lookup(x)
+                if self.index is None:
+                    self.index = record.index
+                elif record.index != self.index:
+                    raise _mixed(f"cuda:{self.index}", f"cuda:{record.index}")
+                self.uses.append((record, x))
+                self.originals[id(b)] = x
+                self.storages[b.untyped_storage().data_ptr()] = record
+                return b
+            if self.cpu_arg is None and x.dim() and x.device.type == "cpu":
+                self.cpu_arg = x
+            return x
+        if isinstance(x, torch.device) and x.type == "cuda":
+            wanted = self.sim.state.device_index(x)
+            if self.index is not None and wanted != self.index:
+                raise _mixed(f"cuda:{self.index}", f"cuda:{wanted}")
+            self.index = wanted
+            return _CPU
+        return x
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors an op returned (a tensor, or tuples and lists of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        found = []
+        for o in out:
+            found += _tensors_in(o)
+        return found
+    return []
+
+
+def _map_tensors(fn: Any, out: Any) -> Any:
+    """``out`` with every tensor in it replaced by ``fn(tensor)``, containers kept."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if type(out) is tuple or type(out) is list:
+        return type(out)(_map_tensors(fn, o) for o in out)
+    if isinstance(out, tuple):  # torch.return_types.* (one sequence) or a named tuple
+        items = [_map_tensors(fn, o) for o in out]
+        return type(out)(items) if hasattr(type(out), "n_fields") else type(out)(*items)
+    if isinstance(out, list):
+        return type(out)(_map_tensors(fn, o) for o in out)
+    return out
 
 
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
@@ -464,6 +559,23 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+_no_subclass_function = torch._C.DisableTorchFunctionSubclass
+_no_python_dispatch = torch._C._DisableTorchDispatch
+# Factories that draw no random numbers and return one tensor.
+_PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
+                    torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_strided,
+                    torch.arange, torch.eye, torch.linspace}
+_BINDING_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType,
+                  types.WrapperDescriptorType, types.MethodWrapperType,
+                  types.GetSetDescriptorType)
+
+
+def _is_binding(func: Any) -> bool:
+    """``func`` is a C binding of torch (``torch.add``, ``Tensor.add``, a property getter;
+    not cached by identity: a getter's method-wrapper is a new object at every access)."""
+    return isinstance(func, _BINDING_TYPES)
+
+
 def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
@@ -476,7 +588,7 @@ def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
     return False
 
 
-class _Functions(TorchFunctionMode):
+class Functions(TorchFunctionMode):
     def __init__(self, sim: Tensors) -> None:
         super().__init__()
         self.sim = sim
@@ -499,7 +611,8 @@ class _Functions(TorchFunctionMode):
     def handle(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         handler = self.handlers.get(func)
         if handler is not None:
-            with torch.no_grad():
+            # Handlers call C bindings only (see [Note: the per-op cost of the simulation]).
+            with torch.no_grad(), _no_subclass_function():
                 return handler(func, args, kwargs)
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
@@ -508,6 +621,14 @@ class _Functions(TorchFunctionMode):
             out = func(*args, **{**kwargs, "pin_memory": False})
             return tree_map(lambda o: self.sim.pin(o) if isinstance(o, torch.Tensor) else o, out)
         try:
+            if _is_binding(func):
+                # See [Note: the per-op cost of the simulation]. A C binding has no Python
+                # body whose calls the subclass hook would need to see: run it without.
+                with _no_subclass_function():
+                    if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
+                        with torch.no_grad():
+                            return func(*args, **kwargs)
+                    return func(*args, **kwargs)
             if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
                 with torch.no_grad():
                     return func(*args, **kwargs)
@@ -523,6 +644,9 @@ class _Functions(TorchFunctionMode):
         index = self.sim.state.device_index(kwargs["device"])
         kwargs = {**kwargs, "device": "cpu"}
         kwargs.pop("requires_grad", None)
+        if (func in _PLAIN_FACTORIES and not any(isinstance(a, SimTensor) for a in args)
+                and not any(isinstance(v, torch.Tensor) for v in kwargs.values())):
+            return self._plain_factory(index, func, args, kwargs)
         # Sizes first (on the meta device): an allocation that does not fit costs nothing.
         try:
             with torch.no_grad():
@@ -540,6 +664,22 @@ class _Functions(TorchFunctionMode):
         out = self._make_on_cpu(index, func, args, kwargs)
         adopt = self.sim.adopt
         return tree_map(lambda o: adopt(o, index) if isinstance(o, torch.Tensor) else o, out)
+
+    def _plain_factory(self, index: int, func: Any, args: Any,
+                       kwargs: dict[str, Any]) -> torch.Tensor:
+        """A factory that draws nothing, of host arguments (``empty_like(host_tensor,
+        device="cuda")``, the pager's every copy): made without the dispatch mode, which
+        has nothing to do there."""
+        with _no_python_dispatch():
+            # Size first (on the meta device): an allocation that does not fit costs nothing.
+            meta = func(*args, **{**kwargs, "device": "meta"})
+            record = self.sim.reserve(meta.untyped_storage().nbytes(), index)
+            try:
+                out = func(*args, **kwargs)
+            except BaseException:
+                self.sim.state.allocators[index].free(record.block)
+                raise
+        return self.sim.wrap(out, record)
 
     def _make_on_cpu(self, index: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """``func`` run on the CPU for ``cuda:index``: its random draws come from that

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import mmap
 import subprocess
 import sys
 import textwrap
@@ -101,6 +102,9 @@ def test_held_memory_is_what_the_cap_counts_and_grows_with_a_touched_allocation(
 
     before = adaptive.cpu_memory.held_bytes()
     assert abs(before - rss_anon()) < 4 * 2**20
-    block = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, every page touched
+    # A fresh anonymous mapping, every page touched: a tensor could reuse memory an earlier
+    # test freed and the allocator kept resident, which would not grow what the process holds.
+    block = mmap.mmap(-1, 64 * 2**20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    torch.frombuffer(block, dtype=torch.uint8).fill_(1)
     assert adaptive.cpu_memory.held_bytes() - before > 60 * 2**20
-    del block
+    block.close()

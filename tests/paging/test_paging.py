@@ -1167,3 +1167,42 @@ def test_gpu_a_buffer_written_in_place_keeps_what_was_written() -> None:
             torch.testing.assert_close(model(x), reference(x.cuda()).cpu())
     torch.testing.assert_close(model[0].total, reference[0].total.cpu())
     torch.testing.assert_close(model[2].total, reference[2].total.cpu())
+
+
+class RecordingTransfer(SyncTransfer):
+    """Logs which host tensors each copy starts, into a log the test shares."""
+
+    def __init__(self, device: torch.device, log: list[tuple[str, Any]]) -> None:
+        super().__init__(device)
+        self.log = log
+
+    def start(self, hosts: Any) -> Any:
+        self.log.append(("copy", [id(h) for h in hosts]))
+        return super().start(hosts)
+
+
+def test_prefetch_depth_counts_large_units_so_a_tiny_one_between_does_not_idle_the_link() -> None:
+    """prefetch=1 with LayerNorms (512 B) between Linears (16 KiB): while a Linear runs, the
+    next Linear is already being copied, not only the LayerNorm before it ([Note: prefetch
+    depth counts the units that matter])."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.LayerNorm(64), nn.Linear(64, 64))])
+    model.eval()
+    x = torch.randn(2, 64)
+    log: list[tuple[str, Any]] = []
+    linear = 64 * 64 * 4 + 64 * 4
+    with adaptive.page(model, "cpu", unit_bytes=linear, resident_bytes=0, prefetch=1,
+                       _transfer=RecordingTransfer(torch.device("cpu"), log)) as pager:
+        masters = {id(s.master): s.name for s in pager._table.slots.values()}
+        for i, m in enumerate(model):
+            m.register_forward_pre_hook(lambda mod, args, i=i: log.append(("run", i)))
+        with torch.no_grad():
+            model(x)  # learns the order
+            log.clear()
+            assert torch.equal(model(x), nn.Sequential(*model)(x))
+    started: set[str] = set()
+    for kind, what in log:
+        if kind == "copy":
+            started |= {masters[h].split(".")[0] for h in what}
+        elif what % 2 == 1 and what + 2 < len(model):  # a Linear with another one after it
+            assert str(what + 2) in started, f"Linear {what} runs, Linear {what + 2} not on its way"

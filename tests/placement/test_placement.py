@@ -578,6 +578,8 @@ def test_auto_capacity_is_free_memory_minus_the_reserve(monkeypatch: pytest.Monk
         assert model[0].weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="reserve"):
         adaptive.chunk(model, "cpu", capacity=10, reserve="1GiB")
+    monkeypatch.setattr(headroom, "memory_info", lambda device: (gib, 80 * gib))
+    assert placement.auto_capacity(torch.device("cpu")) == (gib // 2, gib // 2)  # half of free
 
 
 def test_split_over_a_list_of_devices_and_output_device() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -138,6 +139,11 @@ def test_an_allocation_past_the_limit_raises_cudas_oom_and_allocates_nothing() -
             torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
         with pytest.raises(torch.OutOfMemoryError):
             torch.zeros(300 * MiB, dtype=torch.uint8).to("cuda")
+        host = torch.empty(300 * MiB, dtype=torch.uint8)  # never touched: costs no memory
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty_like(host, device="cuda")  # how a pager makes each device copy
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.full((300 * MiB,), 7, dtype=torch.uint8, device="cuda")
         with pytest.raises(torch.OutOfMemoryError):
             keep + keep
         assert torch.cuda.memory_allocated() == before
@@ -191,6 +197,76 @@ def test_non_blocking_copies_complete_later_and_events_time_them() -> None:
         assert end.query() and side.query()
         assert 30 < start.elapsed_time(end) < 2000
         assert dev.sum().item() == 5 * 10**6  # the host synchronized: any stream may read
+
+
+def test_a_copy_in_flight_completes_on_the_links_time_while_the_host_runs_python() -> None:
+    threads = threading.active_count()
+    with simulated_cuda(bandwidth=0.1) as sim:  # 20 MB at 0.1 GB/s: 200 ms
+        host = torch.ones(5 * 10**6).pin_memory()
+        side = torch.cuda.Stream()
+        end = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(side):
+            dev = torch.empty_like(host, device="cuda").copy_(host, non_blocking=True)
+            end.record()
+        issued = time.perf_counter()
+        assert not end.query()
+        assert threading.active_count() == threads  # no thread of its own to fight for the GIL
+        while time.perf_counter() - issued < 0.25:  # Python-heavy host work, holding the GIL
+            sum(range(1000))
+        assert end.query()  # done meanwhile: the host never waited for it
+        torch.cuda.current_stream().wait_event(end)
+        assert dev[0].item() == 1.0
+        assert sim.copy_stats["copies"] == 1 and sim.copy_stats["wait_seconds"] == 0
+
+
+def test_copies_on_one_stream_take_turns_on_the_link() -> None:
+    with simulated_cuda(bandwidth=0.1) as sim:  # 10 MB at 0.1 GB/s: 100 ms each
+        host = torch.ones(25 * 10**5).pin_memory()
+        side = torch.cuda.Stream()
+        first, second = torch.cuda.Event(), torch.cuda.Event()
+        started = time.perf_counter()
+        with torch.cuda.stream(side):
+            torch.empty_like(host, device="cuda").copy_(host, non_blocking=True)
+            first.record()
+            torch.empty_like(host, device="cuda").copy_(host, non_blocking=True)
+            second.record()
+        first.synchronize()
+        assert not second.query()  # still behind the first one
+        second.synchronize()
+        assert time.perf_counter() - started >= 0.2
+        stats = sim.copy_stats
+        assert stats["copies"] == 2 and 0 < stats["wait_seconds"] <= time.perf_counter() - started
+
+
+def test_refilling_a_buffer_on_its_own_stream_does_not_hold_the_host() -> None:
+    with simulated_cuda(bandwidth=0.005):  # 1 MB at 0.005 GB/s: 200 ms each
+        first, second = torch.ones(25 * 10**4).pin_memory(), torch.full((25 * 10**4,), 2.0)
+        second = second.pin_memory()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            buffer = torch.empty_like(first, device="cuda").copy_(first, non_blocking=True)
+            issued = time.perf_counter()
+            buffer.copy_(second, non_blocking=True)  # queued behind the first on the stream
+            assert time.perf_counter() - issued < 0.1
+        assert not side.query()
+        torch.cuda.current_stream().wait_stream(side)
+        assert buffer.sum().item() == 2 * 25 * 10**4
+        assert time.perf_counter() - issued >= 0.39  # both took their turn on the link
+
+
+def test_ops_returning_several_tensors_give_them_on_the_device() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    with simulated_cuda():
+        d = x.cuda()
+        top = torch.max(d, dim=0)  # a torch.return_types named tuple
+        parts = torch.split(d, 2)  # a tuple of views
+        var, mean = torch.var_mean(d, dim=1)
+        assert all(t.device.type == "cuda" for t in (top.values, top.indices, *parts, mean, var))
+        assert torch.equal(top.values.cpu(), x.max(dim=0).values)
+        assert torch.equal(top.indices.cpu(), x.max(dim=0).indices)
+        assert [p.cpu().tolist() for p in parts] == [p.tolist() for p in torch.split(x, 2)]
+        assert torch.allclose(var.cpu(), torch.var_mean(x, dim=1)[0])
 
 
 def test_non_blocking_from_unpinned_memory_is_synchronous() -> None:
@@ -273,7 +349,7 @@ def test_a_parameter_whose_data_went_to_the_host_is_remade_on_the_host() -> None
 def test_synchronous_copies_over_the_link_take_its_time(to_device: bool, how: str) -> None:
     # A benchmark comparing a pager that copies asynchronously with one that calls
     # .to("cuda") is only fair when both pay for the link: 4 MB at 0.1 GB/s is 40 ms.
-    with simulated_cuda(bandwidth=0.1):
+    with simulated_cuda(bandwidth=0.1) as sim:
         source = torch.ones(10**6) if to_device else torch.ones(10**6, device="cuda")
         target = "cuda" if to_device else "cpu"
         dest = torch.empty_like(source, device=target)
@@ -284,8 +360,10 @@ def test_synchronous_copies_over_the_link_take_its_time(to_device: bool, how: st
             out = source.cuda(non_blocking=True) if to_device else source.cpu()
         else:
             out = dest.copy_(source)
-        assert time.perf_counter() - started >= 0.04
-        assert out.device.type == target and out.sum().item() == 10**6
+        took = time.perf_counter() - started
+        assert took >= 0.04
+        assert out.device.type == target
+        assert 0 < sim.copy_stats["wait_seconds"] <= took  # the host slept on the link and out.sum().item() == 10**6
 
 
 def test_copies_on_the_device_do_not_use_the_link() -> None:
