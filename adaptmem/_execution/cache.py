@@ -33,6 +33,7 @@ __all__ = [
     "get_default_cache",
     "shared_cache",
     "resolve_cache",
+    "check_cache",
 ]
 
 # Repeated calls stop probing once the size in use is within this fraction of the ceiling.
@@ -291,7 +292,8 @@ _default_cache: type[BatchsizeCache] | BatchsizeCache = StacktraceMemoryBatchsiz
 _shared: dict[type[BatchsizeCache], BatchsizeCache] = {}
 
 
-def _check_cache(cache: Any, name: str) -> None:
+def check_cache(cache: Any, name: str) -> None:
+    """Refuse ``cache`` (the argument called ``name``) unless it is a cache class or instance."""
     ok = isinstance(cache, BatchsizeCache) or (
         isinstance(cache, type) and issubclass(cache, BatchsizeCache)
     )
@@ -336,7 +338,7 @@ def set_default_cache(cache: type[BatchsizeCache] | BatchsizeCache) -> None:
         >>> adaptive.set_default_cache(adaptive.StacktraceMemoryBatchsizeCache)
     """
     global _default_cache
-    _check_cache(cache, "cache")
+    check_cache(cache, "cache")
     with _default_lock:
         _default_cache = cache
 

@@ -14,7 +14,7 @@ import torch
 
 from .._common.devices import resolve_device
 from .._common.oom import shrinks_size
-from .cache import BatchsizeCache, _check_cache, resolve_cache
+from .cache import BatchsizeCache, check_cache, resolve_cache
 from .lazy import retry_lazy
 from .retry import LAZY_TYPES, log_probe, run_range, run_sized
 
@@ -396,7 +396,7 @@ def _factory(
             f"lower {floor_name} or raise {initial_name}"
         )
     if cache is not None:
-        _check_cache(cache, "cache")
+        check_cache(cache, "cache")
 
     def decorate(f: Callable[..., Any]) -> Any:
         _check_callable(f, f"adaptive.{cls.kind}")
