@@ -11,7 +11,7 @@ from .assignment import (
     placement_units,
     plan_placement,
 )
-from .peak import NotPredictable, PeakPrediction, activation_report, predict_model, predict_per_item
+from .peak import activation_report, predict_model, predict_per_item
 from .plan import Plan
 from .planner import plan, split_inputs
 from .recording import Recording, record_execution_order, record_forward
@@ -30,7 +30,7 @@ from .targets import (
 from .units import Placement, Unit, assign_devices, order_units, paging_units, split_unit
 
 __all__ = [
-    "NotPredictable", "PeakPrediction", "activation_report", "predict_model", "predict_per_item",
+    "activation_report", "predict_model", "predict_per_item",
     "ATOMIC_MODULE_TYPES", "ModuleSizes", "Placement", "Plan", "Recording", "Target",
     "TensorInfo", "Unit", "assign_devices", "auto_capacity", "capacity_of",
     "check_ties", "dtype_name", "label_for_unit", "make_label", "module_sizes",

@@ -14,102 +14,16 @@ kernels) has no prediction: ``predict_per_item`` raises ``NotPredictable``.
 
 from __future__ import annotations
 
-import math
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .._common.peak import NotPredictable, PeakPrediction, PeakTracker, fit
 from .recording import meta_copy
 
-__all__ = [
-    "PeakTracker", "PeakPrediction", "NotPredictable", "predict_per_item", "predict_model",
-    "activation_report",
-]
-
-
-class NotPredictable(Exception):
-    """The call could not be traced on the meta device; the message says why."""
-
-
-class PeakTracker(TorchDispatchMode):
-    """Counts the bytes of the storages ops create while it is active and the highest total
-    alive at once (``peak``); storages that existed before are not counted. Works on any
-    device; on meta it is what a real run would allocate."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._owners: dict[int, int] = {}  # storage -> how many tracked tensors use it
-        self._bytes: dict[int, int] = {}  # storage -> its bytes
-        self._seen: set[int] = set()  # ids of the live tensors counted
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        known = {id(t) for t in inputs}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t) not in known and id(t) not in self._seen:
-                key = t.untyped_storage()._cdata  # one per storage, shared by its views
-                if key in self._owners:  # a view of a storage made while tracking
-                    self._hold(t, key, 0)
-                elif all(i.untyped_storage()._cdata != key for i in inputs):  # new memory
-                    self._hold(t, key, t.untyped_storage().nbytes())
-                # else a view of (or in-place result in) memory that existed before: not counted
-        return out
-
-    def _hold(self, t: torch.Tensor, key: int, nbytes: int) -> None:
-        self._seen.add(id(t))
-        if key in self._owners:
-            self._owners[key] += 1
-        else:
-            self._owners[key] = 1
-            self._bytes[key] = nbytes
-            self.live += nbytes
-            self.peak = max(self.peak, self.live)
-        weakref.finalize(t, self._drop, id(t), key)
-
-    def _drop(self, tensor_id: int, key: int) -> None:
-        self._seen.discard(tensor_id)
-        left = self._owners.get(key, 0) - 1
-        if left > 0:
-            self._owners[key] = left
-            return
-        if self._owners.pop(key, None) is not None:
-            self.live -= self._bytes.pop(key, 0)
-
-
-@dataclass(frozen=True)
-class PeakPrediction:
-    """``peak(batch) = fixed_bytes + per_item_bytes * batch``, from traces at ``sizes``."""
-
-    sizes: tuple[int, int]
-    peaks: tuple[int, int]
-    fixed_bytes: int
-    per_item_bytes: float
-
-    def peak(self, batch: int) -> int:
-        """Predicted bytes the call allocates at ``batch`` items."""
-        return int(self.fixed_bytes + self.per_item_bytes * batch)
-
-    def largest(self, room: int, margin: float = 0.8) -> int:
-        """The largest batch whose predicted peak stays within ``margin * room``: 0 when not
-        even one item fits, ``2**31 - 1`` for a call whose memory does not grow with it."""
-        usable = room * margin - self.fixed_bytes
-        if usable < 0:
-            return 0
-        if self.per_item_bytes <= 0:
-            return 2**31 - 1
-        return min(2**31 - 1, math.floor(usable / self.per_item_bytes))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"sizes": list(self.sizes), "peaks": list(self.peaks),
-                "fixed_bytes": self.fixed_bytes, "per_item_bytes": self.per_item_bytes}
+__all__ = ["predict_per_item", "predict_model", "activation_report"]
 
 
 def predict_per_item(call: Callable[..., Any], *args: Any, sizes: tuple[int, int] = (2, 4),
@@ -135,9 +49,7 @@ def predict_per_item(call: Callable[..., Any], *args: Any, sizes: tuple[int, int
         except Exception as exc:  # noqa: BLE001 - any failure on meta means "no prediction"
             raise NotPredictable(f"{type(exc).__name__}: {exc}") from exc
         peaks.append(tracker.peak)
-    per_item = (peaks[1] - peaks[0]) / (large - small)
-    fixed = max(0, int(peaks[0] - per_item * small))
-    return PeakPrediction((small, large), (peaks[0], peaks[1]), fixed, per_item)
+    return fit(sizes, (peaks[0], peaks[1]))
 
 
 def predict_model(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

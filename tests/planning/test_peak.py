@@ -12,8 +12,8 @@ from models import TinyGPT, tiny_gpt_inputs
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem._planning import NotPredictable, predict_model, predict_per_item
-from adaptmem._planning.peak import PeakTracker
+from adaptmem._common.peak import NotPredictable, PeakTracker
+from adaptmem._planning import predict_model, predict_per_item
 from adaptmem.cli import main
 
 
