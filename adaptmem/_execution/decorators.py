@@ -14,6 +14,7 @@ import torch
 
 from .._common.devices import resolve_device
 from .._common.oom import shrinks_size
+from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart
 from .cache import BatchsizeCache, check_cache, resolve_cache
 from .lazy import retry_lazy
 from .retry import LAZY_TYPES, log_probe, run_range, run_sized
@@ -24,6 +25,9 @@ __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 def _check_size(value: Any, name: str, example: str) -> int:
     if value is None:
         raise TypeError(f"{name} is required: write {example}")
+    if value == "auto":
+        raise TypeError(f"{name}='auto' is for @adaptive.batch's initial_batchsize only; give "
+                        f"{name} a number: {example}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
     if value < 1:
@@ -161,6 +165,21 @@ class _Batch(_Adaptive):
 
     accepts_lazy = True
 
+    def __init__(self, func: Any, initial: int, floor: int, cache: Any, context: Any,
+                 device: Any, auto_ceiling: int | None = None) -> None:
+        super().__init__(func, initial, floor, cache, context, device)
+        # initial_batchsize="auto": decided at the first call (see [Note: starting where it
+        # fits] in auto.py); until then ``initial`` is the ceiling.
+        self._auto = (None if auto_ceiling is None else
+                      AutoStart(self._name, floor, auto_ceiling, self.device))
+        self._deciding = self._auto is not None
+
+    @property
+    def prediction(self) -> Any:
+        """For ``initial_batchsize="auto"``: the ``PeakPrediction`` made at the first call
+        (bytes per item and fixed), or None (not decided yet, not predictable, not auto)."""
+        return None if self._auto is None else self._auto.prediction
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
@@ -175,6 +194,8 @@ class _Batch(_Adaptive):
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
+        if self._deciding:
+            self._decide(bound, args, kwargs)
         size = record.next_size(self.initial, self.floor, self._probes)
         if record.fits is not None and size > record.fits:
             log_probe(record, size, self._name, "batchsize")
@@ -197,6 +218,13 @@ class _Batch(_Adaptive):
         if result.__class__ in LAZY_TYPES:
             return self._lazy(result, size, record, cache, bound, args, kwargs)
         return result
+
+    def _decide(self, bound: tuple[Any, ...], args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> None:
+        func, auto = self._func, self._auto
+        if auto is not None:
+            self.initial = auto.decide(lambda s: func(*bound, s, *args, **kwargs))
+        self._deciding = False
 
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -408,11 +436,12 @@ def _factory(
 def batch(
     func: Callable[..., Any] | None = None,
     *,
-    initial_batchsize: int | None = None,
+    initial_batchsize: int | str | None = None,
     min_batchsize: int = 1,
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    max_batchsize: int | None = None,
 ) -> Any:
     """Retry ``func`` with a smaller batch size when it runs out of memory.
 
@@ -432,8 +461,16 @@ def batch(
     out of memory.
 
     Args:
-        initial_batchsize: the first and largest size tried.
+        initial_batchsize: the first and largest size tried, or ``"auto"``: at the first
+            call the function is traced twice on fake tensors (no memory, no kernels) to
+            predict its bytes per item, and the largest size predicted to fit 80% of the
+            memory free then becomes the initial size (see ``max_batchsize``). A function
+            that cannot be traced (``.item()``, data-dependent shapes, custom kernels) is
+            logged once and searched from ``max_batchsize``. The traces run the function's
+            Python code twice more at its first call.
         min_batchsize: the smallest size tried before giving up (default 1).
+        max_batchsize: with ``initial_batchsize="auto"`` only: the largest size it may
+            choose (default 65536).
         cache: a cache class or instance (default: the one ``set_default_cache`` names at
             call time, ``StacktraceMemoryBatchsizeCache`` unless changed).
         context: any hashable; calls with different contexts learn sizes separately.
@@ -460,8 +497,20 @@ def batch(
         >>> int(total(torch.ones(100)))
         100
     """
+    extra: dict[str, Any] = {}
+    if initial_batchsize == AUTO:
+        ceiling = DEFAULT_MAX_BATCHSIZE if max_batchsize is None else _check_size(
+            max_batchsize, "max_batchsize", '@adaptive.batch(initial_batchsize="auto", '
+            'max_batchsize=4096)')
+        initial_batchsize, extra = ceiling, {"auto_ceiling": ceiling}
+    elif max_batchsize is not None:
+        raise TypeError(
+            f"max_batchsize caps initial_batchsize='auto'; with initial_batchsize="
+            f"{initial_batchsize!r} the initial size is already the largest tried. Drop "
+            f"max_batchsize, or write initial_batchsize='auto', max_batchsize={max_batchsize!r}"
+        )
     return _factory(_Batch, func, initial_batchsize, min_batchsize, cache, context, device,
-                    ("initial_batchsize", "min_batchsize"), {})
+                    ("initial_batchsize", "min_batchsize"), extra)
 
 
 def range(  # noqa: A001 - the public name mirrors the builtin it adapts
