@@ -25,9 +25,6 @@ __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 def _check_size(value: Any, name: str, example: str) -> int:
     if value is None:
         raise TypeError(f"{name} is required: write {example}")
-    if value == "auto":
-        raise TypeError(f"{name}='auto' is for @adaptive.batch's initial_batchsize only; give "
-                        f"{name} a number: {example}")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
     if value < 1:
@@ -95,7 +92,7 @@ class _Adaptive:
 
     def __init__(
         self, func: Any, initial: int, floor: int, cache: Any, context: Any,
-        device: Any,
+        device: Any, auto_ceiling: int | None = None,
     ) -> None:
         # Above @staticmethod / @classmethod: decorate the function, bind as they would.
         self._binding = "static" if isinstance(func, staticmethod) else (
@@ -129,6 +126,22 @@ class _Adaptive:
         self._injected, self._limit = _positional_limit(func, self.leading, self._self_first)
         if inspect.iscoroutinefunction(func):
             _mark_coroutine_function(self)
+        # An "auto" initial size is decided at the first call (see [Note: starting where it
+        # fits] in auto.py); until then ``initial`` is the ceiling.
+        self._auto = (None if auto_ceiling is None else
+                      AutoStart(self._name, floor, auto_ceiling, self.device))
+        self._deciding = self._auto is not None
+
+    @property
+    def prediction(self) -> Any:
+        """For an ``"auto"`` initial size: the ``PeakPrediction`` made at the first call
+        (bytes per item and fixed), or None (not decided yet, not predictable, not auto)."""
+        return None if self._auto is None else self._auto.prediction
+
+    def _decide(self, call: Callable[[int], Any]) -> None:
+        if self._auto is not None:
+            self.initial = self._auto.decide(call)
+        self._deciding = False
 
     def __reduce__(self) -> str:
         # Pickled by name, like the function it replaces (for multiprocessing and spawn).
@@ -165,21 +178,6 @@ class _Batch(_Adaptive):
 
     accepts_lazy = True
 
-    def __init__(self, func: Any, initial: int, floor: int, cache: Any, context: Any,
-                 device: Any, auto_ceiling: int | None = None) -> None:
-        super().__init__(func, initial, floor, cache, context, device)
-        # initial_batchsize="auto": decided at the first call (see [Note: starting where it
-        # fits] in auto.py); until then ``initial`` is the ceiling.
-        self._auto = (None if auto_ceiling is None else
-                      AutoStart(self._name, floor, auto_ceiling, self.device))
-        self._deciding = self._auto is not None
-
-    @property
-    def prediction(self) -> Any:
-        """For ``initial_batchsize="auto"``: the ``PeakPrediction`` made at the first call
-        (bytes per item and fixed), or None (not decided yet, not predictable, not auto)."""
-        return None if self._auto is None else self._auto.prediction
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
@@ -195,7 +193,7 @@ class _Batch(_Adaptive):
         record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
         if self._deciding:
-            self._decide(bound, args, kwargs)
+            self._decide(lambda s: func(*bound, s, *args, **kwargs))
         size = record.next_size(self.initial, self.floor, self._probes)
         if record.fits is not None and size > record.fits:
             log_probe(record, size, self._name, "batchsize")
@@ -218,13 +216,6 @@ class _Batch(_Adaptive):
         if result.__class__ in LAZY_TYPES:
             return self._lazy(result, size, record, cache, bound, args, kwargs)
         return result
-
-    def _decide(self, bound: tuple[Any, ...], args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> None:
-        func, auto = self._func, self._auto
-        if auto is not None:
-            self.initial = auto.decide(lambda s: func(*bound, s, *args, **kwargs))
-        self._deciding = False
 
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -258,6 +249,8 @@ class _Range(_Adaptive):
         self._check_call(tuple(rest), kwargs)
         cache, record = self._record(caller)
         func = self._func
+        if self._deciding and end > start:
+            self._decide(lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs))
         return run_range(
             lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end, record,
             initial=self.initial, floor=self.floor, name=self._name, device=self.device,
@@ -270,10 +263,11 @@ class _Chunked(_Adaptive):
     leading = 3
 
     def __init__(self, func: Callable[..., Any], initial: int, floor: int, cache: Any,
-                 context: Any, device: Any, dimension: int, output: str | None) -> None:
+                 context: Any, device: Any, dimension: int, output: str | None,
+                 auto_ceiling: int | None = None) -> None:
         self.dimension = dimension
         self.output = output
-        super().__init__(func, initial, floor, cache, context, device)
+        super().__init__(func, initial, floor, cache, context, device, auto_ceiling)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._self_first:
@@ -300,6 +294,8 @@ class _Chunked(_Adaptive):
             return func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs)
 
         length = tensor.shape[dim]
+        if self._deciding and length:
+            self._decide(lambda n: step(0, min(length, n)))
         if self.output is None:
             run_range(step, 0, length, record, initial=self.initial, floor=self.floor,
                       name=self._name, device=self.device, cache=cache)
@@ -405,10 +401,20 @@ def _mark_coroutine_function(adaptive: _Adaptive) -> None:
 
 def _factory(
     cls: type[_Adaptive], func: Any, initial: Any, floor: Any, cache: Any, context: Any,
-    device: Any, names: tuple[str, str], extra: dict[str, Any],
+    device: Any, names: tuple[str, str, str], extra: dict[str, Any], maximum: Any = None,
 ) -> Any:
-    initial_name, floor_name = names
+    initial_name, floor_name, max_name = names
     example = f"@adaptive.{cls.kind}({initial_name}=512)"
+    if isinstance(initial, str) and initial == AUTO:
+        ceiling = DEFAULT_MAX_BATCHSIZE if maximum is None else _check_size(
+            maximum, max_name, f'@adaptive.{cls.kind}({initial_name}="auto", {max_name}=4096)')
+        initial, extra = ceiling, {**extra, "auto_ceiling": ceiling}
+    elif maximum is not None:
+        raise TypeError(
+            f"{max_name} caps {initial_name}='auto'; with {initial_name}={initial!r} the "
+            f"initial size is already the largest tried. Drop {max_name}, or write "
+            f"{initial_name}='auto', {max_name}={maximum!r}"
+        )
     if func is not None and not callable(func):
         raise TypeError(
             f"adaptive.{cls.kind} takes its sizes as keywords: write {example}, "
@@ -497,37 +503,28 @@ def batch(
         >>> int(total(torch.ones(100)))
         100
     """
-    extra: dict[str, Any] = {}
-    if initial_batchsize == AUTO:
-        ceiling = DEFAULT_MAX_BATCHSIZE if max_batchsize is None else _check_size(
-            max_batchsize, "max_batchsize", '@adaptive.batch(initial_batchsize="auto", '
-            'max_batchsize=4096)')
-        initial_batchsize, extra = ceiling, {"auto_ceiling": ceiling}
-    elif max_batchsize is not None:
-        raise TypeError(
-            f"max_batchsize caps initial_batchsize='auto'; with initial_batchsize="
-            f"{initial_batchsize!r} the initial size is already the largest tried. Drop "
-            f"max_batchsize, or write initial_batchsize='auto', max_batchsize={max_batchsize!r}"
-        )
     return _factory(_Batch, func, initial_batchsize, min_batchsize, cache, context, device,
-                    ("initial_batchsize", "min_batchsize"), extra)
+                    ("initial_batchsize", "min_batchsize", "max_batchsize"), {}, max_batchsize)
 
 
 def range(  # noqa: A001 - the public name mirrors the builtin it adapts
     func: Callable[..., Any] | None = None,
     *,
-    initial_step: int | None = None,
+    initial_step: int | str | None = None,
     min_step: int = 1,
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    max_step: int | None = None,
 ) -> Any:
     """Call ``func(s, e, *args)`` over ``[start, end)`` in steps that shrink on OOM.
 
     The caller writes ``fill(start, end, *args)``. Steps are consecutive, cover the range
     exactly once and in order; a step that runs out of memory is retried at the same offset
     with a smaller step (finished steps are never redone). Returns the list of step results.
-    Options as for ``batch`` (``initial_step``, ``min_step``). A step runs to completion
+    Options as for ``batch`` (``initial_step``, ``"auto"`` too, ``min_step``, ``max_step``;
+    an ``"auto"`` range traces its first call's first steps, ``func(start, start + n)``,
+    on fake tensors). A step runs to completion
     inside the retry, so generator and async functions are refused at decoration, and a step
     that returns a generator or coroutine raises TypeError.
 
@@ -540,19 +537,20 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
         [(0, 4), (4, 8), (8, 10)]
     """
     return _factory(_Range, func, initial_step, min_step, cache, context, device,
-                    ("initial_step", "min_step"), {})
+                    ("initial_step", "min_step", "max_step"), {}, max_step)
 
 
 def chunked(
     func: Callable[..., Any] | None = None,
     *,
-    initial_step: int | None = None,
+    initial_step: int | str | None = None,
     min_step: int = 1,
     dimension: int = 0,
     output: str | None = None,
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    max_step: int | None = None,
 ) -> Any:
     """Call ``func(chunk, start, end, *args)`` on slices of a tensor along ``dimension``.
 
@@ -607,7 +605,8 @@ def chunked(
             f"tensor collects them), got {output!r}"
         )
     return _factory(_Chunked, func, initial_step, min_step, cache, context, device,
-                    ("initial_step", "min_step"), {"dimension": dimension, "output": output})
+                    ("initial_step", "min_step", "max_step"),
+                    {"dimension": dimension, "output": output}, max_step)
 
 
 def _execute_batch(*, initial_batchsize: int | None = None, **options: Any) -> Any:

@@ -124,9 +124,32 @@ def test_a_function_that_cannot_be_traced_is_logged_once_and_searched_from_the_m
 def test_auto_options_are_checked_where_they_are_given() -> None:
     with pytest.raises(TypeError, match="max_batchsize caps initial_batchsize='auto'"):
         adaptive.batch(initial_batchsize=64, max_batchsize=128)
-    with pytest.raises(TypeError, match="initial_step='auto' is for @adaptive.batch"):
-        adaptive.range(initial_step="auto")
+    with pytest.raises(TypeError, match="max_step caps initial_step='auto'"):
+        adaptive.chunked(initial_step=8, max_step=16)
     with pytest.raises(ValueError, match="max_batchsize must be 1 or more"):
         adaptive.batch(initial_batchsize="auto", max_batchsize=0)
     with pytest.raises(ValueError, match="min_batchsize .* is larger"):
         adaptive.batch(initial_batchsize="auto", max_batchsize=4, min_batchsize=8)
+
+
+def test_range_and_chunked_start_where_their_steps_fit_and_the_traces_write_nothing() -> None:
+    out = torch.zeros(200)
+
+    @adaptive.range(initial_step="auto", max_step=50)
+    def fill(start: int, end: int, out: torch.Tensor) -> int:
+        out[start:end] += torch.ones(end - start, 256).sum(1)  # 1 KiB of scratch per item
+        return end - start
+
+    assert fill(0, 200, out) == [50, 50, 50, 50]
+    assert torch.equal(out, torch.full((200,), 256.0))  # the traces added nothing
+    assert fill.prediction.per_item_bytes == pytest.approx(1024, rel=0.05)
+
+    tensor = torch.ones(3, 40)
+
+    @adaptive.chunked(initial_step="auto", max_step=16, dimension=-1)
+    def double(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk.mul_(2)
+
+    double(tensor)
+    assert torch.equal(tensor, torch.full((3, 40), 2.0))  # doubled once, not by the traces
+    assert double.initial == 16
