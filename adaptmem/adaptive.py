@@ -3,6 +3,8 @@
 from . import cpu_memory
 from ._common.errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
 from ._common.oom import is_oom
+from ._dispatch import batch, chunked
+from ._dispatch import range as range  # noqa: A004 - mirrors toma's name
 from ._execution.cache import (
     BatchsizeCache,
     GlobalBatchsizeCache,
@@ -11,8 +13,7 @@ from ._execution.cache import (
     get_default_cache,
     set_default_cache,
 )
-from ._execution.decorators import batch, chunked, execute, explicit
-from ._execution.decorators import range as range  # noqa: A004 - mirrors toma's name
+from ._execution.decorators import execute, explicit
 from ._loading.loader import empty_model, load
 from ._paging.api import Pager, page
 from ._placement import Chunker, Splitter, chunk, split

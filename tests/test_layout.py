@@ -18,7 +18,7 @@ LAYERS: dict[str, int] = {
     "_execution": 2, "_planning": 2, "_simcuda": 2,
     "_engines": 3,
     "_paging": 4, "_placement": 4, "_spilling": 4,
-    "_loading": 5,
+    "_loading": 5, "_dispatch": 5,
     "adaptive": 6, "testing": 6,
     "_demo": 7, "_example_train": 7, "testing_plugin": 7,
     "cli": 8,

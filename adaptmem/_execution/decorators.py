@@ -155,6 +155,17 @@ class _Adaptive:
             return self  # through the class, a method gets its instance from the caller
         return _BoundAdaptive(self, obj)
 
+    def call_from(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Call with ``args`` as if from the frame ``caller``: for a wrapper that must not
+        become every call's call site (the default cache keys sizes by call site)."""
+        if self._self_first:
+            return self._run(caller, args[1:], kwargs, args[:1])
+        return self._run(caller, args, kwargs, ())
+
+    def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+             bound: tuple[Any, ...]) -> Any:
+        raise NotImplementedError
+
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._injected and self._injected in kwargs:
             raise TypeError(

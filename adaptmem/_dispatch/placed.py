@@ -1,0 +1,164 @@
+"""The models a decorated function runs, placed by the decorator that runs them.
+
+[Note: batch size and residency together] With ``model=``, a decorator holds the model's
+placement as well as the batch size, because both take the same device memory: resident
+weights leave less room for activations, and paging every unit moves the whole model per
+batch. At the first call each model is paged onto the device (``adaptive.page``, which also
+moves inputs and brings outputs back) with as many units resident as fit in half the memory
+free then, in execution order; all of them when the model fits, which is an ordinary
+resident model. From then on an out-of-memory error is routed by where it struck: while a
+weight moved, the pager splits its units (its own rule); in compute, the batch shrinks (the
+search's rule); and when compute runs out of memory at the smallest batch, residency is
+given back to activations: the resident bytes halve (the model holding most first) and the
+call runs again, down to nothing resident. Memory given back is taken again, doubling,
+when free memory has grown by a quarter since it was given, checked every
+``RESTORE_EVERY`` calls. The placement is part of the cache key (the decorator's
+``context``), so a call site returns to the batch size it learned for the placement in
+force.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._common.claims import check_placeable
+from .._common.devices import default_device, format_bytes, free_memory, resolve_device
+from .._paging.api import Pager, page
+from .._planning import module_sizes
+
+__all__ = ["PlacedModels", "PlacementChanges", "check_models"]
+
+logger = logging.getLogger("adaptmem")
+
+WEIGHT_SHARE = 0.5  # of free memory given to resident weights at the first call
+RESTORE_EVERY = 16  # calls between checks whether memory given back can be taken again
+RESTORE_GROWTH = 1.25  # free memory must have grown this much since it was given back
+
+
+@dataclass
+class PlacementChanges:
+    """What the decorator did to its models' placement."""
+
+    placements: int = 0
+    residency_given_back: int = 0
+    residency_taken_again: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"placements": self.placements,
+                "residency_given_back": self.residency_given_back,
+                "residency_taken_again": self.residency_taken_again}
+
+
+def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
+    """The models given as ``model=`` (one module or a sequence of them), checked now."""
+    models = tuple(model) if isinstance(model, Sequence) else (model,)
+    if not models:
+        raise ValueError(f"{decorator}(model=...) got an empty sequence; pass the model(s) "
+                         f"the function runs, or leave model out")
+    for m in models:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"{decorator}(model=...) takes torch.nn.Module(s), got "
+                            f"{type(m).__name__} {m!r}")
+        check_placeable(m, f"{decorator}(model=...)")
+    if len({id(m) for m in models}) != len(models):
+        raise ValueError(f"{decorator}(model=...) lists the same model twice")
+    return models
+
+
+class PlacedModels:
+    """Pagers for the models of one decorated function and their resident bytes (see
+    [Note: batch size and residency together])."""
+
+    def __init__(self, models: tuple[nn.Module, ...], device: torch.device | None,
+                 name: str) -> None:
+        self.models = models
+        self.device = device
+        self.name = name
+        self.pagers: list[Pager] = []
+        self.weights = [module_sizes(m).total_bytes for m in models]
+        self.resident = [0 for _ in models]
+        self.changes = PlacementChanges()
+        self._given_back_at: int | None = None  # free memory when residency was last given
+        self._calls = 0
+
+    @property
+    def placed(self) -> bool:
+        return bool(self.pagers)
+
+    def key(self) -> tuple[int, ...]:
+        """What the cache tells placements apart by: the resident bytes of each model."""
+        return tuple(self.resident)
+
+    def ensure(self) -> None:
+        """Place the models at the first call; later, take back residency when memory grew."""
+        if not self.pagers:
+            device = self.device if self.device is not None else default_device()
+            self.device = resolve_device(device)
+            budget = int(WEIGHT_SHARE * free_memory(self.device))
+            resident = []
+            for weights in self.weights:
+                resident.append(min(weights, budget))
+                budget -= resident[-1]
+            self._place(resident)
+            return
+        if self._given_back_at is not None:
+            self._calls += 1
+            if self._calls >= RESTORE_EVERY:
+                self._calls = 0
+                self._maybe_restore()
+
+    def give_back(self) -> bool:
+        """Halve the resident bytes of the model holding most; False when none is left."""
+        if not any(self.resident):
+            return False
+        i = max(range(len(self.resident)), key=lambda k: self.resident[k])
+        resident = list(self.resident)
+        resident[i] //= 2
+        if resident[i] < 1 << 20:
+            resident[i] = 0  # a sliver of residency helps nobody
+        old = self.resident[i]
+        self._place(resident)
+        self.changes.residency_given_back += 1
+        self._given_back_at = free_memory(self.device) if self.device is not None else None
+        logger.info("%s ran out of memory at its smallest size; model %d keeps %s of its %s "
+                    "resident (was %s), the rest is paged", self.name, i,
+                    format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old))
+        return True
+
+    def _maybe_restore(self) -> None:
+        if self.device is None or self._given_back_at is None:
+            return
+        free = free_memory(self.device)
+        if free < RESTORE_GROWTH * self._given_back_at:
+            return
+        resident = [min(w, max(2 * r, 1 << 20)) for w, r in zip(self.weights, self.resident, strict=True)]
+        if resident == self.resident:
+            self._given_back_at = None
+            return
+        self._place(resident)
+        self.changes.residency_taken_again += 1
+        self._given_back_at = None if resident == self.weights else free
+        logger.info("%s: free memory grew to %s; resident bytes taken again: %s", self.name,
+                    format_bytes(free), ", ".join(format_bytes(r) for r in resident))
+
+    def _place(self, resident: list[int]) -> None:
+        self.remove()
+        for model, nbytes in zip(self.models, resident, strict=True):
+            self.pagers.append(page(model, self.device, resident_bytes=nbytes))
+        self.resident = resident
+        self.changes.placements += 1
+
+    def remove(self) -> None:
+        """Give every model back as it was (see ``Pager.remove``)."""
+        while self.pagers:
+            self.pagers.pop().remove()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"device": str(self.device), "weight_bytes": list(self.weights),
+                "resident_bytes": list(self.resident), **self.changes.as_dict()}

@@ -1,0 +1,174 @@
+"""``@adaptive.batch(..., model=model)``: the decorator places the model as well as choosing
+the batch size (see [Note: batch size and residency together] in
+``adaptmem/_dispatch/placed.py``). Checked on the simulated CUDA device, whose allocator
+raises CUDA's out-of-memory error past its total."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from adaptmem import PlacementError, adaptive
+from adaptmem.testing import simulated_cuda
+
+
+class Widen(nn.Module):
+    """Activations that grow per item without weights: 64 KiB per item at width 1024."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat(1, 16).view(x.shape[0], 16, -1).sum(1)
+
+
+def _model(layers: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(layers)
+                           for m in (nn.Linear(1024, 1024), Widen())]).eval()
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_a_model_that_fits_runs_resident_and_comes_back_as_it_was() -> None:
+    model = _model(layers=2)  # 8 MiB of weights
+    before = _snapshot(model)
+    data = torch.randn(64, 1024)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="1GiB"):
+
+        @adaptive.batch(initial_batchsize=64, model=model, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        assert next(model.parameters()).device.type == "cpu"  # nothing moves at decoration
+        got = run(data)
+        placement = run.placement
+        run.remove()
+    assert got.device.type == "cpu"  # outputs come back where the inputs were
+    torch.testing.assert_close(got, want)
+    assert placement["resident_bytes"] == placement["weight_bytes"]
+    assert placement["residency_given_back"] == 0
+    after = _snapshot(model)
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
+               for k in before)
+
+
+def test_compute_out_of_memory_at_the_smallest_batch_gives_residency_to_activations(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()  # 32 MiB of weights, 64 KiB of activations per item
+    data = torch.randn(1024, 1024)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="48MiB"):
+        # Half the free memory resident (24 MiB) leaves too little for 512 items.
+        @adaptive.batch(initial_batchsize=1024, min_batchsize=512, model=model, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            results = [run(data) for _ in range(3)]
+        placement = run.placement
+        run.remove()
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert placement["residency_given_back"] >= 1
+    assert placement["resident_bytes"][0] < placement["weight_bytes"][0] // 2
+    assert any("gives" in r.getMessage() or "keeps" in r.getMessage() for r in caplog.records)
+    # The same call site does not give residency back again once it found what fits.
+    given = [r for r in caplog.records if "keeps" in r.getMessage()]
+    assert len(given) == placement["residency_given_back"]
+
+
+def test_residency_is_taken_again_when_memory_frees_up() -> None:
+    model = _model(layers=4)  # 16 MiB of weights
+    data = torch.randn(256, 1024)
+    with simulated_cuda(total_memory="32MiB"):
+        tenant = torch.empty(8 * 2**20, dtype=torch.uint8, device="cuda")
+
+        @adaptive.batch(initial_batchsize=256, min_batchsize=256, model=model, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        run(data)
+        squeezed = run.placement["resident_bytes"][0]
+        assert run.placement["residency_given_back"] >= 1
+        del tenant
+        torch.cuda.empty_cache()
+        for _ in range(40):  # checked every 16 calls
+            run(data)
+            if run.placement["residency_taken_again"]:
+                break
+        placement = run.placement
+        run.remove()
+    assert placement["residency_taken_again"] >= 1
+    assert placement["resident_bytes"][0] > squeezed
+
+
+def test_range_and_chunked_place_their_models_too() -> None:
+    model = _model(layers=2)
+    data = torch.randn(96, 1024)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="1GiB"):
+
+        @adaptive.chunked(initial_step=32, output="new", model=model, device="cuda")
+        def embed(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+            with torch.no_grad():
+                return model(chunk)
+
+        got = embed(data)
+        assert embed.pagers and embed.placement["placements"] == 1
+        embed.remove()
+        assert not embed.pagers
+    torch.testing.assert_close(got, want)
+
+
+def test_bad_models_are_refused_at_decoration_and_left_as_they_were() -> None:
+    with pytest.raises(TypeError, match=r"model=\.\.\.\) takes torch.nn.Module"):
+        adaptive.batch(initial_batchsize=8, model="resnet")
+    training = nn.Linear(4, 4)
+    with pytest.raises(PlacementError, match="training mode"):
+        adaptive.batch(initial_batchsize=8, model=training)
+    assert not training._forward_pre_hooks and training.training
+    paged = nn.Sequential(nn.Linear(4, 4)).eval()
+    with adaptive.page(paged, "cpu"), pytest.raises(PlacementError):
+        adaptive.batch(initial_batchsize=8, model=paged)
+    with pytest.raises(ValueError, match="same model twice"):
+        adaptive.batch(initial_batchsize=8, model=[paged, paged])
+    with pytest.raises(TypeError, match="initial_batchsize"):
+        adaptive.batch(initial_batchsize="big", model=nn.Linear(2, 2).eval())
+
+
+def test_without_a_model_the_decorators_are_the_plain_ones() -> None:
+    @adaptive.batch(initial_batchsize=4)
+    def size(batchsize: int) -> int:
+        return batchsize
+
+    assert size() == 4
+    assert type(size).__name__ == "_Batch"
+
+
+def test_auto_and_model_together_predict_through_the_paged_model() -> None:
+    model = _model(layers=2)
+    data = torch.randn(64, 1024)
+    with torch.no_grad():
+        want = model(data)
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=32, model=model, device="cpu")
+    def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    results = [run(data) for _ in range(2)]
+    assert run.prediction is not None and run.prediction.per_item_bytes > 0
+    assert run.initial == 32
+    run.remove()
+    for got in results:
+        torch.testing.assert_close(got, want)
