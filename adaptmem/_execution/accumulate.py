@@ -143,8 +143,10 @@ class _Snapshot:
             grad = p.grad
             self.grads.append((p, grad, None if grad is None else _host_copy(grad)))
         module = accumulation.module
+        # By owner and name: a forward may assign a new tensor (``self.count = self.count + 1``).
         self.buffers = [] if module is None else [
-            (b, _host_copy(b)) for b in module.buffers()]
+            (owner, name, b, _host_copy(b)) for owner in module.modules()
+            for name, b in owner._buffers.items() if b is not None]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -156,7 +158,9 @@ class _Snapshot:
                 if p.grad is not grad:
                     p.grad = grad  # autograd may have replaced it; the caller's object comes back
                 grad.copy_(values)
-            for buffer, values in self.buffers:
+            for owner, name, buffer, values in self.buffers:
+                if owner._buffers.get(name) is not buffer:
+                    owner._buffers[name] = buffer
                 buffer.copy_(values)
 
 

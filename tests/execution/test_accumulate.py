@@ -214,6 +214,48 @@ def test_a_step_that_fails_at_the_smallest_size_leaves_grads_and_buffers_as_they
     _assert_bitwise(_state(model), before)
 
 
+def test_any_error_leaves_the_gradients_as_they_were_and_passes_through_untouched() -> None:
+    model = _model()
+    _earlier_step(model)
+    before = _state(model)
+    error = ValueError("a bug in the step")
+
+    @adaptive.batch(initial_batchsize=4, accumulate=model, cache=adaptive.NoBatchsizeCache)
+    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        for i, (xb, yb, weight) in enumerate(adaptive.microbatches(batchsize, x, y)):
+            if i == 2:  # after two finished backwards
+                raise error
+            (F.mse_loss(model(xb), yb) * weight).backward()
+
+    with pytest.raises(ValueError) as raised:
+        train_step(*_data())
+    assert raised.value is error
+    _assert_bitwise(_state(model), before)
+
+
+class _Counter(nn.Module):
+    """Counts forwards by assigning a new tensor, as some modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.seen + x.shape[0]
+        return x
+
+
+def test_a_buffer_that_forward_replaces_is_put_back_too() -> None:
+    model = _model()
+    model.append(_Counter())
+    seen = model[-1].seen
+    model[1].fault = MemoryCeiling(3).require
+    used = _step(model)(*_data())
+    assert used == 3
+    assert int(model[-1].seen) == N  # the failed attempts at 12 and 6 counted nothing
+    assert seen is not model[-1].seen and int(seen) == 0
+
+
 def test_parameters_given_as_a_list_are_guarded_and_others_are_not() -> None:
     model = _model()
     ceiling = MemoryCeiling(3)
