@@ -183,7 +183,8 @@ class _Batch(_Adaptive):
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
-        if self._accumulation is not None:  # see [Note: a retried training step counts...]
+        if self._accumulation is not None:
+            # See [Note: a retried training step counts its gradients once].
             func = self._accumulation.guard(func)
         size = record.next_size(self.initial, self.floor, self._probes)
         if record.fits is not None and size > record.fits:
