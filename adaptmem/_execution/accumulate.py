@@ -34,7 +34,7 @@ snapshot's reach.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -169,7 +169,7 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-def microbatches(batchsize: int, *tensors: torch.Tensor,
+def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
                  dim: int = 0) -> Iterator[tuple[Any, ...]]:
     """Split ``tensors`` into micro-batches of ``batchsize``, each with its share of the
     whole: yields ``(slice_1, ..., slice_n, weight)`` with ``weight = len(slice) /
@@ -177,18 +177,24 @@ def microbatches(batchsize: int, *tensors: torch.Tensor,
 
     Scale a mean-reduced loss by ``weight`` and the gradients summed over the micro-batches
     equal the full batch's (up to floating-point summation order). Slices are views along
-    ``dim``; the last micro-batch may be smaller.
+    ``dim``; the last micro-batch may be smaller. An argument may also be a dict of tensors
+    (a tokenizer's output, a Hugging Face batch): each micro-batch gets a dict of the same
+    keys, every tensor sliced, other values passed as they are. The weight counts samples:
+    a loss averaged over tokens (a language model's, with padding) needs each micro-batch's
+    token count over the whole's instead.
 
     Args:
         batchsize: the micro-batch size (what ``@adaptive.batch`` passes), 1 or more.
-        *tensors: one or more tensors of the same length along ``dim``.
+        *tensors: one or more tensors, or dicts of them, all of the same length along
+            ``dim``.
         dim: the batch dimension (default 0; negative counts from the end).
 
     Returns:
         An iterator of tuples: the slices in the order given, then the weight (a float).
 
     Raises:
-        TypeError: no tensors, a non-tensor, or a batch size that is not an int.
+        TypeError: no tensors, something that is no tensor or dict of them, or a batch size
+            that is not an int.
         ValueError: a batch size below 1, or tensors whose lengths along ``dim`` differ.
 
     Example:
@@ -197,6 +203,9 @@ def microbatches(batchsize: int, *tensors: torch.Tensor,
         >>> x, y = torch.arange(5.0), torch.arange(5)
         >>> [(a.tolist(), b.tolist(), w) for a, b, w in adaptive.microbatches(2, x, y)]
         [([0.0, 1.0], [0, 1], 0.4), ([2.0, 3.0], [2, 3], 0.4), ([4.0], [4], 0.2)]
+        >>> batch = {"input_ids": torch.ones(3, 4), "labels": torch.zeros(3)}
+        >>> [(len(b["input_ids"]), w) for b, w in adaptive.microbatches(2, batch)]
+        [(2, 0.6666666666666666), (1, 0.3333333333333333)]
     """
     if isinstance(batchsize, bool) or not isinstance(batchsize, int):
         raise TypeError(f"microbatches takes the batch size first, an int; got "
@@ -206,25 +215,40 @@ def microbatches(batchsize: int, *tensors: torch.Tensor,
     if not tensors:
         raise TypeError("microbatches needs one or more tensors to split: "
                         "microbatches(batchsize, inputs, targets)")
-    lengths = []
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"microbatches splits tensors; argument {i + 1} is "
-                            f"{type(t).__name__} {t!r:.80}")
-        if not -t.dim() <= dim < t.dim():
-            raise ValueError(f"dim={dim} is out of range for argument {i + 1} of shape "
-                             f"{tuple(t.shape)}")
-        lengths.append(t.shape[dim])
-    if len(set(lengths)) > 1:
+    lengths: dict[str, int] = {}
+    for i, arg in enumerate(tensors):
+        where = f"argument {i + 1}"
+        if isinstance(arg, Mapping):
+            found = {f"{where}[{k!r}]": t for k, t in arg.items() if isinstance(t, torch.Tensor)}
+            if not found:
+                raise TypeError(f"microbatches splits tensors; {where} is a "
+                                f"{type(arg).__name__} that holds none")
+        elif isinstance(arg, torch.Tensor):
+            found = {where: arg}
+        else:
+            raise TypeError(f"microbatches splits tensors or dicts of them; {where} is "
+                            f"{type(arg).__name__} {arg!r:.80}")
+        for name, t in found.items():
+            if not -t.dim() <= dim < t.dim():
+                raise ValueError(f"dim={dim} is out of range for {name} of shape "
+                                 f"{tuple(t.shape)}")
+            lengths[name] = t.shape[dim]
+    if len(set(lengths.values())) > 1:
         raise ValueError(
             f"microbatches needs tensors of the same length along dim={dim} (the batch "
-            f"dimension), got lengths {lengths}"
+            f"dimension), got {', '.join(f'{n}: {k}' for n, k in lengths.items())}"
         )
-    return _split(batchsize, tensors, dim, lengths[0])
+    return _split(batchsize, tensors, dim, next(iter(lengths.values())))
 
 
-def _split(batchsize: int, tensors: tuple[torch.Tensor, ...], dim: int,
+def _split(batchsize: int, args: tuple[Any, ...], dim: int,
            total: int) -> Iterator[tuple[Any, ...]]:
+    def piece(arg: Any, start: int, n: int) -> Any:
+        if isinstance(arg, torch.Tensor):
+            return arg.narrow(dim, start, n)
+        return {k: v.narrow(dim, start, n) if isinstance(v, torch.Tensor) else v
+                for k, v in arg.items()}
+
     for start in range(0, total, batchsize):
         n = min(batchsize, total - start)
-        yield (*(t.narrow(dim, start, n) for t in tensors), n / total)
+        yield (*(piece(a, start, n) for a in args), n / total)

@@ -321,6 +321,12 @@ def test_microbatches_split_every_tensor_and_weigh_each_piece() -> None:
     assert torch.equal(torch.cat([p[1] for p in pieces]), y)
     along = list(adaptive.microbatches(3, x.t(), dim=-1))
     assert [tuple(p[0].shape) for p in along] == [(2, 3), (2, 2)]
+    batch = {"input_ids": x, "labels": y, "return_dict": True}
+    dicts = list(adaptive.microbatches(2, batch))
+    assert [sorted(d) for d, _ in dicts] == [["input_ids", "labels", "return_dict"]] * 3
+    assert torch.equal(torch.cat([d["labels"] for d, _ in dicts]), y)
+    assert all(d["return_dict"] is True for d, _ in dicts)
+    assert [w for _, w in dicts] == [0.4, 0.4, 0.2]
 
 
 @pytest.mark.parametrize("args, error, words", [
@@ -328,7 +334,10 @@ def test_microbatches_split_every_tensor_and_weigh_each_piece() -> None:
     ((2.0, torch.ones(3)), TypeError, "an int"),
     ((2,), TypeError, "one or more tensors"),
     ((2, [1, 2]), TypeError, "argument 1 is list"),
-    ((2, torch.ones(3), torch.ones(4)), ValueError, r"lengths \[3, 4\]"),
+    ((2, {"mask": None}), TypeError, "argument 1 is a dict that holds none"),
+    ((2, torch.ones(3), torch.ones(4)), ValueError, "argument 1: 3, argument 2: 4"),
+    ((2, {"ids": torch.ones(3), "y": torch.ones(2)}), ValueError,
+     r"argument 1\['ids'\]: 3, argument 1\['y'\]: 2"),
 ])
 def test_microbatches_refuses_bad_input(args: tuple[Any, ...], error: type,
                                         words: str) -> None:
