@@ -23,6 +23,7 @@ def _sections(prefix: str) -> list[str]:
 
 
 def test_a_pager_a_chunker_and_a_load_appear_while_they_live(tmp_path: Path) -> None:
+    gc.collect()  # sources other tests left are numbered first: see what is new
     before = {p: _sections(p) for p in ("pager", "chunker", "load")}
     checkpoint = tmp_path / "weights.pt"
     torch.save(_model().state_dict(), checkpoint)
@@ -37,20 +38,21 @@ def test_a_pager_a_chunker_and_a_load_appear_while_they_live(tmp_path: Path) -> 
                            checkpoint)
 
     stats = adaptive.memory_stats()  # nothing passed
-    new = [n for p in before for n in _sections(p) if n not in before[p]]
-    assert "pager (Sequential)" in new and "chunker (Sequential)" in new
-    assert "load (weights.pt)" in new
-    assert stats["pager (Sequential)"] == pager.stats.as_dict()
-    assert stats["pager (Sequential)"]["forwards"] == 1
-    assert stats["chunker (Sequential)"] == chunker.stats.as_dict()
-    assert stats["load (weights.pt)"]["tensors"] == 4
+    new = {p: [n for n in _sections(p) if n not in before[p]] for p in before}
+    [paged_at], [chunked_at], [loaded_at] = new["pager"], new["chunker"], new["load"]
+    assert paged_at.endswith(" (Sequential)") and chunked_at.endswith(" (Sequential)")
+    assert loaded_at.startswith("load") and loaded_at.endswith(" (weights.pt)")
+    assert stats[paged_at] == pager.stats.as_dict()
+    assert stats[paged_at]["forwards"] == 1
+    assert stats[chunked_at] == chunker.stats.as_dict()
+    assert stats[loaded_at]["tensors"] == 4
     # The section shows the live counters: a later forward counts in a later snapshot.
     paged(torch.randn(2, 16))
-    assert adaptive.memory_stats()["pager (Sequential)"]["forwards"] == 2
+    assert adaptive.memory_stats()[paged_at]["forwards"] == 2
 
     text = str(stats)
-    assert "  pager (Sequential):\n" in text and "    forwards" in text
-    assert "  load (weights.pt):\n" in text and "bytes_read" in text and "KiB" in text
+    assert f"  {paged_at}:\n" in text and "    forwards" in text
+    assert f"  {loaded_at}:\n" in text and "bytes_read" in text and "KiB" in text
     assert "      cpu                  1.3 KiB" in text  # the load's 1360 bytes by device
 
     pager.remove()
@@ -59,7 +61,7 @@ def test_a_pager_a_chunker_and_a_load_appear_while_they_live(tmp_path: Path) -> 
     gc.collect()
     after = adaptive.memory_stats()
     assert {p: _sections(p) for p in ("pager", "chunker", "load")} == before
-    assert not any(n in after for n in new)
+    assert not any(n in after for names in new.values() for n in names)
 
 
 def test_sources_of_the_same_kind_are_numbered_and_any_as_dict_source_is_shown() -> None:
