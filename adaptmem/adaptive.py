@@ -3,6 +3,7 @@
 from . import cpu_memory
 from ._common.errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
 from ._common.oom import is_oom
+from ._execution.accumulate import microbatches
 from ._execution.cache import (
     BatchsizeCache,
     GlobalBatchsizeCache,
@@ -43,6 +44,7 @@ __all__ = [
     "is_oom",
     "load",
     "memory_stats",
+    "microbatches",
     "page",
     "plan",
     "range",

@@ -14,6 +14,7 @@ import torch
 
 from .._common.devices import resolve_device
 from .._common.oom import shrinks_size
+from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .cache import BatchsizeCache, check_cache, resolve_cache
 from .lazy import retry_lazy
 from .retry import LAZY_TYPES, log_probe, run_range, run_sized
@@ -161,6 +162,13 @@ class _Batch(_Adaptive):
 
     accepts_lazy = True
 
+    def __init__(self, func: Any, initial: int, floor: int, cache: Any, context: Any,
+                 device: Any, accumulation: Accumulation | None) -> None:
+        if accumulation is not None:
+            accumulation.refuse_lazy(func)
+        self._accumulation = accumulation
+        super().__init__(func, initial, floor, cache, context, device)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
@@ -175,6 +183,9 @@ class _Batch(_Adaptive):
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
+        if self._accumulation is not None:
+            # See [Note: a retried training step counts its gradients once].
+            func = self._accumulation.guard(func)
         size = record.next_size(self.initial, self.floor, self._probes)
         if record.fits is not None and size > record.fits:
             log_probe(record, size, self._name, "batchsize")
@@ -413,6 +424,7 @@ def batch(
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    accumulate: Any = None,
 ) -> Any:
     """Retry ``func`` with a smaller batch size when it runs out of memory.
 
@@ -439,13 +451,20 @@ def batch(
         context: any hashable; calls with different contexts learn sizes separately.
         device: the device whose free memory keys the cache and whose cache is emptied
             between attempts (default: the current accelerator, else the CPU).
+        accumulate: for a training step that accumulates gradients over micro-batches of
+            the size it is given (``adaptive.microbatches``): the model (or its parameters).
+            Every ``.grad`` (and with a model, every buffer) is put back as it was when the
+            call started whenever an attempt raises, so a retry counts no sample twice and
+            the step's gradients do not depend on the size that fitted (see
+            docs/spilling.md, "Gradient accumulation"). Not for generator or async functions.
 
     Returns:
         The decorated function; calling it returns ``func``'s result.
 
     Raises:
-        TypeError / ValueError: at decoration, for a missing or non-positive size or
-            ``min_batchsize > initial_batchsize``; at call, if the caller passes the batch size.
+        TypeError / ValueError: at decoration, for a missing or non-positive size,
+            ``min_batchsize > initial_batchsize``, or an ``accumulate`` that is no module or
+            parameters; at call, if the caller passes the batch size.
         adaptmem.OutOfMemoryError: memory ran out at ``min_batchsize`` (or in a generator
             after its first item); it is also an instance of the original error's type
             (``torch.OutOfMemoryError``, ``MemoryError``, ...), so an outer decorated
@@ -460,8 +479,9 @@ def batch(
         >>> int(total(torch.ones(100)))
         100
     """
+    accumulation = check_accumulate(accumulate, "adaptive.batch")
     return _factory(_Batch, func, initial_batchsize, min_batchsize, cache, context, device,
-                    ("initial_batchsize", "min_batchsize"), {})
+                    ("initial_batchsize", "min_batchsize"), {"accumulation": accumulation})
 
 
 def range(  # noqa: A001 - the public name mirrors the builtin it adapts
@@ -472,6 +492,7 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    accumulate: None = None,
 ) -> Any:
     """Call ``func(s, e, *args)`` over ``[start, end)`` in steps that shrink on OOM.
 
@@ -490,6 +511,7 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
         >>> spans(0, 10)
         [(0, 4), (4, 8), (8, 10)]
     """
+    refuse_accumulate(accumulate, "range")
     return _factory(_Range, func, initial_step, min_step, cache, context, device,
                     ("initial_step", "min_step"), {})
 
@@ -504,6 +526,7 @@ def chunked(
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    accumulate: None = None,
 ) -> Any:
     """Call ``func(chunk, start, end, *args)`` on slices of a tensor along ``dimension``.
 
@@ -548,6 +571,7 @@ def chunked(
         >>> squares(torch.arange(5.0)).tolist()
         [0.0, 1.0, 4.0, 9.0, 16.0]
     """
+    refuse_accumulate(accumulate, "chunked")
     if isinstance(dimension, bool) or not isinstance(dimension, int):
         raise TypeError(f"dimension must be an int (negative counts from the end), "
                         f"got {type(dimension).__name__} {dimension!r}")
