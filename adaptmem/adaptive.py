@@ -1,7 +1,13 @@
 """The namespace users import: ``from adaptmem import adaptive``. Re-exports only."""
 
 from . import cpu_memory
-from ._common.errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._common.errors import (
+    AdaptmemError,
+    LoadError,
+    OutOfMemoryError,
+    PlacementError,
+    RankError,
+)
 from ._common.oom import is_oom
 from ._execution.cache import (
     BatchsizeCache,
@@ -13,6 +19,7 @@ from ._execution.cache import (
 )
 from ._execution.decorators import batch, chunked, execute, explicit
 from ._execution.decorators import range as range  # noqa: A004 - mirrors toma's name
+from ._execution.stats import Adaptation, CallStats
 from ._loading.loader import empty_model, load
 from ._paging.api import Pager, page
 from ._placement import Chunker, Splitter, chunk, split
@@ -20,8 +27,10 @@ from ._planning import Plan, plan
 from ._spilling import memory_stats, spill
 
 __all__ = [
+    "Adaptation",
     "AdaptmemError",
     "BatchsizeCache",
+    "CallStats",
     "Chunker",
     "GlobalBatchsizeCache",
     "LoadError",
@@ -30,6 +39,7 @@ __all__ = [
     "Pager",
     "Plan",
     "PlacementError",
+    "RankError",
     "Splitter",
     "StacktraceMemoryBatchsizeCache",
     "batch",
