@@ -430,6 +430,11 @@ class _BoundAdaptive:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
 
+    @property
+    def stats(self) -> CallStats:
+        """The decorated function's statistics (shared by every instance)."""
+        return self._adaptive.stats
+
     # What inspect.iscoroutinefunction (3.12+) and asyncio.iscoroutinefunction look for.
     @property
     def _is_coroutine_marker(self) -> Any:

@@ -39,6 +39,17 @@ def test_stats_count_calls_attempts_failures_and_sizes() -> None:
     assert stats.as_dict()["calls"] == 0 and stats.last_size is None
 
 
+def test_a_decorated_method_shows_its_stats_through_an_instance() -> None:
+    class Model:
+        @adaptive.batch(initial_batchsize=4)
+        def infer(self, batchsize: int) -> int:
+            return batchsize
+
+    model = Model()
+    model.infer()
+    assert model.infer.stats is Model.infer.stats and model.infer.stats.calls == 1
+
+
 def test_a_failure_at_a_size_that_fitted_before_is_counted_untimed() -> None:
     ceiling = MemoryCeiling(64)
 
