@@ -214,6 +214,11 @@ class _Batch(_Adaptive):
 
     accepts_lazy = True
 
+    def __init__(self, *args: Any, **options: Any) -> None:
+        super().__init__(*args, **options)
+        if self.group is not None:  # the success path of _run need not ask
+            self._run = self._run_grouped  # type: ignore[method-assign]
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
@@ -225,8 +230,6 @@ class _Batch(_Adaptive):
         limit = self._limit
         if (limit is not None and len(args) > limit) or (kwargs and self._injected in kwargs):
             self._check_call(args, kwargs)
-        if self.group is not None:
-            return self._run_grouped(caller, args, kwargs, bound)
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
@@ -274,6 +277,7 @@ class _Batch(_Adaptive):
     def _run_grouped(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                      bound: tuple[Any, ...]) -> Any:
         # See [Note: ranks in step] in ranks.py.
+        self._check_call(args, kwargs)
         ranks = self._ranks()
         cache, record = self._record(caller)
         func = self._func

@@ -59,6 +59,22 @@ def ranges(rank: int, seen: dict[str, Any]) -> None:
                       "attempts": list(ceiling.attempts)}
 
 
+def subgroup(rank: int, seen: dict[str, Any]) -> None:
+    """A group of ranks 1 and 2 only: they agree between themselves, the others never call."""
+    sub = dist.new_group([1, 2])  # every rank creates it, as torch asks
+    if rank not in (1, 2):
+        seen["subgroup"] = None
+        return
+    ceiling = MemoryCeiling(CEILINGS[rank])
+
+    @adaptive.batch(initial_batchsize=64, group=sub, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    seen["subgroup"] = {"result": infer(), "attempts": list(ceiling.attempts)}
+
+
 def raises(rank: int, world: int, seen: dict[str, Any]) -> None:
     """The last rank raises a ValueError: every rank gets a clear error naming it."""
 
@@ -124,6 +140,8 @@ def main() -> None:
         ceilings(rank, seen)
     if "ranges" in scenarios:
         ranges(rank, seen)
+    if "subgroup" in scenarios:
+        subgroup(rank, seen)
     if "raises" in scenarios:
         raises(rank, world, seen)
     if "dies" in scenarios:

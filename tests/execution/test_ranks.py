@@ -56,7 +56,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(4, "ceilings,raises", tmp_path_factory.mktemp("four"))
+    return _launch(4, "ceilings,subgroup,raises", tmp_path_factory.mktemp("four"))
 
 
 @pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
@@ -93,6 +93,12 @@ def test_ranges_of_different_lengths_agree_on_every_step(
     # While both have work, both attempt the same sizes.
     both = len(shorter["attempts"]) - 1
     assert shorter["attempts"][:both] == longer["attempts"][:both]
+
+
+def test_a_subgroup_agrees_among_its_own_ranks(four_ranks: list[dict[str, Any]]) -> None:
+    seen = [s["subgroup"] for s in four_ranks]
+    assert seen[0] is None and seen[3] is None
+    assert seen[1] == seen[2] == {"result": 16, "attempts": [64, 32, 16]}  # 16 fits rank 1
 
 
 @pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
