@@ -7,6 +7,7 @@ in turn over one gloo group and writes what it saw to ``OUT.RANK.json``.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from adaptmem import adaptive
+from adaptmem._execution import progress
 from adaptmem.testing import MemoryCeiling
 
 CEILINGS = [64, 16, 40, 24]  # rank r fits CEILINGS[r] items
@@ -57,6 +59,31 @@ def ranges(rank: int, seen: dict[str, Any]) -> None:
     end = 100 + 37 * rank
     seen["ranges"] = {"end": end, "results": fill(0, end), "spans": spans,
                       "attempts": list(ceiling.attempts)}
+
+
+def chunks(rank: int, seen: dict[str, Any]) -> None:
+    """chunked(output="new") over tensors of different lengths, with progress on rank 0."""
+    ceiling = MemoryCeiling(CEILINGS[rank])
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("adaptmem")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    progress.load_tqdm = lambda: None  # the logger's lines are what this test reads
+
+    @adaptive.chunked(initial_step=64, output="new", group="world", progress=True,
+                      cache=adaptive.NoBatchsizeCache)
+    def double(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        ceiling.require(end - start)
+        return chunk * 2
+
+    data = torch.arange(50.0 + 30 * rank)
+    out = double(data)
+    logger.removeHandler(handler)
+    seen["chunks"] = {"right": bool(torch.equal(out, data * 2)),
+                      "attempts": list(ceiling.attempts),
+                      "progress": [line for line in lines if "items" in line]}
 
 
 def subgroup(rank: int, seen: dict[str, Any]) -> None:
@@ -140,6 +167,8 @@ def main() -> None:
         ceilings(rank, seen)
     if "ranges" in scenarios:
         ranges(rank, seen)
+    if "chunks" in scenarios:
+        chunks(rank, seen)
     if "subgroup" in scenarios:
         subgroup(rank, seen)
     if "raises" in scenarios:

@@ -51,7 +51,7 @@ def _launch(world: int, scenarios: str, tmp: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(2, "ceilings,ranges,raises,dies", tmp_path_factory.mktemp("two"))
+    return _launch(2, "ceilings,ranges,chunks,raises,dies", tmp_path_factory.mktemp("two"))
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,16 @@ def test_ranges_of_different_lengths_agree_on_every_step(
     # While both have work, both attempt the same sizes.
     both = len(shorter["attempts"]) - 1
     assert shorter["attempts"][:both] == longer["attempts"][:both]
+
+
+def test_chunked_with_a_group_writes_every_result_and_shows_progress_on_rank_0(
+        two_ranks: list[dict[str, Any]]) -> None:
+    first, second = (s["chunks"] for s in two_ranks)
+    assert first["right"] and second["right"]
+    # Agreed steps 64, 32, 16: rank 0 has only 50 items, so its first span is 50.
+    assert first["attempts"][:3] == [50, 32, 16] and second["attempts"][:3] == [64, 32, 16]
+    assert first["progress"][-1].endswith(": 50/50 items (100%), step=16, 2 retries")
+    assert second["progress"] == []  # one bar per group: rank 0's
 
 
 def test_a_subgroup_agrees_among_its_own_ranks(four_ranks: list[dict[str, Any]]) -> None:
