@@ -111,10 +111,15 @@ class Ranks:
     def outcomes(self, status: int, size: int, name: str) -> list[tuple[int, int]]:
         """Every rank's (status, size) of the attempt just made, by group rank."""
         dist = _dist()
-        mine = torch.tensor([status, size], dtype=torch.int64)
-        every = [torch.empty(2, dtype=torch.int64) for _ in self.members]
-        self._run(name, "outcome", lambda: dist.all_gather(every, mine, group=self.group))
-        return [(int(t[0]), int(t[1])) for t in every]
+        # One all_reduce of a vector where each rank fills its own slots: cheaper over gloo
+        # than an all_gather into a list of tensors.
+        n = len(self.members)
+        every = torch.zeros(2 * n, dtype=torch.int64)
+        every[self.group_rank] = status
+        every[n + self.group_rank] = size
+        self._run(name, "outcome", lambda: dist.all_reduce(every, group=self.group))
+        values = every.tolist()
+        return list(zip(values[:n], values[n:], strict=True))
 
     def errors(self, error: BaseException | None, name: str) -> list[tuple[str, str] | None]:
         """Every rank's error as (type name, message), None for ranks without one."""
