@@ -307,7 +307,7 @@ def run_range_grouped(
         if all(s == OK for s, _ in outcomes):
             if at < end:
                 record.after_success(span)
-                if span != stats.last_size:
+                if span == agreed:  # not a last step shorter than the others
                     stats.saw(span)
                 if deliver is None:
                     results.append(result)

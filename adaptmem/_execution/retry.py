@@ -59,6 +59,7 @@ def run_sized(
     failure: BaseException | None = None,
     watch: Watch | None = None,
     started: float | None = None,
+    counts_size: bool = True,
 ) -> tuple[T, int]:
     """Call ``attempt(size)``; on an out-of-memory error in compute, shrink and call again.
 
@@ -69,7 +70,8 @@ def run_sized(
     adaptmem's OutOfMemoryError, which is also an instance of the original error's type.
     ``failure`` is the OOM of a first attempt at ``size`` the caller already made, begun at
     ``time.perf_counter()`` ``started`` (None: not timed). ``watch`` counts attempts and
-    reports adaptations (see [Note: cheap counting] in ``stats``).
+    reports adaptations (see [Note: cheap counting] in ``stats``); ``counts_size=False``
+    leaves the size out of its sizes (``run_range`` counts its own).
     """
     tried: list[int] = []
     first = size
@@ -89,7 +91,7 @@ def run_sized(
                 # A generator or coroutine has not run yet: its wrapper records the outcome.
                 if result.__class__ not in LAZY_TYPES:
                     record.after_success(size)
-                if stats is not None and size != stats.last_size:
+                if stats is not None and counts_size and size != stats.last_size:
                     stats.saw(size)
                 if tried:
                     logger.info("%s: %s=%d fits (after %s ran out of memory)",
@@ -192,8 +194,11 @@ def run_range(
         result, used = run_sized(
             attempt, span, record,
             floor=min(floor, span), name=name, what="step", device=device, cache=cache,
-            watch=watch,
+            watch=watch, counts_size=False,
         )
+        # A last step shorter than the step (what was left) says nothing about sizes.
+        if watch is not None and (used < span or span == step):
+            watch.stats.saw(used)
         if result.__class__ in LAZY_TYPES:
             _refuse_lazy_step(result, name)
         if deliver is None:

@@ -42,7 +42,8 @@ class CallStats:
         untimed_failures: failed attempts at a size that had fitted before, whose time is
             not measured so that the success path stays cheap (see [Note: cheap counting]).
         last_size, smallest_size, largest_size: sizes of attempts that succeeded (None
-            before the first).
+            before the first), leaving out the last step of a range that was shorter
+            because that was all that was left.
 
     Example:
         >>> from adaptmem import adaptive

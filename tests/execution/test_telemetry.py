@@ -75,8 +75,26 @@ def test_range_stats_count_every_step() -> None:
     assert fill(0, 10) == [4, 4, 2]
     stats = fill.stats
     assert (stats.calls, stats.attempts, stats.failed_attempts, stats.retries) == (1, 4, 1, 1)
+    assert (stats.smallest_size, stats.largest_size) == (4, 4)  # not the 2 left at the end
     fill(0, 0)  # an empty range makes no attempt
     assert (stats.calls, stats.attempts) == (2, 4)
+
+
+def test_a_generator_counts_its_failed_attempts_and_reports_them() -> None:
+    ceiling = MemoryCeiling(8)
+    events: list[adaptive.Adaptation] = []
+
+    @adaptive.batch(initial_batchsize=32, cache=adaptive.GlobalBatchsizeCache,
+                    on_adapt=events.append)
+    def stream(batchsize: int) -> Any:
+        ceiling.require(batchsize)
+        yield batchsize
+
+    assert list(stream()) == [8]
+    stats = stream.stats
+    assert (stats.calls, stats.attempts, stats.failed_attempts, stats.retries) == (1, 3, 2, 2)
+    assert stats.last_size == 8
+    assert [e.kind for e in events] == ["shrink", "shrink", "fits"]
 
 
 def test_stats_are_registered_for_memory_stats() -> None:
