@@ -8,6 +8,8 @@ after it, on the outcome (each rank's status and size). Any rank out of memory: 
 drops its result, every record learns that size failed, and all retry smaller, together.
 Any rank raising something else: it still takes part in the outcome exchange, then re-raises
 its own error, while the others raise ``RankError`` naming it, its error's type and message.
+An error after the outcome exchange (``chunked(output=...)`` refusing a result of the wrong
+shape) reaches the others at the next size exchange, where its rank proposes ``ABORT``.
 The exchanges go over a gloo group on the CPU, made once per group and timeout over the same
 ranks, so they cannot run out of device memory and do not queue behind the job's NCCL work;
 a rank that died or stopped calling surfaces as ``RankError`` after ``group_timeout``
@@ -42,6 +44,7 @@ T = TypeVar("T")
 # Outcomes of one attempt on one rank, as exchanged.
 OK, OOM, GAVE_UP, ERROR = 0, 1, 2, 3
 IDLE_STEP = 1 << 62  # what a rank whose range is done proposes: larger than any step
+ABORT = -1  # what a rank proposes after an error past the outcome exchange: smaller than any
 
 
 def _dist() -> Any:
@@ -190,6 +193,22 @@ def _carried(problem: BaseException | None) -> BaseException:
     return problem
 
 
+def _raise_together(ranks: Ranks, problem: BaseException | None, name: str) -> None:
+    """Every rank raises: the ranks that hold an error re-raise it, the others raise a
+    RankError naming the first of them."""
+    described = ranks.errors(problem, name)
+    if problem is not None:
+        raise problem
+    bad = next(i for i, d in enumerate(described) if d is not None)
+    kind, text = described[bad] or ("an error", "")
+    raise RankError(
+        f"{name}: rank {ranks.members[bad]} raised {kind}: {text}. Every rank of the group "
+        f"stops with it (they run the same sizes together); rank {ranks.members[bad]} "
+        f"raised the original, with its traceback",
+        ranks.members[bad], kind, text,
+    )
+
+
 def _settle(outcomes: list[tuple[int, int]], status: int, problem: BaseException | None,
             size: int, tried: list[int], record: SizeRecord, ranks: Ranks, *, floor: int,
             name: str, what: str, device: torch.device | None, cache: BatchsizeCache,
@@ -198,17 +217,7 @@ def _settle(outcomes: list[tuple[int, int]], status: int, problem: BaseException
     See [Note: ranks in step]."""
     statuses = [s for s, _ in outcomes]
     if ERROR in statuses:
-        described = ranks.errors(problem if status == ERROR else None, name)
-        if status == ERROR:
-            raise _carried(problem)
-        bad = statuses.index(ERROR)
-        kind, text = described[bad] or ("an error", "")
-        raise RankError(
-            f"{name}: rank {ranks.members[bad]} raised {kind}: {text}. Every rank of the "
-            f"group stops with it (they run the same sizes together); rank "
-            f"{ranks.members[bad]} raised the original, with its traceback",
-            ranks.members[bad], kind, text,
-        )
+        _raise_together(ranks, problem if status == ERROR else None, name)
     failed = next(i for i, s in enumerate(statuses) if s in (OOM, GAVE_UP))
     failed_rank = ranks.members[failed]
     if GAVE_UP in statuses:
@@ -289,8 +298,12 @@ def run_range_grouped(
     stats.range_started()
     position = start
     tried: list[int] = []
+    late: BaseException | None = None  # raised by deliver, after the outcome exchange
     while True:
-        agreed = ranks.agree(step if position < end else IDLE_STEP, name)
+        agreed = ranks.agree(
+            ABORT if late is not None else step if position < end else IDLE_STEP, name)
+        if agreed == ABORT:
+            _raise_together(ranks, late, name)
         if agreed == IDLE_STEP:
             return results
         at = position
@@ -312,7 +325,11 @@ def run_range_grouped(
                 if deliver is None:
                     results.append(result)
                 else:
-                    deliver(at, at + span, result)
+                    try:
+                        deliver(at, at + span, result)
+                    except Exception as exc:  # the others hear of it at the next exchange
+                        late = exc
+                        continue
                 position += span
                 if progress is not None:
                     progress.advance(span, agreed)

@@ -86,6 +86,24 @@ def chunks(rank: int, seen: dict[str, Any]) -> None:
                       "progress": [line for line in lines if "items" in line]}
 
 
+def late(rank: int, seen: dict[str, Any]) -> None:
+    """Rank 1 returns a result of the wrong shape: chunked refuses it after the outcome
+    exchange, and the other ranks hear of it at the next one."""
+
+    @adaptive.chunked(initial_step=4, output="new", group="world")
+    def halve(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return chunk[:1] if rank == 1 and start >= 4 else chunk / 2
+
+    try:
+        halve(torch.ones(12))
+    except adaptive.RankError as exc:
+        seen["late"] = {"type": "RankError", "rank": exc.rank, "error_type": exc.error_type}
+    except ValueError as exc:
+        seen["late"] = {"type": "ValueError", "message": str(exc)}
+    else:
+        seen["late"] = {"type": None}
+
+
 def subgroup(rank: int, seen: dict[str, Any]) -> None:
     """A group of ranks 1 and 2 only: they agree between themselves, the others never call."""
     sub = dist.new_group([1, 2])  # every rank creates it, as torch asks
@@ -169,6 +187,8 @@ def main() -> None:
         ranges(rank, seen)
     if "chunks" in scenarios:
         chunks(rank, seen)
+    if "late" in scenarios:
+        late(rank, seen)
     if "subgroup" in scenarios:
         subgroup(rank, seen)
     if "raises" in scenarios:

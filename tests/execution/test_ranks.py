@@ -51,7 +51,7 @@ def _launch(world: int, scenarios: str, tmp: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(2, "ceilings,ranges,chunks,raises,dies", tmp_path_factory.mktemp("two"))
+    return _launch(2, "ceilings,ranges,chunks,late,raises,dies", tmp_path_factory.mktemp("two"))
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,13 @@ def test_chunked_with_a_group_writes_every_result_and_shows_progress_on_rank_0(
     assert first["attempts"][:3] == [50, 32, 16] and second["attempts"][:3] == [64, 32, 16]
     assert first["progress"][-1].endswith(": 50/50 items (100%), step=16, 2 retries")
     assert second["progress"] == []  # one bar per group: rank 0's
+
+
+def test_an_error_after_the_outcome_exchange_reaches_every_rank(
+        two_ranks: list[dict[str, Any]]) -> None:
+    first, second = (s["late"] for s in two_ranks)
+    assert second["type"] == "ValueError" and "shape" in second["message"]
+    assert first == {"type": "RankError", "rank": 1, "error_type": "ValueError"}
 
 
 def test_a_subgroup_agrees_among_its_own_ranks(four_ranks: list[dict[str, Any]]) -> None:
