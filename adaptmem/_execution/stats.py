@@ -130,12 +130,18 @@ class CallStats:
         sizes = "none succeeded yet" if self.last_size is None else (
             f"last {self.last_size}, {self.smallest_size}..{self.largest_size}")
         untimed = f", {self.untimed_failures} untimed" if self.untimed_failures else ""
-        return (f"{self.kind} {self.name}: {self.calls} calls, {self.attempts} attempts "
-                f"({self.failed_attempts} failed, {self.seconds_lost:.3g} s lost{untimed}), "
-                f"{self.retries} retries; {self.what} {sizes}")
+        return (f"{self.kind} {self.name}: {_count(self.calls, 'call')}, "
+                f"{_count(self.attempts, 'attempt')} ({self.failed_attempts} failed, "
+                f"{self.seconds_lost:.3g} s lost{untimed}), {_count(self.retries, 'retry')}; "
+                f"{self.what} {sizes}")
 
     def __repr__(self) -> str:
         return f"CallStats({self.as_dict()})"
+
+
+def _count(n: int, word: str) -> str:
+    plural = word[:-1] + "ies" if word.endswith("y") else word + "s"
+    return f"{n} {word if n == 1 else plural}"
 
 
 @dataclass(frozen=True)
