@@ -25,6 +25,8 @@ from .stats import Adaptation, CallStats, Watch
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 
+_clock = time.perf_counter  # bound once: read on every call whose size may fail
+
 
 def _check_size(value: Any, name: str, example: str) -> int:
     if value is None:
@@ -241,7 +243,7 @@ class _Batch(_Adaptive):
         if fits is None or size > fits:  # it may fail: time it (see [Note: cheap counting])
             if fits is not None:
                 log_probe(record, size, self._name, "batchsize", self._watch)
-            started = time.perf_counter()
+            started = _clock()
         # The success path: one attempt, no closure, no gc, no probing.
         try:
             result = func(*bound, size, *args, **kwargs)
