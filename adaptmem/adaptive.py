@@ -1,7 +1,13 @@
 """The namespace users import: ``from adaptmem import adaptive``. Re-exports only."""
 
 from . import cpu_memory
-from ._common.errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._common.errors import (
+    AdaptmemError,
+    LoadError,
+    OutOfMemoryError,
+    PlacementError,
+    RankError,
+)
 from ._common.oom import is_oom
 from ._execution.accumulate import microbatches
 from ._execution.cache import (
@@ -14,6 +20,7 @@ from ._execution.cache import (
 )
 from ._execution.decorators import batch, chunked, execute, explicit
 from ._execution.decorators import range as range  # noqa: A004 - mirrors toma's name
+from ._execution.stats import Adaptation, CallStats
 from ._loading.loader import empty_model, load
 from ._paging.api import Pager, page
 from ._placement import Chunker, Splitter, chunk, split
@@ -21,8 +28,10 @@ from ._planning import Plan, plan
 from ._spilling import memory_stats, spill
 
 __all__ = [
+    "Adaptation",
     "AdaptmemError",
     "BatchsizeCache",
+    "CallStats",
     "Chunker",
     "GlobalBatchsizeCache",
     "LoadError",
@@ -31,6 +40,7 @@ __all__ = [
     "Pager",
     "Plan",
     "PlacementError",
+    "RankError",
     "Splitter",
     "StacktraceMemoryBatchsizeCache",
     "batch",
