@@ -1,10 +1,17 @@
 """The namespace users import: ``from adaptmem import adaptive``. Re-exports only."""
 
 from . import cpu_memory
-from ._common.errors import AdaptmemError, LoadError, OutOfMemoryError, PlacementError
+from ._common.errors import (
+    AdaptmemError,
+    LoadError,
+    OutOfMemoryError,
+    PlacementError,
+    RankError,
+)
 from ._common.oom import is_oom
 from ._dispatch import batch, chunked
 from ._dispatch import range as range  # noqa: A004 - mirrors toma's name
+from ._execution.accumulate import microbatches
 from ._execution.cache import (
     BatchsizeCache,
     GlobalBatchsizeCache,
@@ -14,6 +21,7 @@ from ._execution.cache import (
     set_default_cache,
 )
 from ._execution.decorators import execute, explicit
+from ._execution.stats import Adaptation, CallStats
 from ._loading.loader import empty_model, load
 from ._paging.api import Pager, page
 from ._placement import Chunker, Splitter, chunk, split
@@ -21,8 +29,10 @@ from ._planning import Plan, plan
 from ._spilling import memory_stats, spill
 
 __all__ = [
+    "Adaptation",
     "AdaptmemError",
     "BatchsizeCache",
+    "CallStats",
     "Chunker",
     "GlobalBatchsizeCache",
     "LoadError",
@@ -31,6 +41,7 @@ __all__ = [
     "Pager",
     "Plan",
     "PlacementError",
+    "RankError",
     "Splitter",
     "StacktraceMemoryBatchsizeCache",
     "batch",
@@ -44,6 +55,7 @@ __all__ = [
     "is_oom",
     "load",
     "memory_stats",
+    "microbatches",
     "page",
     "plan",
     "range",

@@ -15,11 +15,12 @@ def test_the_top_level_exports_only_the_front_door() -> None:
 
 def test_the_adaptive_namespace_exports_the_designed_api() -> None:
     assert sorted(adaptive.__all__) == sorted([
-        "AdaptmemError", "BatchsizeCache", "Chunker", "GlobalBatchsizeCache", "LoadError",
-        "NoBatchsizeCache", "OutOfMemoryError", "Pager", "Plan", "PlacementError", "Splitter",
+        "Adaptation", "AdaptmemError", "BatchsizeCache", "CallStats", "Chunker",
+        "GlobalBatchsizeCache", "LoadError", "NoBatchsizeCache", "OutOfMemoryError", "Pager",
+        "Plan", "PlacementError", "RankError", "Splitter",
         "StacktraceMemoryBatchsizeCache", "batch", "chunk", "chunked", "cpu_memory",
         "empty_model", "execute", "explicit", "get_default_cache", "is_oom", "load",
-        "memory_stats", "page", "plan", "range", "set_default_cache", "spill", "split",
+        "memory_stats", "microbatches", "page", "plan", "range", "set_default_cache", "spill", "split",
     ])
     for name in adaptive.__all__:
         assert getattr(adaptive, name) is not None, name

@@ -12,6 +12,7 @@ __all__ = [
     "OutOfMemoryError",
     "PlacementError",
     "LoadError",
+    "RankError",
     "oom_error_for",
 ]
 
@@ -45,6 +46,23 @@ class PlacementError(AdaptmemError):
 
 class LoadError(AdaptmemError):
     """A checkpoint could not be read or does not match the model."""
+
+
+class RankError(AdaptmemError):
+    """Another rank of a ``group=`` call raised, or the ranks could not exchange in time.
+
+    ``rank`` is the global rank that raised (None when no rank answered for it: one died,
+    hung, or stopped calling the function); ``error_type`` and ``error_message`` are the
+    name and text of that rank's error (None if it gave none). The rank that raised gets
+    its own error, with its traceback, not this one.
+    """
+
+    def __init__(self, message: str, rank: int | None = None, error_type: str | None = None,
+                 error_message: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+        self.error_message = error_message
 
 
 _oom_types: dict[type[BaseException], type[OutOfMemoryError]] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import time
 import types
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -14,12 +15,19 @@ import torch
 
 from .._common.devices import resolve_device
 from .._common.oom import shrinks_size
+from .._common.reporting import report
+from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart
 from .cache import BatchsizeCache, check_cache, resolve_cache
 from .lazy import retry_lazy
+from .progress import Progress
+from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
 from .retry import LAZY_TYPES, log_probe, run_range, run_sized
+from .stats import Adaptation, CallStats, Watch
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
+
+_clock = time.perf_counter  # bound once: read on every call whose size may fail
 
 
 def _check_size(value: Any, name: str, example: str) -> int:
@@ -90,9 +98,13 @@ class _Adaptive:
     # range and chunked run their steps to completion; see [Note: lazy results] in lazy.py.
     accepts_lazy = False
 
+    what = "step"
+
     def __init__(
         self, func: Any, initial: int, floor: int, cache: Any, context: Any,
-        device: Any, auto_ceiling: int | None = None,
+        device: Any, group: Any = None, group_timeout: float = 1800.0,
+        on_adapt: Callable[..., Any] | None = None, progress: bool = False,
+        auto_ceiling: int | None = None,
     ) -> None:
         # Above @staticmethod / @classmethod: decorate the function, bind as they would.
         self._binding = "static" if isinstance(func, staticmethod) else (
@@ -126,11 +138,35 @@ class _Adaptive:
         self._injected, self._limit = _positional_limit(func, self.leading, self._self_first)
         if inspect.iscoroutinefunction(func):
             _mark_coroutine_function(self)
+        if group is not None and _is_lazy_function(func):
+            raise TypeError(
+                f"adaptive.{self.kind}(group=...) runs every rank's attempt in step and needs "
+                f"it to finish before the ranks compare outcomes; {self._name!r} is a "
+                f"generator or async function. Decorate a plain function, or leave group out"
+            )
+        self.group = group
+        self.group_timeout = group_timeout
+        self.progress = progress
+        # Counted on every call: see [Note: cheap counting] in stats.py.
+        self.stats = CallStats(self.kind, self._name, self.what)
+        self._watch = Watch(self.stats, on_adapt, self.device)
+        report(self, f"{self.kind} {self._name}", self.stats)
         # An "auto" initial size is decided at the first call (see [Note: starting where it
         # fits] in auto.py); until then ``initial`` is the ceiling.
         self._auto = (None if auto_ceiling is None else
                       AutoStart(self._name, floor, auto_ceiling, self.device))
         self._deciding = self._auto is not None
+
+    def _ranks(self) -> Ranks:
+        ranks = resolve_ranks(self.group, self.group_timeout, self._name)
+        self._watch.rank = ranks.rank
+        return ranks
+
+    def _progress(self, total: int, ranks: Ranks | None) -> Progress | None:
+        """A progress display for this call, if asked for (and on group rank 0 only)."""
+        if not self.progress or (ranks is not None and ranks.group_rank != 0):
+            return None
+        return Progress(self.stats, total, self.what)
 
     @property
     def prediction(self) -> Any:
@@ -179,6 +215,26 @@ class _Adaptive:
                 f"{self._injected!r} itself, so leave it out of the call"
             )
 
+    def _steps(self, body: Callable[[int, int], Any], start: int, end: int, record: Any,
+               cache: BatchsizeCache, ranks: Ranks | None,
+               deliver: Callable[[int, int, Any], None] | None = None,
+               probe: bool = False) -> list[Any]:
+        """Run ``body`` over ``[start, end)`` in steps: alone, or in step with ``ranks``."""
+        progress = self._progress(end - start, ranks)
+        try:
+            if ranks is not None:
+                return run_range_grouped(
+                    body, start, end, record, ranks, initial=self.initial, floor=self.floor,
+                    name=self._name, device=self.device, cache=cache, watch=self._watch,
+                    deliver=deliver, probe=probe, progress=progress)
+            return run_range(body, start, end, record, initial=self.initial, floor=self.floor,
+                             name=self._name, device=self.device, cache=cache,
+                             deliver=deliver, probe=probe, watch=self._watch,
+                             progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
+
     def _record(self, caller: Any) -> tuple[BatchsizeCache, Any]:
         cache = resolve_cache(self.cache)
         return cache, cache.record(self._key, self.context, self.device, caller)
@@ -186,8 +242,19 @@ class _Adaptive:
 
 class _Batch(_Adaptive):
     kind = "batch"
+    what = "batchsize"
 
     accepts_lazy = True
+
+    def __init__(self, func: Any, initial: int, floor: int, cache: Any, context: Any,
+                 device: Any, accumulation: Accumulation | None = None,
+                 **options: Any) -> None:
+        if accumulation is not None:
+            accumulation.refuse_lazy(func)
+        self._accumulation = accumulation
+        super().__init__(func, initial, floor, cache, context, device, **options)
+        if self.group is not None:  # the success path of _run need not ask
+            self._run = self._run_grouped  # type: ignore[method-assign]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
@@ -205,9 +272,18 @@ class _Batch(_Adaptive):
         func = self._func
         if self._deciding:
             self._decide(lambda s: func(*bound, s, *args, **kwargs))
+        if self._accumulation is not None:
+            # See [Note: a retried training step counts its gradients once].
+            func = self._accumulation.guard(func)
         size = record.next_size(self.initial, self.floor, self._probes)
-        if record.fits is not None and size > record.fits:
-            log_probe(record, size, self._name, "batchsize")
+        stats = self.stats
+        stats.calls += 1
+        fits = record.fits
+        started = None
+        if fits is None or size > fits:  # it may fail: time it (see [Note: cheap counting])
+            if fits is not None:
+                log_probe(record, size, self._name, "batchsize", self._watch)
+            started = _clock()
         # The success path: one attempt, no closure, no gc, no probing.
         try:
             result = func(*bound, size, *args, **kwargs)
@@ -219,10 +295,13 @@ class _Batch(_Adaptive):
             if result.__class__ in LAZY_TYPES:
                 return self._lazy(result, size, record, cache, bound, args, kwargs)
             record.after_success(size)
+            if size != stats.last_size:
+                stats.saw(size)
             return result
         result, size = run_sized(
             lambda s: func(*bound, s, *args, **kwargs), size, record, floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
+            watch=self._watch, started=started,
         )
         if result.__class__ in LAZY_TYPES:
             return self._lazy(result, size, record, cache, bound, args, kwargs)
@@ -235,7 +314,29 @@ class _Batch(_Adaptive):
             self._probes = False  # see [Note: probing a failed size] in cache.py
         func = self._func
         return retry_lazy(result, size, lambda s: func(*bound, s, *args, **kwargs), record,
-                          self.floor, self._name, self.device, cache)
+                          self.floor, self._name, self.device, cache, self._watch)
+
+    def _run_grouped(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     bound: tuple[Any, ...]) -> Any:
+        # See [Note: ranks in step] in ranks.py.
+        self._check_call(args, kwargs)
+        ranks = self._ranks()
+        cache, record = self._record(caller)
+        func = self._func
+        if self._deciding:
+            self._decide(lambda s: func(*bound, s, *args, **kwargs))
+        if self._accumulation is not None:
+            # See [Note: a retried training step counts its gradients once].
+            func = self._accumulation.guard(func)
+        size = record.next_size(self.initial, self.floor, self._probes)
+        log_probe(record, size, self._name, "batchsize", self._watch)
+        self.stats.calls += 1
+        result, _ = run_sized_grouped(
+            lambda s: func(*bound, s, *args, **kwargs), size, record, ranks, floor=self.floor,
+            name=self._name, what="batchsize", device=self.device, cache=cache,
+            watch=self._watch,
+        )
+        return result
 
 
 class _Range(_Adaptive):
@@ -258,15 +359,13 @@ class _Range(_Adaptive):
         if end < start:
             raise ValueError(f"end ({end}) is before start ({start}); the range is [start, end)")
         self._check_call(tuple(rest), kwargs)
+        ranks = self._ranks() if self.group is not None else None
         cache, record = self._record(caller)
         func = self._func
         if self._deciding and end > start:
             self._decide(lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs))
-        return run_range(
-            lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end, record,
-            initial=self.initial, floor=self.floor, name=self._name, device=self.device,
-            cache=cache,
-        )
+        return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
+                           record, cache, ranks)
 
 
 class _Chunked(_Adaptive):
@@ -275,10 +374,10 @@ class _Chunked(_Adaptive):
 
     def __init__(self, func: Callable[..., Any], initial: int, floor: int, cache: Any,
                  context: Any, device: Any, dimension: int, output: str | None,
-                 auto_ceiling: int | None = None) -> None:
+                 **options: Any) -> None:
         self.dimension = dimension
         self.output = output
-        super().__init__(func, initial, floor, cache, context, device, auto_ceiling)
+        super().__init__(func, initial, floor, cache, context, device, **options)
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._self_first:
@@ -298,6 +397,7 @@ class _Chunked(_Adaptive):
                 f"use -{tensor.dim()}..{tensor.dim() - 1}"
             )
         self._check_call(tuple(rest), kwargs)
+        ranks = self._ranks() if self.group is not None else None
         cache, record = self._record(caller)
         func = self._func
 
@@ -308,16 +408,14 @@ class _Chunked(_Adaptive):
         if self._deciding and length:
             self._decide(lambda n: step(0, min(length, n)))
         if self.output is None:
-            run_range(step, 0, length, record, initial=self.initial, floor=self.floor,
-                      name=self._name, device=self.device, cache=cache)
+            self._steps(step, 0, length, record, cache, ranks)
             return tensor
         writer = _ResultWriter(tensor, dim, self.output == "new", self._name)
         if length == 0 and writer.new:
             # As torch.cat([f(c) for c in x.split(n, dim)], dim) does: one call on the
             # empty chunk says what the output looks like.
             writer(0, 0, step(0, 0))
-        run_range(step, 0, length, record, initial=self.initial, floor=self.floor,
-                  name=self._name, device=self.device, cache=cache, deliver=writer, probe=True)
+        self._steps(step, 0, length, record, cache, ranks, deliver=writer, probe=True)
         if writer.new:
             assert writer.out is not None  # the empty case made one above
             return writer.out
@@ -387,6 +485,11 @@ class _BoundAdaptive:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
 
+    @property
+    def stats(self) -> CallStats:
+        """The decorated function's statistics (shared by every instance)."""
+        return self._adaptive.stats
+
     # What inspect.iscoroutinefunction (3.12+) and asyncio.iscoroutinefunction look for.
     @property
     def _is_coroutine_marker(self) -> Any:
@@ -442,6 +545,15 @@ def _factory(
         )
     if cache is not None:
         check_cache(cache, "cache")
+    check_group(extra.get("group"), extra.get("group_timeout"), cls.kind)
+    on_adapt = extra.get("on_adapt")
+    if on_adapt is not None and not callable(on_adapt):
+        raise TypeError(f"on_adapt must be a function taking one adaptive.Adaptation (or "
+                        f"None), got {type(on_adapt).__name__} {on_adapt!r}")
+    progress = extra.get("progress", False)
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress must be True or False, got {type(progress).__name__} "
+                        f"{progress!r}")
 
     def decorate(f: Callable[..., Any]) -> Any:
         _check_callable(f, f"adaptive.{cls.kind}")
@@ -458,6 +570,10 @@ def batch(
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    accumulate: Any = None,
+    group: Any = None,
+    group_timeout: float = 1800.0,
+    on_adapt: Callable[[Adaptation], Any] | None = None,
     max_batchsize: int | None = None,
 ) -> Any:
     """Retry ``func`` with a smaller batch size when it runs out of memory.
@@ -493,13 +609,39 @@ def batch(
         context: any hashable; calls with different contexts learn sizes separately.
         device: the device whose free memory keys the cache and whose cache is emptied
             between attempts (default: the current accelerator, else the CPU).
+        accumulate: for a training step that accumulates gradients over micro-batches of
+            the size it is given (``adaptive.microbatches``): the model (or its parameters).
+            Every ``.grad`` (and with a model, every buffer) is put back as it was when the
+            call started whenever an attempt raises, so a retry counts no sample twice and
+            the step's gradients do not depend on the size that fitted (see
+            docs/spilling.md, "Gradient accumulation"). Not for generator or async functions.
+        group: ``"world"`` or a ``torch.distributed`` process group: every rank of it uses
+            the same batch size on every attempt (the smallest any rank proposes), and if
+            any rank runs out of memory all retry smaller together. Every rank must call
+            the function the same number of times. Sizes are exchanged over a gloo group
+            of adaptmem's own on the CPU. Not for generator or async functions.
+        group_timeout: seconds a rank waits for the others at an exchange before raising
+            ``RankError`` (default 1800, torch's own default); it must exceed the largest
+            difference in time between ranks' attempts.
+        on_adapt: called with an ``adaptive.Adaptation`` whenever the size changes (a
+            probe upward, a shrink, a size that fitted after a shrink, giving up). Its
+            exceptions propagate out of the call (the size record stays consistent).
 
     Returns:
-        The decorated function; calling it returns ``func``'s result.
+        The decorated function; calling it returns ``func``'s result. Its ``stats``
+        attribute counts calls, attempts, failed attempts, time lost and sizes
+        (``adaptive.CallStats``), also shown by ``adaptive.memory_stats()``.
 
     Raises:
-        TypeError / ValueError: at decoration, for a missing or non-positive size or
-            ``min_batchsize > initial_batchsize``; at call, if the caller passes the batch size.
+        TypeError / ValueError: at decoration, for a missing or non-positive size,
+            ``min_batchsize > initial_batchsize``, an ``accumulate`` that is no module or
+            parameters, a ``group`` that is neither ``"world"`` nor a process group, a
+            non-callable ``on_adapt``; at call, if the caller passes the batch size.
+        RuntimeError: at the first call with ``group``, if torch.distributed is not
+            initialised.
+        adaptmem.adaptive.RankError: with ``group``, another rank raised (its rank, error
+            type and message are named; the rank itself raises its own error), or a rank
+            did not answer within ``group_timeout``.
         adaptmem.OutOfMemoryError: memory ran out at ``min_batchsize`` (or in a generator
             after its first item); it is also an instance of the original error's type
             (``torch.OutOfMemoryError``, ``MemoryError``, ...), so an outer decorated
@@ -514,8 +656,11 @@ def batch(
         >>> int(total(torch.ones(100)))
         100
     """
+    accumulation = check_accumulate(accumulate, "adaptive.batch")
     return _factory(_Batch, func, initial_batchsize, min_batchsize, cache, context, device,
-                    ("initial_batchsize", "min_batchsize", "max_batchsize"), {}, max_batchsize)
+                    ("initial_batchsize", "min_batchsize", "max_batchsize"),
+                    {"accumulation": accumulation, "group": group,
+                     "group_timeout": group_timeout, "on_adapt": on_adapt}, max_batchsize)
 
 
 def range(  # noqa: A001 - the public name mirrors the builtin it adapts
@@ -526,6 +671,11 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    accumulate: None = None,
+    group: Any = None,
+    group_timeout: float = 1800.0,
+    on_adapt: Callable[[Adaptation], Any] | None = None,
+    progress: bool = False,
     max_step: int | None = None,
 ) -> Any:
     """Call ``func(s, e, *args)`` over ``[start, end)`` in steps that shrink on OOM.
@@ -533,11 +683,14 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
     The caller writes ``fill(start, end, *args)``. Steps are consecutive, cover the range
     exactly once and in order; a step that runs out of memory is retried at the same offset
     with a smaller step (finished steps are never redone). Returns the list of step results.
-    Options as for ``batch`` (``initial_step``, ``"auto"`` too, ``min_step``, ``max_step``;
-    an ``"auto"`` range traces its first call's first steps, ``func(start, start + n)``,
-    on fake tensors). A step runs to completion
-    inside the retry, so generator and async functions are refused at decoration, and a step
-    that returns a generator or coroutine raises TypeError.
+    Options as for ``batch`` (``initial_step``, ``"auto"`` too with ``max_step``, ``min_step``, ``group``, ``group_timeout``,
+    ``on_adapt``). A step runs to completion inside the retry, so generator and async
+    functions are refused at decoration, and a step that returns a generator or coroutine
+    raises TypeError. With ``group``, the ranks agree on every step's size; each covers its
+    own ``[start, end)`` (ranges may differ in length: a rank that is done waits for the
+    others inside the call). ``progress=True`` shows items done, the step and the retries
+    (a tqdm bar when tqdm is installed, else a line on the ``adaptmem`` logger every 10 s;
+    with ``group``, on the group's rank 0 only). The decorated function has ``stats``.
 
     Example:
         >>> from adaptmem import adaptive
@@ -547,8 +700,11 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
         >>> spans(0, 10)
         [(0, 4), (4, 8), (8, 10)]
     """
+    refuse_accumulate(accumulate, "range")
     return _factory(_Range, func, initial_step, min_step, cache, context, device,
-                    ("initial_step", "min_step", "max_step"), {}, max_step)
+                    ("initial_step", "min_step", "max_step"),
+                    {"group": group, "group_timeout": group_timeout, "on_adapt": on_adapt,
+                     "progress": progress}, max_step)
 
 
 def chunked(
@@ -561,6 +717,11 @@ def chunked(
     cache: Any = None,
     context: Any = None,
     device: Any = None,
+    accumulate: None = None,
+    group: Any = None,
+    group_timeout: float = 1800.0,
+    on_adapt: Callable[[Adaptation], Any] | None = None,
+    progress: bool = False,
     max_step: int | None = None,
 ) -> Any:
     """Call ``func(chunk, start, end, *args)`` on slices of a tensor along ``dimension``.
@@ -585,6 +746,9 @@ def chunked(
       written. Returns the new tensor, as ``torch.cat([f(c) for c in tensor.split(n,
       dimension)], dimension)`` would, without holding every result at once.
 
+    ``group``, ``group_timeout``, ``on_adapt`` and ``progress`` as for ``range`` (the total
+    is the tensor's length along ``dimension``); the decorated function has ``stats``.
+
     Raises:
         ValueError: at decoration, an ``output`` other than None, ``"input"``, ``"new"``;
             at call, a ``dimension`` out of range or a result of the wrong shape.
@@ -606,6 +770,7 @@ def chunked(
         >>> squares(torch.arange(5.0)).tolist()
         [0.0, 1.0, 4.0, 9.0, 16.0]
     """
+    refuse_accumulate(accumulate, "chunked")
     if isinstance(dimension, bool) or not isinstance(dimension, int):
         raise TypeError(f"dimension must be an int (negative counts from the end), "
                         f"got {type(dimension).__name__} {dimension!r}")
@@ -617,7 +782,9 @@ def chunked(
         )
     return _factory(_Chunked, func, initial_step, min_step, cache, context, device,
                     ("initial_step", "min_step", "max_step"),
-                    {"dimension": dimension, "output": output}, max_step)
+                    {"dimension": dimension, "output": output, "group": group,
+                     "group_timeout": group_timeout, "on_adapt": on_adapt,
+                     "progress": progress}, max_step)
 
 
 def _execute_batch(*, initial_batchsize: int | None = None, **options: Any) -> Any:

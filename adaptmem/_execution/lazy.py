@@ -26,6 +26,7 @@ from .._common.errors import Phase, oom_error_for
 from .._common.oom import shrinks_size
 from .cache import BatchsizeCache, SizeRecord
 from .retry import logger, shrink
+from .stats import Watch
 
 __all__ = ["retry_lazy", "retry_generator", "retry_async_generator", "retry_coroutine"]
 
@@ -33,10 +34,12 @@ __all__ = ["retry_lazy", "retry_generator", "retry_async_generator", "retry_coro
 class _Run:
     """What a lazy run needs to retry: how to start again at a size, and where to record."""
 
-    __slots__ = ("restart", "record", "floor", "name", "device", "cache", "tried")
+    __slots__ = ("restart", "record", "floor", "name", "device", "cache", "tried", "watch",
+                 "first")
 
     def __init__(self, restart: Callable[[int], Any], record: SizeRecord, floor: int,
-                 name: str, device: torch.device | None, cache: BatchsizeCache) -> None:
+                 name: str, device: torch.device | None, cache: BatchsizeCache,
+                 watch: Watch | None = None, first: int = 0) -> None:
         self.restart = restart
         self.record = record
         self.floor = floor
@@ -44,19 +47,34 @@ class _Run:
         self.device = device
         self.cache = cache
         self.tried: list[int] = []
+        self.watch = watch
+        self.first = first
 
     def shrink(self, failure: BaseException, size: int) -> int:
-        return shrink(failure, size, self.tried, self.record, floor=self.floor, name=self.name,
-                      what="batchsize", device=self.device, cache=self.cache)
+        watch = self.watch
+        if watch is not None:
+            watch.stats.failed(None)  # a lazy attempt's time is not measured
+        size = shrink(failure, size, self.tried, self.record, floor=self.floor, name=self.name,
+                      what="batchsize", device=self.device, cache=self.cache, watch=watch)
+        if watch is not None:
+            watch.stats.retried()
+        return size
 
     def succeeded(self, size: int) -> None:
         self.record.after_success(size)
+        watch = self.watch
+        if watch is not None and size != watch.stats.last_size:
+            watch.stats.saw(size)
         if self.tried:
             logger.info("%s: batchsize=%d fits (after %s ran out of memory)",
                         self.name, size, self.tried)
+            if watch is not None:
+                watch.tell("fits", self.first, size)
 
     def failed_after_items(self, failure: BaseException, size: int, items: int) -> BaseException:
         """The error to raise for an OOM after ``items`` items were produced at ``size``."""
+        if self.watch is not None:
+            self.watch.stats.failed(None)
         smaller = self.record.after_failure(size, self.floor)
         logger.info("%s ran out of memory at batchsize=%d after %d item(s); not retried, the "
                     "next call starts at batchsize=%d", self.name, size, items, smaller)
@@ -216,10 +234,10 @@ async def _coraising(exc: BaseException) -> Any:
 
 
 def retry_lazy(result: Any, size: int, restart: Callable[[int], Any], record: SizeRecord,
-               floor: int, name: str, device: torch.device | None, cache: BatchsizeCache
-               ) -> Any:
+               floor: int, name: str, device: torch.device | None, cache: BatchsizeCache,
+               watch: Watch | None = None) -> Any:
     """The wrapper of ``result``'s kind (a generator, async generator or coroutine)."""
-    run = _Run(restart, record, floor, name, device, cache)
+    run = _Run(restart, record, floor, name, device, cache, watch, size)
     if isinstance(result, Generator):
         return retry_generator(result, size, run)
     if isinstance(result, AsyncGenerator):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,6 +14,8 @@ from .._common.devices import default_device, format_bytes, free_memory
 from .._common.errors import Phase, oom_error_for
 from .._common.oom import drop_frames, free_caches, shrinks_size
 from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
+from .progress import Progress
+from .stats import Watch
 
 __all__ = ["run_sized", "run_range", "shrink", "log_probe", "logger", "LAZY_TYPES"]
 
@@ -33,11 +36,14 @@ def _free_text(device: torch.device | None) -> str:
         return "free memory unknown"
 
 
-def log_probe(record: SizeRecord, size: int, name: str, what: str) -> None:
+def log_probe(record: SizeRecord, size: int, name: str, what: str,
+              watch: Watch | None = None) -> None:
     """Log a call that tries a size above the largest known to fit (climbing back)."""
     fits = record.fits
     if fits is not None and size > fits:
         logger.info("%s: probing %s=%d (largest that fitted so far: %d)", name, what, size, fits)
+        if watch is not None:
+            watch.tell("probe", fits, size)
 
 
 def run_sized(
@@ -51,6 +57,9 @@ def run_sized(
     device: torch.device | None,
     cache: BatchsizeCache,
     failure: BaseException | None = None,
+    watch: Watch | None = None,
+    started: float | None = None,
+    counts_size: bool = True,
 ) -> tuple[T, int]:
     """Call ``attempt(size)``; on an out-of-memory error in compute, shrink and call again.
 
@@ -59,11 +68,19 @@ def run_sized(
     and SystemExit are never caught. Before each retry the failed attempt's frames are
     cleared, garbage is collected and device caches are emptied. An OOM at ``floor`` raises
     adaptmem's OutOfMemoryError, which is also an instance of the original error's type.
-    ``failure`` is the OOM of a first attempt at ``size`` the caller already made.
+    ``failure`` is the OOM of a first attempt at ``size`` the caller already made, begun at
+    ``time.perf_counter()`` ``started`` (None: not timed). ``watch`` counts attempts and
+    reports adaptations (see [Note: cheap counting] in ``stats``); ``counts_size=False``
+    leaves the size out of its sizes (``run_range`` counts its own).
     """
     tried: list[int] = []
+    first = size
+    stats = watch.stats if watch is not None else None
     while True:
         if failure is None:
+            if stats is not None:
+                fits = record.fits
+                started = time.perf_counter() if fits is None or size > fits or tried else None
             try:
                 result = attempt(size)
             except Exception as exc:
@@ -74,13 +91,21 @@ def run_sized(
                 # A generator or coroutine has not run yet: its wrapper records the outcome.
                 if result.__class__ not in LAZY_TYPES:
                     record.after_success(size)
+                if stats is not None and counts_size and size != stats.last_size:
+                    stats.saw(size)
                 if tried:
                     logger.info("%s: %s=%d fits (after %s ran out of memory)",
                                 name, what, size, tried)
+                    if watch is not None:
+                        watch.tell("fits", first, size)
                 return result, size
+        if stats is not None:
+            stats.failed(None if started is None else time.perf_counter() - started)
         # Out of the except block, so nothing keeps the failed attempt's frames alive.
         size = shrink(failure, size, tried, record, floor=floor, name=name, what=what,
-                      device=device, cache=cache)
+                      device=device, cache=cache, watch=watch)
+        if stats is not None:
+            stats.retried()
         failure = None
 
 
@@ -95,11 +120,14 @@ def shrink(
     what: str,
     device: torch.device | None,
     cache: BatchsizeCache,
+    watch: Watch | None = None,
 ) -> int:
     """After ``failure`` at ``size``: clear up and return the size to retry with, or raise
     adaptmem's OutOfMemoryError (chaining ``failure``) when ``size`` is already the floor."""
     tried.append(size)
     if size <= floor:
+        if watch is not None:
+            watch.tell("gave_up", size, None)
         # No retry follows: keep the original traceback for whoever debugs this.
         error = oom_error_for(failure)(
             f"{name} ran out of memory at the smallest {what}, {floor}; tried {what} "
@@ -118,6 +146,8 @@ def shrink(
         "%s ran out of memory at %s=%d (%s); retrying with %s=%d",
         name, what, size, _free_text(device), what, new_size,
     )
+    if watch is not None:
+        watch.tell("shrink", size, new_size)
     return new_size
 
 
@@ -134,6 +164,8 @@ def run_range(
     cache: BatchsizeCache,
     deliver: Callable[[int, int, Any], None] | None = None,
     probe: bool = False,
+    watch: Watch | None = None,
+    progress: Progress | None = None,
 ) -> list[Any]:
     """Call ``body(s, e)`` over consecutive steps covering ``[start, end)`` once, in order.
 
@@ -141,13 +173,18 @@ def run_range(
     finished steps are never redone. The step that worked is kept for the rest of the call.
     Results are collected in the returned list, or handed to ``deliver(s, e, result)`` once
     their step has succeeded (then the list stays empty). ``probe``: see
-    [Note: probing a failed size] in ``_cache``.
+    [Note: probing a failed size] in ``_cache``. ``watch`` counts steps and reports
+    adaptations; ``progress`` shows the items done.
     """
     results: list[Any] = []
     step = record.next_size(initial, floor, probe)
-    log_probe(record, step, name, "step")
+    log_probe(record, step, name, "step", watch)
     position = start
+    if watch is not None:
+        watch.stats.range_started()
     while position < end:
+        if watch is not None:
+            watch.stats.step_started()
         span = min(step, end - position)
         at = position
 
@@ -157,7 +194,11 @@ def run_range(
         result, used = run_sized(
             attempt, span, record,
             floor=min(floor, span), name=name, what="step", device=device, cache=cache,
+            watch=watch, counts_size=False,
         )
+        # A last step shorter than the step (what was left) says nothing about sizes.
+        if watch is not None and (used < span or span == step):
+            watch.stats.saw(used)
         if result.__class__ in LAZY_TYPES:
             _refuse_lazy_step(result, name)
         if deliver is None:
@@ -167,6 +208,8 @@ def run_range(
         position += used
         if used < span:
             step = used
+        if progress is not None:
+            progress.advance(used, step)
     return results
 
 

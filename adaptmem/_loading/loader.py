@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .._common.devices import default_device, format_bytes, resolve_device
 from .._common.errors import LoadError
 from .._common.oom import is_oom
+from .._common.reporting import report
 from .._engines.base import LoadTargets
 from .._engines.stats import LoadStats
 from .._planning import ModuleSizes, Plan, module_sizes
@@ -289,6 +290,8 @@ def load(
         _commit(model, sizes, pending)
         _settle_unloaded(model, sizes, dests, sources)
     stats.seconds = time.perf_counter() - start
+    # Shown while the model lives, returned or not: see [Note: one place for statistics].
+    report(model, f"load ({_label(stats.files)})", stats)
     logger.info(
         "adaptmem.load: %d tensors, %s read, %s mapped from %d file(s) in %.2fs (%s)",
         stats.tensors, format_bytes(stats.bytes_read), format_bytes(stats.bytes_mapped),
@@ -377,6 +380,11 @@ def _plan_load(
     stats = LoadStats(files=list(ckpt.files), format=ckpt.format,
                       missing_keys=missing, unexpected_keys=unexpected)
     return dests, sources, stats
+
+
+def _label(files: list[str]) -> str:
+    first = os.path.basename(str(files[0])) if files else "no file"
+    return first if len(files) < 2 else f"{first} and {len(files) - 1} more"
 
 
 def _current_tensors(model: nn.Module, sizes: ModuleSizes) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._common.devices import format_bytes, synchronize, to_device
 from .._common.errors import PlacementError
+from .._common.reporting import report
 from .._common.tree import first_tensor_device
 from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
@@ -110,6 +111,8 @@ class Pager(Engine):
         except BaseException:
             self.remove()
             raise
+        # See [Note: one place for statistics].
+        report(self, f"pager ({type(model).__name__})", self._stats)
 
     def _allowance(self, resident_bytes: int | None) -> int:
         """The bytes of units kept resident: ``resident_bytes``, or for "auto" (None) what

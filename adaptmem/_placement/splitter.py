@@ -16,6 +16,7 @@ from torch import nn
 from .._common.devices import format_bytes
 from .._common.enums import TextEnum
 from .._common.errors import PlacementError
+from .._common.reporting import report
 from .._common.tree import canonical_tensors
 from .._engines.base import Engine, HookSet
 from .._engines.guard import PlacementGuard
@@ -92,6 +93,8 @@ class Splitter(BoundaryHooks, Engine):
         self._placing = threading.Lock()
         self._hooks = HookSet()
         self.stats = PlacementStats()
+        # See [Note: one place for statistics].
+        report(self, f"{self.handle_name} ({type(model).__name__})", self.stats)
         self._guard = PlacementGuard(model, tensors, self.made_by, self.handle_name)
         self._hold(self._modules.values())
         self._hooks.add(model,

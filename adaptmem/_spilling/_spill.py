@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from .._common.devices import format_bytes, parse_size
 from .._common.oom import is_oom
+from .._common.reporting import report
 from ._heap import check_mmap_threshold
 from ._hooks import Step
 from ._settings import StepSettings
@@ -64,6 +65,7 @@ class Spill:
         self._stats = SpillStats()
         self._local = threading.local()
         track(self, self._stats)
+        report(self, "spill handle", self._stats)  # see [Note: one place for statistics]
 
     @property
     def stats(self) -> SpillStats:

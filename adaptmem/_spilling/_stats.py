@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._common.devices import format_bytes
+from .._common.reporting import live_reports
 from .._engines.stats import Stats
 from ..cpu_memory import cpu_memory_info, held_bytes
 
@@ -127,8 +128,9 @@ def _devices() -> dict[str, dict[str, int]]:
 
 class MemoryStats(Mapping[str, dict[str, Any]]):
     """A snapshot of memory figures by section: ``"spill"`` (all spill handles of the
-    process), ``"devices"`` (memory in use and peaks), and one section per engine handed to
-    ``memory_stats``. Read it like a dict; ``print`` it for a summary."""
+    process), ``"devices"`` (memory in use and peaks), then one section per live statistics
+    source (pagers, chunkers, splitters, loads, spill handles, decorated functions) and per
+    engine handed to ``memory_stats``. Read it like a dict; ``print`` it for a summary."""
 
     def __init__(self, sections: dict[str, dict[str, Any]]) -> None:
         self._sections = sections
@@ -156,28 +158,50 @@ class MemoryStats(Mapping[str, dict[str, Any]]):
             for key, value in section.items():
                 if isinstance(value, dict):
                     lines.append(f"    {key}:")
-                    lines += [f"      {k:<20} {_show(k, v)}" for k, v in value.items()]
+                    lines += [f"      {k:<20} {_show(f'{key}.{k}', v)}" for k, v in value.items()]
                 else:
                     lines.append(f"    {key:<22} {_show(key, value)}")
         return "\n".join(lines)
 
 
 def _show(key: str, value: Any) -> str:
-    if isinstance(value, int) and "bytes" in key:
+    if isinstance(value, int) and not isinstance(value, bool) and "bytes" in key:
         return format_bytes(value)
     if isinstance(value, float):
         return f"{value:.3f}"
+    if isinstance(value, (list, tuple)) and len(value) > 4:
+        # A load's missing keys can run to hundreds: the summary shows a few and the count.
+        return f"{', '.join(map(str, value[:3]))}, ... ({len(value)} in all)"
     return str(value)
+
+
+def _unique(name: str, taken: Mapping[str, Any]) -> str:
+    """``name``, or with ``#2``, ``#3``, ... after its first word when the name is taken
+    (``"pager (GPT2Model)"``, ``"pager#2 (GPT2Model)"``)."""
+    head, sep, tail = name.partition(" ")
+    n = 2
+    unique = name
+    while unique in taken:
+        unique, n = f"{head}#{n}{sep}{tail}", n + 1
+    return unique
 
 
 def memory_stats(*engines: Any) -> MemoryStats:
     """Every memory figure in one place: what spilling moved (all ``spill`` handles of the
-    process), memory in use and peak per device, and the ``.stats`` of each engine passed
-    (pagers, chunkers, splitters, spill handles, or ``LoadStats`` from ``load``).
+    process), memory in use and peak per device, and the statistics of every live source:
+    each pager, chunker and splitter, each model loaded with ``load`` (while the model
+    lives), each spill handle, and each decorated function that keeps statistics, in the
+    order they were made. A source disappears when it is collected. See [Note: one place
+    for statistics].
+
+    Sections are named for the source and what it holds: ``"pager (GPT2LMHeadModel)"``,
+    ``"chunker (ResNet)"``, ``"load (model.safetensors)"``, ``"spill handle"``; a second
+    source of the same name gets ``#2`` after its first word (``"pager#2 (ResNet)"``).
 
     Args:
-        *engines: handles whose ``stats`` (or ``Stats`` objects themselves) to include; each
-            gets its own section, named for its type.
+        *engines: extra handles whose ``stats`` (or ``Stats`` objects themselves) to
+            include, e.g. a ``LoadStats`` whose model is gone; one already shown as a live
+            source is not repeated. Each gets a section named for its type.
 
     Returns:
         A ``MemoryStats``: a read-only mapping of section name to a dict of figures;
@@ -189,12 +213,16 @@ def memory_stats(*engines: Any) -> MemoryStats:
     Example:
         >>> from adaptmem import adaptive
         >>> stats = adaptive.memory_stats()
-        >>> sorted(stats)
-        ['devices', 'spill']
+        >>> list(stats)[:2]
+        ['spill', 'devices']
         >>> stats["spill"]["bytes_out"] >= 0
         True
     """
     sections: dict[str, dict[str, Any]] = {"spill": _totals().as_dict(), "devices": _devices()}
+    shown: set[int] = set()
+    for name, source in live_reports():
+        sections[_unique(name, sections)] = source.as_dict()
+        shown.add(id(source))
     for engine in engines:
         stats = engine if isinstance(engine, Stats) else getattr(engine, "stats", None)
         if not isinstance(stats, Stats):
@@ -202,9 +230,8 @@ def memory_stats(*engines: Any) -> MemoryStats:
                 f"memory_stats takes engines with a .stats (a Pager, Chunker, Splitter, spill "
                 f"handle) or Stats objects, got {type(engine).__name__} {engine!r}"
             )
-        base = type(engine).__name__.lower()
-        name, n = base, 2
-        while name in sections:
-            name, n = f"{base}#{n}", n + 1
-        sections[name] = stats.as_dict()
+        if id(stats) in shown:
+            continue
+        sections[_unique(type(engine).__name__.lower(), sections)] = stats.as_dict()
+        shown.add(id(stats))
     return MemoryStats(sections)

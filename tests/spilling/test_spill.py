@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from adaptmem import adaptive
+from adaptmem._engines.stats import PagingStats
 from adaptmem._spilling import HostLink, Spill, _copies, _tiers
 
 
@@ -404,14 +405,17 @@ def test_memory_stats_gathers_spill_devices_and_engines(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).eval()
     with adaptive.page(model, "cpu", resident_bytes=0) as pager:
         model(torch.randn(2, 8))
-    stats = adaptive.memory_stats(pager, handle)
+    stats = adaptive.memory_stats(pager, handle, pager.stats)  # each shown once
     assert stats["spill"]["bytes_out"] - before == handle.stats.bytes_out > 0
-    assert stats["pager"]["forwards"] == 1 and stats["pager"]["transfers"] > 0
-    assert stats["spill#2"]["tensors_spilled"] == handle.stats.tensors_spilled
+    [paged] = [n for n in stats if stats[n] == pager.stats.as_dict()]
+    assert stats[paged]["forwards"] == 1 and stats[paged]["transfers"] > 0
+    assert sum(stats[n] == handle.stats.as_dict() for n in stats) == 1
     assert stats["devices"]["cpu"]["in_use_bytes"] > 0
     text = str(stats)
-    assert "bytes_out" in text and "KiB" in text and "pager:" in text
-    assert stats.as_dict()["pager"] == pager.stats.as_dict()
+    assert "bytes_out" in text and "KiB" in text and f"{paged}:" in text
+    assert stats.as_dict()[paged] == pager.stats.as_dict()
+    # A Stats object no live source owns still gets a section of its own.
+    assert adaptive.memory_stats(PagingStats(forwards=7))["pagingstats"]["forwards"] == 7
     with pytest.raises(TypeError, match="memory_stats takes"):
         adaptive.memory_stats(object())
 

@@ -1,0 +1,254 @@
+"""Gradient accumulation for ``@adaptive.batch(accumulate=...)``: a training step that runs
+out of memory is retried with smaller micro-batches, and its result does not depend on the
+memory found.
+
+[Note: a retried training step counts its gradients once]
+A training step written as micro-batches (``adaptive.microbatches``) accumulates into each
+parameter's ``.grad`` with every ``backward``. When memory runs out part way (in the forward
+of the third micro-batch, or in a backward that already added the last layers' gradients),
+the failed attempt has added to ``.grad`` already; a retry from there would count those
+samples twice. So a guarded call takes a snapshot of the gradients when it starts and puts
+every ``.grad`` back exactly as it was whenever an attempt raises: ``None`` stays (becomes
+again) ``None``, and a gradient that existed (accumulated by earlier calls, or zeroed with
+``set_to_none=False``) gets its values back bitwise, in the same tensor object. The snapshot
+costs nothing when no gradient exists at the start (the usual ``zero_grad()``); otherwise
+the values are copied to host memory, so the device holds no second copy while the step runs.
+
+Buffers that forward updates (BatchNorm's running statistics, its batch counter) are the
+same trap: a failed attempt's forward has moved them. When ``accumulate`` is a module, every
+buffer of it is copied to the host when a call starts and put back when an attempt fails
+(buffers are small next to parameters in most models; a model with large constant buffers
+whose forward updates none can pass ``model.parameters()`` instead, and no buffer is
+copied). Which buffers a forward will update cannot be known before it runs, and learning
+it from earlier calls is unsound (a model switched from eval to train mode starts updating
+its running statistics), so all are copied. What the restore cannot undo is the micro-batch
+size itself: BatchNorm in training mode normalises each micro-batch with its own
+statistics, so its outputs, gradients and running statistics depend on the micro-batch
+size, as in any gradient accumulation. Models with LayerNorm / GroupNorm, or BatchNorm in
+eval mode, give the full batch's gradients up to floating-point summation order.
+
+Generators and coroutines are refused: their work runs after the call returns, out of the
+snapshot's reach.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Accumulation", "check_accumulate", "refuse_accumulate", "microbatches"]
+
+
+def refuse_accumulate(value: Any, kind: str) -> None:
+    """``accumulate=`` given to ``adaptive.range`` / ``adaptive.chunked``: a TypeError."""
+    if value is not None:
+        raise TypeError(
+            f"adaptive.{kind} does not take accumulate=: its finished steps are never redone "
+            f"and each covers new elements, so there is no batch to accumulate. For a "
+            f"training step whose batch may be split, use @adaptive.batch(initial_batchsize="
+            f"..., accumulate=model) with adaptive.microbatches"
+        )
+
+
+def check_accumulate(value: Any, decorator: str) -> Accumulation | None:
+    """``accumulate=`` as given to ``decorator``: None, a module, a parameter or an iterable
+    of parameters (tensors that require gradients); anything else is a TypeError here."""
+    if value is None:
+        return None
+    if isinstance(value, nn.Module):
+        return Accumulation(value, ())
+    if isinstance(value, torch.Tensor):
+        params: list[torch.Tensor] = [value]
+    elif isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise TypeError(_expected(decorator, value))
+    else:
+        params = list(value)
+        if not params:
+            raise ValueError(
+                f"{decorator}(accumulate=...) got an empty collection of parameters: pass the "
+                f"model (accumulate=model) or its parameters (accumulate=model.parameters()); "
+                f"a generator that was consumed already is empty too"
+            )
+    for p in params:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(_expected(decorator, p))
+        if not p.requires_grad:
+            raise ValueError(
+                f"{decorator}(accumulate=...) got a tensor of shape {tuple(p.shape)} that "
+                f"does not require gradients, so no backward accumulates into it; pass the "
+                f"parameters being trained (accumulate=model or model.parameters())"
+            )
+    return Accumulation(None, tuple(params))
+
+
+def _expected(decorator: str, got: Any) -> str:
+    return (
+        f"{decorator}(accumulate=...) takes the model being trained (an nn.Module), a "
+        f"parameter, or an iterable of parameters, whose .grad a failed attempt must not "
+        f"leave changed; got {type(got).__name__} {got!r:.80}. Write accumulate=model"
+    )
+
+
+class Accumulation:
+    """What ``accumulate=`` guards: a module's parameters and buffers, or given parameters."""
+
+    def __init__(self, module: nn.Module | None, params: tuple[torch.Tensor, ...]) -> None:
+        self.module = module
+        self.params = params
+
+    def refuse_lazy(self, func: Any) -> None:
+        """A generator or async function runs after the call returns: out of reach."""
+        if (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
+                or inspect.isasyncgenfunction(func)):
+            raise TypeError(
+                f"adaptive.batch(accumulate=...) puts gradients back when an attempt fails, "
+                f"which it can do only while the step runs inside the call; "
+                f"{getattr(func, '__qualname__', func)!r} is a generator or async function, "
+                f"whose work runs later. Write the training step as a plain function"
+            )
+
+    def guard(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        """``func`` for one call: the first attempt takes the snapshot, a failed attempt puts
+        gradients and buffers back. See [Note: a retried training step counts its gradients
+        once]."""
+        snapshot: list[_Snapshot] = []
+
+        def attempt(*args: Any, **kwargs: Any) -> Any:
+            if not snapshot:
+                snapshot.append(_Snapshot(self))
+            try:
+                return func(*args, **kwargs)
+            except Exception:
+                snapshot[0].restore()
+                raise
+
+        return attempt
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        if self.module is None:
+            return iter(self.params)
+        return (p for p in self.module.parameters() if p.requires_grad)
+
+
+class _Snapshot:
+    """The gradients (and buffers) of an ``Accumulation`` when a call started."""
+
+    def __init__(self, accumulation: Accumulation) -> None:
+        self.grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        for p in accumulation.parameters():
+            grad = p.grad
+            self.grads.append((p, grad, None if grad is None else _host_copy(grad)))
+        module = accumulation.module
+        # By owner and name: a forward may assign a new tensor (``self.count = self.count + 1``).
+        self.buffers = [] if module is None else [
+            (owner, name, b, _host_copy(b)) for owner in module.modules()
+            for name, b in owner._buffers.items() if b is not None]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p, grad, values in self.grads:
+                if grad is None:
+                    p.grad = None
+                    continue
+                assert values is not None  # taken with grad
+                if p.grad is not grad:
+                    p.grad = grad  # autograd may have replaced it; the caller's object comes back
+                grad.copy_(values)
+            for owner, name, buffer, values in self.buffers:
+                if owner._buffers.get(name) is not buffer:
+                    owner._buffers[name] = buffer
+                buffer.copy_(values)
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    # A copy on the host keeps the device free for the step; on the CPU it is a clone.
+    return tensor.detach().to("cpu", copy=True)
+
+
+def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
+                 dim: int = 0) -> Iterator[tuple[Any, ...]]:
+    """Split ``tensors`` into micro-batches of ``batchsize``, each with its share of the
+    whole: yields ``(slice_1, ..., slice_n, weight)`` with ``weight = len(slice) /
+    len(whole)``.
+
+    Scale a mean-reduced loss by ``weight`` and the gradients summed over the micro-batches
+    equal the full batch's (up to floating-point summation order). Slices are views along
+    ``dim``; the last micro-batch may be smaller. An argument may also be a dict of tensors
+    (a tokenizer's output, a Hugging Face batch): each micro-batch gets a dict of the same
+    keys, every tensor sliced, other values passed as they are. The weight counts samples:
+    a loss averaged over tokens (a language model's, with padding) needs each micro-batch's
+    token count over the whole's instead.
+
+    Args:
+        batchsize: the micro-batch size (what ``@adaptive.batch`` passes), 1 or more.
+        *tensors: one or more tensors, or dicts of them, all of the same length along
+            ``dim``.
+        dim: the batch dimension (default 0; negative counts from the end).
+
+    Returns:
+        An iterator of tuples: the slices in the order given, then the weight (a float).
+
+    Raises:
+        TypeError: no tensors, something that is no tensor or dict of them, or a batch size
+            that is not an int.
+        ValueError: a batch size below 1, or tensors whose lengths along ``dim`` differ.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> x, y = torch.arange(5.0), torch.arange(5)
+        >>> [(a.tolist(), b.tolist(), w) for a, b, w in adaptive.microbatches(2, x, y)]
+        [([0.0, 1.0], [0, 1], 0.4), ([2.0, 3.0], [2, 3], 0.4), ([4.0], [4], 0.2)]
+        >>> batch = {"input_ids": torch.ones(3, 4), "labels": torch.zeros(3)}
+        >>> [(len(b["input_ids"]), w) for b, w in adaptive.microbatches(2, batch)]
+        [(2, 0.6666666666666666), (1, 0.3333333333333333)]
+    """
+    if isinstance(batchsize, bool) or not isinstance(batchsize, int):
+        raise TypeError(f"microbatches takes the batch size first, an int; got "
+                        f"{type(batchsize).__name__} {batchsize!r:.80}")
+    if batchsize < 1:
+        raise ValueError(f"microbatches needs a batch size of 1 or more, got {batchsize}")
+    if not tensors:
+        raise TypeError("microbatches needs one or more tensors to split: "
+                        "microbatches(batchsize, inputs, targets)")
+    lengths: dict[str, int] = {}
+    for i, arg in enumerate(tensors):
+        where = f"argument {i + 1}"
+        if isinstance(arg, Mapping):
+            found = {f"{where}[{k!r}]": t for k, t in arg.items() if isinstance(t, torch.Tensor)}
+            if not found:
+                raise TypeError(f"microbatches splits tensors; {where} is a "
+                                f"{type(arg).__name__} that holds none")
+        elif isinstance(arg, torch.Tensor):
+            found = {where: arg}
+        else:
+            raise TypeError(f"microbatches splits tensors or dicts of them; {where} is "
+                            f"{type(arg).__name__} {arg!r:.80}")
+        for name, t in found.items():
+            if not -t.dim() <= dim < t.dim():
+                raise ValueError(f"dim={dim} is out of range for {name} of shape "
+                                 f"{tuple(t.shape)}")
+            lengths[name] = t.shape[dim]
+    if len(set(lengths.values())) > 1:
+        raise ValueError(
+            f"microbatches needs tensors of the same length along dim={dim} (the batch "
+            f"dimension), got {', '.join(f'{n}: {k}' for n, k in lengths.items())}"
+        )
+    return _split(batchsize, tensors, dim, next(iter(lengths.values())))
+
+
+def _split(batchsize: int, args: tuple[Any, ...], dim: int,
+           total: int) -> Iterator[tuple[Any, ...]]:
+    def piece(arg: Any, start: int, n: int) -> Any:
+        if isinstance(arg, torch.Tensor):
+            return arg.narrow(dim, start, n)
+        return {k: v.narrow(dim, start, n) if isinstance(v, torch.Tensor) else v
+                for k, v in arg.items()}
+
+    for start in range(0, total, batchsize):
+        n = min(batchsize, total - start)
+        yield (*(piece(a, start, n) for a in args), n / total)
