@@ -30,21 +30,43 @@ class Dispatched:
         self.user_context = context
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        caller = sys._getframe(1)
+        return self.run(sys._getframe(1), self.inner, args, kwargs)
+
+    def run(self, caller: Any, target: Any, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+        """Call ``target`` (the decorated function, or it bound to an instance) as if from
+        ``caller``, placing the models first and giving residency back when compute runs
+        out at the smallest size."""
         placed, inner = self.placed, self.inner
+        first = not placed.placed
         while True:
             placed.ensure()
             inner.context = (self.user_context, placed.key())
             try:
-                return inner.call_from(caller, args, kwargs)
+                result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
                 # Compute ran out at the smallest size: give residency back to activations.
                 if exc.phase is not Phase.COMPUTE or not placed.give_back():
                     raise
                 drop_frames(exc)
+                inner.context = (self.user_context, placed.key())
+                record = target.size_record(caller)
+                if record.fits is None and record.fails is None:
+                    # The smallest size failed with more resident: start there, not from the
+                    # top (see [Note: batch size and residency together]).
+                    record.after_failure(min(inner.initial, 2 * inner.floor), inner.floor)
+                continue
+            if first:
+                placed.check_no_fakes()
+            return result
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
-        return self if obj is None else functools.partial(self, obj)
+        bound = self.inner.__get__(obj, objtype)
+        return self if bound is self.inner else _BoundDispatched(self, bound)
+
+    def __reduce__(self) -> str:
+        # Pickled by name, like the function it replaces (for multiprocessing and spawn).
+        return self.__qualname__  # type: ignore[no-any-return,attr-defined]
 
     @property
     def placement(self) -> dict[str, Any]:
@@ -57,6 +79,11 @@ class Dispatched:
         return list(self.placed.pagers)
 
     @property
+    def stats(self) -> Any:
+        """The decorated function's ``CallStats`` (attempts, failed attempts, sizes)."""
+        return self.inner.stats
+
+    @property
     def prediction(self) -> Any:
         return self.inner.prediction
 
@@ -67,7 +94,22 @@ class Dispatched:
     def remove(self) -> None:
         """Give the models back exactly as they were before the first call."""
         self.placed.remove()
-        self.placed.resident = [0 for _ in self.placed.models]
+
+
+class _BoundDispatched:
+    """A ``Dispatched`` method bound as the plain decorator would bind it."""
+
+    __slots__ = ("_dispatched", "_bound")
+
+    def __init__(self, dispatched: Dispatched, bound: Any) -> None:
+        self._dispatched = dispatched
+        self._bound = bound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._dispatched.run(sys._getframe(1), self._bound, args, kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dispatched, name)
 
 
 def _dispatched(decorate: Callable[..., Any], name: str, func: Any, model: Any,
@@ -108,6 +150,7 @@ def _with_model(plain: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any
 
     def adopt(dispatching: Callable[..., Any]) -> Any:
         functools.update_wrapper(dispatching, plain)
+        dispatching.__module__ = __name__  # pickled by name from here, where it lives
         dispatching.__doc__ = (plain.__doc__ or "").rstrip() + MODEL_DOC
         dispatching.__signature__ = signature.replace(  # type: ignore[attr-defined]
             parameters=parameters)

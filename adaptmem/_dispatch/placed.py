@@ -20,15 +20,18 @@ force.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedParameter
 
 from .._common.claims import check_placeable
 from .._common.devices import default_device, format_bytes, free_memory, resolve_device
+from .._common.errors import PlacementError
 from .._paging.api import Pager, page
 from .._planning import module_sizes
 
@@ -55,6 +58,10 @@ class PlacementChanges:
                 "residency_taken_again": self.residency_taken_again}
 
 
+# Which decorated function holds a model, while it does.
+_holders: weakref.WeakKeyDictionary[nn.Module, PlacedModels] = weakref.WeakKeyDictionary()
+
+
 def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
     """The models given as ``model=`` (one module or a sequence of them), checked now."""
     models = tuple(model) if isinstance(model, Sequence) else (model,)
@@ -66,6 +73,12 @@ def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
             raise TypeError(f"{decorator}(model=...) takes torch.nn.Module(s), got "
                             f"{type(m).__name__} {m!r}")
         check_placeable(m, f"{decorator}(model=...)")
+        lazy = [n for n, p in m.named_parameters() if isinstance(p, UninitializedParameter)]
+        if lazy:
+            raise PlacementError(
+                f"{decorator}(model=...) got a model with uninitialised (lazy) parameters "
+                f"({lazy[0]!r} first); run it once on an example input first"
+            )
     if len({id(m) for m in models}) != len(models):
         raise ValueError(f"{decorator}(model=...) lists the same model twice")
     return models
@@ -149,8 +162,21 @@ class PlacedModels:
 
     def _place(self, resident: list[int]) -> None:
         self.remove()
-        for model, nbytes in zip(self.models, resident, strict=True):
-            self.pagers.append(page(model, self.device, resident_bytes=nbytes))
+        for i, model in enumerate(self.models):
+            holder = _holders.get(model)
+            if holder is not None and holder is not self:
+                raise PlacementError(
+                    f"model {i} ({type(model).__name__}) is placed by another decorated "
+                    f"function, {holder.name} (model=...); call {holder.name}.remove() first, "
+                    f"or let one decorated function run it"
+                )
+        try:
+            for model, nbytes in zip(self.models, resident, strict=True):
+                self.pagers.append(page(model, self.device, resident_bytes=nbytes))
+                _holders[model] = self
+        except BaseException:
+            self.remove()  # all or nothing: the models as they were
+            raise
         self.resident = resident
         self.changes.placements += 1
 
@@ -158,6 +184,25 @@ class PlacedModels:
         """Give every model back as it was (see ``Pager.remove``)."""
         while self.pagers:
             self.pagers.pop().remove()
+        for model in self.models:
+            if _holders.get(model) is self:
+                del _holders[model]
+        self.resident = [0 for _ in self.models]
+
+    def check_no_fakes(self) -> None:
+        """Refuse models that an 'auto' trace left holding fake tensors (a lazy module or a
+        cache filled during the trace): they would compute garbage from now on."""
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        for i, model in enumerate(self.models):
+            names = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                     if isinstance(t, FakeTensor)]
+            if names:
+                raise PlacementError(
+                    f"model {i} holds fake tensors after the 'auto' traces of {self.name} "
+                    f"({names[0]!r} first): it made tensors during its forward. Give the "
+                    f"initial size a number instead of 'auto', and rebuild the model"
+                )
 
     def as_dict(self) -> dict[str, Any]:
         return {"device": str(self.device), "weight_bytes": list(self.weights),

@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._common.devices import default_device, format_bytes, free_memory
 from .._common.peak import NotPredictable, PeakPrediction, PeakTracker, fit
 
-__all__ = ["AUTO", "DEFAULT_MAX_BATCHSIZE", "AutoStart"]
+__all__ = ["AUTO", "DEFAULT_MAX_BATCHSIZE", "AutoStart", "has_fakes"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -40,6 +42,47 @@ DEFAULT_MAX_BATCHSIZE = 65536
 TRACE_SIZES = (8, 16)
 CHECKS = 3  # traces of a predicted size before settling on the largest one that fitted
 MARGIN = 0.8
+LAZY = frozenset({types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType})
+
+
+OP_BUDGET = 4000  # ops one trace may run before it is retried at larger sizes
+FLAT_CALLS = 3  # calls traced again while their memory does not grow with the size
+LEVELS = 3  # sizes tried: TRACE_SIZES, then 8x, then 64x, while a trace runs too long
+
+
+class TooLong(NotPredictable):
+    """A trace ran more than ``OP_BUDGET`` ops."""
+
+
+class Flat(NotPredictable):
+    """The traced memory did not grow with the size: too few items to tell, so far."""
+
+
+class _Guard(TorchDispatchMode):
+    """Sees every op of a trace before the fake mode does: counts them against the budget,
+    and refuses a write into a real tensor (an in-place op whose tensors are all real runs
+    for real even under the fake mode: a counter's ``add_``, BatchNorm's statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        kwargs = kwargs or {}
+        self.ops += 1
+        if self.ops > OP_BUDGET:
+            raise TooLong(f"more than {OP_BUDGET} ops")
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+                raise NotPredictable(
+                    f"{func} writes into a tensor that existed before the call (a counter, "
+                    f"a running statistic, an output buffer): tracing would change it")
+        return func(*args, **kwargs)
 
 
 def _trace(call: Callable[[int], Any], size: int) -> int:
@@ -48,12 +91,35 @@ def _trace(call: Callable[[int], Any], size: int) -> int:
 
     tracker = PeakTracker()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker, _Guard():
             result = call(size)
+            if result.__class__ in LAZY:
+                result.close()  # type: ignore[attr-defined]  # a generator or coroutine did none of its work
+                raise NotPredictable("the function returned a generator or coroutine")
             del result
+    except NotPredictable:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure on fake tensors: no prediction
         raise NotPredictable(f"{type(exc).__name__}: {exc}") from None
     return tracker.peak
+
+
+def _fit(call: Callable[[int], Any], small: int, large: int) -> tuple[dict[int, int], Any]:
+    peaks = {small: _trace(call, small), large: _trace(call, large)}
+    prediction = fit((small, large), (peaks[small], peaks[large]))
+    if prediction.per_item_bytes <= 0:
+        raise Flat(
+            f"the memory did not grow from {small} to {large} items (a call with fewer "
+            f"items than that, or one whose memory does not depend on the size)")
+    return peaks, prediction
+
+
+def has_fakes(result: Any) -> bool:
+    """True when ``result`` holds a fake tensor: something the function kept from a trace."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(t, FakeTensor) for t in tree_leaves(result))
 
 
 class AutoStart:
@@ -69,10 +135,12 @@ class AutoStart:
         self.prediction: PeakPrediction | None = None
         self.reason = ""  # why there is no prediction
         self.initial: int | None = None
+        self._flat = 0  # calls whose traces did not grow with the size
         self._lock = threading.Lock()
 
-    def decide(self, call: Callable[[int], Any]) -> int:
-        """The initial size: predicted once (thread-safe), then the same for every call."""
+    def decide(self, call: Callable[[int], Any]) -> int | None:
+        """The initial size: predicted once (thread-safe), then the same for every call.
+        None while calls are too small to tell (the call runs from the ceiling)."""
         with self._lock:
             if self.initial is None:
                 self.initial = self._decide(call)
@@ -81,17 +149,28 @@ class AutoStart:
     def _search(self, call: Callable[[int], Any], free: int) -> tuple[int, PeakPrediction]:
         """The largest size whose traced peak fits ``MARGIN * free``, and the last fit."""
         budget = MARGIN * free
-        large = min(TRACE_SIZES[1], self.ceiling)
-        small = max(1, min(TRACE_SIZES[0], large // 2))
-        if small >= large:
-            raise NotPredictable(f"max_batchsize {self.ceiling} leaves no two sizes to trace")
-        peaks = {small: _trace(call, small), large: _trace(call, large)}
-        prediction = fit((small, large), (peaks[small], peaks[large]))
+        scale = 1
+        while True:  # a loop over the data runs (items / size) forwards: trace larger sizes
+            large = min(TRACE_SIZES[1] * scale, self.ceiling)
+            small = max(1, min(TRACE_SIZES[0] * scale, large // 2))
+            if small >= large:
+                raise NotPredictable(f"the largest size, {self.ceiling}, leaves no two sizes "
+                                     f"to trace")
+            try:
+                peaks, prediction = _fit(call, small, large)
+                break
+            except TooLong:
+                scale *= 8
+                if scale >= 8**LEVELS or large >= self.ceiling:
+                    raise
         candidate = self._clamp(prediction.largest(free, MARGIN))
         for _ in range(CHECKS):
             if candidate in peaks:
                 break
-            peaks[candidate] = _trace(call, candidate)
+            try:
+                peaks[candidate] = _trace(call, candidate)
+            except TooLong:
+                break
             if peaks[candidate] <= budget:
                 break
             base = max((n for n, p in peaks.items() if p <= budget and n < candidate),
@@ -106,11 +185,20 @@ class AutoStart:
     def _clamp(self, size: int) -> int:
         return max(self.floor, min(self.ceiling, size))
 
-    def _decide(self, call: Callable[[int], Any]) -> int:
+    def _decide(self, call: Callable[[int], Any]) -> int | None:
         device = self.device if self.device is not None else default_device()
         free = free_memory(device)
         try:
             start, prediction = self._search(call, free)
+        except Flat as exc:
+            self._flat += 1
+            if self._flat < FLAT_CALLS:
+                return None
+            self.reason = str(exc)
+            logger.info("%s: initial_batchsize='auto' saw no memory grow with the size in %d "
+                        "calls (%s); the search starts at the largest size, %d",
+                        self.name, self._flat, exc, self.ceiling)
+            return self.ceiling
         except NotPredictable as exc:
             self.reason = str(exc)
             logger.info("%s: initial_batchsize='auto' could not trace the function on fake "

@@ -14,10 +14,11 @@ from typing import Any
 import torch
 
 from .._common.devices import resolve_device
+from .._common.errors import AdaptmemError
 from .._common.oom import shrinks_size
 from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
-from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart
+from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
 from .cache import BatchsizeCache, check_cache, resolve_cache
 from .lazy import retry_lazy
 from .progress import Progress
@@ -151,6 +152,12 @@ class _Adaptive:
         self.stats = CallStats(self.kind, self._name, self.what)
         self._watch = Watch(self.stats, on_adapt, self.device)
         report(self, f"{self.kind} {self._name}", self.stats)
+        if auto_ceiling is not None and _is_lazy_function(func):
+            raise TypeError(
+                f"an 'auto' initial size is predicted by tracing the function's work, but "
+                f"{self._name!r} is a generator or async function, whose work happens after it "
+                f"returns; give the initial size a number"
+            )
         # An "auto" initial size is decided at the first call (see [Note: starting where it
         # fits] in auto.py); until then ``initial`` is the ceiling.
         self._auto = (None if auto_ceiling is None else
@@ -174,10 +181,36 @@ class _Adaptive:
         (bytes per item and fixed), or None (not decided yet, not predictable, not auto)."""
         return None if self._auto is None else self._auto.prediction
 
-    def _decide(self, call: Callable[[int], Any]) -> None:
+    def _decide(self, call: Callable[[int], Any]) -> bool:
+        """Decide an "auto" initial size; True when this call is the first to use it."""
         if self._auto is not None:
-            self.initial = self._auto.decide(call)
+            decided = self._auto.decide(call)
+            if decided is None:
+                return False  # too few items to tell: this call runs from the ceiling
+            self.initial = decided
         self._deciding = False
+        return True
+
+    def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any]) -> Any:
+        """A call that traces first: decide, then run for real (``rerun``) and check what it
+        returns. A call too small to tell leaves the decision to the next one."""
+        decided = self._decide(call)
+        self._deciding = False
+        try:
+            return self._checked(rerun())
+        finally:
+            self._deciding = not decided
+
+    def _checked(self, result: Any) -> Any:
+        """The first real call's result, refused if it holds a fake tensor from a trace."""
+        if has_fakes(result):
+            raise AdaptmemError(
+                f"{self._name} returned a fake tensor made while its 'auto' traces ran: it "
+                f"keeps tensors between calls (a cache, a lazy module), which the traces "
+                f"filled with fakes. Give {self.kind}'s initial size a number instead of "
+                f"'auto', and rebuild what it cached"
+            )
+        return result
 
     def __reduce__(self) -> str:
         # Pickled by name, like the function it replaces (for multiprocessing and spawn).
@@ -201,6 +234,11 @@ class _Adaptive:
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> Any:
         raise NotImplementedError
+
+    def size_record(self, caller: Any) -> Any:
+        """The ``SizeRecord`` a call from the frame ``caller`` uses now (its cache, context,
+        device and call site)."""
+        return self._record(caller)[1]
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._injected and self._injected in kwargs:
@@ -271,7 +309,8 @@ class _Batch(_Adaptive):
         record = cache.record(self._key, self.context, self.device, caller)
         func = self._func
         if self._deciding:
-            self._decide(lambda s: func(*bound, s, *args, **kwargs))
+            return self._first(lambda s: func(*bound, s, *args, **kwargs),
+                               lambda: self._run(caller, args, kwargs, bound))
         if self._accumulation is not None:
             # See [Note: a retried training step counts its gradients once].
             func = self._accumulation.guard(func)
@@ -324,7 +363,8 @@ class _Batch(_Adaptive):
         cache, record = self._record(caller)
         func = self._func
         if self._deciding:
-            self._decide(lambda s: func(*bound, s, *args, **kwargs))
+            return self._first(lambda s: func(*bound, s, *args, **kwargs),
+                               lambda: self._run(caller, args, kwargs, bound))
         if self._accumulation is not None:
             # See [Note: a retried training step counts its gradients once].
             func = self._accumulation.guard(func)
@@ -363,7 +403,9 @@ class _Range(_Adaptive):
         cache, record = self._record(caller)
         func = self._func
         if self._deciding and end > start:
-            self._decide(lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs))
+            return self._first(  # type: ignore[no-any-return]
+                lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
+                lambda: self._run(caller, args, kwargs, bound))
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
 
@@ -406,7 +448,8 @@ class _Chunked(_Adaptive):
 
         length = tensor.shape[dim]
         if self._deciding and length:
-            self._decide(lambda n: step(0, min(length, n)))
+            return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
+                               lambda: self._run(caller, args, kwargs, bound))
         if self.output is None:
             self._steps(step, 0, length, record, cache, ranks)
             return tensor
@@ -484,6 +527,13 @@ class _BoundAdaptive:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
+
+    def call_from(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """As ``_Adaptive.call_from``, bound to the instance (or class)."""
+        return self._adaptive._run(caller, args, kwargs, (self._obj,))
+
+    def size_record(self, caller: Any) -> Any:
+        return self._adaptive.size_record(caller)
 
     @property
     def stats(self) -> CallStats:
@@ -599,8 +649,9 @@ def batch(
             predict its bytes per item, and the largest size predicted to fit 80% of the
             memory free then becomes the initial size (see ``max_batchsize``). A function
             that cannot be traced (``.item()``, data-dependent shapes, custom kernels) is
-            logged once and searched from ``max_batchsize``. The traces run the function's
-            Python code twice more at its first call.
+            logged once and searched from ``max_batchsize``, and so is one that writes into a
+            tensor that existed before the call. The traces run the function's Python code
+            up to five more times at its first call.
         min_batchsize: the smallest size tried before giving up (default 1).
         max_batchsize: with ``initial_batchsize="auto"`` only: the largest size it may
             choose (default 65536).

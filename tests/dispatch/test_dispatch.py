@@ -172,3 +172,93 @@ def test_auto_and_model_together_predict_through_the_paged_model() -> None:
     run.remove()
     for got in results:
         torch.testing.assert_close(got, want)
+
+
+def test_methods_bind_as_with_the_plain_decorator() -> None:
+    model = _model(layers=1)
+    data = torch.randn(8, 1024)
+    with torch.no_grad():
+        want = model(data)
+
+    class Runner:
+        @adaptive.batch(initial_batchsize=8, model=model, device="cpu")
+        def forward(this, batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            assert isinstance(this, Runner)
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        @adaptive.batch(initial_batchsize=8, model=_model(layers=1), device="cpu")
+        @staticmethod
+        def static(batchsize: int, x: int) -> int:
+            return batchsize + x
+
+        @adaptive.batch(initial_batchsize=8, model=_model(layers=1), device="cpu")
+        @classmethod
+        def klass(cls, batchsize: int, x: int) -> tuple[type, int]:
+            return cls, batchsize + x
+
+    runner = Runner()
+    torch.testing.assert_close(runner.forward(data), want)
+    assert runner.static(1) == 9 and Runner.static(1) == 9
+    assert runner.klass(1) == (Runner, 9) and Runner.klass(1) == (Runner, 9)
+    for method in (Runner.forward, Runner.static, Runner.klass):
+        method.remove()
+
+
+def test_a_failed_first_placement_leaves_every_model_as_it_was() -> None:
+    free, held = _model(layers=1), _model(layers=1)
+
+    @adaptive.batch(initial_batchsize=8, model=[free, held], device="cpu")
+    def run(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        return held(free(x))
+
+    with adaptive.page(held, "cpu"), pytest.raises(PlacementError):
+        run(torch.randn(2, 1024))
+    assert not free[0]._forward_pre_hooks and not run.pagers
+    assert run.placement["placements"] == 0
+
+
+def test_one_model_in_two_decorated_functions_names_the_holder() -> None:
+    model = _model(layers=1)
+
+    @adaptive.batch(initial_batchsize=8, model=model, device="cpu")
+    def encode(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    @adaptive.batch(initial_batchsize=8, model=model, device="cpu")
+    def decode(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    with torch.no_grad():
+        encode(torch.randn(2, 1024))
+        with pytest.raises(PlacementError, match="placed by another decorated function.*encode"):
+            decode(torch.randn(2, 1024))
+        encode.remove()
+        decode(torch.randn(2, 1024))
+    decode.remove()
+
+
+def test_giving_residency_back_retries_from_the_smallest_size_not_the_top(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = _model()
+    data = torch.randn(1024, 1024)
+    with simulated_cuda(total_memory="48MiB"):
+
+        @adaptive.batch(initial_batchsize=1024, min_batchsize=512, model=model, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            run(data)
+        given = run.placement["residency_given_back"]
+        run.remove()
+    failed = [r for r in caplog.records if "ran out of memory at batchsize" in r.getMessage()]
+    # 1024 and 512 before the first give-back, then only the smallest size per give-back
+    assert given >= 1 and len(failed) <= 2 + given
+
+
+def test_adaptive_batch_pickles_by_name() -> None:
+    import pickle
+
+    assert pickle.loads(pickle.dumps(adaptive.batch)) is adaptive.batch

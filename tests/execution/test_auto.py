@@ -153,3 +153,68 @@ def test_range_and_chunked_start_where_their_steps_fit_and_the_traces_write_noth
     double(tensor)
     assert torch.equal(tensor, torch.full((3, 40), 2.0))  # doubled once, not by the traces
     assert double.initial == 16
+
+
+def test_a_trace_that_would_write_into_a_real_tensor_is_not_made() -> None:
+    counter = torch.zeros(())
+    norm = torch.nn.BatchNorm1d(3, momentum=None)  # training mode: statistics update
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=16)
+    def step(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        counter.add_(1)
+        return norm(data[:batchsize])
+
+    data = torch.randn(64, 3) + 5
+    step(data)
+    assert float(counter) == 1.0  # the real call only
+    assert int(norm.num_batches_tracked) == 1
+    assert step.prediction is None  # refused to trace, searched from max_batchsize
+    reference = torch.nn.BatchNorm1d(3, momentum=None)
+    reference(data[:16])
+    torch.testing.assert_close(norm.running_mean, reference.running_mean)
+
+
+def test_a_function_that_keeps_a_traced_tensor_gets_a_clear_error() -> None:
+    cache: dict[str, torch.Tensor] = {}
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=16)
+    def cached(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        if "table" not in cache:
+            cache["table"] = torch.ones(4)  # made once, during the first trace: a fake
+        return data[:batchsize].sum() * cache["table"]
+
+    with pytest.raises(adaptive.AdaptmemError, match="fake tensor made while its 'auto' traces"):
+        cached(torch.ones(64))
+
+
+def test_calls_too_small_to_tell_leave_the_decision_to_a_later_call() -> None:
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=4096)
+    def scaled(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(chunk * 2).sum() for chunk in data.split(batchsize)]).sum()
+
+    assert float(scaled(torch.ones(4))) == 8.0  # 4 items: no growth from 8 to 16 to see
+    assert scaled.prediction is None
+    assert float(scaled(torch.ones(4096, 64))) == 2.0 * 4096 * 64
+    assert scaled.prediction is not None and scaled.prediction.per_item_bytes > 0
+
+
+def test_a_long_loop_is_traced_at_larger_sizes_instead_of_op_by_op() -> None:
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).eval()
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=8192)
+    def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    data = torch.randn(8192, 8)
+    with torch.no_grad():
+        want = model(data)
+    torch.testing.assert_close(run(data), want)
+    assert run.prediction is not None and run.prediction.sizes[0] >= 64
+
+
+def test_generators_and_async_functions_cannot_be_auto() -> None:
+    with pytest.raises(TypeError, match="generator or async function"):
+        @adaptive.batch(initial_batchsize="auto")
+        def items(batchsize: int):  # type: ignore[no-untyped-def]
+            yield batchsize
