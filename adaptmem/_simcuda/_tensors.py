@@ -27,9 +27,14 @@ C binding (``torch.add``, ``Tensor.add``, a property getter), which has no Pytho
 whose inner calls the simulation would need to see, runs without the second pass through
 ``SimTensor.__torch_function__``, and so do the handlers, which call only bindings; a
 factory that draws nothing and reads no simulated tensor (``empty_like(host, device=
-"cuda")``, every copy a pager makes) runs without the dispatch mode; and an allocation's
-death is reported by a weak reference, not a ``weakref.finalize``. Benchmarks built on the
-simulation report this cost beside their figures (benchmarks/paging.py).
+"cuda")``, every copy a pager makes) runs without the dispatch mode, and a ``*_like`` one
+is sized from its input, not on the meta device; ``copy_`` between a host and a simulated
+tensor calls what the dispatch mode would (``Tensors.copy``) directly, bumping the version
+counter as the in-place op does; a freed block's host memory serves the next allocation of
+its size (See [Note: the host memory of cached blocks] in _memory.py); the race detector
+builds its message only on a race; and an allocation's death is reported by a weak
+reference, not a ``weakref.finalize``. Benchmarks built on the simulation report this cost
+beside their figures (benchmarks/paging.py).
 
 [Note: simulated random state]
 Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
