@@ -126,8 +126,14 @@ class SlotTable:
             if _modes_on():  # See [Note: version reads skip torch function modes]
                 with _no_modes():
                     current = _prefetched(needs, ticket)
-            else:
-                current = _prefetched(needs, ticket)
+            else:  # _prefetched inline: this runs per unit, and a call costs
+                for s in needs:
+                    if (s.state is not PENDING or s.ticket is not ticket
+                            or s.tensor._version != s.version):
+                        current = False
+                        break
+                else:
+                    current = True
             if current:
                 if self.synchronous:
                     self.stats.prefetch_hits += 1
@@ -206,8 +212,11 @@ class SlotTable:
         if _modes_on():  # See [Note: version reads skip torch function modes]
             with _no_modes():
                 nbytes = _pending(slots, copies, ticket)
-        else:
-            nbytes = _pending(slots, copies, ticket)
+        else:  # _pending inline: this runs per unit, and a call costs
+            nbytes = 0
+            for s, c in zip(slots, copies, strict=True):
+                s.copy, s.ticket, s.state, s.version = c, ticket, PENDING, s.tensor._version
+                nbytes += s.nbytes
         self._add(nbytes)
         self.stats.transfers += 1
         self.stats.bytes_moved += nbytes
