@@ -799,11 +799,11 @@ class Functions(TorchFunctionMode):
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         if not (dst.is_cuda or (isinstance(src, torch.Tensor) and src.is_cuda)):
             return func(*args, **kwargs)
-        if (type(src) is torch.Tensor or (isinstance(src, torch.Tensor) and src.is_cuda)) and (
-                type(dst) is SimTensor or type(dst) is torch.nn.Parameter):
+        if dst.is_cuda and (type(src) is torch.Tensor or (
+                isinstance(src, torch.Tensor) and src.is_cuda)):
             # See [Note: the per-op cost of the simulation]: what aten.copy_ would reach
-            # through the dispatch mode, called directly; the version counter is bumped as
-            # the in-place op would.
+            # through the dispatch mode, called directly (into a simulated tensor, whose
+            # backing is written); the version counter is bumped as the in-place op would.
             with _no_python_dispatch():
                 self.sim.copy(dst, src, bool(non_blocking))
             _increment_version((dst,))
