@@ -18,9 +18,11 @@ path. ``release`` runs per unit too, so it does ``unload``'s work inline.
 Reading ``tensor._version`` is a Python getter that every active ``TorchFunctionMode``
 sees (a simulated device's, a user's); the pager reads it for every tensor it fetches or
 installs. It is metadata no mode has a reason to change, so those reads run with torch
-function handling off (``_no_modes``, only when a mode is on: entering it costs more than a
-read without modes), which saves each read the trip through every mode. Everything else
-the pager does (copies, ``.data`` assignments) stays visible to modes.
+function handling off (``_no_modes``), which saves each read the trip through every mode.
+Only when a mode is on: entering it costs more than a read without modes, so whether one is
+on is asked once per outermost call (``SlotTable.modes``, set by the pager; a mode entered
+during a forward just sees the reads, as before). Everything else the pager does (copies,
+``.data`` assignments) stays visible to modes.
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer
 from .._planning import Placement, Unit
 
-__all__ = ["NoRoom", "SlotTable", "room_for_weights"]
+__all__ = ["NoRoom", "SlotTable", "modes_on", "room_for_weights"]
 
 logger = logging.getLogger("adaptmem")
 # See [Note: version reads skip torch function modes]
 _no_modes = torch._C.DisableTorchFunction
-_modes_on = torch._C._is_torch_function_mode_enabled
+modes_on = torch._C._is_torch_function_mode_enabled
 
 
 def _prefetched(needs: Sequence[Slot], ticket: Any) -> bool:
@@ -58,7 +60,7 @@ def _prefetched(needs: Sequence[Slot], ticket: Any) -> bool:
 
 def _written(s: Slot) -> bool:
     """``s``'s tensor was written in place since its copy was made."""
-    if _modes_on():  # See [Note: version reads skip torch function modes]
+    if modes_on():  # See [Note: version reads skip torch function modes]
         with _no_modes():
             return s.tensor._version != s.version
     return s.tensor._version != s.version
@@ -113,6 +115,9 @@ class SlotTable:
         self.held = 0
         self.resident_bytes = 0
         self._written: set[str] = set()  # buffers already reported as written in place
+        # A torch function mode was on when the current call began: See [Note: version
+        # reads skip torch function modes].
+        self.modes = False
 
     def fits(self, need: int) -> bool:
         return self.budget is None or self.held + need <= self.budget
@@ -123,7 +128,7 @@ class SlotTable:
         first = needs[0]
         if first.state is PENDING:
             ticket = first.ticket
-            if _modes_on():  # See [Note: version reads skip torch function modes]
+            if self.modes:  # See [Note: version reads skip torch function modes]
                 with _no_modes():
                     current = _prefetched(needs, ticket)
             else:  # _prefetched inline: this runs per unit, and a call costs
@@ -209,7 +214,7 @@ class SlotTable:
         """Start copying ``slots`` (all on the host) to the device (``masters``: theirs, when
         known)."""
         copies, ticket = self._start(masters or [s.master for s in slots])
-        if _modes_on():  # See [Note: version reads skip torch function modes]
+        if self.modes:  # See [Note: version reads skip torch function modes]
             with _no_modes():
                 nbytes = _pending(slots, copies, ticket)
         else:  # _pending inline: this runs per unit, and a call costs
