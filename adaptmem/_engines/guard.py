@@ -102,14 +102,23 @@ class PlacementGuard:
     def expect(self, data: Mapping[str, torch.Tensor]) -> None:
         """The data each tensor holds at rest from now on (kept to put it back)."""
         self._data = {n: data[n] for n in self._names}
-        self._dtypes = [d.dtype for d in self._data.values()]
-        self._devices = [d.get_device() for d in self._data.values()]
+        with _no_modes():  # read as check() reads them
+            self._dtypes = [d.dtype for d in self._data.values()]
+            self._devices = [d.get_device() for d in self._data.values()]
 
     def check(self) -> None:
         """Raise ``PlacementError`` if a tensor was replaced or converted since placement."""
         # One pass per property in C (map), not a Python loop: this runs at every call.
-        if (list(map(_dtype_of, self._tensors)) != self._dtypes
-                or list(map(_device_of, self._tensors)) != self._devices
+        # Metadata reads, with torch function modes off: a mode (a simulated device's)
+        # would otherwise see two calls per tensor per forward, and has nothing to change.
+        if torch._C._is_torch_function_mode_enabled():
+            with _no_modes():
+                dtypes = list(map(_dtype_of, self._tensors))
+                devices = list(map(_device_of, self._tensors))
+        else:
+            dtypes = list(map(_dtype_of, self._tensors))
+            devices = list(map(_device_of, self._tensors))
+        if (dtypes != self._dtypes or devices != self._devices
                 or not all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                                self._registered))
                 or (self._adopted and self._adopted_changed() is not None)):
@@ -197,6 +206,7 @@ class PlacementGuard:
 
 
 _dtype_of = operator.attrgetter("dtype")
+_no_modes = torch._C.DisableTorchFunction
 _device_of = torch.Tensor.get_device
 
 

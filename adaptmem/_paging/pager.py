@@ -38,7 +38,7 @@ from .learner import Learner, Quiet
 from .needs import Needs
 from .refine import Refiner
 from .schedule import Schedule
-from .slots import NoRoom, SlotTable, room_for_weights
+from .slots import NoRoom, SlotTable, modes_on, room_for_weights
 
 __all__ = ["Pager"]
 
@@ -216,6 +216,7 @@ class Pager(Engine):
             self._end_forward(failed=True)
         self._guard.check()  # See [Note: a placed model is neither copied nor converted]
         self._schedule.restart()
+        self._table.modes = modes_on()  # See [Note: version reads skip torch function modes]
         self._table.settle(block=False)
         if self._learner.begin_call():  # learning again: every module watched
             for m in self._modules.values():

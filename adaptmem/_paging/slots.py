@@ -13,6 +13,16 @@ transfer without calling ``wait``, since such a copy was done before ``start`` r
 Everything else (a miss, a stale copy, a tensor a running module holds already, a fetch that
 does not fit) takes ``bring_in``, which handles every case and is correct without the fast
 path. ``release`` runs per unit too, so it does ``unload``'s work inline.
+
+[Note: version reads skip torch function modes]
+Reading ``tensor._version`` is a Python getter that every active ``TorchFunctionMode``
+sees (a simulated device's, a user's); the pager reads it for every tensor it fetches or
+installs. It is metadata no mode has a reason to change, so those reads run with torch
+function handling off (``_no_modes``), which saves each read the trip through every mode.
+Only when a mode is on: entering it costs more than a read without modes, so whether one is
+on is asked once per outermost call (``SlotTable.modes``, set by the pager; a mode entered
+during a forward just sees the reads, as before). Everything else the pager does (copies,
+``.data`` assignments) stays visible to modes.
 """
 
 from __future__ import annotations
@@ -31,9 +41,39 @@ from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer
 from .._planning import Placement, Unit
 
-__all__ = ["NoRoom", "SlotTable", "room_for_weights"]
+__all__ = ["NoRoom", "SlotTable", "modes_on", "room_for_weights"]
 
 logger = logging.getLogger("adaptmem")
+# See [Note: version reads skip torch function modes]
+_no_modes = torch._C.DisableTorchFunction
+modes_on = torch._C._is_torch_function_mode_enabled
+
+
+def _prefetched(needs: Sequence[Slot], ticket: Any) -> bool:
+    """Every slot of ``needs`` has its copy on the way in ``ticket``, and nothing wrote to
+    its tensor since that copy was made."""
+    for s in needs:
+        if s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version:
+            return False
+    return True
+
+
+def _written(s: Slot) -> bool:
+    """``s``'s tensor was written in place since its copy was made."""
+    if modes_on():  # See [Note: version reads skip torch function modes]
+        with _no_modes():
+            return s.tensor._version != s.version
+    return s.tensor._version != s.version
+
+
+def _pending(slots: Sequence[Slot], copies: Sequence[torch.Tensor], ticket: Any) -> int:
+    """Mark ``slots`` as copied to ``copies`` in ``ticket``, as of their tensors' versions
+    now; returns their bytes."""
+    nbytes = 0
+    for s, c in zip(slots, copies, strict=True):
+        s.copy, s.ticket, s.state, s.version = c, ticket, PENDING, s.tensor._version
+        nbytes += s.nbytes
+    return nbytes
 
 
 def room_for_weights(device: torch.device, budget: int | None) -> int:
@@ -75,6 +115,9 @@ class SlotTable:
         self.held = 0
         self.resident_bytes = 0
         self._written: set[str] = set()  # buffers already reported as written in place
+        # A torch function mode was on when the current call began: See [Note: version
+        # reads skip torch function modes].
+        self.modes = False
 
     def fits(self, need: int) -> bool:
         return self.budget is None or self.held + need <= self.budget
@@ -85,10 +128,18 @@ class SlotTable:
         first = needs[0]
         if first.state is PENDING:
             ticket = first.ticket
-            for s in needs:
-                if s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version:
-                    break
-            else:
+            if self.modes:  # See [Note: version reads skip torch function modes]
+                with _no_modes():
+                    current = _prefetched(needs, ticket)
+            else:  # _prefetched inline: this runs per unit, and a call costs
+                for s in needs:
+                    if (s.state is not PENDING or s.ticket is not ticket
+                            or s.tensor._version != s.version):
+                        current = False
+                        break
+                else:
+                    current = True
+            if current:
                 if self.synchronous:
                     self.stats.prefetch_hits += 1
                     for s in needs:
@@ -163,10 +214,14 @@ class SlotTable:
         """Start copying ``slots`` (all on the host) to the device (``masters``: theirs, when
         known)."""
         copies, ticket = self._start(masters or [s.master for s in slots])
-        nbytes = 0
-        for s, c in zip(slots, copies, strict=True):
-            s.copy, s.ticket, s.state, s.version = c, ticket, PENDING, s.tensor._version
-            nbytes += s.nbytes
+        if self.modes:  # See [Note: version reads skip torch function modes]
+            with _no_modes():
+                nbytes = _pending(slots, copies, ticket)
+        else:  # _pending inline: this runs per unit, and a call costs
+            nbytes = 0
+            for s, c in zip(slots, copies, strict=True):
+                s.copy, s.ticket, s.state, s.version = c, ticket, PENDING, s.tensor._version
+                nbytes += s.nbytes
         self._add(nbytes)
         self.stats.transfers += 1
         self.stats.bytes_moved += nbytes
@@ -226,7 +281,7 @@ class SlotTable:
         for s in slots:
             s.refs -= 1
             if s.refs == 0 and not s.resident:  # unload, inline: see [Note: the one fast path]
-                if s.buffer and s.tensor._version != s.version:
+                if s.buffer and _written(s):
                     self._write_back(s)
                 s.tensor.data = s.master
                 s.copy = None

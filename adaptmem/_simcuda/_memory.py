@@ -5,11 +5,22 @@ the cached (reserved but unused) bytes cannot hold a block, a segment is reserve
 the block rounded up to 2 MiB); past the limit the cache is emptied once and the allocation
 tried again, then ``torch.OutOfMemoryError`` is raised with CUDA's message. Fragmentation is
 not modelled: any cached bytes serve any block.
+
+[Note: the host memory of cached blocks]
+A simulated block's values live in a host tensor (its "backing"). Allocating and freeing
+those on the host costs what a GPU's caching allocator does not (malloc, page faults on the
+first write, munmap), for every copy a pager makes. So the allocator keeps the host storage
+of a freed block whose backing owned all of it (``keep``), within its cached bytes (reserved
+minus allocated) and ``HOST_CACHE_LIMIT``, and the next allocation of exactly that size
+takes it back (``reuse``): what a real allocator does with device memory. ``empty_cache``,
+and the release before an OOM, drop it with the cached bytes. A reused block holds whatever
+the last one wrote, as uninitialised memory on a GPU does.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -17,6 +28,7 @@ __all__ = ["Allocator", "round_block"]
 
 _BLOCK = 512
 _SEGMENT = 2 * 1024**2
+HOST_CACHE_LIMIT = 1024**3  # host bytes kept for freed blocks, per device
 
 
 def round_block(nbytes: int) -> int:
@@ -52,6 +64,9 @@ class Allocator:
         self.num_ooms = 0
         self.num_allocs = 0
         self._lock = threading.Lock()
+        # See [Note: the host memory of cached blocks]: storages by size, and their bytes.
+        self._host: dict[int, list[Any]] = {}
+        self._host_bytes = 0
 
     @property
     def limit(self) -> int:
@@ -68,6 +83,7 @@ class Allocator:
                 if self.reserved + grow > self.limit:
                     # Like the real allocator: give cached segments back, then try once more.
                     self.reserved = self.allocated
+                    self._drop_host()
                 if self.reserved + grow > self.limit:
                     self.num_ooms += 1
                     raise torch.OutOfMemoryError(self._oom_message(block))
@@ -85,6 +101,29 @@ class Allocator:
     def empty_cache(self) -> None:
         with self._lock:
             self.reserved = self.allocated
+            self._drop_host()
+
+    def keep(self, nbytes: int, storage: Any) -> None:
+        """Hold a freed block's host storage of ``nbytes`` for ``reuse``, if the cached bytes
+        cover it (see [Note: the host memory of cached blocks])."""
+        with self._lock:
+            total = self._host_bytes + nbytes
+            if total <= self.reserved - self.allocated and total <= HOST_CACHE_LIMIT:
+                self._host.setdefault(nbytes, []).append(storage)
+                self._host_bytes = total
+
+    def reuse(self, nbytes: int) -> Any:
+        """A kept host storage of exactly ``nbytes``, or None."""
+        with self._lock:
+            kept = self._host.get(nbytes)
+            if not kept:
+                return None
+            self._host_bytes -= nbytes
+            return kept.pop()
+
+    def _drop_host(self) -> None:
+        self._host.clear()
+        self._host_bytes = 0
 
     def reset_peaks(self) -> None:
         with self._lock:

@@ -40,6 +40,7 @@ class SimState:
         self.generators = tuple(torch.Generator().manual_seed(torch.initial_seed())
                                 for _ in range(devices))
         self.drawing_for: int | None = None  # the device a CPU-run factory makes values for
+        self._known: dict[Any, int | None] = {}  # device_index's answers for devices, strings
 
     def next_stream_id(self) -> int:
         return next(self._ids)
@@ -48,6 +49,12 @@ class SimState:
         """The simulated device meant by ``device`` (None: the current one)."""
         if device is None:
             return self.current_device
+        kind = type(device)
+        if kind is torch.device or kind is str:
+            # Asked per copy and per stream lookup; torch.device's attributes are slow.
+            known = self._known.get(device, -1)
+            if known != -1:
+                return self.current_device if known is None else known
         if isinstance(device, int) and not isinstance(device, bool):
             index: int | None = device
         else:
@@ -57,6 +64,8 @@ class SimState:
             if dev.type != "cuda":
                 raise ValueError(f"Expected a cuda device, but got: {dev}")
             index = dev.index
+            if index is None or 0 <= index < len(self.allocators):
+                self._known[device] = index
         if index is None:
             return self.current_device
         if not 0 <= index < len(self.allocators):

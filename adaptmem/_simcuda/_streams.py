@@ -166,8 +166,10 @@ class SimStream(torch.Stream):
         state.copy_seconds += time.thread_time() - moving
         # The link starts once the call has returned: the memcpy's host time is the
         # simulation's own cost, not the link's.
-        start = max(time.perf_counter(), self._link_free_at,
-                    max((d.done_at for d in deps), default=0.0))
+        start = max(time.perf_counter(), self._link_free_at)
+        for d in deps:
+            if d.done_at > start:
+                start = d.done_at
         done_at = start + nbytes / (bandwidth * 1e9) if bandwidth else start
         self._link_free_at = done_at
         self.seq += 1
@@ -238,13 +240,15 @@ class SimEvent:
         return "<simulated torch.cuda.Event>"
 
 
-def check_access(job: Job, stream: SimStream, what: str) -> None:
-    """An op on ``stream`` uses a tensor ``job`` writes: raise on a race, else wait for it."""
+def check_access(job: Job, stream: SimStream, what: Callable[[], str]) -> None:
+    """An op on ``stream`` uses a tensor ``job`` writes: raise on a race, else wait for it.
+    ``what()`` names the tensor (called only to say what raced: a pager's every weight
+    comes here until the host next synchronises)."""
     writer = job.stream
     if not (writer is stream or job.seq <= writer.synced_seq
             or stream.waited.get(writer, 0) >= job.seq):
         raise StreamRaceError(
-            f"simulated CUDA: {what} was read before its copy completed: the copy was issued "
+            f"simulated CUDA: {what()} was read before its copy completed: the copy was issued "
             f"with non_blocking=True on {writer!r}, and {stream!r} did not wait for it. On a "
             f"GPU this reads whatever the memory held (silent garbage). Make the reading "
             f"stream wait first: stream.wait_stream(copy_stream) or "

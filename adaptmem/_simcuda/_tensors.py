@@ -27,9 +27,14 @@ C binding (``torch.add``, ``Tensor.add``, a property getter), which has no Pytho
 whose inner calls the simulation would need to see, runs without the second pass through
 ``SimTensor.__torch_function__``, and so do the handlers, which call only bindings; a
 factory that draws nothing and reads no simulated tensor (``empty_like(host, device=
-"cuda")``, every copy a pager makes) runs without the dispatch mode; and an allocation's
-death is reported by a weak reference, not a ``weakref.finalize``. Benchmarks built on the
-simulation report this cost beside their figures (benchmarks/paging.py).
+"cuda")``, every copy a pager makes) runs without the dispatch mode, and a ``*_like`` one
+is sized from its input, not on the meta device; ``copy_`` between a host and a simulated
+tensor calls what the dispatch mode would (``Tensors.copy``) directly, bumping the version
+counter as the in-place op does; a freed block's host memory serves the next allocation of
+its size (See [Note: the host memory of cached blocks] in _memory.py); the race detector
+builds its message only on a race; and an allocation's death is reported by a weak
+reference, not a ``weakref.finalize``. Benchmarks built on the simulation report this cost
+beside their figures (benchmarks/paging.py).
 
 [Note: simulated random state]
 Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
@@ -122,11 +127,14 @@ class Record:
     """One simulated allocation: its device and size, the stream it was allocated on, the
     streams that used it since, and the copy that still writes it."""
 
-    __slots__ = ("index", "block", "refs", "stream", "used_on", "recorded", "pending")
+    __slots__ = ("index", "block", "refs", "stream", "used_on", "recorded", "pending", "host")
 
     def __init__(self, index: int, block: int, stream: SimStream) -> None:
         self.index = index
         self.block = block
+        # The host storage a backing of all of it holds, kept for reuse when the block is
+        # freed (See [Note: the host memory of cached blocks] in _memory.py); else None.
+        self.host: Any = None
         self.refs = 0
         self.stream = stream
         self.used_on: dict[SimStream, int] = {}
@@ -157,7 +165,8 @@ class Tensors:
             SimTensor, backing.shape, strides=backing.stride(),
             storage_offset=backing.storage_offset(), dtype=backing.dtype,
             device=self.devices[record.index], requires_grad=False)
-        storage = w.untyped_storage()
+        with _no_subclass_function():  # a binding: no need for SimTensor.__torch_function__
+            storage = w.untyped_storage()
         key = storage._cdata
         died = self._died
         self.entries[key] = (backing, record, weakref.ref(storage, lambda r: died(key, r)))
@@ -187,6 +196,26 @@ class Tensors:
             raise
         return made
 
+    def empty_backing(self, like: torch.Tensor, dtype: torch.dtype,
+                      record: Record) -> torch.Tensor | None:
+        """``torch.empty_like(like, dtype=dtype)`` on the host for ``record`` (a block of
+        ``like.numel()`` elements): in a kept host storage of that size when there is one
+        (See [Note: the host memory of cached blocks] in _memory.py), else a new tensor.
+        Marks the storage as ``record``'s to keep. None when ``like`` is small (under
+        ``_KEPT_SIZE``) or not a dense row-major tensor: the caller makes it as torch would."""
+        nbytes = like.numel() * dtype.itemsize
+        if (nbytes < _KEPT_SIZE or not like.is_contiguous()
+                or like.layout is not torch.strided):
+            return None
+        host = self.state.allocators[record.index].reuse(nbytes)
+        with _no_python_dispatch():
+            if host is None:
+                out = torch.empty_like(like, dtype=dtype, device=_CPU)
+            else:
+                out = torch.empty(0, dtype=dtype).set_(host, 0, like.shape, like.stride())
+        record.host = out.untyped_storage()
+        return out
+
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, Record]:
         entry = self.entries.get(t.untyped_storage()._cdata)
         if entry is None:
@@ -210,10 +239,15 @@ class Tensors:
         if self.closed:
             return
         record = entry[1]
+        del entry  # the backing: its storage's use count is read below
         record.refs -= 1
         if record.refs:
             return
-        self.state.allocators[record.index].free(record.block)
+        allocator = self.state.allocators[record.index]
+        allocator.free(record.block)
+        host, record.host = record.host, None
+        if host is not None and _storage_use_count(host._cdata) == 1:  # no tensor uses it
+            allocator.keep(host.nbytes(), host)
         for stream, epoch in record.used_on.items():
             if stream not in record.recorded and stream.synced_epoch < epoch:
                 self.state.report(
@@ -230,7 +264,7 @@ class Tensors:
             if job.seq <= job.stream.synced_seq and job.finished():
                 record.pending = None
             else:
-                check_access(job, stream, f"{_describe(t)} (an input of {op})")
+                check_access(job, stream, lambda: f"{_describe(t)} (an input of {op})")
         if stream is not record.stream and stream not in record.recorded:
             record.used_on[stream] = stream.epoch
 
@@ -262,7 +296,7 @@ class Tensors:
         return pinned
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return t.device.type == "cpu" and t.untyped_storage().data_ptr() in self.state.pinned
+        return t.is_cpu and t.untyped_storage().data_ptr() in self.state.pinned
 
     # -- copies --------------------------------------------------------------------------
 
@@ -291,8 +325,11 @@ class Tensors:
         # Counted before the copy is made: an allocation that does not fit costs nothing.
         record = self.reserve(source.numel() * dtype.itemsize, index)
         if non_blocking and not x.is_cuda and self.is_pinned(x):
-            dst = torch.empty_like(source, dtype=dtype, memory_format=kwargs.get(
-                "memory_format") or torch.preserve_format)
+            memory_format = kwargs.get("memory_format") or torch.preserve_format
+            dst = self.empty_backing(source, dtype, record) if (
+                memory_format is torch.preserve_format) else None
+            if dst is None:
+                dst = torch.empty_like(source, dtype=dtype, memory_format=memory_format)
             out = self.wrap(dst, record)
             self._async_copy(dst, source, record)
             return out
@@ -344,7 +381,8 @@ class Tensors:
         stream = self.state.current_streams[record.index]
         nbytes = src.numel() * src.element_size()
         def run() -> None:
-            dst.copy_(src)
+            with _no_python_dispatch():  # two host tensors: nothing for the mode to do
+                dst.copy_(src)
 
         record.pending = stream.enqueue(run, nbytes, "copy")
         if stream is not record.stream:
@@ -565,6 +603,13 @@ _no_python_dispatch = torch._C._DisableTorchDispatch
 _PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
                     torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_strided,
                     torch.arange, torch.eye, torch.linspace}
+_LIKE_FACTORIES = {torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like}
+_increment_version = torch._C._increment_version
+_storage_use_count = torch._C._storage_Use_Count
+# The keyword arguments of an ``empty_like`` that a kept host storage can serve.
+_EMPTY_LIKE_PLAIN = {"device", "dtype", "memory_format"}
+# Smaller blocks come from malloc's heap, cheaper than a kept storage's ``set_``.
+_KEPT_SIZE = 128 * 1024
 _BINDING_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType,
                   types.GetSetDescriptorType)
@@ -574,6 +619,17 @@ def _is_binding(func: Any) -> bool:
     """``func`` is a C binding of torch (``torch.add``, ``Tensor.add``, a property getter;
     not cached by identity: a getter's method-wrapper is a new object at every access)."""
     return isinstance(func, _BINDING_TYPES)
+
+
+def _plain_arguments(args: Any, kwargs: dict[str, Any]) -> bool:
+    """No simulated tensor among ``args``, no tensor among ``kwargs``."""
+    for a in args:
+        if isinstance(a, SimTensor):
+            return False
+    for v in kwargs.values():
+        if isinstance(v, torch.Tensor):
+            return False
+    return True
 
 
 def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -612,7 +668,10 @@ class Functions(TorchFunctionMode):
         handler = self.handlers.get(func)
         if handler is not None:
             # Handlers call C bindings only (see [Note: the per-op cost of the simulation]).
-            with torch.no_grad(), _no_subclass_function():
+            with _no_subclass_function():
+                if torch.is_grad_enabled():
+                    with torch.no_grad():
+                        return handler(func, args, kwargs)
                 return handler(func, args, kwargs)
         device = kwargs.get("device")
         if device is not None and _is_cuda(device):
@@ -644,8 +703,7 @@ class Functions(TorchFunctionMode):
         index = self.sim.state.device_index(kwargs["device"])
         kwargs = {**kwargs, "device": "cpu"}
         kwargs.pop("requires_grad", None)
-        if (func in _PLAIN_FACTORIES and not any(isinstance(a, SimTensor) for a in args)
-                and not any(isinstance(v, torch.Tensor) for v in kwargs.values())):
+        if func in _PLAIN_FACTORIES and _plain_arguments(args, kwargs):
             return self._plain_factory(index, func, args, kwargs)
         # Sizes first (on the meta device): an allocation that does not fit costs nothing.
         try:
@@ -671,11 +729,23 @@ class Functions(TorchFunctionMode):
         device="cuda")``, the pager's every copy): made without the dispatch mode, which
         has nothing to do there."""
         with _no_python_dispatch():
-            # Size first (on the meta device): an allocation that does not fit costs nothing.
-            meta = func(*args, **{**kwargs, "device": "meta"})
-            record = self.sim.reserve(meta.untyped_storage().nbytes(), index)
+            # Size first: an allocation that does not fit costs nothing. A ``*_like``
+            # factory makes a tensor of its input's element count (dense, at offset 0),
+            # so only the others need the meta device to tell.
+            if func in _LIKE_FACTORIES and args[0].layout is torch.strided:
+                dtype = kwargs.get("dtype") or args[0].dtype
+                nbytes = args[0].numel() * dtype.itemsize
+            else:
+                nbytes = func(*args, **{**kwargs, "device": "meta"}).untyped_storage().nbytes()
+            record = self.sim.reserve(nbytes, index)
             try:
-                out = func(*args, **kwargs)
+                out = None
+                if func is torch.empty_like and kwargs.keys() <= _EMPTY_LIKE_PLAIN and (
+                        kwargs.get("memory_format") in (None, torch.preserve_format)):
+                    out = self.sim.empty_backing(args[0], kwargs.get("dtype") or args[0].dtype,
+                                                 record)
+                if out is None:
+                    out = func(*args, **kwargs)
             except BaseException:
                 self.sim.state.allocators[index].free(record.block)
                 raise
@@ -729,6 +799,15 @@ class Functions(TorchFunctionMode):
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         if not (dst.is_cuda or (isinstance(src, torch.Tensor) and src.is_cuda)):
             return func(*args, **kwargs)
+        if dst.is_cuda and (type(src) is torch.Tensor or (
+                isinstance(src, torch.Tensor) and src.is_cuda)):
+            # See [Note: the per-op cost of the simulation]: what aten.copy_ would reach
+            # through the dispatch mode, called directly (into a simulated tensor, whose
+            # backing is written); the version counter is bumped as the in-place op would.
+            with _no_python_dispatch():
+                self.sim.copy(dst, src, bool(non_blocking))
+            _increment_version((dst,))
+            return dst
         return aten.copy_.default(dst, src, non_blocking)
 
     def _record_stream(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

@@ -161,6 +161,43 @@ def _copy_on_a_side_stream(host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda
     return dev, side
 
 
+def test_a_freed_blocks_memory_serves_the_next_copy_of_its_size_until_empty_cache() -> None:
+    # See [Note: the host memory of cached blocks]: the address comes back, as the caching
+    # allocator hands it back on a GPU, and the new copy's values are its own.
+    with simulated_cuda(total_memory="1GiB"):
+        first = torch.empty_like(torch.ones(MiB // 4), device="cuda").copy_(torch.ones(MiB // 4))
+        address = first.data_ptr()
+        del first
+        second = torch.empty_like(torch.ones(MiB // 4), device="cuda")
+        assert second.data_ptr() == address
+        second.copy_(torch.full((MiB // 4,), 2.0).pin_memory(), non_blocking=True)
+        torch.cuda.synchronize()
+        assert second.eq(2).all().item()
+        assert torch.cuda.memory_allocated() == MiB
+        view = second[:10]
+        del second  # the view holds the block: nothing is freed
+        other = torch.empty_like(torch.ones(MiB // 4), device="cuda")
+        assert other.data_ptr() != address and view.eq(2).all().item()
+        del view, other
+        torch.cuda.empty_cache()
+        assert torch.cuda.memory_reserved() == 0
+
+
+@pytest.mark.parametrize("non_blocking", [False, True])
+def test_copy_into_a_device_tensor_bumps_its_version_as_torch_does(non_blocking: bool) -> None:
+    with simulated_cuda():
+        host = torch.arange(6.0).pin_memory()
+        dev = torch.zeros(6, device="cuda")
+        before = dev._version
+        dev.copy_(host, non_blocking=non_blocking)
+        torch.cuda.synchronize()
+        assert dev._version == before + 1
+        assert dev.cpu().tolist() == host.tolist()
+        back = torch.zeros(6)
+        back.copy_(dev)
+        assert back._version == 1 and back.tolist() == host.tolist()
+
+
 def test_a_read_on_a_stream_that_did_not_wait_for_the_copy_raises() -> None:
     with simulated_cuda(bandwidth=1):
         host = torch.ones(MiB // 4).pin_memory()
