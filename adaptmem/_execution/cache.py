@@ -74,6 +74,7 @@ PROBE_AFTER_MAX = 1 << 20
 #   outcome there). A new bucket starts from that shared knowledge; with no bucket below
 #   it, it borrows the nearest bucket's fitting size as a guess.
 FIRST_GROWTH = 0.25
+MAX_GROWTH = 0.5
 RESET_BUCKETS = 2
 BACKOFF_MAX = 1 << 20
 
@@ -115,7 +116,7 @@ class CallSite:
 
     def climbed(self) -> None:
         """A probe above the largest fitting size fitted."""
-        self.growth = min(2 * self.growth, 1.0)
+        self.growth = min(2 * self.growth, MAX_GROWTH)
 
     def share_failure(self, size: int, bucket: int) -> None:
         """``size`` failed in ``bucket``: it fails in buckets with less memory too."""
@@ -203,6 +204,8 @@ class SizeRecord:
         self.site.share_failure(size, self.bucket)
         if fits is not None and fits < size:
             return max(floor, fits)
+        if knew_a_fit:  # a size that fitted failed: memory shrank, likely by a little
+            return max(floor, min(size - 1, size * 3 // 4))
         return max(floor, size // 2)
 
     def after_success(self, size: int) -> None:
