@@ -73,6 +73,7 @@ PROBE_AFTER_MAX = 1 << 20
 #   evidence wins over a neighbour's that contradicts it (the reading did not predict the
 #   outcome there). A new bucket starts from that shared knowledge; with no bucket below
 #   it, it borrows the nearest bucket's fitting size as a guess.
+BUCKETS_PER_OCTAVE = 4
 FIRST_GROWTH = 0.25
 MAX_GROWTH = 0.5
 RESET_BUCKETS = 2
@@ -123,6 +124,19 @@ class CallSite:
         for other, record in list(self.records.items()):
             if other < bucket:
                 record.learn_fails(size)
+
+    def scaled_failure(self, bucket: int) -> int | None:
+        """The smallest failure of a bucket with less free memory, scaled by how much more
+        this one has: where a size that grows with free memory would fail here."""
+        scaled = [int(r.fails * 2 ** ((bucket - b) / BUCKETS_PER_OCTAVE))
+                  for b, r in list(self.records.items()) if b < bucket and r.fails is not None]
+        return min(scaled, default=None)
+
+    def largest_fit_below(self, bucket: int, size: int) -> int | None:
+        """The largest size under ``size`` that fitted with less free memory than ``bucket``."""
+        fitted = [r.fits for b, r in list(self.records.items())
+                  if b < bucket and r.fits is not None and r.fits < size]
+        return max(fitted, default=None)
 
     def share_fit(self, size: int, bucket: int) -> None:
         """``size`` fitted in ``bucket``: it fits in buckets with more memory too."""
@@ -179,6 +193,12 @@ class SizeRecord:
             return initial if fails is None else max(floor, min(initial, fails // 2))
         bounded = fails is not None and fails <= initial
         ceiling = fails if fails is not None and bounded else initial + 1
+        if not bounded and fits < SETTLE_FRACTION * initial:
+            # More memory than where something failed: climb towards the failure scaled
+            # up, a guess a probe may pass later (see [Note: a quiet search]).
+            guess = self.site.scaled_failure(self.bucket)
+            if guess is not None and fits < guess <= initial:
+                ceiling, bounded = guess, True
         if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
             if (probe and bounded and self.successes >= self.patience):
                 self.successes = 0
@@ -193,19 +213,20 @@ class SizeRecord:
                 # A known failure confirmed (a probe): wait twice as long before the next.
                 self.patience = min(2 * self.patience, PROBE_AFTER_MAX)
             knew_a_fit = self.fits is not None
+            shrank = knew_a_fit and self.fits >= size  # type: ignore[operator]
             if self.fails is None or size < self.fails:
                 self.fails = size
-            if self.fits is not None and self.fits >= size:
-                self.fits = None  # it fitted before; memory is tighter now
+            if shrank:  # it fitted before; memory is tighter now
+                self.fits = self.site.largest_fit_below(self.bucket, size)
             self.successes = 0
             fits = self.fits
         if knew_a_fit:
             self.site.failed(self.bucket)  # see [Note: a quiet search]
         self.site.share_failure(size, self.bucket)
-        if fits is not None and fits < size:
+        if shrank:  # likely by a little: a step down, not a halving
+            return max(floor, min(size - 1, max(fits or 0, size * 9 // 10)))
+        if fits is not None:
             return max(floor, fits)
-        if knew_a_fit:  # a size that fitted failed: memory shrank, likely by a little
-            return max(floor, min(size - 1, size * 3 // 4))
         return max(floor, size // 2)
 
     def after_success(self, size: int) -> None:
@@ -309,7 +330,7 @@ class _FreeMemoryBuckets:
     """Free memory per device, bucketed in quarter-octaves and re-read at most every
     ``interval`` seconds, so the success path costs one clock read, not a driver call."""
 
-    def __init__(self, interval: float = 0.5, per_octave: int = 4) -> None:
+    def __init__(self, interval: float = 0.5, per_octave: int = BUCKETS_PER_OCTAVE) -> None:
         self.interval = interval
         self.per_octave = per_octave
         self.cached: dict[Any, tuple[float, int]] = {}
