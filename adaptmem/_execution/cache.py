@@ -55,24 +55,30 @@ PROBE_AFTER_MAX = 1 << 20
 
 # [Note: a quiet search] Free memory differs from call to call (another tenant, an
 # allocator that keeps or returns blocks), so a search that probes upward on every call
-# pays an out-of-memory error on most of them. Three rules keep it quiet:
+# pays an out-of-memory error on most of them. These rules keep it quiet:
 # - Probe a modest step: a quarter of the way from the largest size that fits to the
-#   smallest that failed. Under any guess of where the ceiling lies between them, such a
-#   probe fits three times in four, and one that fails wasted a small attempt; the search
-#   still reaches SETTLE_FRACTION of the ceiling in a few calls (each success closes a
-#   quarter of the gap, each failure three quarters). Without a known failure (memory
-#   grew) the step is a quarter of the size that fits, doubling after each probe that fits
-#   (capped at doubling the size), so a large climb takes a logarithmic number of calls.
-# - Back off after a failure: a failed attempt at a call site that had a size that fits
-#   makes the site's next probe wait 1 call, then 2, 4, ... while failures go on (a probe
-#   that fits does not shorten it: jitter makes lucky probes). The wait ends early when
-#   free memory grows RESET_BUCKETS quarter-octaves past where the failure happened: a
-#   reading one bucket up is within the noise of a reading, two is real growth.
-# - Share between free-memory buckets of one call site: a size that failed with more free
-#   memory fails with less, and one that fitted with less fits with more. A bucket's own
+#   smallest that failed (at least one item). Wherever the ceiling lies between them, such
+#   a probe fits more often than the midpoint does, and one that fails wasted a smaller
+#   attempt; the search still reaches SETTLE_FRACTION of the ceiling in a few calls (each
+#   success closes a quarter of the gap, each failure three quarters). Without a known
+#   failure (memory grew) the step is a quarter of the size that fits, half after a probe
+#   that fitted, so a large climb takes a logarithmic number of calls.
+# - Back off after a failure: an out-of-memory error at a call site that had a size that
+#   fits makes the site's next probe wait 1 call, then 2, 4, ... while failures go on (a
+#   probe that fits does not shorten it: under jitter probes fit by luck). The wait ends
+#   early when free memory grows RESET_BUCKETS quarter-octaves past the failure's bucket:
+#   one bucket up is within the noise of a reading, two is real growth.
+# - Share between the free-memory buckets of a call site: a size that failed with more
+#   free memory fails with less, one that fitted with less fits with more. A bucket's own
 #   evidence wins over a neighbour's that contradicts it (the reading did not predict the
 #   outcome there). A new bucket starts from that shared knowledge; with no bucket below
-#   it, it borrows the nearest bucket's fitting size as a guess.
+#   it, it borrows the nearest bucket's fitting size as a guess. A bucket with more memory
+#   than one where a size failed climbs towards that size scaled up by the extra memory
+#   (what a size that grows with free memory would allow), so jitter that flips between two
+#   buckets does not cost each of them its own failures.
+# - A size that fitted and now fails (memory shrank, most often by a little: the jitter
+#   within one bucket) is retried a tenth smaller, or at what fitted with less free memory
+#   if that is more, not halved: a halving would pin the call site far below what fits.
 BUCKETS_PER_OCTAVE = 4
 FIRST_GROWTH = 0.25
 MAX_GROWTH = 0.5
