@@ -186,7 +186,7 @@ class SizeRecord:
         self._lock = threading.Lock()
         self.successes = 0  # successful calls since the last failure or probe
         self.patience = PROBE_AFTER  # successes before the next probe of ``fails``
-        self.site = site if site is not None else CallSite()
+        self.site = site  # created on first need: NoBatchsizeCache makes a record per call
         self.bucket = bucket
 
     def next_size(self, initial: int, floor: int = 1, probe: bool = True) -> int:
@@ -202,7 +202,7 @@ class SizeRecord:
         if not bounded and fits < SETTLE_FRACTION * initial:
             # More memory than where something failed: climb towards the failure scaled
             # up, a guess a probe may pass later (see [Note: a quiet search]).
-            guess = self.site.scaled_failure(self.bucket)
+            guess = self.site.scaled_failure(self.bucket) if self.site is not None else None
             if guess is not None and fits < guess <= initial:
                 ceiling, bounded = guess, True
         if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
@@ -210,7 +210,7 @@ class SizeRecord:
                 self.successes = 0
                 return max(floor, ceiling)  # see [Note: probing a failed size]
             return max(floor, min(fits, initial))
-        return max(floor, self.site.climb(fits, ceiling, bounded, self.bucket))
+        return max(floor, self._own_site().climb(fits, ceiling, bounded, self.bucket))
 
     def after_failure(self, size: int, floor: int) -> int:
         """Record that ``size`` ran out of memory; return the size to retry with."""
@@ -223,12 +223,14 @@ class SizeRecord:
             if self.fails is None or size < self.fails:
                 self.fails = size
             if shrank:  # it fitted before; memory is tighter now
-                self.fits = self.site.largest_fit_below(self.bucket, size)
+                self.fits = (self.site.largest_fit_below(self.bucket, size)
+                             if self.site is not None else None)
             self.successes = 0
             fits = self.fits
         if knew_a_fit:
-            self.site.failed(self.bucket)  # see [Note: a quiet search]
-        self.site.share_failure(size, self.bucket)
+            self._own_site().failed(self.bucket)  # see [Note: a quiet search]
+        if self.site is not None:
+            self.site.share_failure(size, self.bucket)
         if shrank:  # likely by a little: a step down, not a halving
             return max(floor, min(size - 1, max(fits or 0, size * 9 // 10)))
         if fits is not None:
@@ -244,14 +246,20 @@ class SizeRecord:
             return
         with self._lock:
             if self.fits is not None and size > self.fits:
-                self.site.climbed()
+                self._own_site().climbed()
             if self.fits is None or size > self.fits:
                 self.fits = size
             if self.fails is not None and self.fails <= size:
                 self.fails = None  # it fails no longer: probe promptly if it comes back
                 self.patience = PROBE_AFTER
             self.successes += 1
-        self.site.share_fit(size, self.bucket)
+        if self.site is not None:
+            self.site.share_fit(size, self.bucket)
+
+    def _own_site(self) -> CallSite:
+        if self.site is None:
+            self.site = CallSite()
+        return self.site
 
     def learn_fails(self, size: int) -> None:
         """A neighbour with more free memory saw ``size`` fail (unless this record saw it fit)."""
