@@ -238,6 +238,13 @@ def run_jittered(rounds: int, write: bool) -> None:
         f"{JITTER_INITIAL}, 1 MiB per item, cap = held + 512 MiB, tenant 256 MiB +-12%, "
         f"calls {JITTER_PAUSE} s apart. Load average before/after: "
         f"{load_before[0]:.2f} / {load_after[0]:.2f}.",
+        "What fits is measured before each call by the largest untouched allocation that "
+        "succeeds; the work allocates and touches every page. Each child runs torch on one "
+        "thread (thread stacks count towards the cap) and calls malloc_trim(0) when the "
+        "tenant changes, so freed memory goes back and the cap's reading is what is free. "
+        "accelerate keeps its last size between calls and never climbs; toma remembers "
+        "sizes per call site and the machine's available memory in 256 MiB steps (not the "
+        "cap's), starts each new step from the initial size and never climbs.",
     ]
     if "adaptmem" in summary:
         late, mean = summary["adaptmem"]
