@@ -197,14 +197,18 @@ class SizeRecord:
         fits, fails = self.fits, self.fails
         if fits is None:
             return initial if fails is None else max(floor, min(initial, fails // 2))
-        bounded = fails is not None and fails <= initial
-        ceiling = fails if fails is not None and bounded else initial + 1
-        if not bounded and fits < SETTLE_FRACTION * initial:
-            # More memory than where something failed: climb towards the failure scaled
-            # up, a guess a probe may pass later (see [Note: a quiet search]).
-            guess = self.site.scaled_failure(self.bucket) if self.site is not None else None
-            if guess is not None and fits < guess <= initial:
-                ceiling, bounded = guess, True
+        if fails is not None and fails <= initial:
+            ceiling, bounded = fails, True
+        else:
+            if fits >= initial:
+                return max(floor, initial)  # settled at the initial size: the success path
+            ceiling, bounded = initial + 1, False
+            if fits < SETTLE_FRACTION * initial and self.site is not None:
+                # More memory than where something failed: climb towards the failure
+                # scaled up, a guess a probe may pass later (see [Note: a quiet search]).
+                guess = self.site.scaled_failure(self.bucket)
+                if guess is not None and fits < guess <= initial:
+                    ceiling, bounded = guess, True
         if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
             if (probe and bounded and self.successes >= self.patience):
                 self.successes = 0
