@@ -187,9 +187,6 @@ def jittered_child(method: str, seed: int) -> None:
         except RuntimeError:  # gave up
             used = 0
         rows.append((fits, used, sum(not ok for _, ok in attempts)))
-        if os.environ.get("JITTER_DEBUG"):
-            from adaptmem.cpu_memory import get_available_cpu_memory
-            print(rows[-1], attempts, get_available_cpu_memory() // MIB, file=sys.stderr)
     print("JITTERED " + json.dumps(rows))
 
 
