@@ -137,8 +137,30 @@ def _cap_memory(device: torch.device) -> str:
     with open("/proc/self/status") as status:
         held = next(int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon"))
     gib = (held + HEADROOM) / 2**30
+    _return_freed_blocks()
     adaptive.cpu_memory.set_cpu_memory_limit(gib)
     return f"a CPU memory cap of {gib:.2f} GiB (what the process holds + {format_bytes(HEADROOM)})"
+
+
+def _return_freed_blocks() -> None:
+    """Make glibc hand freed activations back to the system, as a device allocator does.
+
+    By default glibc raises its mmap threshold to the size of each mmapped block freed, so
+    later activations of that size come from a heap it keeps: under the cap, what is free
+    then shrinks call after call and the free-memory reading stops predicting what fits.
+    A fixed threshold (which also turns that adjustment off) keeps blocks of 128 KiB and
+    more in mappings of their own, unmapped when freed."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        mallopt = ctypes.CDLL(name).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
 
 
 def _uncap_memory(device: torch.device) -> None:

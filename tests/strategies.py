@@ -183,3 +183,18 @@ def split_placements() -> st.SearchStrategy[list[tuple[torch.dtype, float]]]:
     return dtypes.flatmap(lambda ds: st.lists(
         st.floats(0.0, 0.8), min_size=len(ds), max_size=len(ds)).map(
             lambda shares: list(zip(ds, shares, strict=True))))
+
+
+@st.composite
+def memory_schedules(draw: Any) -> tuple[dict[int, int], list[int]]:
+    """A call site's world where free memory predicts what fits: a capacity (items) per
+    free-memory bucket that never falls as the bucket rises, and the buckets of 30 calls."""
+    buckets = draw(st.lists(st.integers(100, 112), min_size=1, max_size=6, unique=True))
+    buckets.sort()
+    steps = draw(st.lists(st.integers(0, 400), min_size=len(buckets), max_size=len(buckets)))
+    capacity, total = {}, draw(st.integers(1, 300))
+    for bucket, step in zip(buckets, steps, strict=True):
+        total += step
+        capacity[bucket] = total
+    calls = draw(st.lists(st.sampled_from(buckets), min_size=30, max_size=30))
+    return capacity, calls

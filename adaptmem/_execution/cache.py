@@ -46,31 +46,149 @@ SETTLE_FRACTION = 0.9
 # failed size again after PROBE_AFTER successful calls, and after twice as many each time
 # that probe fails, so a real ceiling costs one failed attempt per doubling of the number
 # of calls (a quiet steady state) and a transient one is forgotten. A probe that fits clears
-# the failure and the usual bisection climbs from there. Only work that a failed attempt
-# leaves untouched is probed: a plain function or coroutine under ``batch``, and ``chunked``
-# with ``output=``. A generator that already yielded cannot be retried (the probe's failure
-# would reach its consumer), and ``range`` and in-place ``chunked`` steps redo a failed
-# step's writes, so those never probe a size known to fail.
+# the failure and the search climbs from there (see [Note: a quiet search]). Only work that
+# a failed attempt leaves untouched is probed: a plain function or coroutine under
+# ``batch``, and ``chunked`` with ``output=``. A generator that already yielded cannot be
+# retried (the probe's failure would reach its consumer), and ``range`` and in-place
+# ``chunked`` steps redo a failed step's writes, so those never probe a size known to fail.
 PROBE_AFTER = 32
 PROBE_AFTER_MAX = 1 << 20
+
+# [Note: a quiet search] Free memory differs from call to call (another tenant, an
+# allocator that keeps or returns blocks), so a search that probes upward on every call
+# pays an out-of-memory error on most of them. These rules keep it quiet:
+# - Probe a modest step: a quarter of the way from the largest size that fits to the
+#   smallest that failed (at least one item). Wherever the ceiling lies between them, such
+#   a probe fits more often than the midpoint does, and one that fails wasted a smaller
+#   attempt; the search still reaches SETTLE_FRACTION of the ceiling in a few calls (each
+#   success closes a quarter of the gap, each failure three quarters). Without a known
+#   failure (memory grew) the step is a quarter of the size that fits, half after a probe
+#   that fitted, so a large climb takes a logarithmic number of calls.
+# - Back off after a failure: an out-of-memory error at a call site that had a size that
+#   fits makes the site's next probe wait 1 call, then 2, 4, ... while failures go on (a
+#   probe that fits does not shorten it: under jitter probes fit by luck). The wait ends
+#   early when free memory grows RESET_BUCKETS quarter-octaves past the failure's bucket:
+#   one bucket up is within the noise of a reading, two is real growth.
+# - Share between the free-memory buckets of a call site: a size that failed with more
+#   free memory fails with less, one that fitted with less fits with more. A bucket's own
+#   evidence wins over a neighbour's that contradicts it (the reading did not predict the
+#   outcome there). A new bucket starts from that shared knowledge; with no bucket below
+#   it, it borrows the nearest bucket's fitting size as a guess. A bucket with more memory
+#   than one where a size failed climbs towards that size scaled up by the extra memory
+#   (what a size that grows with free memory would allow), so jitter that flips between two
+#   buckets does not cost each of them its own failures.
+# - A size that fitted and now fails (memory shrank, most often by a little: the jitter
+#   within one bucket) is retried a tenth smaller, or at what fitted with less free memory
+#   if that is more, not halved: a halving would pin the call site far below what fits.
+BUCKETS_PER_OCTAVE = 4
+FIRST_GROWTH = 0.25
+MAX_GROWTH = 0.5
+RESET_BUCKETS = 2
+BACKOFF_MAX = 1 << 20
+
+
+class CallSite:
+    """What the free-memory buckets of one call site share: their records, by bucket, and
+    when the next probe above a fitting size may run (see [Note: a quiet search])."""
+
+    __slots__ = ("records", "wait", "backoff", "failed_bucket", "growth", "_lock")
+
+    def __init__(self) -> None:
+        self.records: dict[int, SizeRecord] = {}
+        self.wait = 0  # calls left before the next probe
+        self.backoff = 1  # the wait after the next failure
+        self.failed_bucket: int | None = None  # bucket of the last failure that set a wait
+        self.growth = FIRST_GROWTH  # step of a climb with no known failure, over the size
+        self._lock = threading.Lock()
+
+    def climb(self, fits: int, ceiling: int, bounded: bool, bucket: int) -> int:
+        """The size to try above ``fits`` (below ``ceiling``), or ``fits`` while waiting."""
+        if self.failed_bucket is not None and bucket >= self.failed_bucket + RESET_BUCKETS:
+            self.wait, self.backoff, self.failed_bucket = 0, 1, None
+        if self.wait > 0:
+            self.wait -= 1  # racy without the lock: at worst one probe comes a call early
+            return fits
+        if bounded:
+            step = (ceiling - fits) // 4
+        else:
+            step = min(int(fits * self.growth), (ceiling - 1) - fits)
+        return fits + max(1, step)
+
+    def failed(self, bucket: int) -> None:
+        """A size failed where one was known to fit: wait before the next probe."""
+        with self._lock:
+            self.wait = self.backoff
+            self.backoff = min(2 * self.backoff, BACKOFF_MAX)
+            self.failed_bucket = bucket
+            self.growth = FIRST_GROWTH
+
+    def climbed(self) -> None:
+        """A probe above the largest fitting size fitted."""
+        self.growth = min(2 * self.growth, MAX_GROWTH)
+
+    def share_failure(self, size: int, bucket: int) -> None:
+        """``size`` failed in ``bucket``: it fails in buckets with less memory too."""
+        for other, record in list(self.records.items()):
+            if other < bucket:
+                record.learn_fails(size)
+
+    def scaled_failure(self, bucket: int) -> int | None:
+        """The smallest failure of a bucket with less free memory, scaled by how much more
+        this one has: where a size that grows with free memory would fail here."""
+        scaled = [int(r.fails * 2 ** ((bucket - b) / BUCKETS_PER_OCTAVE))
+                  for b, r in list(self.records.items()) if b < bucket and r.fails is not None]
+        return min(scaled, default=None)
+
+    def largest_fit_below(self, bucket: int, size: int) -> int | None:
+        """The largest size under ``size`` that fitted with less free memory than ``bucket``."""
+        fitted = [r.fits for b, r in list(self.records.items())
+                  if b < bucket and r.fits is not None and r.fits < size]
+        return max(fitted, default=None)
+
+    def share_fit(self, size: int, bucket: int) -> None:
+        """``size`` fitted in ``bucket``: it fits in buckets with more memory too."""
+        for other, record in list(self.records.items()):
+            if other > bucket:
+                record.learn_fits(size)
+
+    def seed(self, bucket: int) -> SizeRecord:
+        """A record for a bucket not seen before, from what the others learned."""
+        below = [r.fits for b, r in self.records.items() if b < bucket and r.fits is not None]
+        above = [r.fails for b, r in self.records.items() if b > bucket and r.fails is not None]
+        fits = max(below, default=None)
+        fails = min(above, default=None)
+        if fits is None and self.records:  # less memory than any bucket seen: a guess
+            nearest = min(self.records, key=lambda b: abs(b - bucket))
+            fits = self.records[nearest].fits
+        if fits is not None and fails is not None and fits >= fails:
+            fits = None  # the readings contradict each other: trust the failure
+        record = SizeRecord(fits, fails, site=self, bucket=bucket)
+        self.records[bucket] = record
+        return record
 
 
 class SizeRecord:
     """What is known about sizes for one key: ``fits`` worked, ``fails`` ran out of memory.
 
-    ``next_size`` bisects between them, so repeated calls settle within 10% of the largest
-    size that fits, and once settled probes ``fails`` again now and then (see [Note: probing
-    a failed size]). All methods are thread-safe.
+    ``next_size`` climbs from ``fits`` towards ``fails`` in modest steps, backing off after
+    failures, so repeated calls settle within 10% of the largest size that fits, and once
+    settled probes ``fails`` again now and then (see [Note: a quiet search] and [Note:
+    probing a failed size]). ``site`` is what the records of one call site share and
+    ``bucket`` the free-memory bucket of this one (0 for caches that do not watch free
+    memory). All methods are thread-safe.
     """
 
-    __slots__ = ("fits", "fails", "_lock", "successes", "patience")
+    __slots__ = ("fits", "fails", "_lock", "successes", "patience", "site", "bucket")
 
-    def __init__(self, fits: int | None = None, fails: int | None = None) -> None:
+    def __init__(self, fits: int | None = None, fails: int | None = None,
+                 site: CallSite | None = None, bucket: int = 0) -> None:
         self.fits = fits
         self.fails = fails
         self._lock = threading.Lock()
         self.successes = 0  # successful calls since the last failure or probe
         self.patience = PROBE_AFTER  # successes before the next probe of ``fails``
+        self.site = site  # created on first need: NoBatchsizeCache makes a record per call
+        self.bucket = bucket
 
     def next_size(self, initial: int, floor: int = 1, probe: bool = True) -> int:
         """The size a new call should try first: never above ``initial``, never below
@@ -80,14 +198,24 @@ class SizeRecord:
         fits, fails = self.fits, self.fails
         if fits is None:
             return initial if fails is None else max(floor, min(initial, fails // 2))
-        ceiling = min(initial + 1, fails) if fails is not None else initial + 1
+        if fails is not None and fails <= initial:
+            ceiling, bounded = fails, True
+        else:
+            if fits >= initial:
+                return max(floor, initial)  # settled at the initial size: the success path
+            ceiling, bounded = initial + 1, False
+            if fits < SETTLE_FRACTION * initial and self.site is not None:
+                # More memory than where something failed: climb towards the failure
+                # scaled up, a guess a probe may pass later (see [Note: a quiet search]).
+                guess = self.site.scaled_failure(self.bucket)
+                if guess is not None and fits < guess <= initial:
+                    ceiling, bounded = guess, True
         if fits >= ceiling - 1 or fits >= SETTLE_FRACTION * (ceiling - 1):
-            if (probe and fails is not None and fails <= initial
-                    and self.successes >= self.patience):
+            if (probe and bounded and self.successes >= self.patience):
                 self.successes = 0
-                return max(floor, fails)  # see [Note: probing a failed size]
+                return max(floor, ceiling)  # see [Note: probing a failed size]
             return max(floor, min(fits, initial))
-        return max(floor, (fits + ceiling) // 2)
+        return max(floor, self._own_site().climb(fits, ceiling, bounded, self.bucket))
 
     def after_failure(self, size: int, floor: int) -> int:
         """Record that ``size`` ran out of memory; return the size to retry with."""
@@ -95,13 +223,22 @@ class SizeRecord:
             if self.fails is not None and size >= self.fails:
                 # A known failure confirmed (a probe): wait twice as long before the next.
                 self.patience = min(2 * self.patience, PROBE_AFTER_MAX)
+            knew_a_fit = self.fits is not None
+            shrank = knew_a_fit and self.fits >= size  # type: ignore[operator]
             if self.fails is None or size < self.fails:
                 self.fails = size
-            if self.fits is not None and self.fits >= size:
-                self.fits = None  # it fitted before; memory is tighter now
+            if shrank:  # it fitted before; memory is tighter now
+                self.fits = (self.site.largest_fit_below(self.bucket, size)
+                             if self.site is not None else None)
             self.successes = 0
             fits = self.fits
-        if fits is not None and fits < size:
+        if knew_a_fit:
+            self._own_site().failed(self.bucket)  # see [Note: a quiet search]
+        if self.site is not None:
+            self.site.share_failure(size, self.bucket)
+        if shrank:  # likely by a little: a step down, not a halving
+            return max(floor, min(size - 1, max(fits or 0, size * 9 // 10)))
+        if fits is not None:
             return max(floor, fits)
         return max(floor, size // 2)
 
@@ -113,18 +250,35 @@ class SizeRecord:
             self.successes += 1
             return
         with self._lock:
+            if self.fits is not None and size > self.fits:
+                self._own_site().climbed()
             if self.fits is None or size > self.fits:
                 self.fits = size
             if self.fails is not None and self.fails <= size:
                 self.fails = None  # it fails no longer: probe promptly if it comes back
                 self.patience = PROBE_AFTER
             self.successes += 1
+        if self.site is not None:
+            self.site.share_fit(size, self.bucket)
 
-    def copy_for(self, more_memory: bool) -> SizeRecord:
-        """A seed for a neighbouring memory bucket: with more memory the old failure is no
-        longer known to fail (so calls climb again); with less, the old success is a guess."""
+    def _own_site(self) -> CallSite:
+        if self.site is None:
+            self.site = CallSite()
+        return self.site
+
+    def learn_fails(self, size: int) -> None:
+        """A neighbour with more free memory saw ``size`` fail (unless this record saw it fit)."""
         with self._lock:
-            return SizeRecord(self.fits, None if more_memory else self.fails)
+            if (self.fits is None or self.fits < size) and (
+                    self.fails is None or self.fails > size):
+                self.fails = size
+
+    def learn_fits(self, size: int) -> None:
+        """A neighbour with less free memory saw ``size`` fit (unless this record saw it fail)."""
+        with self._lock:
+            if (self.fails is None or self.fails > size) and (
+                    self.fits is None or self.fits < size):
+                self.fits = size
 
     def __repr__(self) -> str:
         return f"SizeRecord(fits={self.fits}, fails={self.fails})"
@@ -195,7 +349,7 @@ class _FreeMemoryBuckets:
     """Free memory per device, bucketed in quarter-octaves and re-read at most every
     ``interval`` seconds, so the success path costs one clock read, not a driver call."""
 
-    def __init__(self, interval: float = 0.5, per_octave: int = 4) -> None:
+    def __init__(self, interval: float = 0.5, per_octave: int = BUCKETS_PER_OCTAVE) -> None:
         self.interval = interval
         self.per_octave = per_octave
         self.cached: dict[Any, tuple[float, int]] = {}
@@ -220,15 +374,18 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     The call site is the code objects and instruction offsets of the four innermost frames
     above the decorated function (``sys._getframe``; no ``inspect.stack``, no line numbers).
     Free memory is bucketed in quarter-octaves of the device in use and re-read at most
-    every ``refresh_seconds``. A call in a bucket never seen before starts from the nearest
-    known bucket of the same call site, so noise that flips a bucket does not restart the
-    search; a bucket with more free memory climbs again from there.
+    every ``refresh_seconds``. The buckets of one call site share what they learn: a size
+    that failed with more free memory is not tried with less, one that fitted with less is
+    known to fit with more, and a failure makes the site's next probe wait (see [Note: a
+    quiet search]). A bucket never seen before starts from that, so noise that flips a
+    bucket does not restart the search; a bucket with more free memory climbs from there.
     """
 
     def __init__(self, refresh_seconds: float = 0.5) -> None:
         super().__init__()
         self._buckets = _FreeMemoryBuckets(refresh_seconds)
         self._codes: set[Any] = set()
+        self._sites: dict[Any, CallSite] = {}
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
         f = caller if caller is not None else sys._getframe(2)
@@ -272,15 +429,15 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
 
     def _seed(self, key: Any) -> SizeRecord:
         site, bucket = key
-        nearest = None
-        for (other_site, other_bucket), record in self._records.items():
-            if other_site == site and (
-                nearest is None or abs(other_bucket - bucket) < abs(nearest[0] - bucket)
-            ):
-                nearest = (other_bucket, record)
-        if nearest is None:
-            return SizeRecord()
-        return nearest[1].copy_for(more_memory=bucket > nearest[0])
+        shared = self._sites.get(site)
+        if shared is None:
+            shared = self._sites[site] = CallSite()
+        return shared.seed(bucket)  # see [Note: a quiet search]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
+            self._sites.clear()
 
     def memory_changed(self) -> None:
         """Re-read free memory on the next call (called after an out-of-memory error)."""

@@ -631,7 +631,8 @@ def batch(
     The decorated function takes the batch size as its first parameter (after ``self`` or
     ``cls`` for a method; above ``@staticmethod`` / ``@classmethod`` too); callers leave it
     out. Sizes that worked are remembered per call site and free memory (see ``cache``), and
-    later calls probe upward by bisection, settling within 10% of the largest size that fits.
+    later calls probe upward in modest steps, backing off after a failure, settling within
+    10% of the largest size that fits (see [Note: a quiet search] in cache.py).
     A settled size below a failed one tries the failed one again after 32 successful calls,
     then 64, 128, ... while it keeps failing, so memory that was short for a while is not
     held against later calls.

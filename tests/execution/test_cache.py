@@ -1,0 +1,171 @@
+"""The batch-size search between calls: probe steps, back-off, free-memory buckets shared
+(see [Note: a quiet search] in adaptmem/_execution/cache.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import memory_schedules
+
+import adaptmem._execution.cache as cache_module
+from adaptmem import adaptive
+from adaptmem._execution.cache import CallSite, SizeRecord
+from adaptmem.testing import MemoryCeiling
+
+GIB = 2**30
+
+
+def _bucket_bytes(bucket: int) -> int:
+    """Free bytes that fall in quarter-octave ``bucket`` (its lower edge, rounded up)."""
+    return int(2 ** (bucket / 4)) + 1
+
+
+@pytest.fixture
+def free(monkeypatch) -> dict[str, int]:
+    """Free memory as the default cache reads it, set by the test."""
+    reading = {"bytes": 8 * GIB}
+    monkeypatch.setattr(cache_module, "free_memory", lambda device: reading["bytes"])
+    return reading
+
+
+def test_a_probe_goes_a_quarter_of_the_way_to_the_smallest_failure() -> None:
+    assert SizeRecord(fits=100, fails=200).next_size(1000) == 125
+    assert SizeRecord(fits=10, fails=13).next_size(1000) == 11  # at least one more item
+    # No failure known (memory grew): a quarter more, then half more after each probe
+    # that fits, never above the initial size.
+    record = SizeRecord(fits=100)
+    assert record.next_size(1000) == 125
+    record.after_success(125)
+    assert record.next_size(1000) == 187
+    record.after_success(187)
+    assert record.next_size(1000) == 280 and record.next_size(230) == 230
+
+
+@settings(max_examples=200, deadline=None)
+@given(fits=st.integers(1, 10_000), gap=st.integers(2, 10_000), more=st.integers(0, 30_000))
+def test_a_probe_never_passes_a_quarter_of_the_gap(fits: int, gap: int, more: int) -> None:
+    fails = fits + gap
+    size = SizeRecord(fits=fits, fails=fails).next_size(fails + more)
+    assert fits <= size <= fits + max(1, gap // 4)
+
+
+def test_a_failed_probe_makes_the_next_one_wait_1_then_2_then_4_calls() -> None:
+    record = SizeRecord(fits=1000, fails=100_000)
+    sizes = []
+    for _ in range(30):
+        size = record.next_size(200_000)
+        sizes.append(size)
+        if size > 1000:
+            record.after_failure(size, 1)  # every probe fails: the ceiling is 1000
+        else:
+            record.after_success(size)
+    # A probe, 1 call at 1000, a probe, 2 calls, a probe, 4, 8 calls, a probe, and then
+    # 1000 is within 10% of the smallest failure: settled.
+    assert [i for i, s in enumerate(sizes) if s > 1000] == [0, 2, 5, 10, 19]
+    assert sizes[19:] == [sizes[19]] + [1000] * 10
+
+
+def test_the_wait_ends_when_free_memory_grows_past_the_failure() -> None:
+    def call_after_a_failed_probe(bucket: int) -> int:
+        site = CallSite()
+        record = site.seed(100)
+        record.fits, record.fails = 80, 200
+        record.after_failure(record.next_size(1000), 1)  # a failed probe: a wait
+        return site.seed(bucket).next_size(1000)
+
+    # One quarter-octave more free memory is within the noise of one reading: it waits.
+    assert call_after_a_failed_probe(101) == 80
+    # Two or more is real growth: the next call probes at once.
+    assert call_after_a_failed_probe(102) > 80
+
+
+def test_a_failure_with_more_memory_is_shared_with_buckets_that_have_less() -> None:
+    site = CallSite()
+    low, high = site.seed(10), site.seed(14)
+    low.after_success(50)
+    assert high.fits == 50  # it fitted with less memory: it fits with more
+    high.after_failure(80, 1)
+    assert low.fails == 80  # it failed with more memory: it fails with less
+    assert all(low.next_size(1000) < 80 for _ in range(20))
+    # A bucket with still less memory starts from both.
+    lower = site.seed(8)
+    assert (lower.fits, lower.fails) == (50, 80)
+    # A bucket in between knows what fitted below it and what failed above it.
+    middle = site.seed(12)
+    assert (middle.fits, middle.fails) == (50, 80)
+
+
+def test_a_bucket_keeps_its_own_evidence_over_a_neighbours() -> None:
+    site = CallSite()
+    low, high = site.seed(10), site.seed(14)
+    low.after_success(60)
+    high.after_failure(60, 1)  # the readings contradict each other
+    assert low.fits == 60 and low.fails is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=memory_schedules(), initial=st.integers(1, 2000))
+def test_sizes_are_shared_across_buckets_in_both_directions(world, initial: int) -> None:
+    """Where free memory predicts what fits, no call tries a size that already failed
+    with as much free memory or more, nor starts below a size that fitted with as much
+    free memory or less."""
+    capacity, calls = world
+    reading = {"bytes": 0}
+    cache_module_free = cache_module.free_memory
+    cache_module.free_memory = lambda device: reading["bytes"]
+    try:
+        cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0)
+        ceiling = MemoryCeiling(1)
+
+        @adaptive.batch(initial_batchsize=initial, cache=cache)
+        def infer(batchsize: int) -> int:
+            ceiling.require(batchsize)
+            return batchsize
+
+        failed: dict[int, int] = {}  # bucket -> smallest size failed there
+        fitted: dict[int, int] = {}  # bucket -> largest size that fitted there
+        for bucket in calls:
+            reading["bytes"], ceiling.capacity = _bucket_bytes(bucket), capacity[bucket]
+            ceiling.reset()
+            infer()
+            first = ceiling.attempts[0]
+            worse = [s for b, s in failed.items() if b >= bucket]
+            assert not worse or first < min(worse), (first, failed, bucket)
+            better = [s for b, s in fitted.items() if b <= bucket]
+            assert not better or first >= min(max(better), initial), (first, fitted, bucket)
+            for size in ceiling.attempts:
+                if size in ceiling.failures:
+                    failed[bucket] = min(failed.get(bucket, size), size)
+                else:
+                    fitted[bucket] = max(fitted.get(bucket, size), size)
+    finally:
+        cache_module.free_memory = cache_module_free
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_jittering_tenant_costs_few_failures_once_settled(free, seed: int) -> None:
+    """What fits follows free memory, which another tenant moves by +-12% of its 256 MiB
+    before each call (batch_search.py --jittered with a pretend device)."""
+    rng = random.Random(seed)
+    cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0)
+    ceiling = MemoryCeiling(1)
+
+    @adaptive.batch(initial_batchsize=1024, cache=cache)
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    failures, ratios = 0, []
+    for call in range(50):
+        room = 2**29 - int(2**28 * (1 + rng.uniform(-0.12, 0.12)))
+        free["bytes"], ceiling.capacity = room, room // 2**20
+        ceiling.reset()
+        used = infer()
+        if call >= 5:
+            failures += len(ceiling.failures)
+            ratios.append(used / ceiling.capacity)
+    assert failures <= 3
+    assert sum(ratios) / len(ratios) >= 0.85
