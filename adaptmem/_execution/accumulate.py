@@ -76,13 +76,14 @@ def check_accumulate(value: Any, decorator: str) -> Accumulation | None:
     for p in params:
         if not isinstance(p, torch.Tensor):
             raise TypeError(_expected(decorator, p))
-        if not p.requires_grad:
-            raise ValueError(
-                f"{decorator}(accumulate=...) got a tensor of shape {tuple(p.shape)} that "
-                f"does not require gradients, so no backward accumulates into it; pass the "
-                f"parameters being trained (accumulate=model or model.parameters())"
-            )
-    return Accumulation(None, tuple(params))
+    trained = tuple(p for p in params if p.requires_grad)  # frozen ones gather nothing
+    if not trained:
+        raise ValueError(
+            f"{decorator}(accumulate=...) got {len(params)} tensor(s), none of which requires "
+            f"gradients, so no backward accumulates into them; pass the parameters being "
+            f"trained (accumulate=model, or the parameters with requires_grad=True)"
+        )
+    return Accumulation(None, trained)
 
 
 def _expected(decorator: str, got: Any) -> str:
@@ -122,7 +123,7 @@ class Accumulation:
                 snapshot.append(_Snapshot(self))
             try:
                 return func(*args, **kwargs)
-            except Exception:
+            except BaseException:  # Ctrl-C too: a rerun must not count samples twice
                 snapshot[0].restore()
                 raise
 

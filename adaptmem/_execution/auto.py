@@ -91,7 +91,9 @@ def _trace(call: Callable[[int], Any], size: int) -> int:
 
     tracker = PeakTracker()
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True), tracker, _Guard():
+        # No gradients: a backward would set real parameters' .grad to fakes (autograd
+        # assigns a missing .grad without an op the guard could see); it fails instead.
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True), tracker, _Guard():
             result = call(size)
             if result.__class__ in LAZY:
                 result.close()  # type: ignore[attr-defined]  # a generator or coroutine did none of its work

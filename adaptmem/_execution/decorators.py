@@ -709,6 +709,20 @@ def batch(
         100
     """
     accumulation = check_accumulate(accumulate, "adaptive.batch")
+    if accumulation is not None and group is not None:
+        # A rank whose attempt succeeded while another ran out drops its result, but its
+        # gradients are already summed: not supported until the drop puts them back.
+        raise ValueError(
+            "adaptive.batch(accumulate=..., group=...) is not supported yet: a rank whose "
+            "attempt succeeded while another ran out of memory would keep that attempt's "
+            "gradients. Use accumulate= without group=, or group= without accumulate="
+        )
+    if accumulation is not None and initial_batchsize == AUTO:
+        raise ValueError(
+            "adaptive.batch(accumulate=..., initial_batchsize='auto') is not supported: the "
+            "'auto' traces would run the step's backward on fake tensors. Give the "
+            "micro-batch size a number"
+        )
     return _factory(_Batch, func, initial_batchsize, min_batchsize, cache, context, device,
                     ("initial_batchsize", "min_batchsize", "max_batchsize"),
                     {"accumulation": accumulation, "group": group,

@@ -385,7 +385,7 @@ def _params() -> Iterator[torch.Tensor]:
     (3, TypeError, "got int 3"),
     ({"w": torch.ones(2)}, TypeError, "got dict"),
     ([torch.ones(2, requires_grad=True), "w"], TypeError, "got str"),
-    ([torch.ones(2)], ValueError, "does not require gradients"),
+    ([torch.ones(2)], ValueError, "none of which requires gradients"),
     (_params(), ValueError, "empty collection"),
 ])
 def test_accumulate_refuses_what_is_no_model_or_parameters(value: Any, error: type,
@@ -454,3 +454,30 @@ def test_under_a_real_cpu_cap_the_step_retries_smaller_and_keeps_the_gradients(
     grads = torch.load(out)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_accumulate_skips_frozen_parameters_and_refuses_group_and_auto() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model[0].requires_grad_(False)  # fine-tuning the head only
+    adaptive.batch(initial_batchsize=4, accumulate=model.parameters())  # accepted
+    with pytest.raises(ValueError, match="not supported yet"):
+        adaptive.batch(initial_batchsize=4, accumulate=model, group="world")
+    with pytest.raises(ValueError, match="'auto'"):
+        adaptive.batch(initial_batchsize="auto", accumulate=model)
+
+
+def test_an_interrupted_step_leaves_the_gradients_as_they_were() -> None:
+    model = torch.nn.Linear(2, 1)
+    calls = []
+
+    @adaptive.batch(initial_batchsize=4, accumulate=model)
+    def step(batchsize: int, x: torch.Tensor) -> None:
+        for xb, weight in adaptive.microbatches(batchsize, x):
+            (model(xb).sum() * weight).backward()
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt  # Ctrl-C after one micro-batch's backward
+
+    with pytest.raises(KeyboardInterrupt):
+        step(torch.ones(8, 2))
+    assert model.weight.grad is None  # the partial sum is gone: a rerun counts nothing twice

@@ -218,3 +218,19 @@ def test_generators_and_async_functions_cannot_be_auto() -> None:
         @adaptive.batch(initial_batchsize="auto")
         def items(batchsize: int):  # type: ignore[no-untyped-def]
             yield batchsize
+
+
+def test_a_training_step_is_not_traced_and_its_gradients_stay_real() -> None:
+    model = torch.nn.Linear(4, 1)
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=16)
+    def step(batchsize: int, x: torch.Tensor) -> None:
+        for chunk in x.split(batchsize):
+            model(chunk).sum().backward()
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    step(torch.ones(32, 4))
+    assert model.weight.grad is not None and not isinstance(model.weight.grad, FakeTensor)
+    torch.testing.assert_close(model.weight.grad, torch.full((1, 4), 32.0))
+    assert step.prediction is None
