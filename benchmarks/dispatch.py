@@ -91,6 +91,8 @@ class Config:
     sizes: list[str] = field(default_factory=list)
     placement: list[str] = field(default_factory=list)
     steady_failed: list[int] = field(default_factory=list)
+    paged: list[int] = field(default_factory=list)  # weight bytes left paged, (c)
+    traced: list[bool] = field(default_factory=list)  # 'auto' predicted from a trace, (c)
     error: str | None = None
 
 
@@ -163,6 +165,8 @@ def run_once(cfg: Config, base: nn.Module, data: torch.Tensor, reference: torch.
                     cfg.attempts.append(s.attempts)
                     if hasattr(decorated, "placement"):
                         p = decorated.placement
+                        cfg.paged.append(p["weight_bytes"][0] - p["resident_bytes"][0])
+                        cfg.traced.append(decorated.prediction is not None)
                         cfg.placement.append(
                             f"{p['resident_bytes'][0] / MiB:.1f} of "
                             f"{p['weight_bytes'][0] / MiB:.1f} MiB resident, given back "
@@ -235,10 +239,18 @@ def table(link: float, cfgs: list[Config]) -> tuple[str, list[str]]:
         ratio = ITEMS / min(c.times) / best_rate
         fewer = b.error is None and max(c.failed) < min(b.failed)
         met = ratio >= 0.9 and fewer
+        batches = -(-ITEMS // int(c.sizes[-1]))
+        moved = max(c.paged) * batches
         notes.append(f"{link:g} GB/s, (c) {c.name}: {ratio:.2f} of the best grid cell "
                      f"({best_grid.name}), failed attempts {max(c.failed)} against "
                      f"{min(b.failed) if b.failed else '-'} for (b): target "
-                     f"{'met' if met else 'NOT met'}.")
+                     f"{'met' if met else 'NOT met'}. It leaves {max(c.paged) / MiB:.1f} MiB "
+                     f"of weights paged: {moved / MiB:.1f} MiB moved per call ({batches} "
+                     f"batches), {moved / (link * 1e9) * 1e3:.0f} ms at this link"
+                     + ("" if c.name != "initial 'auto'" else
+                        "; 'auto' predicted from a trace" if all(c.traced) else
+                        "; 'auto' could not trace the function (prediction None) and "
+                        "searched from max_batchsize") + ".")
     text = markdown_table(
         ["configuration", "setting", "items/s", "vs best grid cell",
          f"failed attempts ({SETTLE} settling calls)", "failed attempts (timed calls)",
