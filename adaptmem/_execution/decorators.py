@@ -307,13 +307,9 @@ class _Batch(_Adaptive):
             self._check_call(args, kwargs)
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
-        func = self._func
         if self._deciding:
-            return self._first(lambda s: func(*bound, s, *args, **kwargs),
-                               lambda: self._run(caller, args, kwargs, bound))
-        if self._accumulation is not None:
-            # See [Note: a retried training step counts its gradients once].
-            func = self._accumulation.guard(func)
+            return self._first_call(caller, args, kwargs, bound)
+        func = self._guarded()
         size = record.next_size(self.initial, self.floor, self._probes)
         stats = self.stats
         stats.calls += 1
@@ -346,6 +342,20 @@ class _Batch(_Adaptive):
             return self._lazy(result, size, record, cache, bound, args, kwargs)
         return result
 
+    def _first_call(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    bound: tuple[Any, ...]) -> Any:
+        func = self._func
+        return self._first(lambda s: func(*bound, s, *args, **kwargs),
+                           lambda: self._run(caller, args, kwargs, bound))
+
+    def _guarded(self) -> Callable[..., Any]:
+        """The function this call runs: under ``accumulate=``, guarded (see [Note: a retried
+        training step counts its gradients once])."""
+        func = self._func
+        if self._accumulation is not None:
+            func = self._accumulation.guard(func)
+        return func
+
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # See [Note: lazy results] in lazy.py.
@@ -361,13 +371,9 @@ class _Batch(_Adaptive):
         self._check_call(args, kwargs)
         ranks = self._ranks()
         cache, record = self._record(caller)
-        func = self._func
         if self._deciding:
-            return self._first(lambda s: func(*bound, s, *args, **kwargs),
-                               lambda: self._run(caller, args, kwargs, bound))
-        if self._accumulation is not None:
-            # See [Note: a retried training step counts its gradients once].
-            func = self._accumulation.guard(func)
+            return self._first_call(caller, args, kwargs, bound)
+        func = self._guarded()
         size = record.next_size(self.initial, self.floor, self._probes)
         log_probe(record, size, self._name, "batchsize", self._watch)
         self.stats.calls += 1
