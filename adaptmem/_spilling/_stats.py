@@ -190,8 +190,8 @@ def memory_stats(*engines: Any) -> MemoryStats:
     """Every memory figure in one place: what spilling moved (all ``spill`` handles of the
     process), memory in use and peak per device, and the statistics of every live source:
     each pager, chunker and splitter, each model loaded with ``load`` (while the model
-    lives), each spill handle, and each decorated function that keeps statistics, in the
-    order they were made. A source disappears when it is collected. See [Note: one place
+    lives), each spill handle, and each decorated function that keeps statistics (once it
+    has been called), in the order they were made. A source disappears when it is collected. See [Note: one place
     for statistics].
 
     Sections are named for the source and what it holds: ``"pager (GPT2LMHeadModel)"``,
@@ -221,8 +221,11 @@ def memory_stats(*engines: Any) -> MemoryStats:
     sections: dict[str, dict[str, Any]] = {"spill": _totals().as_dict(), "devices": _devices()}
     shown: set[int] = set()
     for name, source in live_reports():
-        sections[_unique(name, sections)] = source.as_dict()
+        figures = source.as_dict()
         shown.add(id(source))
+        if figures.get("calls", None) == 0:
+            continue  # a decorated function never called: nothing to say, only noise
+        sections[_unique(name, sections)] = figures
     for engine in engines:
         stats = engine if isinstance(engine, Stats) else getattr(engine, "stats", None)
         if not isinstance(stats, Stats):

@@ -101,3 +101,18 @@ def test_a_spill_handle_is_shown_once_passed_or_not(tmp_path: Path) -> None:
     assert [n for n in passed if n.startswith("spill handle")] == plain
     assert any(passed[n] == handle.stats.as_dict() for n in plain)
     assert handle.stats.tensors_spilled > 0
+
+
+def test_decorated_functions_never_called_are_left_out() -> None:
+    @adaptive.batch(initial_batchsize=4)
+    def idle(batchsize: int) -> int:
+        return batchsize
+
+    @adaptive.batch(initial_batchsize=4)
+    def busy(batchsize: int) -> int:
+        return batchsize
+
+    busy()
+    names = list(adaptive.memory_stats())
+    assert f"batch {busy.__qualname__}" in names
+    assert f"batch {idle.__qualname__}" not in names
