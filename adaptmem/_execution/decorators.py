@@ -309,7 +309,9 @@ class _Batch(_Adaptive):
         record = cache.record(self._key, self.context, self.device, caller)
         if self._deciding:
             return self._first_call(caller, args, kwargs, bound)
-        func = self._guarded()
+        # See [Note: a retried training step counts its gradients once].
+        accumulation = self._accumulation
+        func = self._func if accumulation is None else accumulation.guard(self._func)
         size = record.next_size(self.initial, self.floor, self._probes)
         stats = self.stats
         stats.calls += 1
@@ -348,14 +350,6 @@ class _Batch(_Adaptive):
         return self._first(lambda s: func(*bound, s, *args, **kwargs),
                            lambda: self._run(caller, args, kwargs, bound))
 
-    def _guarded(self) -> Callable[..., Any]:
-        """The function this call runs: under ``accumulate=``, guarded (see [Note: a retried
-        training step counts its gradients once])."""
-        func = self._func
-        if self._accumulation is not None:
-            func = self._accumulation.guard(func)
-        return func
-
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # See [Note: lazy results] in lazy.py.
@@ -373,7 +367,9 @@ class _Batch(_Adaptive):
         cache, record = self._record(caller)
         if self._deciding:
             return self._first_call(caller, args, kwargs, bound)
-        func = self._guarded()
+        # See [Note: a retried training step counts its gradients once].
+        accumulation = self._accumulation
+        func = self._func if accumulation is None else accumulation.guard(self._func)
         size = record.next_size(self.initial, self.floor, self._probes)
         log_probe(record, size, self._name, "batchsize", self._watch)
         self.stats.calls += 1
@@ -755,10 +751,10 @@ def range(  # noqa: A001 - the public name mirrors the builtin it adapts
     The caller writes ``fill(start, end, *args)``. Steps are consecutive, cover the range
     exactly once and in order; a step that runs out of memory is retried at the same offset
     with a smaller step (finished steps are never redone). Returns the list of step results.
-    Options as for ``batch`` (``initial_step``, ``"auto"`` too with ``max_step``, ``min_step``, ``group``, ``group_timeout``,
-    ``on_adapt``). A step runs to completion inside the retry, so generator and async
-    functions are refused at decoration, and a step that returns a generator or coroutine
-    raises TypeError. With ``group``, the ranks agree on every step's size; each covers its
+    Options as for ``batch`` (``initial_step``, also ``"auto"`` with ``max_step``,
+    ``min_step``, ``group``, ``group_timeout``, ``on_adapt``). A step runs to completion
+    inside the retry, so generator and async functions are refused at decoration, and a step
+    that returns a generator or coroutine raises TypeError. With ``group``, the ranks agree on every step's size; each covers its
     own ``[start, end)`` (ranges may differ in length: a rank that is done waits for the
     others inside the call). ``progress=True`` shows items done, the step and the retries
     (a tqdm bar when tqdm is installed, else a line on the ``adaptmem`` logger every 10 s;
