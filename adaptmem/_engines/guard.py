@@ -27,7 +27,7 @@ copies, copies in another dtype) and its hooks are the engine's bound methods.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -103,21 +103,18 @@ class PlacementGuard:
         """The data each tensor holds at rest from now on (kept to put it back)."""
         self._data = {n: data[n] for n in self._names}
         with _no_modes():  # read as check() reads them
-            self._dtypes = [d.dtype for d in self._data.values()]
-            self._devices = [d.get_device() for d in self._data.values()]
+            self._dtypes, self._devices = _metadata(list(self._data.values()))
 
     def check(self) -> None:
         """Raise ``PlacementError`` if a tensor was replaced or converted since placement."""
-        # One pass per property in C (map), not a Python loop: this runs at every call.
-        # Metadata reads, with torch function modes off: a mode (a simulated device's)
-        # would otherwise see two calls per tensor per forward, and has nothing to change.
+        # This runs at every call. Metadata reads, with torch function modes off: a mode (a
+        # simulated device's) would otherwise see two calls per tensor, and has nothing to
+        # change.
         if torch._C._is_torch_function_mode_enabled():
             with _no_modes():
-                dtypes = list(map(_dtype_of, self._tensors))
-                devices = list(map(_device_of, self._tensors))
+                dtypes, devices = _metadata(self._tensors)
         else:
-            dtypes = list(map(_dtype_of, self._tensors))
-            devices = list(map(_device_of, self._tensors))
+            dtypes, devices = _metadata(self._tensors)
         if (dtypes != self._dtypes or devices != self._devices
                 or not all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                                self._registered))
@@ -208,6 +205,11 @@ class PlacementGuard:
 _dtype_of = operator.attrgetter("dtype")
 _no_modes = torch._C.DisableTorchFunction
 _device_of = torch.Tensor.get_device
+
+
+def _metadata(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.dtype], list[int]]:
+    """Dtypes and device indices: one pass per property in C (map), not a Python loop."""
+    return list(map(_dtype_of, tensors)), list(map(_device_of, tensors))
 
 
 def _point_at(t: torch.Tensor, data: torch.Tensor) -> None:

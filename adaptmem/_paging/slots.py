@@ -58,14 +58,6 @@ def _prefetched(needs: Sequence[Slot], ticket: Any) -> bool:
     return True
 
 
-def _written(s: Slot) -> bool:
-    """``s``'s tensor was written in place since its copy was made."""
-    if modes_on():  # See [Note: version reads skip torch function modes]
-        with _no_modes():
-            return s.tensor._version != s.version
-    return s.tensor._version != s.version
-
-
 def _pending(slots: Sequence[Slot], copies: Sequence[torch.Tensor], ticket: Any) -> int:
     """Mark ``slots`` as copied to ``copies`` in ``ticket``, as of their tensors' versions
     now; returns their bytes."""
@@ -119,6 +111,13 @@ class SlotTable:
         # reads skip torch function modes].
         self.modes = False
 
+    def _written_since_copy(self, s: Slot) -> bool:
+        """``s``'s tensor was written in place since its copy was made."""
+        if self.modes:  # See [Note: version reads skip torch function modes]
+            with _no_modes():
+                return s.tensor._version != s.version
+        return s.tensor._version != s.version
+
     def fits(self, need: int) -> bool:
         return self.budget is None or self.held + need <= self.budget
 
@@ -131,14 +130,8 @@ class SlotTable:
             if self.modes:  # See [Note: version reads skip torch function modes]
                 with _no_modes():
                     current = _prefetched(needs, ticket)
-            else:  # _prefetched inline: this runs per unit, and a call costs
-                for s in needs:
-                    if (s.state is not PENDING or s.ticket is not ticket
-                            or s.tensor._version != s.version):
-                        current = False
-                        break
-                else:
-                    current = True
+            else:
+                current = _prefetched(needs, ticket)
             if current:
                 if self.synchronous:
                     self.stats.prefetch_hits += 1
@@ -217,11 +210,8 @@ class SlotTable:
         if self.modes:  # See [Note: version reads skip torch function modes]
             with _no_modes():
                 nbytes = _pending(slots, copies, ticket)
-        else:  # _pending inline: this runs per unit, and a call costs
-            nbytes = 0
-            for s, c in zip(slots, copies, strict=True):
-                s.copy, s.ticket, s.state, s.version = c, ticket, PENDING, s.tensor._version
-                nbytes += s.nbytes
+        else:
+            nbytes = _pending(slots, copies, ticket)
         self._add(nbytes)
         self.stats.transfers += 1
         self.stats.bytes_moved += nbytes
@@ -281,7 +271,7 @@ class SlotTable:
         for s in slots:
             s.refs -= 1
             if s.refs == 0 and not s.resident:  # unload, inline: see [Note: the one fast path]
-                if s.buffer and _written(s):
+                if s.buffer and self._written_since_copy(s):
                     self._write_back(s)
                 s.tensor.data = s.master
                 s.copy = None
