@@ -6,6 +6,7 @@ raises CUDA's out-of-memory error past its total."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,18 @@ def _model(layers: int = 8) -> nn.Module:
 
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _squeezed(model: nn.Module) -> Any:
+    """A function over 1024 items whose smallest batch (512) does not fit next to half of a
+    48 MiB device's free memory in resident weights: call it inside that simulation."""
+
+    @adaptive.batch(initial_batchsize=1024, min_batchsize=512, model=model, device="cuda")
+    def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    return run
 
 
 def test_a_model_that_fits_runs_resident_and_comes_back_as_it_was() -> None:
@@ -65,12 +78,7 @@ def test_compute_out_of_memory_at_the_smallest_batch_gives_residency_to_activati
     with torch.no_grad():
         want = model(data)
     with simulated_cuda(total_memory="48MiB"):
-        # Half the free memory resident (24 MiB) leaves too little for 512 items.
-        @adaptive.batch(initial_batchsize=1024, min_batchsize=512, model=model, device="cuda")
-        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return torch.cat([model(c) for c in data.split(batchsize)])
-
+        run = _squeezed(model)  # 24 MiB resident leaves too little for 512 items
         with caplog.at_level(logging.INFO, logger="adaptmem"):
             results = [run(data) for _ in range(3)]
         placement = run.placement
@@ -243,12 +251,7 @@ def test_giving_residency_back_retries_from_the_smallest_size_not_the_top(
     model = _model()
     data = torch.randn(1024, 1024)
     with simulated_cuda(total_memory="48MiB"):
-
-        @adaptive.batch(initial_batchsize=1024, min_batchsize=512, model=model, device="cuda")
-        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return torch.cat([model(c) for c in data.split(batchsize)])
-
+        run = _squeezed(model)
         with caplog.at_level(logging.INFO, logger="adaptmem"):
             run(data)
         given = run.placement["residency_given_back"]
