@@ -135,7 +135,6 @@ class AutoStart:
         self.ceiling = ceiling
         self.device = device
         self.prediction: PeakPrediction | None = None
-        self.reason = ""  # why there is no prediction
         self.initial: int | None = None
         self._flat = 0  # calls whose traces did not grow with the size
         self._lock = threading.Lock()
@@ -196,13 +195,11 @@ class AutoStart:
             self._flat += 1
             if self._flat < FLAT_CALLS:
                 return None
-            self.reason = str(exc)
             logger.info("%s: initial_batchsize='auto' saw no memory grow with the size in %d "
                         "calls (%s); the search starts at the largest size, %d",
                         self.name, self._flat, exc, self.ceiling)
             return self.ceiling
         except NotPredictable as exc:
-            self.reason = str(exc)
             logger.info("%s: initial_batchsize='auto' could not trace the function on fake "
                         "tensors (%s); the search starts at max_batchsize=%d",
                         self.name, exc, self.ceiling)
