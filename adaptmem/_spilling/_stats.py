@@ -191,8 +191,8 @@ def memory_stats(*engines: Any) -> MemoryStats:
     process), memory in use and peak per device, and the statistics of every live source:
     each pager, chunker and splitter, each model loaded with ``load`` (while the model
     lives), each spill handle, and each decorated function that keeps statistics (once it
-    has been called), in the order they were made. A source disappears when it is collected. See [Note: one place
-    for statistics].
+    has been called), in the order they were made. A source disappears when it is
+    collected. See [Note: one place for statistics].
 
     Sections are named for the source and what it holds: ``"pager (GPT2LMHeadModel)"``,
     ``"chunker (ResNet)"``, ``"load (model.safetensors)"``, ``"spill handle"``; a second
