@@ -73,7 +73,9 @@ class Dispatched:
 
     @property
     def placement(self) -> dict[str, Any]:
-        """Device, weight and resident bytes per model, and how often they changed."""
+        """Device, weight and resident bytes per model, the engine (``"resident"``,
+        ``"page"``, ``"chunk"``) and the figures it was chosen by, and how often they
+        changed."""
         return self.placed.as_dict()
 
     @property
@@ -151,9 +153,12 @@ MODEL_DOC = """
     with as many units resident as fit half the free memory (all of them when the model
     fits); an out-of-memory error in compute shrinks the size, one at the smallest size
     gives resident bytes back to activations and runs again, one while weights move makes
-    the pager's units finer. The decorated function then has ``.placement``, ``.pagers``
-    and ``.remove()``. See [Note: batch size and residency together] in
-    ``adaptmem/_dispatch/placed.py``.
+    the pager's units finer. A model left partly resident on an accelerator runs its second
+    call chunked (``adaptive.chunk``, the rest computed on the host) and stays chunked when
+    that host compute per forward costs less than moving the rest over the link, timed
+    once. The decorated function then has ``.placement`` (its ``"engine"``: resident, page
+    or chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
+    in ``adaptmem/_dispatch/placed.py`` and [Note: paging or chunking] in ``engine.py``.
 """
 
 
