@@ -80,7 +80,8 @@ class Dispatched:
 
     @property
     def pagers(self) -> list[Any]:
-        """The ``Pager`` of each model (empty before the first call and after ``remove``)."""
+        """The ``Pager`` of each model (empty before the first call, after ``remove`` and
+        while the models are chunked)."""
         return list(self.placed.pagers)
 
     @property

@@ -50,6 +50,7 @@ def link_bandwidth(device: torch.device) -> float:
     masters are."""
     nbytes = COPY_START
     limit = max(COPY_START, min(COPY_MAX, free_memory(device) // 4))
+    torch.ones(1024, dtype=torch.uint8).to(device)  # a first copy may set things up: untimed
     while True:
         host = torch.empty(nbytes, dtype=torch.uint8)
         if device.type != "cpu":
