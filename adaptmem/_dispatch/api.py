@@ -40,11 +40,11 @@ class Dispatched:
         placed, inner = self.placed, self.inner
         first = not placed.placed
         while True:
-            before = inner.context
+            switching = placed.switching
             placed.ensure()
             inner.context = (self.user_context, placed.key())
-            if placed.carry_sizes:
-                _carry_sizes(target, caller, inner, before)
+            if switching and inner.stats.last_size is not None:
+                _carry_size(inner.stats.last_size, target.size_record(caller))
             try:
                 result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
@@ -102,17 +102,14 @@ class Dispatched:
         self.placed.remove()
 
 
-def _carry_sizes(target: Any, caller: Any, inner: Any, before: Any) -> None:
-    """The engine changed at the same resident bytes (see [Note: paging or chunking]): a
-    call site that knows nothing yet under the new one starts from what it learned under
-    the old, instead of searching again from the initial size."""
-    now = inner.context
-    inner.context = before
-    old = target.size_record(caller)
-    inner.context = now
-    new = target.size_record(caller)
-    if new.fits is None and new.fails is None:
-        new.fits, new.fails = old.fits, old.fails
+def _carry_size(size: int, record: Any) -> None:
+    """The engine changed at the same resident bytes, to one that takes no more device
+    memory (see [Note: paging or chunking]): a call site that knows nothing yet under the
+    new one starts from the size that last ran, instead of searching again from the
+    initial size (the old one's record is no help: it is filed under the free memory the
+    old engine left)."""
+    if record.fits is None and record.fails is None:
+        record.fits = size
 
 
 class _BoundDispatched:

@@ -23,6 +23,9 @@ activations the chunker moves at its boundaries: for the batches in view they ar
 beside the weights paging moves, but a very large batch through a model with many
 boundaries would be misjudged that way. The choice is made once per decorated function (a
 ``remove()`` starts again); residency given back or taken again keeps the engine chosen.
+The chunked call is a placement of its own in the size cache (the engine is part of the
+key); it starts from the size that last ran paged, since chunking the same resident bytes
+takes no more device memory than paging them, rather than from the initial size.
 """
 
 from __future__ import annotations

@@ -110,7 +110,6 @@ class PlacedModels:
         self.handles: list[Pager | Chunker] = []
         self.engine = PAGE
         self.choice: Choice | None = None
-        self.carry_sizes = False  # the engine changed: the new key may start from the old's
         self._choosing: str | None = None
         self._clock: HostClock | None = None
         self._paged_bytes = 0  # what paging moved per forward, when chunking was timed
@@ -128,6 +127,12 @@ class PlacedModels:
     def pagers(self) -> list[Pager]:
         return [h for h in self.handles if isinstance(h, Pager)]
 
+    @property
+    def switching(self) -> bool:
+        """Whether the next ``ensure`` changes the engine at the same resident bytes (the
+        timed chunked call): the sizes learned so far may carry over."""
+        return self._choosing == PENDING
+
     def key(self) -> tuple[Any, ...]:
         """What the cache tells placements apart by: the engine and the resident bytes of
         each model."""
@@ -137,7 +142,6 @@ class PlacedModels:
         """Place the models at the first call (paged); at the next two, choose between
         paging and chunking (see [Note: paging or chunking]); later, take back residency
         when memory grew."""
-        self.carry_sizes = False
         if not self.handles:
             device = self.device if self.device is not None else default_device()
             self.device = resolve_device(device)
@@ -203,7 +207,6 @@ class PlacedModels:
         self.engine = CHUNK
         self._place(list(self.resident))
         self.changes.engine_switches += 1
-        self.carry_sizes = True
 
     def _choose(self) -> None:
         """Keep chunking or page again, by what the chunked call measured."""

@@ -129,3 +129,22 @@ def test_a_chunked_model_gives_residency_back_and_takes_it_again() -> None:
     assert weights_on_device < on_device
     assert taken["engine"] == "chunk" and taken["residency_taken_again"] >= 1
     assert taken["resident_bytes"][0] > given["resident_bytes"][0]
+
+
+def test_the_size_learned_under_paging_carries_over_to_the_timed_chunked_call() -> None:
+    model = _model()
+    data = torch.randn(2048, 512)  # 4 MiB of activations per layer at once: does not fit
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+        run = _decorated(model, 2048)
+        first = run(data)
+        searched = run.stats.failed_attempts
+        second = run(data)  # chunked, under a cache key of its own
+        engine = run.placement["engine"]
+        failed_chunked = run.stats.failed_attempts - searched
+        run.remove()
+    torch.testing.assert_close(first, want)
+    torch.testing.assert_close(second, want)
+    assert searched >= 1 and engine == "chunk"  # timed now, chosen at the next call
+    assert failed_chunked == 0
