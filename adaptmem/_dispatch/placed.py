@@ -179,8 +179,9 @@ class PlacedModels:
         self.changes.residency_given_back += 1
         self._given_back_at = free_memory(self.device) if self.device is not None else None
         logger.info("%s ran out of memory at its smallest size; model %d keeps %s of its %s "
-                    "resident (was %s), the rest is paged", self.name, i,
-                    format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old))
+                    "resident (was %s), the rest is %s", self.name, i,
+                    format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old),
+                    "computed on the host" if self.engine == CHUNK else "paged")
         return True
 
     def _maybe_restore(self) -> None:
@@ -212,7 +213,8 @@ class PlacedModels:
         """Keep chunking or page again, by what the chunked call measured."""
         clock, self._clock = self._clock, None
         if clock is None or self.device is None:
-            return  # not placed by _time_chunking: nothing was timed
+            self._choosing = MADE  # nothing was timed: keep the engine in force
+            return
         clock.remove()
         paged = self._paged_bytes
         self.choice = Choice(paged, link_bandwidth(self.device), clock.seconds, clock.forwards)
