@@ -50,7 +50,7 @@ COPY_REPEATS = 3
 
 
 def link_bandwidth(device: torch.device) -> float:
-    """Bytes per second a host-to-device copy reaches, from one timed copy (see [Note: paging
+    """Bytes per second a host-to-device copy reaches, from timed copies (see [Note: paging
     or chunking]): a pinned host buffer where the device has streams, as the pager's
     masters are."""
     nbytes = COPY_START
