@@ -23,10 +23,13 @@ class NotPredictable(Exception):
 class PeakTracker(TorchDispatchMode):
     """Counts the bytes of the storages ops create while it is active and the highest total
     alive at once (``peak``); storages that existed before are not counted. Works on any
-    device; on meta it is what a real run would allocate."""
+    device; on meta it is what a real run would allocate. Given a ``device``, only storages
+    on that device count (see [Note: counting the device's bytes only] in
+    ``_execution/auto.py``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
+        self.device = device
         self.live = 0
         self.peak = 0
         self._owners: dict[int, int] = {}  # storage -> how many tracked tensors use it
@@ -38,7 +41,9 @@ class PeakTracker(TorchDispatchMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         known = {id(t) for t in inputs}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and id(t) not in known and id(t) not in self._seen:
+            if not isinstance(t, torch.Tensor) or not self._counts(t.device):
+                continue
+            if id(t) not in known and id(t) not in self._seen:
                 key = t.untyped_storage()._cdata  # one per storage, shared by its views
                 if key in self._owners:  # a view of a storage made while tracking
                     self._hold(t, key, 0)
@@ -46,6 +51,13 @@ class PeakTracker(TorchDispatchMode):
                     self._hold(t, key, t.untyped_storage().nbytes())
                 # else a view of (or in-place result in) memory that existed before: not counted
         return out
+
+    def _counts(self, device: torch.device) -> bool:
+        wanted = self.device
+        if wanted is None:
+            return True
+        return device.type == wanted.type and (wanted.index is None or device.index is None
+                                               or device.index == wanted.index)
 
     def _hold(self, t: torch.Tensor, key: int, nbytes: int) -> None:
         self._seen.add(id(t))

@@ -40,8 +40,11 @@ class Dispatched:
         placed, inner = self.placed, self.inner
         first = not placed.placed
         while True:
+            switching = placed.switching
             placed.ensure()
             inner.context = (self.user_context, placed.key())
+            if switching and inner.stats.last_size is not None:
+                _carry_size(inner.stats.last_size, target.size_record(caller))
             try:
                 result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
@@ -70,12 +73,15 @@ class Dispatched:
 
     @property
     def placement(self) -> dict[str, Any]:
-        """Device, weight and resident bytes per model, and how often they changed."""
+        """Device, weight and resident bytes per model, the engine (``"resident"``,
+        ``"page"``, ``"chunk"``) and the figures it was chosen by, and how often they
+        changed."""
         return self.placed.as_dict()
 
     @property
     def pagers(self) -> list[Any]:
-        """The ``Pager`` of each model (empty before the first call and after ``remove``)."""
+        """The ``Pager`` of each model (empty before the first call, after ``remove`` and
+        while the models are chunked)."""
         return list(self.placed.pagers)
 
     @property
@@ -94,6 +100,16 @@ class Dispatched:
     def remove(self) -> None:
         """Give the models back exactly as they were before the first call."""
         self.placed.remove()
+
+
+def _carry_size(size: int, record: Any) -> None:
+    """The engine changed at the same resident bytes, to one that takes no more device
+    memory (see [Note: paging or chunking]): a call site that knows nothing yet under the
+    new one starts from the size that last ran, instead of searching again from the
+    initial size (the old one's record is no help: it is filed under the free memory the
+    old engine left)."""
+    if record.fits is None and record.fails is None:
+        record.fits = size
 
 
 class _BoundDispatched:
@@ -135,9 +151,12 @@ MODEL_DOC = """
     with as many units resident as fit half the free memory (all of them when the model
     fits); an out-of-memory error in compute shrinks the size, one at the smallest size
     gives resident bytes back to activations and runs again, one while weights move makes
-    the pager's units finer. The decorated function then has ``.placement``, ``.pagers``
-    and ``.remove()``. See [Note: batch size and residency together] in
-    ``adaptmem/_dispatch/placed.py``.
+    the pager's units finer. A model left partly resident on an accelerator runs its second
+    call chunked (``adaptive.chunk``, the rest computed on the host) and stays chunked when
+    that host compute per forward costs less than moving the rest over the link, timed
+    once. The decorated function then has ``.placement`` (its ``"engine"``: resident, page
+    or chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
+    in ``adaptmem/_dispatch/placed.py`` and [Note: paging or chunking] in ``engine.py``.
 """
 
 

@@ -14,7 +14,10 @@ call runs again, down to nothing resident. Memory given back is taken again, dou
 when free memory has grown by a quarter since it was given, checked every
 ``RESTORE_EVERY`` calls. The placement is part of the cache key (the decorator's
 ``context``), so a call site returns to the batch size it learned for the placement in
-force.
+force. A model that does not fit whole may be chunked instead of paged (its non-resident
+units computed on the host): which engine is measured on the first calls, see [Note: paging
+or chunking] in engine.py; give-back and take-back then move the chosen engine's resident
+bytes.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ from .._common.claims import check_placeable
 from .._common.devices import default_device, format_bytes, free_memory, resolve_device
 from .._common.errors import PlacementError
 from .._paging.api import Pager, page
-from .._planning import module_sizes
+from .._placement.api import chunk
+from .._placement.splitter import Chunker
+from .._planning import Placement, module_sizes
+from .engine import Choice, HostClock, link_bandwidth
 
 __all__ = ["PlacedModels", "PlacementChanges", "check_models"]
 
@@ -51,11 +57,13 @@ class PlacementChanges:
     placements: int = 0
     residency_given_back: int = 0
     residency_taken_again: int = 0
+    engine_switches: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"placements": self.placements,
                 "residency_given_back": self.residency_given_back,
-                "residency_taken_again": self.residency_taken_again}
+                "residency_taken_again": self.residency_taken_again,
+                "engine_switches": self.engine_switches}
 
 
 # Which decorated function holds a model, while it does.
@@ -84,16 +92,27 @@ def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
     return models
 
 
+PAGE, CHUNK = "page", "chunk"
+# Where the choice between them stands: to be measured at the next call, being measured
+# (the call runs chunked under a HostClock), made.
+PENDING, TIMING, MADE = "pending", "timing", "made"
+
+
 class PlacedModels:
-    """Pagers for the models of one decorated function and their resident bytes (see
-    [Note: batch size and residency together])."""
+    """Pagers or chunkers for the models of one decorated function and their resident
+    bytes (see [Note: batch size and residency together])."""
 
     def __init__(self, models: tuple[nn.Module, ...], device: torch.device | None,
                  name: str) -> None:
         self.models = models
         self.device = device
         self.name = name
-        self.pagers: list[Pager] = []
+        self.handles: list[Pager | Chunker] = []
+        self.engine = PAGE
+        self.choice: Choice | None = None
+        self._choosing: str | None = None
+        self._clock: HostClock | None = None
+        self._paged_bytes = 0  # what paging moved per forward, when chunking was timed
         self.weights = [module_sizes(m).total_bytes for m in models]
         self.resident = [0 for _ in models]
         self.changes = PlacementChanges()
@@ -102,15 +121,28 @@ class PlacedModels:
 
     @property
     def placed(self) -> bool:
-        return bool(self.pagers)
+        return bool(self.handles)
 
-    def key(self) -> tuple[int, ...]:
-        """What the cache tells placements apart by: the resident bytes of each model."""
-        return tuple(self.resident)
+    @property
+    def pagers(self) -> list[Pager]:
+        return [h for h in self.handles if isinstance(h, Pager)]
+
+    @property
+    def switching(self) -> bool:
+        """Whether the next ``ensure`` changes the engine at the same resident bytes (the
+        timed chunked call): the sizes learned so far may carry over."""
+        return self._choosing == PENDING
+
+    def key(self) -> tuple[Any, ...]:
+        """What the cache tells placements apart by: the engine and the resident bytes of
+        each model."""
+        return (self.engine, *self.resident)
 
     def ensure(self) -> None:
-        """Place the models at the first call; later, take back residency when memory grew."""
-        if not self.pagers:
+        """Place the models at the first call (paged); at the next two, choose between
+        paging and chunking (see [Note: paging or chunking]); later, take back residency
+        when memory grew."""
+        if not self.handles:
             device = self.device if self.device is not None else default_device()
             self.device = resolve_device(device)
             budget = int(WEIGHT_SHARE * free_memory(self.device))
@@ -119,7 +151,14 @@ class PlacedModels:
                 resident.append(min(weights, budget))
                 budget -= resident[-1]
             self._place(resident)
+            if self._choosing is None and self.device.type != "cpu" and resident != self.weights:
+                self._choosing = PENDING  # a model is partly resident: chunk it, maybe
             return
+        if self._choosing == PENDING:
+            self._time_chunking()
+            return
+        if self._choosing == TIMING:
+            self._choose()
         if self._given_back_at is not None:
             self._calls += 1
             if self._calls >= RESTORE_EVERY:
@@ -140,8 +179,9 @@ class PlacedModels:
         self.changes.residency_given_back += 1
         self._given_back_at = free_memory(self.device) if self.device is not None else None
         logger.info("%s ran out of memory at its smallest size; model %d keeps %s of its %s "
-                    "resident (was %s), the rest is paged", self.name, i,
-                    format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old))
+                    "resident (was %s), the rest is %s", self.name, i,
+                    format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old),
+                    "computed on the host" if self.engine == CHUNK else "paged")
         return True
 
     def _maybe_restore(self) -> None:
@@ -160,8 +200,38 @@ class PlacedModels:
         logger.info("%s: free memory grew to %s; resident bytes taken again: %s", self.name,
                     format_bytes(free), ", ".join(format_bytes(r) for r in resident))
 
+    def _time_chunking(self) -> None:
+        """Run the next call chunked, with the resident bytes paging had, timing the host."""
+        self._paged_bytes = sum(u.nbytes for p in self.pagers for u in p.plan.units
+                                if u.placement == Placement.PAGED)
+        self._choosing = TIMING
+        self.engine = CHUNK
+        self._place(list(self.resident))
+        self.changes.engine_switches += 1
+
+    def _choose(self) -> None:
+        """Keep chunking or page again, by what the chunked call measured."""
+        clock, self._clock = self._clock, None
+        if clock is None or self.device is None:
+            self._choosing = MADE  # nothing was timed: keep the engine in force
+            return
+        clock.remove()
+        paged = self._paged_bytes
+        self.choice = Choice(paged, link_bandwidth(self.device), clock.seconds, clock.forwards)
+        self._choosing = MADE
+        logger.info("%s: %s of weights not resident would cross the link at %.3g GB/s in %.3g "
+                    "ms per forward, or be computed on the host in %.3g ms (%d forwards "
+                    "timed): %s", self.name, format_bytes(paged),
+                    self.choice.bandwidth / 1e9, 1e3 * self.choice.page_seconds,
+                    1e3 * self.choice.chunk_seconds, clock.forwards,
+                    "chunked" if self.choice.engine == CHUNK else "paged")
+        if self.choice.engine == PAGE:
+            self.engine = PAGE
+            self._place(list(self.resident))
+            self.changes.engine_switches += 1
+
     def _place(self, resident: list[int]) -> None:
-        self.remove()
+        self.remove(forget_choice=False)
         for i, model in enumerate(self.models):
             holder = _holders.get(model)
             if holder is not None and holder is not self:
@@ -172,22 +242,33 @@ class PlacedModels:
                 )
         try:
             for model, nbytes in zip(self.models, resident, strict=True):
-                self.pagers.append(page(model, self.device, resident_bytes=nbytes))
+                if self.engine == CHUNK:
+                    self.handles.append(chunk(model, self.device, capacity=nbytes))
+                else:
+                    self.handles.append(page(model, self.device, resident_bytes=nbytes))
                 _holders[model] = self
+            if self._choosing == TIMING:
+                self._clock = HostClock(self.models, self.handles)
         except BaseException:
             self.remove()  # all or nothing: the models as they were
             raise
         self.resident = resident
         self.changes.placements += 1
 
-    def remove(self) -> None:
-        """Give every model back as it was (see ``Pager.remove``)."""
-        while self.pagers:
-            self.pagers.pop().remove()
+    def remove(self, forget_choice: bool = True) -> None:
+        """Give every model back as it was (see ``Pager.remove``, ``Chunker.remove``); the
+        engine is chosen again after the next placement."""
+        if self._clock is not None:
+            self._clock.remove()
+            self._clock = None
+        while self.handles:
+            self.handles.pop().remove()
         for model in self.models:
             if _holders.get(model) is self:
                 del _holders[model]
         self.resident = [0 for _ in self.models]
+        if forget_choice:
+            self.engine, self.choice, self._choosing = PAGE, None, None
 
     def check_no_fakes(self) -> None:
         """Refuse models that an 'auto' trace left holding fake tensors (a lazy module or a
@@ -205,5 +286,9 @@ class PlacedModels:
                 )
 
     def as_dict(self) -> dict[str, Any]:
+        all_resident = self.placed and self.resident == self.weights and self.engine == PAGE
         return {"device": str(self.device), "weight_bytes": list(self.weights),
-                "resident_bytes": list(self.resident), **self.changes.as_dict()}
+                "resident_bytes": list(self.resident),
+                "engine": "resident" if all_resident else self.engine,
+                "engine_choice": None if self.choice is None else self.choice.as_dict(),
+                **self.changes.as_dict()}

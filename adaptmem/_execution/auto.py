@@ -17,6 +17,14 @@ what the margin is for; an out-of-memory error still has the last word and the u
 takes over from there. A function that cannot run on fake tensors (``.item()``,
 data-dependent shapes, custom kernels, tensors of a device the fake mode does not know) is
 not predicted: that is logged once and the search starts at ``max_batchsize``.
+
+[Note: counting the device's bytes only] The traces count only the storages made on the
+function's device, because only those compete for the memory free there: a function that
+gathers its results on the host (or whose model's engine hands outputs back there, as
+``model=`` does) allocates host memory per batch that the device never sees. With a partly
+resident model the pager's device copies of the paged units are made under the fake mode
+too (fake tensors, no transfer), so the traces count them as the real call will; the
+resident weights are on the device before the traces and are in the free memory already.
 """
 
 from __future__ import annotations
@@ -85,11 +93,11 @@ class _Guard(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _trace(call: Callable[[int], Any], size: int) -> int:
-    """Bytes ``call(size)`` allocates at its peak, run on fake tensors."""
+def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
+    """Bytes ``call(size)`` allocates on ``device`` at its peak, run on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    tracker = PeakTracker()
+    tracker = PeakTracker(device)  # see [Note: counting the device's bytes only]
     try:
         # No gradients: a backward would set real parameters' .grad to fakes (autograd
         # assigns a missing .grad without an op the guard could see); it fails instead.
@@ -106,8 +114,9 @@ def _trace(call: Callable[[int], Any], size: int) -> int:
     return tracker.peak
 
 
-def _fit(call: Callable[[int], Any], small: int, large: int) -> tuple[dict[int, int], Any]:
-    peaks = {small: _trace(call, small), large: _trace(call, large)}
+def _fit(call: Callable[[int], Any], small: int, large: int, device: torch.device
+         ) -> tuple[dict[int, int], Any]:
+    peaks = {small: _trace(call, small, device), large: _trace(call, large, device)}
     prediction = fit((small, large), (peaks[small], peaks[large]))
     if prediction.per_item_bytes <= 0:
         raise Flat(
@@ -147,7 +156,8 @@ class AutoStart:
                 self.initial = self._decide(call)
             return self.initial
 
-    def _search(self, call: Callable[[int], Any], free: int) -> tuple[int, PeakPrediction]:
+    def _search(self, call: Callable[[int], Any], free: int, device: torch.device
+                ) -> tuple[int, PeakPrediction]:
         """The largest size whose traced peak fits ``MARGIN * free``, and the last fit."""
         budget = MARGIN * free
         scale = 1
@@ -158,7 +168,7 @@ class AutoStart:
                 raise NotPredictable(f"the largest size, {self.ceiling}, leaves no two sizes "
                                      f"to trace")
             try:
-                peaks, prediction = _fit(call, small, large)
+                peaks, prediction = _fit(call, small, large, device)
                 break
             except TooLong:
                 scale *= 8
@@ -169,7 +179,7 @@ class AutoStart:
             if candidate in peaks:
                 break
             try:
-                peaks[candidate] = _trace(call, candidate)
+                peaks[candidate] = _trace(call, candidate, device)
             except TooLong:
                 break
             if peaks[candidate] <= budget:
@@ -190,7 +200,7 @@ class AutoStart:
         device = self.device if self.device is not None else default_device()
         free = free_memory(device)
         try:
-            start, prediction = self._search(call, free)
+            start, prediction = self._search(call, free, device)
         except Flat as exc:
             self._flat += 1
             if self._flat < FLAT_CALLS:

@@ -181,6 +181,8 @@ class Tensors:
         return self.reserve(backing.untyped_storage().nbytes(), index)
 
     def reserve(self, nbytes: int, index: int) -> Record:
+        if _fake_mode() is not None:
+            nbytes = 0  # a fake tensor's backing is fake too: it takes no memory
         block = self.state.allocators[index].allocate(nbytes)
         return Record(index, block, self.state.current_streams[index])
 
@@ -477,7 +479,7 @@ class Dispatch(TorchDispatchMode):
         fresh: dict[int, torch.Tensor] = {}
         for o in _tensors_in(out):
             if id(o) not in originals:
-                ptr = o.untyped_storage().data_ptr()
+                ptr = _storage_key(o)
                 if ptr not in storages and ptr not in fresh:
                     fresh[ptr] = o
         if fresh:
@@ -496,7 +498,7 @@ class Dispatch(TorchDispatchMode):
             original = originals.get(id(o))
             if original is not None:
                 return original
-            return sim.wrap(o, storages[o.untyped_storage().data_ptr()])
+            return sim.wrap(o, storages[_storage_key(o)])
 
         return _map_tensors(wrap, out)
 
@@ -545,7 +547,7 @@ class _Unwrapping:
                     raise _mixed(f"cuda:{self.index}", f"cuda:{record.index}")
                 self.uses.append((record, x))
                 self.originals[id(b)] = x
-                self.storages[b.untyped_storage().data_ptr()] = record
+                self.storages[_storage_key(b)] = record
                 return b
             if self.cpu_arg is None and x.dim() and x.device.type == "cpu":
                 self.cpu_arg = x
@@ -598,6 +600,21 @@ def _is_cuda(device: Any) -> bool:
 
 
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
+
+
+def _fake_mode() -> Any:
+    """The ``FakeTensorMode`` active now (an ``initial_batchsize="auto"`` trace), or None."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """What tells a backing's storage apart: its data pointer, or for a fake tensor (made
+    under ``FakeTensorMode``, an ``initial_batchsize="auto"`` trace through a placed model),
+    which has no data, the storage object itself; views share either."""
+    storage = t.untyped_storage()
+    if storage.device.type == "meta":
+        return int(storage._cdata)
+    return int(storage.data_ptr())
 _no_python_dispatch = torch._C._DisableTorchDispatch
 # Factories that draw no random numbers and return one tensor.
 _PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
@@ -833,7 +850,7 @@ class Functions(TorchFunctionMode):
                         raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
                     index = record.index
                     sim.use(record, sim.state.current_streams[index], x, func.__name__)
-                    backings[b.untyped_storage().data_ptr()] = (x, record)
+                    backings[_storage_key(b)] = (x, record)
                     flat[i] = b
                 elif x.dim():
                     cpu_arg = True
@@ -856,7 +873,7 @@ class Functions(TorchFunctionMode):
                 return o
             if o is first and isinstance(args[0], torch.Tensor):
                 return args[0]  # in place
-            owner = backings.get(o.untyped_storage().data_ptr())
+            owner = backings.get(_storage_key(o))
             if owner is not None:
                 return sim.wrap(o, owner[1])
             return sim.adopt(o, index)

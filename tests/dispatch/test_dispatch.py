@@ -265,3 +265,32 @@ def test_adaptive_batch_pickles_by_name() -> None:
     import pickle
 
     assert pickle.loads(pickle.dumps(adaptive.batch)) is adaptive.batch
+
+
+def test_auto_predicts_through_a_partly_resident_model_and_pays_at_most_one_failure() -> None:
+    # 8 MiB of weights on a 12 MiB device: half the free memory resident, the rest paged.
+    # The function gathers its results on the host, 1.5 MiB whatever the batch size: the
+    # prediction counts the device's bytes only ([Note: counting the device's bytes only]).
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(512, 512), nn.ReLU())]).eval()
+    data = torch.randn(768, 512)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="12MiB"):
+
+        @adaptive.batch(initial_batchsize="auto", model=model, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        got = run(data)
+        placement, prediction, initial = run.placement, run.prediction, run.initial
+        failed = run.stats.failed_attempts
+        paged_unit = max(p.numel() * p.element_size() for p in model.parameters())
+        run.remove()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert 0 < placement["resident_bytes"][0] < placement["weight_bytes"][0]
+    assert prediction is not None  # predicted, not the fallback to max_batchsize
+    assert prediction.fixed_bytes >= paged_unit  # the paged units' device copies counted
+    assert initial >= 512  # not pushed down by the host's 1.5 MiB of results (407 if counted)
+    assert failed <= 1

@@ -1,0 +1,160 @@
+"""Which engine holds a partly resident model under ``model=``: the pager or the chunker.
+
+[Note: paging or chunking] A model that does not fit whole keeps its first units resident
+either way; the two engines differ in what they do with the rest, every forward. The pager
+brings the non-resident weights over the link to the device and computes them there: it
+costs ``paged bytes / link bandwidth`` per forward, whatever the batch size (prefetching
+hides it only behind compute that is at least as long). The chunker leaves them on the host
+and computes them there, moving activations instead of weights: it costs the host's compute
+of those units, which grows with the batch. So the decorator measures both sides once, on
+the calls themselves, and keeps the cheaper per forward:
+
+- the link: a timed copy of a host buffer to the device (``link_bandwidth``; 1 MiB, grown
+  until the copy takes a few milliseconds, then the fastest of three), at the call that
+  needs it;
+- the host: the second call runs chunked with the same resident bytes, and ``HostClock``
+  times the forwards of the units the chunker computes on the host (host compute is
+  synchronous, so wall time between a unit's hooks is its compute).
+
+Chunking is kept when its host seconds per forward are below the paged bytes over the
+measured bandwidth, else the model is paged again from the third call on. The device's own
+compute of the non-resident units is not counted on either side: on an accelerator it is
+small beside the host's, and leaving it out favours paging, the default. Neither are the
+activations the chunker moves at its boundaries: for the batches in view they are small
+beside the weights paging moves, but a very large batch through a model with many
+boundaries would be misjudged that way. The choice is made once per decorated function (a
+``remove()`` starts again); residency given back or taken again keeps the engine chosen.
+The chunked call is a placement of its own in the size cache (the engine is part of the
+key); it starts from the size that last ran paged, since chunking the same resident bytes
+takes no more device memory than paging them, rather than from the initial size.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._common.devices import free_memory, synchronize
+from .._engines.base import HookSet
+
+__all__ = ["Choice", "HostClock", "link_bandwidth"]
+
+COPY_START = 1 << 20  # bytes of the first timed copy
+COPY_MAX = 64 << 20
+COPY_LONG_ENOUGH = 0.003  # seconds a timed copy should take to be read
+COPY_REPEATS = 3
+
+
+def link_bandwidth(device: torch.device) -> float:
+    """Bytes per second a host-to-device copy reaches, from timed copies (see [Note: paging
+    or chunking]): a pinned host buffer where the device has streams, as the pager's
+    masters are."""
+    nbytes = COPY_START
+    limit = max(COPY_START, min(COPY_MAX, free_memory(device) // 4))
+    torch.ones(1024, dtype=torch.uint8).to(device)  # a first copy may set things up: untimed
+    while True:
+        host = torch.empty(nbytes, dtype=torch.uint8)
+        if device.type != "cpu":
+            try:
+                host = host.pin_memory()
+            except RuntimeError:
+                pass  # pageable memory: the copy is what a pager without pinning sees
+        seconds = _timed_copy(host, device)
+        if seconds >= COPY_LONG_ENOUGH or 2 * nbytes > limit:
+            # The fastest of three: a copy whose thread was preempted reads slow.
+            seconds = min(seconds, *(_timed_copy(host, device) for _ in range(COPY_REPEATS - 1)))
+            return nbytes / max(seconds, 1e-9)
+        nbytes *= 2
+
+
+def _timed_copy(host: torch.Tensor, device: torch.device) -> float:
+    synchronize(device)
+    started = time.perf_counter()
+    copy = host.to(device, copy=True)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    del copy
+    return seconds
+
+
+class HostClock:
+    """Times the units that ``handles`` (Chunkers, one per model) compute on the host:
+    ``seconds`` of host compute over ``forwards`` forwards of the models' roots."""
+
+    def __init__(self, models: Sequence[nn.Module], handles: Sequence[Any]) -> None:
+        self.seconds = 0.0
+        self.forwards = 0
+        self._depth = 0
+        self._started = 0.0
+        self._hooks = HookSet()
+        self._units: set[nn.Module] = set()
+        for model, handle in zip(models, handles, strict=True):
+            # Added after the chunker's own root hooks: they place the model at its first
+            # forward, so the map of host units is known when this one runs.
+            self._hooks.add(model,
+                            model.register_forward_pre_hook(self._root_pre(model, handle)),
+                            model.register_forward_hook(self._root_post, always_call=True))
+
+    def _root_pre(self, model: nn.Module, handle: Any) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            if model in self._units or handle.plan is None:
+                return  # hooked already, or a forward recording the order before placing
+            self._units.add(model)
+            modules = dict(model.named_modules())
+            for name, label in handle.device_map.items():
+                unit = modules.get(name)
+                if unit is None or unit is model or _device_of(label).type != "cpu":
+                    continue
+                if unit not in self._hooks:
+                    self._hooks.add(unit, unit.register_forward_pre_hook(self._unit_pre),
+                                    unit.register_forward_hook(self._unit_post,
+                                                               always_call=True))
+        return hook
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.forwards += 1
+
+    def _unit_pre(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._started = time.perf_counter()
+        self._depth += 1
+
+    def _unit_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.seconds += time.perf_counter() - self._started
+
+    def remove(self) -> None:
+        self._hooks.clear()
+
+
+def _device_of(label: str) -> torch.device:
+    return torch.device(label.split("@", 1)[0])
+
+
+class Choice:
+    """The figures an engine was chosen by, and the choice (see [Note: paging or
+    chunking])."""
+
+    def __init__(self, paged_bytes: int, bandwidth: float, host_seconds: float,
+                 forwards: int) -> None:
+        self.paged_bytes = paged_bytes
+        self.bandwidth = bandwidth
+        self.page_seconds = paged_bytes / bandwidth  # per forward
+        self.chunk_seconds = host_seconds / forwards if forwards else float("inf")
+        self.forwards = forwards
+
+    @property
+    def engine(self) -> str:
+        return "chunk" if self.chunk_seconds < self.page_seconds else "page"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "paged_bytes": self.paged_bytes,
+                "link_bytes_per_second": self.bandwidth,
+                "page_seconds_per_forward": self.page_seconds,
+                "chunk_seconds_per_forward": self.chunk_seconds,
+                "forwards_timed": self.forwards}

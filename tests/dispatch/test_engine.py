@@ -1,0 +1,151 @@
+"""``model=`` chooses between paging and chunking a partly resident model by what the first
+calls measure (see [Note: paging or chunking] in ``adaptmem/_dispatch/engine.py``). Checked
+on the simulated CUDA device, whose link takes ``bytes / bandwidth``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from adaptmem import adaptive
+from adaptmem.testing import simulated_cuda
+
+DEVICE = "12MiB"  # 8 MiB of weights: about 5 MiB of them resident, 3 MiB not
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(512, 512), nn.ReLU())]).eval()
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _decorated(model: nn.Module, items: int, **options: Any) -> Any:
+    @adaptive.batch(initial_batchsize=items, model=model, device="cuda", **options)
+    def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    return run
+
+
+def _fastest(call: Any, times: int = 2) -> float:
+    best = float("inf")
+    for _ in range(times):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def test_a_slow_link_and_a_cheap_host_part_chunk_the_model_and_run_faster_than_paging() -> None:
+    model = _model()
+    before = _snapshot(model)
+    data = torch.randn(32, 512)  # a small batch: the host computes 3 MiB of weights quickly
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=0.005):
+        run = _decorated(model, 32)
+        results = [run(data) for _ in range(3)]  # paged, chunked and timed, chosen
+        placement = run.placement
+        chunked = _fastest(lambda: run(data), times=3)
+        failed = run.stats.failed_attempts
+        resident = placement["resident_bytes"][0]
+        run.remove()
+        assert _snapshot(model).keys() == before.keys()
+        with adaptive.page(model, "cuda", resident_bytes=resident), torch.no_grad():
+            paged = _fastest(lambda: model(data))
+    for got in results:
+        torch.testing.assert_close(got, want)
+    assert placement["engine"] == "chunk"
+    choice = placement["engine_choice"]
+    assert choice["engine"] == "chunk" and choice["forwards_timed"] == 1
+    assert choice["chunk_seconds_per_forward"] < choice["page_seconds_per_forward"]
+    # 3 MiB over a 0.005 GB/s link is about 630 ms per forward; the host's part, about 1 ms
+    # (the fastest of three calls: a machine busy with other work slows the host's part).
+    assert chunked < paged / 2
+    assert failed == 0  # the engine change carried the size over: no search again
+    after = _snapshot(model)
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
+               for k in before)
+
+
+def test_a_fast_link_keeps_the_model_paged() -> None:
+    model = _model()
+    data = torch.randn(512, 512)  # a large batch: the host's part costs more than the link
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+        run = _decorated(model, 512)
+        results = [run(data) for _ in range(4)]
+        placement = run.placement
+        pagers = len(run.pagers)
+        run.remove()
+    for got in results:
+        torch.testing.assert_close(got, want)
+    assert placement["engine"] == "page" and pagers == 1
+    assert placement["engine_choice"]["engine"] == "page"
+    assert placement["engine_switches"] == 2  # to chunk for one timed call, and back
+
+
+def test_a_chunked_model_gives_residency_back_and_takes_it_again() -> None:
+    model = _model()
+    data = torch.randn(512, 512)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=0.01):
+        run = _decorated(model, 512, min_batchsize=512)
+        for _ in range(3):
+            run(data)
+        assert run.placement["engine"] == "chunk"
+        on_device = torch.cuda.memory_allocated()
+        resident = run.placement["resident_bytes"][0]
+        # A tenant takes what the activations of 512 items need: compute runs out at the
+        # smallest size, so the chunker keeps fewer weights on the device.
+        tenant = []
+        try:
+            while True:
+                tenant.append(torch.empty(512 << 10, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            tenant.pop()  # 512 KiB free: less than one batch's 1 MiB of activations
+        squeezed = run(data)
+        given = run.placement
+        weights_on_device = torch.cuda.memory_allocated() - sum(t.numel() for t in tenant)
+        del tenant
+        torch.cuda.empty_cache()
+        for _ in range(40):  # checked every 16 calls
+            run(data)
+            if run.placement["residency_taken_again"]:
+                break
+        taken = run.placement
+        run.remove()
+    torch.testing.assert_close(squeezed, want)
+    assert given["engine"] == "chunk" and given["residency_given_back"] >= 1
+    assert given["resident_bytes"][0] < resident
+    assert weights_on_device < on_device
+    assert taken["engine"] == "chunk" and taken["residency_taken_again"] >= 1
+    assert taken["resident_bytes"][0] > given["resident_bytes"][0]
+
+
+def test_the_size_learned_under_paging_carries_over_to_the_timed_chunked_call() -> None:
+    model = _model()
+    data = torch.randn(2048, 512)  # 4 MiB of activations per layer at once: does not fit
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+        run = _decorated(model, 2048)
+        first = run(data)
+        searched = run.stats.failed_attempts
+        second = run(data)  # chunked, under a cache key of its own
+        engine = run.placement["engine"]
+        failed_chunked = run.stats.failed_attempts - searched
+        run.remove()
+    torch.testing.assert_close(first, want)
+    torch.testing.assert_close(second, want)
+    assert searched >= 1 and engine == "chunk"  # timed now, chosen at the next call
+    assert failed_chunked == 0
