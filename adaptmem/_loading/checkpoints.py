@@ -358,8 +358,8 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # [Note: faulting new memory ahead] What a fresh process does pay per new page is work in the
 # kernel (finding, zeroing and mapping it: 0.25-0.3 s for 0.46 GiB on that VM, one core busy
 # throughout), and one thread does it all when `preadv` faults the pages it copies into. So
-# before reading, every CPU destination of the load is handed, in file order and _CHUNK at a
-# time, to _FAULTERS threads that fault its pages in with MADV_POPULATE_WRITE (Linux 5.14+;
+# before reading, every new CPU tensor of the load (not those of a built model: its
+# constructor wrote them) is handed, in file order and _CHUNK at a time, to _FAULTERS threads that fault its pages in with MADV_POPULATE_WRITE (Linux 5.14+;
 # the kernel walks the range in one call, no trap per page): the reader then mostly copies
 # into memory that exists, and on a cold file the faults overlap the disk. It writes nothing
 # (a page already present is skipped) and faults only memory the load fills anyway, so the

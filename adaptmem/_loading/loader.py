@@ -409,7 +409,8 @@ def _read_all(
         if new is not None:
             pending[name] = new
         targets[name] = into
-    reader.fault_ahead([t for name in order for t in targets[name]])
+    # Only tensors made here: a built model's tensors were written by its constructor.
+    reader.fault_ahead([t for name in order if not dests[name].into for t in targets[name]])
     for name in order:
         entry, into = sources[name], targets[name]
         if into:
