@@ -318,7 +318,7 @@ def bandwidths(path: Path) -> dict[str, float]:
         warm.append(n / (time.perf_counter() - t0))
     fresh = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path)],
                            capture_output=True, text=True, check=True)
-    ahead = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path),
+    faulted = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path),
                             "--probe-pages", "ahead"], capture_output=True, text=True, check=True)
     # The disk's sequential read: the faster of a plain front-to-back read (the kernel's
     # read-ahead alone) and one that asks for the next 64 MiB ahead, as adaptive.load does.
@@ -332,7 +332,7 @@ def bandwidths(path: Path) -> dict[str, float]:
     cold = max(colds)
     return {"page_cache_bytes_s": max(warm), "disk_bytes_s": cold, "resident_after_evict": left,
             "fresh_memory_bytes_s": float(fresh.stdout.split()[-1]),
-            "fresh_ahead_bytes_s": float(ahead.stdout.split()[-1])}
+            "fresh_ahead_bytes_s": float(faulted.stdout.split()[-1])}
 
 
 PAGE_MODES = {  # how new memory is made before the warm file is read into it
