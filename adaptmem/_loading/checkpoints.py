@@ -353,8 +353,11 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # Files are read in _CHUNK pieces; before each, the kernel is asked (POSIX_FADV_WILLNEED) to
 # start reading the next _AHEAD bytes, so a cold disk keeps working while this thread waits
 # on page faults, beyond the kernel's own read-ahead window (which grows only as reads reach
-# it). The hint costs a page-cache lookup when the file is cached and is skipped where the
-# system lacks it.
+# it). The hint is not free when the file is cached (0.45 s of 2.2 for a 2.9 GiB warm load
+# on that VM: it walks the cache for every page), so each piece is first read without
+# waiting for the disk (`preadv` with RWF_NOWAIT, Linux 4.14+): what the cache holds is read
+# at once, and only a piece that must come from the disk asks for read-ahead. Both are
+# skipped where the system lacks them.
 # [Note: faulting new memory ahead] What a fresh process does pay per new page is work in the
 # kernel (finding, zeroing and mapping it: 0.25-0.3 s for 0.46 GiB on that VM, one core busy
 # throughout), and one thread does it all when `preadv` faults the pages it copies into. So
@@ -384,6 +387,26 @@ if sys.platform.startswith("linux"):
         _madvise = _libc.madvise
         _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _madvise.restype = ctypes.c_int
+
+
+_nowait = getattr(os, "RWF_NOWAIT", None)
+
+
+def _read_cached(fd: int, view: memoryview, offset: int) -> int:
+    """Read what of ``view``'s bytes at ``offset`` the page cache holds, without waiting for
+    the disk; 0 when none (see [Note: reading speed])."""
+    global _nowait
+    if _nowait is None or _preadv is None:
+        return 0
+    try:
+        return int(_preadv(fd, [view], offset, _nowait))
+    except BlockingIOError:  # not cached
+        return 0
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
+            _nowait = None
+            return 0
+        raise
 
 
 def _populate(address: int, nbytes: int) -> bool:
@@ -477,8 +500,12 @@ class Reader:
         try:
             while done < n:
                 end = min(n, done + _CHUNK)
-                self._read_ahead(name, f.fileno(), offset + end)
                 self._faulted(dest, done, end)
+                got = _read_cached(f.fileno(), view[done:end], offset + done)
+                if got:
+                    done += got
+                    continue
+                self._read_ahead(name, f.fileno(), offset + end)
                 if _preadv is not None:  # no shared file position: safe from two threads
                     got = _preadv(f.fileno(), [view[done:end]], offset + done)
                 else:

@@ -707,6 +707,58 @@ def test_faulting_threads_are_gone_after_a_load_that_fails_midway(
         assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="eviction needs posix_fadvise")
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_a_file_out_of_the_page_cache_is_read_from_disk_with_read_ahead(
+    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # [Note: reading speed]: a cached piece is read without the hint, one from disk with it.
+    from adaptmem._loading.checkpoints import Reader
+
+    torch.manual_seed(0)
+    source = BigNet()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    hints = []
+    real = Reader._read_ahead
+    monkeypatch.setattr(Reader, "_read_ahead",
+                        lambda self, *a: (hints.append(a[-1]), real(self, *a))[1])
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    cached = len(hints)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be evicted
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    assert len(hints) > cached, "the evicted file was read without asking for read-ahead"
+    if hasattr(os, "RWF_NOWAIT"):
+        assert cached == 0, "a cached file asked for read-ahead"
+
+
+def test_a_file_system_without_nowait_reads_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+
+    from adaptmem._loading import checkpoints
+
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if flags:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(checkpoints, "_preadv", preadv)
+    monkeypatch.setattr(checkpoints, "_nowait", getattr(os, "RWF_NOWAIT", 8))
+    torch.manual_seed(0)
+    source = BigNet()
+    path = _save("safetensors", source.state_dict(), tmp_path)
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    assert checkpoints._nowait is None  # tried once, then never again
+
+
 def test_directory_with_both_formats_reads_the_safetensors(tmp_path: Path) -> None:
     source = _source()
     _save("safetensors", source.state_dict(), tmp_path)
