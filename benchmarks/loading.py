@@ -514,6 +514,10 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where checkpoints go (deleted afterwards)")
     ap.add_argument("--timeout", type=float, default=300,
                     help="seconds one method may take before it is recorded as failed")
+    ap.add_argument("--against", default=None, metavar="PATH",
+                    help="instead of the table: the adaptmem methods of this checkout against "
+                    "those of another checkout at PATH, in fresh processes, alternating which "
+                    "runs first, --rounds pairs per cell (back to back: new memory is reused)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--page-probe", default=None, metavar="GIB,...",
                     help="instead of loading: copy a cached file of each size (GiB) into new "
@@ -537,6 +541,9 @@ def main() -> None:
         worker(args.worker, args.models, Path(args.workdir), device)
         return
 
+    if args.against:
+        against(Path(args.against), args, device)
+        return
     methods = CORE_METHODS + (MORE_METHODS if args.all_methods else [])
     if args.only:
         methods = [m for m in methods if args.only in m[0] or m[0] == RECIPE]
@@ -573,6 +580,40 @@ def main() -> None:
                         state = r.get("failed") or f"total {r['total_s']:.2f}s"
                         print(f"  round {rnd + 1} {cache:4s} {method}: {state}", flush=True)
             _report(model, info, methods, caches, rows, limits)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def against(other: Path, args: argparse.Namespace, device: str) -> None:
+    """Total s to a ready model, this checkout's copying loads against ``other``'s."""
+    here = Path(__file__).resolve().parents[1]
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; this checkout {here} "
+          f"against {other}; command: python benchmarks/loading.py {' '.join(sys.argv[1:])}")
+    print("\n| model | file | cache | other s | this s | this / other |\n|---|---|---|---:|---:|---:|")
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        work = Path(tempfile.mkdtemp(prefix="adaptmem-bench-", dir=args.workdir))
+        try:
+            _prepare(model, work, False)
+            for cache in [c.strip() for c in args.cache.split(",") if c.strip()]:
+                for kind in ("pt", "safetensors"):
+                    path, method = work / f"model.{kind}", f"adaptmem (.{kind})"
+                    got: dict[Path, list[float]] = {here: [], other: []}
+                    for rnd in range(args.rounds):
+                        for tree in (here, other) if rnd % 2 == 0 else (other, here):
+                            _evict(path) if cache == "cold" else _read_all(
+                                path, bytearray(16 * 2**20))
+                            out = subprocess.run(
+                                [sys.executable, str(tree / "benchmarks" / "loading.py"),
+                                 "--worker", method, "--models", model, "--workdir", str(work),
+                                 "--device", device], capture_output=True, text=True,
+                                timeout=args.timeout, check=True).stdout
+                            r = json.loads(out.split("RESULT ", 1)[1])
+                            if r["wrong_tensors"]:
+                                raise SystemExit(f"{tree}: wrong values in {r['wrong_tensors']}")
+                            got[tree].append(float(r["total_s"]))
+                    ratio = [a / b for a, b in zip(got[here], got[other], strict=True)]
+                    print(f"| {model} | .{kind} | {cache} | {_spread(got[other])} | "
+                          f"{_spread(got[here])} | {_spread(ratio)} |", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
