@@ -10,7 +10,8 @@ the source allows (page-cache copy bandwidth, cold sequential disk read).
 Each model (transformers' GPT2LMHeadModel from a config when installed, else an equivalent
 built here; random weights, fp32) is saved as ``.pt`` and ``.safetensors``. Then, for each
 round, for the page cache warm and cold (the file evicted with ``posix_fadvise(DONTNEED)``
-first), every method runs in a fresh process, in the same order, and reports:
+first), every method runs in a fresh process, each round starting one method later than the
+last, and reports:
 
 - build s: building the model (on meta, or with ``adaptive.empty_model``);
 - load s: reading the checkpoint into it;
@@ -21,7 +22,9 @@ first), every method runs in a fresh process, in the same order, and reports:
 - peak GiB: highest RSS (``VmHWM``) during build + load, minus RSS before building.
 
 Measured in the same run, per round: the page-cache copy bandwidth (the warm file read with
-``preadv`` into memory that already exists: what copying from the cache costs) and the cold
+``preadv`` into memory that already exists: what copying from the cache costs), the same
+copy into new memory in a fresh process (one thread; and with a thread per core faulting the
+memory in ahead of the reads, the floor of any copying load here), and the cold
 sequential read bandwidth of the disk (the file evicted, then read front to back in 16 MiB
 reads, once with the kernel's read-ahead alone and once asking for the next 64 MiB ahead as
 adaptive.load does; the faster counts). Each turns into a floor time for the file: ``bytes / bandwidth``.
@@ -315,6 +318,8 @@ def bandwidths(path: Path) -> dict[str, float]:
         warm.append(n / (time.perf_counter() - t0))
     fresh = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path)],
                            capture_output=True, text=True, check=True)
+    faulted = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path),
+                            "--probe-pages", "ahead"], capture_output=True, text=True, check=True)
     # The disk's sequential read: the faster of a plain front-to-back read (the kernel's
     # read-ahead alone) and one that asks for the next 64 MiB ahead, as adaptive.load does.
     colds = []
@@ -326,7 +331,8 @@ def bandwidths(path: Path) -> dict[str, float]:
         colds.append(n / (time.perf_counter() - t0))
     cold = max(colds)
     return {"page_cache_bytes_s": max(warm), "disk_bytes_s": cold, "resident_after_evict": left,
-            "fresh_memory_bytes_s": float(fresh.stdout.split()[-1])}
+            "fresh_memory_bytes_s": float(fresh.stdout.split()[-1]),
+            "fresh_ahead_bytes_s": float(faulted.stdout.split()[-1])}
 
 
 PAGE_MODES = {  # how new memory is made before the warm file is read into it
@@ -334,6 +340,7 @@ PAGE_MODES = {  # how new memory is made before the warm file is read into it
     "huge pages (mmap + MADV_HUGEPAGE)": "thp",
     "pre-faulted (mmap + MADV_POPULATE_WRITE)": "populate",
     "huge + pre-faulted": "thp+populate",
+    "faulted ahead by every core (MADV_POPULATE_WRITE per 16 MiB)": "ahead",
 }
 _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23  # Linux values; Python 3.11 names neither
 
@@ -342,9 +349,15 @@ def fresh_memory_probe(path: Path, mode: str = "4k", size: int | None = None) ->
     """In this fresh process: read ``size`` bytes of the (cached) file into one new buffer,
     the least any copying load pays here (the kernel zeroes and maps every new page). With
     ``mode`` other than 4k the buffer is an anonymous mapping, 2 MiB aligned, advised to use
-    transparent huge pages and/or pre-faulted in one call before the read."""
+    transparent huge pages and/or pre-faulted in one call before the read. With ``ahead``,
+    a thread per core faults the buffer in 16 MiB at a time while this one reads each piece
+    once its faults are done, as adaptive.load does."""
     size = size or path.stat().st_size
     t0 = time.perf_counter()
+    if mode == "ahead":
+        _read_faulted_ahead(path, torch.empty(size, dtype=torch.uint8))
+        print(size / (time.perf_counter() - t0))
+        return
     if mode == "4k":
         t = torch.empty(size, dtype=torch.uint8)
         addr = t.data_ptr()
@@ -364,6 +377,31 @@ def fresh_memory_probe(path: Path, mode: str = "4k", size: int | None = None) ->
     while done < size:
         done += os.preadv(fd, [view[done:]], done)
     print(size / (time.perf_counter() - t0))
+
+
+def _read_faulted_ahead(path: Path, dest: torch.Tensor) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    size, piece, page = dest.numel(), 16 * 2**20, mmap.PAGESIZE
+    base = dest.data_ptr()
+    view = memoryview((ctypes.c_char * size).from_address(base)).cast("B")
+
+    def fault(a: int, b: int) -> None:
+        start, end = -(-(base + a) // page) * page, (base + b) // page * page
+        if end > start and libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+            raise SystemExit(f"madvise(MADV_POPULATE_WRITE) failed: errno {ctypes.get_errno()}")
+
+    fd = os.open(path, os.O_RDONLY)
+    pieces = [(a, min(size, a + piece)) for a in range(0, size, piece)]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        faults = [pool.submit(fault, a, b) for a, b in pieces]
+        for (a, b), done in zip(pieces, faults, strict=True):
+            done.result()
+            while a < b:
+                a += os.preadv(fd, [view[a:b]], a)
+    os.close(fd)
 
 
 def page_probe(sizes: list[float], rounds: int, workdir: str | None) -> None:
@@ -476,6 +514,10 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where checkpoints go (deleted afterwards)")
     ap.add_argument("--timeout", type=float, default=300,
                     help="seconds one method may take before it is recorded as failed")
+    ap.add_argument("--against", default=None, metavar="PATH",
+                    help="instead of the table: the adaptmem methods of this checkout against "
+                    "those of another checkout at PATH, in fresh processes, alternating which "
+                    "runs first, --rounds pairs per cell (back to back: new memory is reused)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--page-probe", default=None, metavar="GIB,...",
                     help="instead of loading: copy a cached file of each size (GiB) into new "
@@ -499,6 +541,9 @@ def main() -> None:
         worker(args.worker, args.models, Path(args.workdir), device)
         return
 
+    if args.against:
+        against(Path(args.against), args, device)
+        return
     methods = CORE_METHODS + (MORE_METHODS if args.all_methods else [])
     if args.only:
         methods = [m for m in methods if args.only in m[0] or m[0] == RECIPE]
@@ -519,8 +564,12 @@ def main() -> None:
             for rnd in range(args.rounds):
                 for kind in ("pt", "safetensors"):
                     limits[kind].append(bandwidths(files[kind]))
+                # Each round starts one method later: on a virtual disk whose host caches
+                # what was read recently, the first cold read after a pause pays more, and
+                # that must not always be the same method's.
+                order = methods[rnd % len(methods):] + methods[:rnd % len(methods)]
                 for cache in caches:
-                    for method, kind in methods:
+                    for method, kind in order:
                         if cache == "cold":
                             _evict(files[kind])
                         else:
@@ -531,6 +580,40 @@ def main() -> None:
                         state = r.get("failed") or f"total {r['total_s']:.2f}s"
                         print(f"  round {rnd + 1} {cache:4s} {method}: {state}", flush=True)
             _report(model, info, methods, caches, rows, limits)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def against(other: Path, args: argparse.Namespace, device: str) -> None:
+    """Total s to a ready model, this checkout's copying loads against ``other``'s."""
+    here = Path(__file__).resolve().parents[1]
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; this checkout {here} "
+          f"against {other}; command: python benchmarks/loading.py {' '.join(sys.argv[1:])}")
+    print("\n| model | file | cache | other s | this s | this / other |\n|---|---|---|---:|---:|---:|")
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        work = Path(tempfile.mkdtemp(prefix="adaptmem-bench-", dir=args.workdir))
+        try:
+            _prepare(model, work, False)
+            for cache in [c.strip() for c in args.cache.split(",") if c.strip()]:
+                for kind in ("pt", "safetensors"):
+                    path, method = work / f"model.{kind}", f"adaptmem (.{kind})"
+                    got: dict[Path, list[float]] = {here: [], other: []}
+                    for rnd in range(args.rounds):
+                        for tree in (here, other) if rnd % 2 == 0 else (other, here):
+                            _evict(path) if cache == "cold" else _read_all(
+                                path, bytearray(16 * 2**20))
+                            out = subprocess.run(
+                                [sys.executable, str(tree / "benchmarks" / "loading.py"),
+                                 "--worker", method, "--models", model, "--workdir", str(work),
+                                 "--device", device], capture_output=True, text=True,
+                                timeout=args.timeout, check=True).stdout
+                            r = json.loads(out.split("RESULT ", 1)[1])
+                            if r["wrong_tensors"]:
+                                raise SystemExit(f"{tree}: wrong values in {r['wrong_tensors']}")
+                            got[tree].append(float(r["total_s"]))
+                    ratio = [a / b for a, b in zip(got[here], got[other], strict=True)]
+                    print(f"| {model} | .{kind} | {cache} | {_spread(got[other])} | "
+                          f"{_spread(got[here])} | {_spread(ratio)} |", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -550,10 +633,13 @@ def _report(model: str, info: dict[str, object], methods: list[tuple[str, str]],
         cold = [x["disk_bytes_s"] for x in limits[kind]]
         left = max(x["resident_after_evict"] for x in limits[kind])
         fresh = [x["fresh_memory_bytes_s"] for x in limits[kind]]
+        ahead = [x["fresh_ahead_bytes_s"] for x in limits[kind]]
         print(f"- .{kind}: page-cache copy {_spread([w / 1e9 for w in warm])} GB/s "
               f"(floor {_spread([size / w for w in warm], '{:.3f}')} s); the same into new "
               f"memory in a fresh process {_spread([f / 1e9 for f in fresh])} GB/s (floor "
-              f"{_spread([size / f for f in fresh], '{:.3f}')} s); cold sequential read "
+              f"{_spread([size / f for f in fresh], '{:.3f}')} s), and with every core "
+              f"faulting it in ahead of the reads {_spread([f / 1e9 for f in ahead])} GB/s "
+              f"(floor {_spread([size / f for f in ahead], '{:.3f}')} s); cold sequential read "
               f"{_spread([c / 1e9 for c in cold])} GB/s (floor "
               f"{_spread([size / c for c in cold], '{:.3f}')} s); "
               f"{left:.0%} of the file cached after eviction")
@@ -575,8 +661,9 @@ def _report(model: str, info: dict[str, object], methods: list[tuple[str, str]],
             ratio = [float(r["total_s"]) / float(recipe[r["round"]]["total_s"])  # type: ignore[arg-type,index]
                      for r in runs if r["round"] in recipe]
             # load s against the round's floor for this file: the cold sequential read when
-            # cold; the page-cache copy into new memory of a fresh process when warm.
-            key = "disk_bytes_s" if cache == "cold" else "fresh_memory_bytes_s"
+            # cold; when warm, the page-cache copy into new memory of a fresh process with
+            # every core faulting it in (the fastest way to new memory measured here).
+            key = "disk_bytes_s" if cache == "cold" else "fresh_ahead_bytes_s"
             disk = [float(r["load_s"]) / (size / limits[kind if kind != "dir" else "pt"][  # type: ignore[arg-type]
                 int(r["round"])][key]) for r in runs]  # type: ignore[call-overload]
             wrong = any(r["wrong_tensors"] for r in runs)

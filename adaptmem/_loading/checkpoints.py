@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import json
 import logging
 import math
@@ -25,7 +26,7 @@ import sys
 import warnings
 import zipfile
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -345,13 +346,30 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # (zeroed, faulted in; 0.4-1.3 GB/s there in a fresh process). Transparent huge pages
 # (madvise(MADV_HUGEPAGE) on an anonymous mapping) were measured twice and dropped: on that
 # VM, new memory in huge pages filled 5-9x slower in a fresh process than in 4 KiB pages,
-# and pre-faulting (MADV_POPULATE_WRITE) moves the same work earlier without making it
-# cheaper (`benchmarks/loading.py --page-probe`). So new tensors are ordinary memory.
+# and pre-faulting (MADV_POPULATE_WRITE) on the reading thread moves the same work earlier
+# without making it cheaper (`benchmarks/loading.py --page-probe`). So new tensors are
+# ordinary memory, faulted in by other threads while this one reads (see [Note: faulting new
+# memory ahead]).
 # Files are read in _CHUNK pieces; before each, the kernel is asked (POSIX_FADV_WILLNEED) to
 # start reading the next _AHEAD bytes, so a cold disk keeps working while this thread waits
 # on page faults, beyond the kernel's own read-ahead window (which grows only as reads reach
-# it). The hint costs a page-cache lookup when the file is cached and is skipped where the
-# system lacks it.
+# it). The hint is not free when the file is cached (0.45 s of 2.2 for a 2.9 GiB warm load
+# on that VM: it walks the cache for every page), so each piece is first read without
+# waiting for the disk (`preadv` with RWF_NOWAIT, Linux 4.14+): what the cache holds is read
+# at once, and only a piece that must come from the disk asks for read-ahead. Both are
+# skipped where the system lacks them.
+# [Note: faulting new memory ahead] What a fresh process does pay per new page is work in the
+# kernel (finding, zeroing and mapping it: 0.25-0.3 s for 0.46 GiB on that VM, one core busy
+# throughout), and one thread does it all when `preadv` faults the pages it copies into. So
+# before reading, every new CPU tensor of the load (not those of a built model: its
+# constructor wrote them) is handed, in file order and _CHUNK at a time, to _FAULTERS threads that fault its pages in with MADV_POPULATE_WRITE (Linux 5.14+;
+# the kernel walks the range in one call, no trap per page): the reader then mostly copies
+# into memory that exists, and on a cold file the faults overlap the disk. It writes nothing
+# (a page already present is skipped) and faults only memory the load fills anyway, so the
+# peak is unchanged. Measured in fresh processes on the 2-core VM: 0.46 GiB from the page
+# cache in 141-183 ms with two faulting threads against 266-327 ms without
+# (`benchmarks/loading.py`). Where madvise refuses it (older kernels), reading goes on as
+# before.
 # A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes: a reader
 # thread fills one while the caller converts the other, so reading overlaps converting and
 # staging costs 2 * _CHUNK instead of a whole tensor.
@@ -359,6 +377,51 @@ _CHUNK = 16 * 2**20
 _AHEAD = 64 * 2**20
 _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
+_FAULTERS = max(1, min(4, os.cpu_count() or 1))
+_MADV_POPULATE_WRITE = 23
+_PAGE = mmap.PAGESIZE
+_madvise: Any = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError, AttributeError):
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _madvise = _libc.madvise
+        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _madvise.restype = ctypes.c_int
+
+
+_nowait = getattr(os, "RWF_NOWAIT", None)
+
+
+def _read_cached(fd: int, view: memoryview, offset: int) -> int:
+    """Read what of ``view``'s bytes at ``offset`` the page cache holds, without waiting for
+    the disk; 0 when none (see [Note: reading speed])."""
+    global _nowait
+    if _nowait is None or _preadv is None:
+        return 0
+    try:
+        return int(_preadv(fd, [view], offset, _nowait))
+    except BlockingIOError:  # not cached
+        return 0
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without it
+            _nowait = None
+            return 0
+        raise
+
+
+def _populate(address: int, nbytes: int) -> bool:
+    """Fault in the whole pages of ``[address, address + nbytes)`` for writing; False when
+    the system cannot (see [Note: faulting new memory ahead])."""
+    global _madvise
+    start = -(-address // _PAGE) * _PAGE
+    end = (address + nbytes) // _PAGE * _PAGE
+    if _madvise is None or end <= start:
+        return _madvise is not None
+    if _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        if ctypes.get_errno() == errno.EINVAL:  # a kernel without MADV_POPULATE_WRITE
+            _madvise = None
+        return False
+    return True
 
 
 def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -383,14 +446,21 @@ class Reader:
         self._chunks: list[torch.Tensor] = []
         self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
         self._pool: ThreadPoolExecutor | None = None
+        self._faulters: ThreadPoolExecutor | None = None
+        self._faulting: dict[int, list[Future[bool]]] = {}  # storage address -> its chunks
 
     def __enter__(self) -> Reader:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self.close(failed=kind is not None)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Wait for the threads; after a failure, pages not yet faulted in are left alone."""
+        if self._faulters is not None:
+            self._faulters.shutdown(wait=True, cancel_futures=failed)
+            self._faulters = None
+        self._faulting.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -430,6 +500,11 @@ class Reader:
         try:
             while done < n:
                 end = min(n, done + _CHUNK)
+                self._faulted(dest, done, end)
+                got = _read_cached(f.fileno(), view[done:end], offset + done)
+                if got:
+                    done += got
+                    continue
                 self._read_ahead(name, f.fileno(), offset + end)
                 if _preadv is not None:  # no shared file position: safe from two threads
                     got = _preadv(f.fileno(), [view[done:end]], offset + done)
@@ -455,6 +530,37 @@ class Reader:
         with contextlib.suppress(OSError):
             _fadvise(fd, start, end + _AHEAD - start, os.POSIX_FADV_WILLNEED)
         self._advised[name] = end + _AHEAD
+
+    def fault_ahead(self, tensors: list[torch.Tensor]) -> None:
+        """Start faulting in the pages of ``tensors`` (ordinary CPU memory; others are
+        skipped) on background threads, in order (see [Note: faulting new memory ahead])."""
+        if _madvise is None:
+            return
+        storages = [t.untyped_storage() for t in tensors
+                    if t.device.type == "cpu" and not t.is_pinned()]
+        spans = [(s.data_ptr(), s.nbytes()) for s in storages]
+        spans = [(a, n) for a, n in spans if n >= _PAGE]
+        if not spans:
+            return
+        if self._faulters is None:
+            self._faulters = ThreadPoolExecutor(_FAULTERS, thread_name_prefix="adaptmem-fault")
+        for address, nbytes in spans:
+            if address in self._faulting:  # one storage behind several tensors (ties)
+                continue
+            self._faulting[address] = [
+                self._faulters.submit(_populate, address + done, min(_CHUNK, nbytes - done))
+                for done in range(0, nbytes, _CHUNK)]
+
+    def _faulted(self, dest: torch.Tensor, start: int, end: int) -> None:
+        """Wait until the faulting threads are done with bytes ``[start, end)`` of ``dest``:
+        faulting them here too would only repeat their work."""
+        storage = dest.untyped_storage()
+        chunks = self._faulting.get(storage.data_ptr())
+        if not chunks:
+            return
+        base = dest.data_ptr() - storage.data_ptr()
+        for i in range((base + start) // _CHUNK, min(len(chunks), -(-(base + end) // _CHUNK))):
+            chunks[i].result()
 
     def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:

@@ -401,61 +401,72 @@ def _read_all(
     copy: bool, stats: LoadStats,
 ) -> dict[str, torch.Tensor]:
     """Read every source once, in file order; return the new tensors to swap in."""
-    pending: dict[str, torch.Tensor] = {}
     order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
-    for name in order:
-        entry, dest = sources[name], dests[name]
-        try:
-            new, mapped = _read_one(reader, entry, dest, copy, stats)
-        except RuntimeError as exc:
-            if isinstance(exc, LoadError) or is_oom(exc):
-                raise
-            where = (", ".join(f"{t.dtype} on {t.device}" for t in dest.into) if dest.into
-                     else f"{dest.dtype} on {dest.device}")
-            raise LoadError(
-                f"cannot put checkpoint tensor {entry.key!r} ({entry.dtype}, shape "
-                f"{list(entry.shape)}, in {entry.file!r}) into {name!r} ({where}): {exc}"
-            ) from exc
+    pending: dict[str, torch.Tensor] = {}
+    targets: dict[str, list[torch.Tensor]] = {}
+    for name in order:  # every destination first, so that their pages can be faulted ahead
+        new, into = _guarded(_targets, reader, sources[name], dests[name], copy)
         if new is not None:
             pending[name] = new
+        targets[name] = into
+    # Only tensors made here: a built model's tensors were written by its constructor.
+    reader.fault_ahead([t for name in order if not dests[name].into for t in targets[name]])
+    for name in order:
+        entry, into = sources[name], targets[name]
+        if into:
+            _guarded(_read_one, reader, entry, dests[name], into)
+        for t in into or [pending[name]]:
+            _count(stats, t)
         stats.tensors += 1
-        if mapped:
-            stats.bytes_mapped += entry.nbytes
-        else:
+        if into:
             stats.bytes_read += entry.nbytes
+        else:
+            stats.bytes_mapped += entry.nbytes
     return pending
 
 
-def _read_one(
-    reader: Reader, entry: Entry, dest: _Dest, copy: bool, stats: LoadStats,
-) -> tuple[torch.Tensor | None, bool]:
-    """Read one source into its destination; return (the new tensor or None, mapped)."""
+def _guarded(step: Callable[..., Any], reader: Reader, entry: Entry, dest: _Dest,
+             *args: Any) -> Any:
+    """``step(reader, entry, dest, *args)``, its failures as a LoadError naming the tensor."""
+    try:
+        return step(reader, entry, dest, *args)
+    except RuntimeError as exc:
+        if isinstance(exc, LoadError) or is_oom(exc):
+            raise
+        where = (", ".join(f"{t.dtype} on {t.device}" for t in dest.into) if dest.into
+                 else f"{dest.dtype} on {dest.device}")
+        raise LoadError(
+            f"cannot put checkpoint tensor {entry.key!r} ({entry.dtype}, shape "
+            f"{list(entry.shape)}, in {entry.file!r}) into {dest.name!r} ({where}): {exc}"
+        ) from exc
+
+
+def _targets(reader: Reader, entry: Entry, dest: _Dest,
+             copy: bool) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """(the new tensor to swap in or None, the tensors to write ``entry`` into); a mapped
+    tensor needs no writing."""
     if dest.into:
-        direct = next((t for t in dest.into if reader.can_read_into(entry, t)), None)
-        if direct is not None:
-            reader.read_into(entry, direct)
-            increment_version(direct)  # written through its pointer: say so, as copy_ would
-            others = [t for t in dest.into if t is not direct]
-            for t in others:
-                copy_to(t, direct.reshape(t.shape) if direct.shape != t.shape else direct)
-        else:
-            reader.copy_into(entry, dest.into)
-        for t in dest.into:
-            _count(stats, t)
-        return None, False
+        return None, dest.into
     assert dest.device is not None
     if (not copy and dest.device.type == "cpu" and not dest.pinned
             and dest.dtype == entry.dtype and reader.can_map(entry)):
-        new = reader.mapped(entry)
-        _count(stats, new)
-        return new, True
+        return reader.mapped(entry), []
     new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device, pin_memory=dest.pinned)
-    if reader.can_read_into(entry, new):
-        reader.read_into(entry, new)
-    else:
-        reader.copy_into(entry, [new])
-    _count(stats, new)
-    return new, False
+    return new, [new]
+
+
+def _read_one(reader: Reader, entry: Entry, dest: _Dest, into: list[torch.Tensor]) -> None:
+    """Read one source into every tensor of ``into``."""
+    direct = next((t for t in into if reader.can_read_into(entry, t)), None)
+    if direct is None:
+        reader.copy_into(entry, into)
+        return
+    reader.read_into(entry, direct)
+    if dest.into:
+        increment_version(direct)  # written through its pointer: say so, as copy_ would
+    for t in into:
+        if t is not direct:
+            copy_to(t, direct.reshape(t.shape) if direct.shape != t.shape else direct)
 
 
 def _count(stats: LoadStats, t: torch.Tensor) -> None:

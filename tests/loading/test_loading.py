@@ -629,6 +629,136 @@ def test_missing_shard_is_named_and_model_unchanged(fmt: str, tmp_path: Path) ->
     _assert_same(model, _snapshot_module(before))
 
 
+class BigNet(nn.Module):
+    """Tensors of several pages and of several 16 MiB reading pieces, and a tie."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4096, 1100)  # 17.2 MiB: two pieces
+        self.mid = nn.Linear(1100, 1100)
+        self.head = nn.Linear(1100, 4096, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_new_tensors_are_faulted_in_ahead_of_reading_without_writing_them() -> None:
+    # [Note: faulting new memory ahead]: the pages exist before the reader copies into them.
+    from adaptmem._loading.checkpoints import Reader
+
+    fresh = torch.empty(64 * 2**20, dtype=torch.uint8)  # untouched: no pages yet
+    marked = torch.full((4096,), 7, dtype=torch.uint8)
+    before = _rss()
+    with Reader() as reader:
+        reader.fault_ahead([fresh, marked, fresh.view(-1)[: 2**20]])
+    grown = _rss() - before
+    assert grown >= 60 * 2**20, f"only {grown / 2**20:.1f} MiB faulted in"
+    assert bool((marked == 7).all())  # faulting writes nothing
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_load_is_the_same_where_the_system_cannot_fault_ahead(
+    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ctypes
+    import errno
+
+    from adaptmem._loading import checkpoints
+
+    calls = []
+
+    def old_kernel(address: int, nbytes: int, advice: int) -> int:
+        calls.append(advice)
+        ctypes.set_errno(errno.EINVAL)
+        return -1
+
+    monkeypatch.setattr(checkpoints, "_madvise", old_kernel)
+    torch.manual_seed(0)
+    source = BigNet()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    assert calls, "the load never asked to fault ahead"
+    assert checkpoints._madvise is None  # asked once, then never again
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path, dtype=torch.float64),
+                 source.double())
+
+
+@pytest.mark.parametrize("into", ["factory", "built"])
+def test_faulting_threads_are_gone_after_a_load_that_fails_midway(
+    into: str, tmp_path: Path,
+) -> None:
+    import threading
+
+    torch.manual_seed(0)
+    path = _save("safetensors", BigNet().state_dict(), tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 4096])  # the last tensor is cut short
+    model = adaptive.empty_model(BigNet) if into == "factory" else BigNet()
+    before = _snapshot(model) if into == "built" else None
+    with pytest.raises(LoadError, match="truncated|ended"):
+        adaptive.load(model, path)
+    assert not [t for t in threading.enumerate() if t.name.startswith("adaptmem-fault")]
+    if before is not None:
+        after = model.state_dict()
+        assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="eviction needs posix_fadvise")
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_a_file_out_of_the_page_cache_is_read_from_disk_with_read_ahead(
+    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # [Note: reading speed]: a cached piece is read without the hint, one from disk with it.
+    from adaptmem._loading.checkpoints import Reader
+
+    torch.manual_seed(0)
+    source = BigNet()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    hints = []
+    real = Reader._read_ahead
+    monkeypatch.setattr(Reader, "_read_ahead",
+                        lambda self, *a: (hints.append(a[-1]), real(self, *a))[1])
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    cached = len(hints)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be evicted
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    assert len(hints) > cached, "the evicted file was read without asking for read-ahead"
+    if hasattr(os, "RWF_NOWAIT"):
+        assert cached == 0, "a cached file asked for read-ahead"
+
+
+def test_a_file_system_without_nowait_reads_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import errno
+
+    from adaptmem._loading import checkpoints
+
+    real = os.preadv
+
+    def preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        if flags:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(checkpoints, "_preadv", preadv)
+    monkeypatch.setattr(checkpoints, "_nowait", getattr(os, "RWF_NOWAIT", 8))
+    torch.manual_seed(0)
+    source = BigNet()
+    path = _save("safetensors", source.state_dict(), tmp_path)
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    assert checkpoints._nowait is None  # tried once, then never again
+
+
 def test_directory_with_both_formats_reads_the_safetensors(tmp_path: Path) -> None:
     source = _source()
     _save("safetensors", source.state_dict(), tmp_path)
