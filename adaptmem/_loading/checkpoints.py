@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .._common.errors import LoadError
+from ..cpu_memory import map_file
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -538,7 +539,7 @@ class Reader:
         mm = self._maps.get(entry.file)
         if mm is None:
             f = self._file(entry.file)
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # type: ignore[attr-defined]
+            mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
             self._maps[entry.file] = mm
         with warnings.catch_warnings():
             # The mapping is writable (copy-on-write); torch warns for read-only buffers only,
