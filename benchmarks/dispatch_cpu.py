@@ -254,10 +254,11 @@ def report(cfgs: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 "half the free memory) resident ([Note: batch size and residency together] "
                 "in adaptmem/_dispatch/placed.py), so its search starts with less room for "
                 "activations than (b)'s over the fully paged model, which on the CPU needs "
-                "room for only a unit or two at a time. Its throughput does not suffer: on "
-                "the CPU a paged unit costs one memcpy per batch, small against the compute "
-                "of a few hundred items, so every cell from batch 256 up is within a few "
-                "per cent of the best.")
+                "room for only a unit or two at a time. Its throughput suffers less: most "
+                "of its weights stay resident, so little is copied per batch, while a "
+                "paged unit costs a copy into freshly mapped memory per batch (page faults "
+                "included), which is what puts the fully paged cells below the resident "
+                "ones at the same batch size.")
     text = markdown_table(
         ["configuration", "setting", "items / CPU s", "vs best cell (CPU)", "items / s (wall)",
          "vs best cell (wall)", f"failed attempts ({SETTLE} settling calls)",
