@@ -4,17 +4,35 @@ The cap is ``RLIMIT_DATA``, which on Linux (4.7 and later) counts the heap and e
 writable mapping: the allocations that hold tensors. It is not ``RLIMIT_AS``: a process that
 imported torch already reserves about 3 GiB of address space it never touches, so an
 address-space cap either fails at once or allows far more memory than asked.
+
+[Note: file mappings and the cap] ``RLIMIT_DATA`` counts a private writable mapping of a
+file (what ``adaptive.load(..., copy=False)`` makes: copy-on-write, so writes stay in this
+process) at its whole length the moment it is mapped, although its pages are the file's
+page cache, not memory the process holds, until one is written. So a model loaded with
+``copy=False`` under the cap would count its whole checkpoint against it, which defeats
+zero-copy loading, and on a CPU the pager's host masters would compete with its own device
+copies for the same cap. ``map_file`` raises the cap's limit by a
+mapping's length while the mapping lives (the loader maps with it), so only what the process
+really holds counts: its heap, tensors, device copies. A mapping made before the cap was set
+is already left out (it is address space reserved when the cap is set, see
+``set_cpu_memory_limit``); either way the limit comes down by its length when the mapping
+is collected. Pages of it that are written become the process's own and are then not counted
+(the pager never writes a parameter's master; a buffer the forward writes in place is copied
+back to its master, a few pages at most).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import resource
 import sys
+import weakref
 
 import psutil
 
-__all__ = ["set_cpu_memory_limit", "get_available_cpu_memory", "cpu_memory_info", "held_bytes"]
+__all__ = ["set_cpu_memory_limit", "get_available_cpu_memory", "cpu_memory_info", "held_bytes",
+           "map_file"]
 
 _GIB = 1024**3
 _original_limit: tuple[int, int] | None = None
@@ -53,7 +71,9 @@ def set_cpu_memory_limit(gib: float | None) -> None:
     Allocations beyond the cap fail with the allocator's real error (torch's
     ``DefaultCPUAllocator: can't allocate memory``, Python's ``MemoryError``), which is what
     adaptmem's decorators adapt to. Memory the process already holds counts toward the cap.
-    Address space reserved but never touched (torch reserves much at import) does not.
+    Address space reserved but never touched (torch reserves much at import) does not, nor
+    do checkpoints mapped by ``adaptive.load(..., copy=False)``, before or after the cap was
+    set (see [Note: file mappings and the cap]).
 
     Args:
         gib: the cap in GiB (float allowed), or None to restore the limit found first.
@@ -96,6 +116,57 @@ def set_cpu_memory_limit(gib: float | None) -> None:
         raise ValueError(f"gib={gib} is above this process's hard data limit of {hard} bytes")
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     _limit_bytes, _cap_bytes = soft, cap
+
+
+def map_file(fileno: int) -> mmap.mmap:
+    """A private (copy-on-write) mapping of the whole open file ``fileno``, left out of the
+    cap while it lives: when a cap is set, its limit goes up by the file's length before
+    mapping, and down again when the mapping is collected. See [Note: file mappings and the
+    cap]; ``adaptive.load(..., copy=False)`` maps checkpoints with it.
+
+    Args:
+        fileno: the descriptor of a regular file open for reading, not empty.
+
+    Returns:
+        The ``mmap.mmap`` (``access=mmap.ACCESS_COPY``).
+
+    Raises:
+        OSError / ValueError: as ``mmap.mmap`` raises them (an empty file, a bad descriptor).
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     _ = f.write(bytes(4096)); f.flush()
+        ...     len(map_file(f.fileno()))
+        4096
+    """
+    nbytes = os.fstat(fileno).st_size
+    raised = _limit_bytes is not None
+    if raised:
+        _move_limit(nbytes)
+    try:
+        mapping = mmap.mmap(fileno, 0, access=mmap.ACCESS_COPY)  # type: ignore[attr-defined]
+    except BaseException:
+        if raised:
+            _move_limit(-nbytes)
+        raise
+    # Collected under a cap: its length leaves VmData, so the limit follows, whether the
+    # mapping was counted as reserved address space (made before the cap) or raised above.
+    weakref.finalize(mapping, _move_limit, -len(mapping))
+    return mapping
+
+
+def _move_limit(delta: int) -> None:
+    """Move the soft ``RLIMIT_DATA`` of the cap in force by ``delta`` bytes."""
+    global _limit_bytes
+    if _limit_bytes is None or _original_limit is None:
+        return
+    soft = max(0, _limit_bytes + delta)
+    hard = _original_limit[1]
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    _limit_bytes = soft
 
 
 def cpu_memory_info() -> tuple[int, int]:

@@ -23,6 +23,7 @@ import math
 import mmap
 import os
 import sys
+import threading
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from .._common.errors import LoadError
+from ..cpu_memory import map_file
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -378,6 +380,7 @@ _AHEAD = 64 * 2**20
 _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
 _FAULTERS = max(1, min(4, os.cpu_count() or 1))
+_FAULTER_STACK = 256 * 2**10  # a faulting thread only calls madvise
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 _madvise: Any = None
@@ -544,12 +547,20 @@ class Reader:
             return
         if self._faulters is None:
             self._faulters = ThreadPoolExecutor(_FAULTERS, thread_name_prefix="adaptmem-fault")
-        for address, nbytes in spans:
-            if address in self._faulting:  # one storage behind several tensors (ties)
-                continue
-            self._faulting[address] = [
-                self._faulters.submit(_populate, address + done, min(_CHUNK, nbytes - done))
-                for done in range(0, nbytes, _CHUNK)]
+        # The pool starts its threads as work is submitted: with small stacks, since glibc
+        # keeps an exited thread's stack mapped for the next one, and a cap on the data
+        # segment (set_cpu_memory_limit) would count 8 MiB per thread for good.
+        stack = threading.stack_size(_FAULTER_STACK)
+        try:
+            for address, nbytes in spans:
+                if address in self._faulting:  # one storage behind several tensors (ties)
+                    continue
+                self._faulting[address] = [
+                    self._faulters.submit(_populate, address + done,
+                                          min(_CHUNK, nbytes - done))
+                    for done in range(0, nbytes, _CHUNK)]
+        finally:
+            threading.stack_size(stack)
 
     def _faulted(self, dest: torch.Tensor, start: int, end: int) -> None:
         """Wait until the faulting threads are done with bytes ``[start, end)`` of ``dest``:
@@ -644,7 +655,7 @@ class Reader:
         mm = self._maps.get(entry.file)
         if mm is None:
             f = self._file(entry.file)
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # type: ignore[attr-defined]
+            mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
             self._maps[entry.file] = mm
         with warnings.catch_warnings():
             # The mapping is writable (copy-on-write); torch warns for read-only buffers only,

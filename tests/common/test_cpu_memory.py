@@ -4,8 +4,10 @@ import mmap
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+from torch import nn
 
 from adaptmem import adaptive
 
@@ -108,3 +110,45 @@ def test_held_memory_is_what_the_cap_counts_and_grows_with_a_touched_allocation(
     torch.frombuffer(block, dtype=torch.uint8).fill_(1)
     assert adaptive.cpu_memory.held_bytes() - before > 60 * 2**20
     block.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_DATA (Linux only)")
+def test_a_checkpoint_mapped_under_the_cap_does_not_count_against_it(tmp_path: Path) -> None:
+    import torch
+
+    # 96 MiB of weights in the file, a 48 MiB cap: RLIMIT_DATA alone would refuse the mapping
+    # (a private writable one counts at its whole length); see [Note: file mappings and the cap].
+    torch.save(nn.Sequential(*[nn.Linear(2048, 4096) for _ in range(3)]).state_dict(),
+               tmp_path / "model.pt")
+    result = _run(
+        f"""
+        import ctypes, gc, resource, torch
+        from torch import nn
+        from adaptmem import adaptive
+        from adaptmem.cpu_memory import cpu_memory_info, held_bytes, set_cpu_memory_limit
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # large blocks unmapped when freed
+        meta = adaptive.empty_model(
+            lambda: nn.Sequential(*[nn.Linear(2048, 4096) for _ in range(3)]))
+        set_cpu_memory_limit((held_bytes() + (48 << 20)) / 2**30)
+        limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+        model, stats = adaptive.load(meta, {str(tmp_path / "model.pt")!r}, device="cpu",
+                                     copy=False, return_stats=True)
+        free = cpu_memory_info()[0]
+        y = model[0](torch.ones(2, 2048))  # the mapped weights are read
+        print("MAPPED", stats.bytes_mapped, free, float(y.sum()) != 0)
+        try:
+            torch.empty(64 << 20, dtype=torch.uint8)
+            print("CAP LOST")
+        except RuntimeError:
+            print("CAP HOLDS")
+        del model, meta, stats, y
+        gc.collect()
+        print("LIMIT BACK", resource.getrlimit(resource.RLIMIT_DATA)[0] == limit)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    mapped, free, read = result.stdout.split("MAPPED")[1].split()[:3]
+    assert int(mapped) >= 96 << 20 and read == "True"
+    assert 40 << 20 < int(free) <= 48 << 20  # the mapping took none of the cap
+    assert "CAP HOLDS" in result.stdout  # and the cap still refuses more than it allows
+    assert "LIMIT BACK True" in result.stdout  # the limit came down when the mapping went

@@ -1035,6 +1035,39 @@ def test_checkpoint_over_half_the_memory_cap_loads_where_naive_path_fails(
     assert "allocate" in naive or "MemoryError" in naive, naive
 
 
+_THREADS_UNDER_CAP = textwrap.dedent(
+    """
+    import ctypes, sys, torch
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD: freed means unmapped
+    from torch import nn
+    from adaptmem import adaptive
+    from adaptmem.cpu_memory import held_bytes, set_cpu_memory_limit
+
+    torch.set_num_threads(1)
+    build = lambda: nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(4)])
+    meta = adaptive.empty_model(build)  # before the cap
+    set_cpu_memory_limit((held_bytes() + (48 << 20)) / 2**30)
+    model = adaptive.load(meta, sys.argv[1])  # 16 MiB of new tensors, faulted ahead
+    room = torch.empty(24 << 20, dtype=torch.uint8)  # 48 - 16 leaves 32 MiB
+    print("ok", float(model[3].weight[0, 0]))
+    """
+)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="set_cpu_memory_limit is Linux's")
+def test_a_load_under_a_cap_leaves_the_cap_to_the_model(tmp_path: Path) -> None:
+    # The faulting threads' stacks stay mapped after they exit (glibc keeps them): at 8 MiB
+    # each they took 16 MiB of a cap for good (see [Note: faulting new memory ahead]).
+    torch.manual_seed(0)
+    state = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(4)]).state_dict()
+    torch.save(state, tmp_path / "m.pt")
+    done = subprocess.run([sys.executable, "-c", _THREADS_UNDER_CAP, str(tmp_path / "m.pt")],
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", str(float(state["3.weight"][0, 0]))]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_gpu_peak_is_model_bytes_plus_largest_tensor(fmt: str, tmp_path: Path) -> None:
