@@ -53,7 +53,7 @@ ITEMS = 2048
 DEVICE_MEMORY = 12 << 20  # weights 8 MiB: they fit, but not with a large batch
 LARGE = 2048  # the initial size of the searches: all items at once, which does not fit
 BATCHES = [128, 256, 512, 1024]
-SETTLE = 4  # calls before the timed ones (the searches learn there; a fixed one: 1)
+SETTLE = 24  # calls before the timed ones (the searches learn and model= explores there)
 MiB = 1 << 20
 
 

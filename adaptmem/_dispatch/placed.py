@@ -51,11 +51,13 @@ class PlacementChanges:
     placements: int = 0
     residency_given_back: int = 0
     residency_taken_again: int = 0
+    residency_explored: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"placements": self.placements,
                 "residency_given_back": self.residency_given_back,
-                "residency_taken_again": self.residency_taken_again}
+                "residency_taken_again": self.residency_taken_again,
+                "residency_explored": self.residency_explored}
 
 
 # Which decorated function holds a model, while it does.
@@ -143,6 +145,12 @@ class PlacedModels:
                     "resident (was %s), the rest is paged", self.name, i,
                     format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old))
         return True
+
+    def move(self, resident: list[int]) -> None:
+        """Place the models with ``resident`` bytes resident each, to compare items per
+        second (see [Note: exploring residency] in explore.py)."""
+        self._place(resident)
+        self.changes.residency_explored += 1
 
     def _maybe_restore(self) -> None:
         if self.device is None or self._given_back_at is None:
