@@ -5,6 +5,7 @@ together] in placed.py). Without ``model`` they are exactly those of ``_executio
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from .._common.devices import free_memory
 from .._common.errors import OutOfMemoryError, Phase
 from .._common.oom import drop_frames, is_oom
 from .._execution import decorators
+from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from .explore import Explorer
 from .placed import PlacedModels, check_models
 
@@ -53,12 +55,17 @@ class Dispatched:
             except OutOfMemoryError as exc:
                 # Compute ran out at the smallest size: give residency back to activations.
                 resident = tuple(placed.resident)
-                if exc.phase is not Phase.COMPUTE or not placed.give_back():
+                if exc.phase is not Phase.COMPUTE or not any(resident):
                     raise
+                # The failed attempt's memory goes before giving back: free memory is read
+                # then, and what it held is not held by anything now.
                 drop_frames(exc)
+                del exc
+                gc.collect()
+                placed.give_back()
                 explorer.gave_back(resident)
                 explorer.moved(placed.changes.placements)
-                record = self._record(caller, target)
+                record = self._record(caller, target, moved=True)
                 if record.fits is None and record.fails is None:
                     # The smallest size failed with more resident: start there, not from the
                     # top (see [Note: batch size and residency together]).
@@ -72,9 +79,14 @@ class Dispatched:
                 explorer.tick(placed.changes.placements)
             return result
 
-    def _record(self, caller: Any, target: Any) -> Any:
-        """The size record of the placement in force, for a call from ``caller``."""
+    def _record(self, caller: Any, target: Any, moved: bool = False) -> Any:
+        """The size record of the placement in force, for a call from ``caller``; after the
+        placement ``moved``, in the free-memory bucket it leaves, not the one read before."""
         self.inner.context = (self.user_context, self.placed.key())
+        if moved:
+            cache = resolve_cache(self.inner.cache)
+            if isinstance(cache, StacktraceMemoryBatchsizeCache):
+                cache.memory_changed()
         return target.size_record(caller)
 
     def _measured(self, caller: Any, target: Any, mark: tuple[float, int],
@@ -110,7 +122,7 @@ class Dispatched:
             explorer.moved(placed.changes.placements)
             return
         explorer.moved(placed.changes.placements)
-        record = self._record(caller, target)
+        record = self._record(caller, target, moved=True)
         if record.fits is not None or record.fails is not None:
             return  # measured here before: it knows better
         if direction > 0:
