@@ -208,9 +208,12 @@ MODEL_DOC = """
     with as many units resident as fit half the free memory (all of them when the model
     fits); an out-of-memory error in compute shrinks the size, one at the smallest size
     gives resident bytes back to activations and runs again, one while weights move makes
-    the pager's units finer. The decorated function then has ``.placement``, ``.pagers``
-    and ``.remove()``. See [Note: batch size and residency together] in
-    ``adaptmem/_dispatch/placed.py``.
+    the pager's units finer. Then it measures items per second at the placement in force,
+    tries twice (else half) the resident bytes, and keeps whichever runs faster; it does
+    so again every 1024 calls and after memory changed, never with a residency it had to
+    give back. The decorated function then has ``.placement``, ``.pagers`` and
+    ``.remove()``. See [Note: batch size and residency together] in
+    ``adaptmem/_dispatch/placed.py`` and [Note: exploring residency] in ``explore.py``.
 """
 
 

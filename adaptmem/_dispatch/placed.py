@@ -12,9 +12,10 @@ search's rule); and when compute runs out of memory at the smallest batch, resid
 given back to activations: the resident bytes halve (the model holding most first) and the
 call runs again, down to nothing resident. Memory given back is taken again, doubling,
 when free memory has grown by a quarter since it was given, checked every
-``RESTORE_EVERY`` calls. The placement is part of the cache key (the decorator's
-``context``), so a call site returns to the batch size it learned for the placement in
-force.
+``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures items per
+second and moves residency to what runs fastest (see [Note: exploring residency] in
+explore.py). The placement is part of the cache key (the decorator's ``context``), so a
+call site returns to the batch size it learned for the placement in force.
 """
 
 from __future__ import annotations
