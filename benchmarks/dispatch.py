@@ -12,8 +12,8 @@ under ``no_grad``, configured four ways:
     that runs out of memory is recorded as such); the best cell is the reference;
 (b) batch search alone with the model fully paged: ``adaptive.page(model, "cuda",
     resident_bytes=0)`` and ``@adaptive.batch(initial_batchsize=large)``;
-(c) ``@adaptive.batch(initial_batchsize=large, model=model, device="cuda")``, and the same
-    with ``initial_batchsize="auto"``.
+(c) ``@adaptive.batch(initial_batchsize=large, model=model, device="cuda")``, and with
+    ``--auto`` the same with ``initial_batchsize="auto"``.
 
 Each configuration runs afresh in its own simulated device per round (the same memory for
 all), a few calls to settle, then timed steady-state calls; rounds are interleaved so load
@@ -135,7 +135,7 @@ def dispatched(initial: int | str) -> Callable[..., Any]:
     return start
 
 
-def configs(weights: int) -> list[Config]:
+def configs(weights: int, auto: bool) -> list[Config]:
     out = []
     residents = [0, weights // 2, weights]
     for b in BATCHES:
@@ -145,7 +145,9 @@ def configs(weights: int) -> list[Config]:
     out.append(Config("(b) batch search, fully paged", f"initial {LARGE}",
                       batch_search_paged(LARGE)))
     out.append(Config("(c) model=", f"initial {LARGE}", dispatched(LARGE)))
-    out.append(Config("(c) model=", "initial 'auto'", dispatched("auto"), settle=SETTLE_AUTO))
+    if auto:
+        out.append(Config("(c) model=", "initial 'auto'", dispatched("auto"),
+                          settle=SETTLE_AUTO))
     return out
 
 
@@ -194,14 +196,15 @@ def run_once(cfg: Config, base: nn.Module, data: torch.Tensor, reference: torch.
             remove()
 
 
-def measure(link: float, rounds: int, timed_calls: int) -> tuple[list[Config], int]:
+def measure(link: float, rounds: int, timed_calls: int, auto: bool
+            ) -> tuple[list[Config], int]:
     base = build()
     weights = weight_bytes(base)
     torch.manual_seed(1)
     data = torch.randn(ITEMS, WIDTH)
     with torch.no_grad():
         reference = base(data)
-    cfgs = configs(weights)
+    cfgs = configs(weights, auto)
     for r in range(rounds):
         for cfg in cfgs:
             if cfg.error is None:
@@ -272,8 +275,8 @@ NOTE = (
     "SIMULATED: figures from `adaptmem.testing.simulated_cuda`, not a GPU. Compute runs on "
     "this machine's CPU (plus the simulation's cost per op); host<->device copies take bytes "
     "/ the simulated link. Each configuration runs, per round, in a fresh simulated device of "
-    "the same size: {settle} calls to settle ({settle_auto} for 'auto'; the searches learn "
-    "and `model=` explores there), then {timed} timed calls over the whole dataset (outputs "
+    "the same size: {settle} calls to settle (the searches learn and `model=` explores "
+    "there), then {timed} timed calls over the whole dataset (outputs "
     "checked against the unplaced model on the CPU) of which the fastest counts; items/s is "
     "the best round. Failed attempts come from `decorated.stats`, counted over the settling "
     "and the timed calls; the verdict compares their sum with (b)'s over the same number of "
@@ -284,11 +287,13 @@ NOTE = (
     "memory is marked so. '(b)' is the plain decorator over a fully paged model; '(c)' is "
     "`model=`, which at its first call pages the model with min(weights, half the free "
     "memory) resident, then measures items per second and tries twice (else half) the "
-    "resident bytes, keeping what is faster ([Note: exploring residency]). 'auto' with "
-    "`model=` is a known defect, not part of the exploring: its trace counts the outputs "
-    "the pager brings back to the host as device memory (the fixed bytes of its prediction "
-    "include the whole output), so it starts near batch size 1; it is given {settle_auto} "
-    "settling calls to keep the run short.")
+    "resident bytes, keeping what is faster ([Note: exploring residency]).{auto_note}")
+
+AUTO_NOTE = (
+    " (c) with `initial_batchsize='auto'` runs only with `--auto`: with `model=` its trace "
+    "counts the outputs the pager brings back to the host as device memory (the fixed bytes "
+    "of its prediction include the whole output), so it starts near batch size 1, and at "
+    "slow links each of its calls takes minutes; it is given {settle_auto} settling calls.")
 
 
 def main() -> int:
@@ -299,6 +304,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--links", type=float, nargs="+", default=[0.05, 0.2, 20.0],
                         help="simulated link bandwidths in GB/s (default 0.05 0.2 20)")
+    parser.add_argument("--auto", action="store_true",
+                        help="also run initial_batchsize='auto' with model= (slow: see the "
+                             "note in RESULTS.md)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     links = args.links[:1] if args.quick else args.links
@@ -309,11 +317,13 @@ def main() -> int:
     findings = []
     weights = 0
     for link in links:
-        cfgs, weights = measure(link, rounds, timed_calls)
+        cfgs, weights = measure(link, rounds, timed_calls, args.auto)
         text, notes = table(link, cfgs, timed_calls)
         parts.append(text)
         findings += notes
     load_end = os.getloadavg()[0]
+    auto_note = (AUTO_NOTE.format(settle_auto=SETTLE_AUTO) if args.auto else
+                 " (c) with `initial_batchsize='auto'` was not run this time (`--auto`).")
     body = (header(command)
             + f"- Load average: {load_start:.1f} at start, {load_end:.1f} at end (2 cores "
             f"shared)\n- Device: SIMULATED (simulated_cuda, {DEVICE_MEMORY / MiB:.0f} MiB, "
@@ -322,7 +332,7 @@ def main() -> int:
             f"ReLU), {weights / MiB:.1f} MiB fp32 weights, {ITEMS} items of {WIDTH} floats "
             f"per call; searches start at {LARGE}\n\n"
             + "\n\n".join(parts) + "\n\n" + "\n".join(f"- {n}" for n in findings) + "\n\n"
-            + NOTE.format(settle=SETTLE, settle_auto=SETTLE_AUTO, timed=timed_calls))
+            + NOTE.format(settle=SETTLE, timed=timed_calls, auto_note=auto_note))
     print(f"## {TITLE}\n\n" + body)
     if args.write:
         write_section(TITLE, body)

@@ -5,29 +5,34 @@ every weight resident at a smaller batch beats a larger batch that pages part of
 per forward; with a fast link, the larger batch may win. So ``model=`` measures what it runs
 and keeps the faster:
 
-- A placement (the resident bytes of each model) is measured once the batch-size search at
-  it has settled (``SizeRecord.settled``): ``SAMPLES`` calls that ran at one size without an
-  out-of-memory error, timed around the call, items counted at the first model's forward
-  (the leading dimension of its first tensor argument). Its rate is the best of those
-  samples: load from other processes only ever slows a call, so the fastest is the least
-  disturbed. The first call after a placement changes is not a sample (the pager learns
-  that forward, without prefetch).
+- A placement (the resident bytes of each model) is measured over ``SAMPLES`` calls that
+  ran at one size without an out-of-memory error, timed around the call, items counted at
+  the first model's forward (the leading dimension of its first tensor argument). While it
+  is measured its size record is held at the size that fits (``SizeRecord.hold``): no probe
+  above it, so measuring costs no failed attempt and every sample is of one configuration.
+  Its rate is the best of those samples: load from other processes only ever slows a call,
+  so the fastest is the least disturbed. The first call after a placement changes is not a
+  sample (the pager learns that forward, without prefetch).
 - Then one neighbour is tried: twice the resident bytes (all of them at most), else half.
-  Going up leaves less room, so the new placement's search starts below the size in use
-  (its record learns that size fails) and finds what fits there. Going down leaves more
-  room, so the size in use fits; that trial is held at it (``SizeRecord.hold``) and so
-  judged at the same batch size, without a probe: it costs no failed attempt, and a
-  placement that loses at equal batch size is not given the chance to win with a larger
-  one (the limit of this rule).
-- A trial at least ``GAIN`` faster than the best so far is kept and the search goes on in
-  that direction; otherwise the placement goes back to the best one, whose record is
-  settled already. The first direction that loses ends exploring in it; when both are done
-  the decorator stays where it is, measuring nothing (no clock read, no hook), until
-  ``EPOCH`` calls have passed or the placement changed for memory (given back, taken
-  again), when everything is forgotten and exploring starts again.
+  Going up leaves less room: the new placement's record learns that what failed at the
+  best placement fails there too and starts at half of it, a size that fits unless the
+  added weights took more than that half. Going down leaves more room: the size in use
+  fits, and the trial runs it. Either trial is judged at a size it already runs, not at the
+  larger one it might climb to afterwards: exploring costs no failed attempt of its own,
+  and a placement with less resident that loses at the size in use is not given the
+  chance to win with a larger batch (the limit of this rule).
+- After the trial the placement goes back to the best one and measures it again: the
+  trial is compared with the mean of the best's rates before and after, so load that came
+  or went in between weighs on both alike. A trial at least ``GAIN`` faster is kept and
+  exploring goes on in that direction; a first trial up that loses leaves down to try; a
+  direction that loses ends exploring. Then the decorator stays where it is and its search
+  climbs as usual, measuring nothing (no clock read, no hook, one counter per call), until
+  ``EPOCH`` calls have passed or the placement changed for memory (taken again), when
+  everything is forgotten and exploring starts again.
 - A trial up is made only when the bytes it adds are at most half of the memory free
   between calls, and never to a residency at or above one that had to be given back to
-  activations (compute out of memory at the smallest size) in the same epoch.
+  activations (compute out of memory at the smallest size) in the same epoch. Weights that
+  do not fit when moved put the models back where they were and count as given back.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ __all__ = ["Explorer", "Measured", "clock"]
 
 logger = logging.getLogger("adaptmem")
 
-SAMPLES = 3  # clean calls at one settled size measured per placement
+SAMPLES = 3  # clean calls at one size measured per placement
 GAIN = 1.03  # how much faster a trial must be than the best so far to be kept
 EPOCH = 1024  # calls after which what was measured is forgotten and exploring starts again
 MIN_STEP = 1 << 20  # residency changes smaller than this are not worth a re-placement
