@@ -118,7 +118,12 @@ class Dispatched:
                 raise
             # The weights themselves did not fit: back where they were, never that again.
             explorer.gave_back(resident)
-            placed.move(before)
+            try:
+                placed.move(before)
+            except Exception as again:
+                if not is_oom(again):
+                    raise
+                # Nothing placed now (all or nothing): the next call places afresh.
             explorer.moved(placed.changes.placements)
             return
         explorer.moved(placed.changes.placements)
