@@ -5,14 +5,18 @@ together] in placed.py). Without ``model`` they are exactly those of ``_executio
 from __future__ import annotations
 
 import functools
+import gc
 import inspect
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from .._common.devices import free_memory
 from .._common.errors import OutOfMemoryError, Phase
-from .._common.oom import drop_frames
+from .._common.oom import drop_frames, is_oom
 from .._execution import decorators
+from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
+from .explore import Explorer
 from .placed import PlacedModels, check_models
 
 __all__ = ["Dispatched", "batch", "range", "chunked"]
@@ -28,6 +32,7 @@ class Dispatched:
         self.inner = inner
         self.placed = placed
         self.user_context = context
+        self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
@@ -37,7 +42,7 @@ class Dispatched:
         """Call ``target`` (the decorated function, or it bound to an instance) as if from
         ``caller``, placing the models first and giving residency back when compute runs
         out at the smallest size."""
-        placed, inner = self.placed, self.inner
+        placed, inner, explorer = self.placed, self.inner, self.explorer
         first = not placed.placed
         while True:
             switching = placed.switching
@@ -45,15 +50,25 @@ class Dispatched:
             inner.context = (self.user_context, placed.key())
             if switching and inner.stats.last_size is not None:
                 _carry_size(inner.stats.last_size, target.size_record(caller))
+            watching = explorer.watching  # see [Note: exploring residency]
+            if watching:
+                failed, mark = inner.stats.failed_attempts, explorer.mark()
             try:
                 result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
                 # Compute ran out at the smallest size: give residency back to activations.
-                if exc.phase is not Phase.COMPUTE or not placed.give_back():
+                resident = tuple(placed.resident)
+                if exc.phase is not Phase.COMPUTE or not any(resident):
                     raise
+                # The failed attempt's memory goes before giving back: free memory is read
+                # then, and what it held is not held by anything now.
                 drop_frames(exc)
-                inner.context = (self.user_context, placed.key())
-                record = target.size_record(caller)
+                del exc
+                gc.collect()
+                placed.give_back()
+                explorer.gave_back(resident)
+                explorer.moved(placed.changes.placements)
+                record = self._record(caller, target, moved=True)
                 if record.fits is None and record.fails is None:
                     # The smallest size failed with more resident: start there, not from the
                     # top (see [Note: batch size and residency together]).
@@ -61,7 +76,68 @@ class Dispatched:
                 continue
             if first:
                 placed.check_no_fakes()
+            if watching:
+                self._measured(caller, target, mark, inner.stats.failed_attempts == failed)
+            else:
+                explorer.tick(placed.changes.placements)
             return result
+
+    def _record(self, caller: Any, target: Any, moved: bool = False) -> Any:
+        """The size record of the placement in force, for a call from ``caller``; after the
+        placement ``moved``, in the free-memory bucket it leaves, not the one read before."""
+        self.inner.context = (self.user_context, self.placed.key())
+        if moved:
+            cache = resolve_cache(self.inner.cache)
+            if isinstance(cache, StacktraceMemoryBatchsizeCache):
+                cache.memory_changed()
+        return target.size_record(caller)
+
+    def _measured(self, caller: Any, target: Any, mark: tuple[float, int],
+                  clean: bool) -> None:
+        """Tell the explorer how a call went; move the models where it says, and tell the
+        new placement's size record what is known (see [Note: exploring residency])."""
+        placed, explorer, inner = self.placed, self.explorer, self.inner
+        size = inner.stats.last_size or 0
+        device = placed.device
+        record = target.size_record(caller)
+        fails = record.fails
+        move = explorer.observe(
+            mark, tuple(placed.resident), placed.changes.placements, size, clean,
+            lambda: free_memory(device) if device is not None else 0)
+        if move is not None and size:
+            self._move(caller, target, move, size, fails)
+        if explorer.watching:
+            self._record(caller, target).hold(1)  # measured at one size: no probe yet
+
+    def _move(self, caller: Any, target: Any, move: tuple[tuple[int, ...], int], size: int,
+              fails: int | None) -> None:
+        placed, explorer, inner = self.placed, self.explorer, self.inner
+        resident, direction = move
+        before = list(placed.resident)
+        try:
+            placed.move(list(resident))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            # The weights themselves did not fit: back where they were, never that again.
+            explorer.gave_back(resident)
+            try:
+                placed.move(before)
+            except Exception as again:
+                if not is_oom(again):
+                    raise
+                # Nothing placed now (all or nothing): the next call places afresh.
+            explorer.moved(placed.changes.placements)
+            return
+        explorer.moved(placed.changes.placements)
+        record = self._record(caller, target, moved=True)
+        if record.fits is not None or record.fails is not None:
+            return  # measured here before: it knows better
+        if direction > 0:
+            # Less room: what failed with more fails here; start below it.
+            record.after_failure(max(fails or 2 * size, inner.floor), inner.floor)
+        else:
+            record.after_success(size)  # more room: the size in use fits
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         bound = self.inner.__get__(obj, objtype)
@@ -99,6 +175,8 @@ class Dispatched:
 
     def remove(self) -> None:
         """Give the models back exactly as they were before the first call."""
+        self.explorer.stop()
+        self.explorer.forget()
         self.placed.remove()
 
 
@@ -154,9 +232,13 @@ MODEL_DOC = """
     the pager's units finer. A model left partly resident on an accelerator runs its second
     call chunked (``adaptive.chunk``, the rest computed on the host) and stays chunked when
     that host compute per forward costs less than moving the rest over the link, timed
-    once. The decorated function then has ``.placement`` (its ``"engine"``: resident, page
-    or chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
-    in ``adaptmem/_dispatch/placed.py`` and [Note: paging or chunking] in ``engine.py``.
+    once. Then it measures items per second at the placement in force, tries twice (else
+    half) the resident bytes, and keeps whichever runs faster; it does so again every 1024
+    calls and after memory changed, never with a residency it had to give back. The
+    decorated function then has ``.placement`` (its ``"engine"``: resident, page or
+    chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
+    in ``adaptmem/_dispatch/placed.py``, [Note: paging or chunking] in ``engine.py`` and
+    [Note: exploring residency] in ``explore.py``.
 """
 
 

@@ -12,12 +12,13 @@ search's rule); and when compute runs out of memory at the smallest batch, resid
 given back to activations: the resident bytes halve (the model holding most first) and the
 call runs again, down to nothing resident. Memory given back is taken again, doubling,
 when free memory has grown by a quarter since it was given, checked every
-``RESTORE_EVERY`` calls. The placement is part of the cache key (the decorator's
-``context``), so a call site returns to the batch size it learned for the placement in
-force. A model that does not fit whole may be chunked instead of paged (its non-resident
-units computed on the host): which engine is measured on the first calls, see [Note: paging
-or chunking] in engine.py; give-back and take-back then move the chosen engine's resident
-bytes.
+``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures items per
+second and moves residency to what runs fastest (see [Note: exploring residency] in
+explore.py). The placement is part of the cache key (the decorator's ``context``), so a
+call site returns to the batch size it learned for the placement in force. A model that
+does not fit whole may be chunked instead of paged (its non-resident units computed on the
+host): which engine is measured on the first calls, see [Note: paging or chunking] in
+engine.py; give-back, take-back and exploring then move the chosen engine's resident bytes.
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ class PlacementChanges:
     residency_given_back: int = 0
     residency_taken_again: int = 0
     engine_switches: int = 0
+    residency_explored: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"placements": self.placements,
                 "residency_given_back": self.residency_given_back,
                 "residency_taken_again": self.residency_taken_again,
-                "engine_switches": self.engine_switches}
+                "engine_switches": self.engine_switches,
+                "residency_explored": self.residency_explored}
 
 
 # Which decorated function holds a model, while it does.
@@ -183,6 +186,12 @@ class PlacedModels:
                     format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old),
                     "computed on the host" if self.engine == CHUNK else "paged")
         return True
+
+    def move(self, resident: list[int]) -> None:
+        """Place the models with ``resident`` bytes resident each, to compare items per
+        second (see [Note: exploring residency] in explore.py)."""
+        self._place(resident)
+        self.changes.residency_explored += 1
 
     def _maybe_restore(self) -> None:
         if self.device is None or self._given_back_at is None:

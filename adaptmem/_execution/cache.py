@@ -217,6 +217,12 @@ class SizeRecord:
             return max(floor, min(fits, initial))
         return max(floor, self._own_site().climb(fits, ceiling, bounded, self.bucket))
 
+    def hold(self, calls: int) -> None:
+        """Let the next ``calls`` calls run at the size that fits, with no probe above it
+        (the wait of [Note: a quiet search], set from outside)."""
+        site = self._own_site()
+        site.wait = max(site.wait, calls)
+
     def after_failure(self, size: int, floor: int) -> int:
         """Record that ``size`` ran out of memory; return the size to retry with."""
         with self._lock:

@@ -2,9 +2,24 @@
 
 A model, not a copy, of CUDA's caching allocator: blocks are rounded up to 512 bytes; when
 the cached (reserved but unused) bytes cannot hold a block, a segment is reserved (2 MiB, or
-the block rounded up to 2 MiB); past the limit the cache is emptied once and the allocation
+what is missing rounded up to 2 MiB); past the limit the cache is emptied once and the allocation
 tried again, then ``torch.OutOfMemoryError`` is raised with CUDA's message. Fragmentation is
-not modelled: any cached bytes serve any block.
+not modelled: any cached bytes serve any block (see [Note: emptying whole segments]).
+
+[Note: emptying whole segments]
+The real allocator's ``empty_cache`` (and its release before an OOM) frees only segments
+with no block in use; a segment that holds one keeps its free part cached. Without
+fragmentation the blocks in use pack into the fewest segments, so emptying leaves
+``allocated`` rounded up to a whole segment reserved, never ``allocated`` itself: that
+would strand the free tail of the last segment in use, and the next segment grown on top
+of it could pass the limit where the same blocks fitted before the release. Likewise a
+block larger than the cached bytes takes them plus a new segment for what is missing, not
+a segment of its own whole size, which would count the cached bytes only while they alone
+hold it. So reserved is always a whole number of segments, and whether an allocation fits
+depends on the bytes allocated only (``allocated + block`` within the limit, in whole
+segments), never on what happened to be cached: a size that fitted still fits after an
+out-of-memory error at a larger one has emptied the cache. A real allocator also depends
+on its history through fragmentation, which this model leaves out.
 
 [Note: the host memory of cached blocks]
 A simulated block's values live in a host tensor (its "backing"). Allocating and freeing
@@ -37,6 +52,11 @@ def round_block(nbytes: int) -> int:
 
 def _segment(block: int) -> int:
     return max(_SEGMENT, -(-block // _SEGMENT) * _SEGMENT)
+
+
+def _segments_in_use(allocated: int) -> int:
+    """What stays reserved when the cache is emptied (see [Note: emptying whole segments])."""
+    return -(-allocated // _SEGMENT) * _SEGMENT
 
 
 def _format(n: float) -> str:
@@ -78,12 +98,14 @@ class Allocator:
         if block == 0:
             return 0
         with self._lock:
-            if self.reserved - self.allocated < block:
-                grow = _segment(block)
+            cached = self.reserved - self.allocated
+            if cached < block:
+                grow = _segment(block - cached)  # see [Note: emptying whole segments]
                 if self.reserved + grow > self.limit:
                     # Like the real allocator: give cached segments back, then try once more.
-                    self.reserved = self.allocated
+                    self.reserved = _segments_in_use(self.allocated)
                     self._drop_host()
+                    grow = _segment(block - (self.reserved - self.allocated))
                 if self.reserved + grow > self.limit:
                     self.num_ooms += 1
                     raise torch.OutOfMemoryError(self._oom_message(block))
@@ -100,7 +122,7 @@ class Allocator:
 
     def empty_cache(self) -> None:
         with self._lock:
-            self.reserved = self.allocated
+            self.reserved = _segments_in_use(self.allocated)
             self._drop_host()
 
     def keep(self, nbytes: int, storage: Any) -> None:

@@ -111,11 +111,13 @@ def test_residency_is_taken_again_when_memory_frees_up() -> None:
         torch.cuda.empty_cache()
         for _ in range(40):  # checked every 16 calls
             run(data)
-            if run.placement["residency_taken_again"]:
+            if run.placement["resident_bytes"][0] > squeezed:
                 break
         placement = run.placement
         run.remove()
-    assert placement["residency_taken_again"] >= 1
+    # Taken again by the restore rule, or by exploring (whichever comes first: a trial with
+    # twice the resident bytes that runs faster is kept).
+    assert placement["residency_taken_again"] + placement["residency_explored"] >= 1
     assert placement["resident_bytes"][0] > squeezed
 
 

@@ -52,6 +52,12 @@ def test_a_probe_never_passes_a_quarter_of_the_gap(fits: int, gap: int, more: in
     assert fits <= size <= fits + max(1, gap // 4)
 
 
+def test_a_held_record_runs_the_size_that_fits_then_climbs_again() -> None:
+    record = SizeRecord(fits=100, fails=200)
+    record.hold(3)  # what model= does while it measures a placement at one size
+    assert [record.next_size(1000) for _ in range(4)] == [100, 100, 100, 125]
+
+
 def test_a_failed_probe_makes_the_next_one_wait_1_then_2_then_4_calls() -> None:
     record = SizeRecord(fits=1000, fails=100_000)
     sizes = []

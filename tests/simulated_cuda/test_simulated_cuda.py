@@ -601,3 +601,28 @@ def test_the_pytest_fixture_runs_a_test_on_the_simulated_device(pytester: pytest
             assert not torch.cuda.is_available()
     """)
     pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+
+
+def test_what_fitted_still_fits_after_an_out_of_memory_error_emptied_the_cache() -> None:
+    # See [Note: emptying whole segments]: weights of a little over 8 MiB on a 12 MiB
+    # device, then three activations of 1.13 MiB (what batch 580 of a 512-wide layer
+    # takes). They fit; a larger size fails and the release that comes with its OOM must
+    # not leave the 580 failing where it fitted before (it did: the release kept only the
+    # bytes in use reserved, stranding the tail of their last segment).
+    def activations(nbytes: int) -> None:
+        blocks = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(3)]
+        del blocks
+
+    with simulated_cuda(total_memory=12 * MiB):
+        weights = [torch.empty(MiB + 2048, dtype=torch.uint8, device="cuda") for _ in range(8)]
+        activations(580 * 512 * 4)
+        with pytest.raises(torch.OutOfMemoryError):
+            activations(700 * 512 * 4)
+        activations(580 * 512 * 4)  # the same blocks as before the failure
+        assert torch.cuda.memory_reserved() % (2 * MiB) == 0  # whole segments
+        # A block larger than what is cached takes the cached bytes plus what is missing.
+        torch.cuda.empty_cache()
+        activations(MiB)
+        big = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
+        assert torch.cuda.memory_allocated() == 8 * (MiB + 2048) + 3 * MiB
+        del big, weights
