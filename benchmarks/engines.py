@@ -36,26 +36,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 from _report import header, markdown_table, write_section  # noqa: E402
+from dispatch import LAYERS, WIDTH, build  # noqa: E402 (the dispatch benchmark's model)
 from torch import nn  # noqa: E402
 
 from adaptmem import adaptive  # noqa: E402
 from adaptmem.testing import simulated_cuda  # noqa: E402
 
 TITLE = "Paging or chunking under model= (simulated GPU)"
-WIDTH = 512
-LAYERS = 8
 DEVICE_MEMORY = 12 << 20
 RESIDENT = DEVICE_MEMORY // 2  # the fixed engines' resident bytes, as model= starts
 SETTLE = 3  # calls before the timed ones: model= pages, times chunking, chooses
 MiB = 1 << 20
-
-
-def build() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers).eval()
 
 
 Started = tuple[Callable[[], torch.Tensor], Any, Callable[[], None]]
