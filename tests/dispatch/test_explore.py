@@ -82,8 +82,9 @@ SLOW_LINK = (0.001, 1e-6, 50e6)  # paging 2 MiB costs 40 ms a forward: residency
 FAST_LINK = (0.05, 1e-6, 1e15)  # 50 ms a forward whatever is paged: the larger batch wins
 
 
-@pytest.mark.parametrize("clock", [SLOW_LINK], indirect=True)
-def test_with_a_slow_link_it_ends_fully_resident(clock: Clock) -> None:
+def _settled(clock: Clock, calls: int) -> tuple[dict[str, Any], int | None, int]:
+    """Placement, last size and failed attempts after ``calls`` calls of the 8 MiB model
+    on the 12 MiB device (outputs checked at every call)."""
     model = _model()
     torch.manual_seed(1)
     data = torch.randn(ITEMS, 512)
@@ -91,9 +92,15 @@ def test_with_a_slow_link_it_ends_fully_resident(clock: Clock) -> None:
         want = model(data)
     with simulated_cuda(total_memory=DEVICE), torch.no_grad():
         run = _decorated(model, clock)
-        _calls(run, data, 24, want)
-        placement, failed = run.placement, run.stats.failed_attempts
+        _calls(run, data, calls, want)
+        placement, size, failed = run.placement, run.stats.last_size, run.stats.failed_attempts
         run.remove()
+    return placement, size, failed
+
+
+@pytest.mark.parametrize("clock", [SLOW_LINK], indirect=True)
+def test_with_a_slow_link_it_ends_fully_resident(clock: Clock) -> None:
+    placement, _, failed = _settled(clock, 24)
     # Half of the free memory first (6 of 8 MiB), then all of it: faster per item.
     assert placement["resident_bytes"] == placement["weight_bytes"]
     assert placement["residency_explored"] >= 1 and placement["residency_given_back"] == 0
@@ -104,16 +111,7 @@ def test_with_a_slow_link_it_ends_fully_resident(clock: Clock) -> None:
 
 @pytest.mark.parametrize("clock", [FAST_LINK], indirect=True)
 def test_with_a_fast_link_it_keeps_the_larger_batch(clock: Clock) -> None:
-    model = _model()
-    torch.manual_seed(1)
-    data = torch.randn(ITEMS, 512)
-    with torch.no_grad():
-        want = model(data)
-    with simulated_cuda(total_memory=DEVICE), torch.no_grad():
-        run = _decorated(model, clock)
-        _calls(run, data, 30, want)
-        placement, size, failed = run.placement, run.stats.last_size, run.stats.failed_attempts
-        run.remove()
+    placement, size, failed = _settled(clock, 30)
     # All resident leaves room for about 690 items; 6 MiB resident for about 860: with
     # paging free, the explorer tried more residency, found it no faster, and went back.
     assert placement["residency_explored"] >= 2
