@@ -119,6 +119,9 @@ def test_a_chunked_model_gives_residency_back_and_takes_it_again() -> None:
         del tenant
         torch.cuda.empty_cache()
         for _ in range(40):  # checked every 16 calls
+            # Exploring may have moved the residency meanwhile (items/s on wall time): the
+            # take-back is judged against what was resident just before it.
+            before = run.placement["resident_bytes"][0]
             run(data)
             if run.placement["residency_taken_again"]:
                 break
@@ -129,7 +132,7 @@ def test_a_chunked_model_gives_residency_back_and_takes_it_again() -> None:
     assert given["resident_bytes"][0] < resident
     assert weights_on_device < on_device
     assert taken["engine"] == "chunk" and taken["residency_taken_again"] >= 1
-    assert taken["resident_bytes"][0] > given["resident_bytes"][0]
+    assert taken["resident_bytes"][0] > before
 
 
 def test_the_size_learned_under_paging_carries_over_to_the_timed_chunked_call() -> None:
