@@ -17,7 +17,7 @@ from .._common.oom import drop_frames, is_oom
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from .explore import Explorer
-from .placed import PlacedModels, check_models
+from .placed import PAGE, PlacedModels, check_models
 
 __all__ = ["Dispatched", "batch", "range", "chunked"]
 
@@ -33,6 +33,7 @@ class Dispatched:
         self.placed = placed
         self.user_context = context
         self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
+        self.paged_size: int | None = None  # the size that last ran paged, to carry over
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
@@ -44,12 +45,17 @@ class Dispatched:
         out at the smallest size."""
         placed, inner, explorer = self.placed, self.inner, self.explorer
         first = not placed.placed
+        again = False  # the call runs again after giving residency back
         while True:
-            switching = placed.switching
-            placed.ensure()
+            engine = placed.engine
+            placed.ensure(again)
             inner.context = (self.user_context, placed.key())
-            if switching and inner.stats.last_size is not None:
-                _carry_size(inner.stats.last_size, target.size_record(caller))
+            if placed.engine != engine:  # see [Note: paging or chunking]
+                explorer.switched(placed.changes.placements)
+                if engine == PAGE:
+                    self.paged_size = inner.stats.last_size
+                if self.paged_size is not None:
+                    _carry_size(self.paged_size, target.size_record(caller))
             watching = explorer.watching  # see [Note: exploring residency]
             if watching:
                 failed, mark = inner.stats.failed_attempts, explorer.mark()
@@ -73,6 +79,7 @@ class Dispatched:
                     # The smallest size failed with more resident: start there, not from the
                     # top (see [Note: batch size and residency together]).
                     record.after_failure(min(inner.initial, 2 * inner.floor), inner.floor)
+                again = True
                 continue
             if first:
                 placed.check_no_fakes()
@@ -177,15 +184,15 @@ class Dispatched:
         """Give the models back exactly as they were before the first call."""
         self.explorer.stop()
         self.explorer.forget()
+        self.paged_size = None
         self.placed.remove()
 
 
 def _carry_size(size: int, record: Any) -> None:
-    """The engine changed at the same resident bytes, to one that takes no more device
-    memory (see [Note: paging or chunking]): a call site that knows nothing yet under the
-    new one starts from the size that last ran, instead of searching again from the
-    initial size (the old one's record is no help: it is filed under the free memory the
-    old engine left)."""
+    """The engine changed at the same resident bytes (see [Note: paging or chunking]): a
+    call site that knows nothing yet under the new one starts from the size that last ran
+    paged, instead of searching again from the initial size (the record it learned that
+    in is no help: it is filed under the free memory the engine in force then left)."""
     if record.fits is None and record.fails is None:
         record.fits = size
 

@@ -26,7 +26,21 @@ boundaries would be misjudged that way. The choice is made once per decorated fu
 ``remove()`` starts again); residency given back or taken again keeps the engine chosen.
 The chunked call is a placement of its own in the size cache (the engine is part of the
 key); it starts from the size that last ran paged, since chunking the same resident bytes
-takes no more device memory than paging them, rather than from the initial size.
+takes no more device memory than paging them, rather than from the initial size; paging
+again after it starts from that size too, when its record is filed under other free memory.
+
+The engine changes only where a call starts. A call whose compute ran out at the smallest
+size gives residency back and runs again under the engine it started with: the residency
+it settles on is one the smallest batch fits beside under that engine. Switching to the
+timed chunked run inside that call instead would settle on a residency that fits chunked
+(the chunker keeps whole units up to its capacity and stages no paged weights, so it holds
+less on the device at the same resident bytes) and page it again at the next call, where
+the smallest batch runs out and residency is given back once more. Nor is a switch a change
+of memory to the explorer (see [Note: exploring residency] in explore.py): it forgets the
+rates measured under the old engine, but not the residency given back in the epoch. Given
+back under chunking, paging it needs more device memory still; given back under paging,
+chunking it might fit, so the limit is cautious there: a possible gain forgone, never an
+out-of-memory error.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ and keeps the faster:
 - A trial up is made only when the bytes it adds are at most half of the memory free
   between calls, and never to a residency at or above one that had to be given back to
   activations (compute out of memory at the smallest size) in the same epoch. Weights that
-  do not fit when moved put the models back where they were and count as given back.
+  do not fit when moved put the models back where they were and count as given back. A
+  change of engine (see [Note: paging or chunking] in engine.py) forgets what was measured,
+  not what was given back.
 """
 
 from __future__ import annotations
@@ -133,6 +135,15 @@ class Explorer:
         self.placements = placements
         self.samples.clear()
         self.sample_size = 0
+
+    def switched(self, placements: int) -> None:
+        """The engine changed at the same resident bytes: what was measured under the old
+        one is forgotten, the residency given back this epoch is not (see [Note: paging or
+        chunking] in engine.py)."""
+        too_much = self.too_much
+        self.forget()
+        self.too_much = too_much
+        self.placements = placements
 
     def observe(self, mark: tuple[float, int], resident: tuple[int, ...], placements: int,
                 size: int, clean: bool, free: Callable[[], int]

@@ -42,7 +42,7 @@ from .._placement.splitter import Chunker
 from .._planning import Placement, module_sizes
 from .engine import Choice, HostClock, link_bandwidth
 
-__all__ = ["PlacedModels", "PlacementChanges", "check_models"]
+__all__ = ["PAGE", "PlacedModels", "PlacementChanges", "check_models"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -130,21 +130,16 @@ class PlacedModels:
     def pagers(self) -> list[Pager]:
         return [h for h in self.handles if isinstance(h, Pager)]
 
-    @property
-    def switching(self) -> bool:
-        """Whether the next ``ensure`` changes the engine at the same resident bytes (the
-        timed chunked call): the sizes learned so far may carry over."""
-        return self._choosing == PENDING
-
     def key(self) -> tuple[Any, ...]:
         """What the cache tells placements apart by: the engine and the resident bytes of
         each model."""
         return (self.engine, *self.resident)
 
-    def ensure(self) -> None:
+    def ensure(self, again: bool = False) -> None:
         """Place the models at the first call (paged); at the next two, choose between
         paging and chunking (see [Note: paging or chunking]); later, take back residency
-        when memory grew."""
+        when memory grew. ``again``: the same call runs again after giving residency back,
+        which keeps the engine it started with (see [Note: paging or chunking])."""
         if not self.handles:
             device = self.device if self.device is not None else default_device()
             self.device = resolve_device(device)
@@ -156,6 +151,8 @@ class PlacedModels:
             self._place(resident)
             if self._choosing is None and self.device.type != "cpu" and resident != self.weights:
                 self._choosing = PENDING  # a model is partly resident: chunk it, maybe
+            return
+        if again:
             return
         if self._choosing == PENDING:
             self._time_chunking()

@@ -153,3 +153,26 @@ def test_the_size_learned_under_paging_carries_over_to_the_timed_chunked_call() 
     torch.testing.assert_close(second, want)
     assert searched >= 1 and engine == "chunk"  # timed now, chosen at the next call
     assert failed_chunked == 0
+
+
+def test_a_first_call_that_gives_residency_back_runs_again_paged_not_chunked() -> None:
+    model = _model()
+    data = torch.randn(1024, 512)  # 2 MiB per activation: not beside 6 MiB resident
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+        run = _decorated(model, 1024, min_batchsize=1024)
+        first = run(data)
+        given = run.placement
+        second = run(data)
+        timed = run.placement
+        run.remove()
+    torch.testing.assert_close(first, want)
+    torch.testing.assert_close(second, want)
+    # The first call ran out at its smallest size and ran again with less resident: still
+    # paged, so what it learned (that the smaller residency fits paged) is true of paging.
+    assert given["residency_given_back"] >= 1
+    assert given["engine"] == "page" and given["engine_switches"] == 0
+    # The next call is the one that runs chunked to time the host, at the same residency.
+    assert timed["engine"] == "chunk" and timed["engine_switches"] == 1
+    assert timed["resident_bytes"] == given["resident_bytes"]

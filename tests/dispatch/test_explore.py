@@ -127,12 +127,6 @@ class Widen(nn.Module):
         return x.repeat(1, 16).view(x.shape[0], 16, -1).sum(1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known defect, found when exploring met the engine choice: after the first call gave "
-    "residency back (24 -> 12 MiB), the second call runs chunked to time the host and the "
-    "third pages again at 12 MiB, where 512 items now run out of memory at the smallest "
-    "size: residency is given back once more (6 MiB) and 4 attempts fail after the first "
-    "call instead of at most 3. Cause not found yet; see docs/limitations.md"))
 @pytest.mark.parametrize("clock", [SLOW_LINK], indirect=True)
 def test_a_residency_given_back_is_not_tried_again_in_the_same_epoch(
         clock: Clock, caplog: pytest.LogCaptureFixture) -> None:
