@@ -412,19 +412,16 @@ def _read_cached(fd: int, view: memoryview, offset: int) -> int:
         raise
 
 
-def _populate(address: int, nbytes: int) -> bool:
-    """Fault in the whole pages of ``[address, address + nbytes)`` for writing; False when
-    the system cannot (see [Note: faulting new memory ahead])."""
+def _populate(address: int, nbytes: int) -> None:
+    """Fault in the whole pages of ``[address, address + nbytes)`` for writing, where the
+    system can (see [Note: faulting new memory ahead])."""
     global _madvise
     start = -(-address // _PAGE) * _PAGE
     end = (address + nbytes) // _PAGE * _PAGE
-    if _madvise is None or end <= start:
-        return _madvise is not None
-    if _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
-        if ctypes.get_errno() == errno.EINVAL:  # a kernel without MADV_POPULATE_WRITE
-            _madvise = None
-        return False
-    return True
+    if (_madvise is not None and end > start
+            and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0
+            and ctypes.get_errno() == errno.EINVAL):  # a kernel without MADV_POPULATE_WRITE
+        _madvise = None
 
 
 def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -450,7 +447,7 @@ class Reader:
         self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
         self._pool: ThreadPoolExecutor | None = None
         self._faulters: ThreadPoolExecutor | None = None
-        self._faulting: dict[int, list[Future[bool]]] = {}  # storage address -> its chunks
+        self._faulting: dict[int, list[Future[None]]] = {}  # storage address -> its chunks
 
     def __enter__(self) -> Reader:
         return self
@@ -565,6 +562,8 @@ class Reader:
     def _faulted(self, dest: torch.Tensor, start: int, end: int) -> None:
         """Wait until the faulting threads are done with bytes ``[start, end)`` of ``dest``:
         faulting them here too would only repeat their work."""
+        if not self._faulting:  # nothing faulted ahead: staging buffers, built models
+            return
         storage = dest.untyped_storage()
         chunks = self._faulting.get(storage.data_ptr())
         if not chunks:
