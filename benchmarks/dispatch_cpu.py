@@ -52,8 +52,8 @@ from torch import nn  # noqa: E402
 
 TITLE = "Batch size and placement together (CPU, real memory cap)"
 D, H, BLOCKS = 256, 8192, 4  # 4 x 16 MiB of fp32 weights
-ITEMS = 1024
-LARGE = 1024  # the searches' initial size: every item at once, which does not fit
+ITEMS = 2048
+LARGE = 2048  # the searches' initial size: every item at once, which does not fit even paged
 CAP = 104 << 20  # bytes the child may hold beyond what it holds when the cap is set
 BATCHES = [128, 256, 512, 1024]
 SETTLE = 4  # calls before the timed ones (the searches learn there; a fixed one: 1)

@@ -141,8 +141,15 @@ class Dispatched:
         if record.fits is not None or record.fails is not None:
             return  # measured here before: it knows better
         if direction > 0:
-            # Less room: what failed with more fails here; start below it.
-            record.after_failure(max(fails or 2 * size, inner.floor), inner.floor)
+            # Less room: what failed with more fails here; start below it, at the size the
+            # first call's prediction says fits next to the added weights, if it is smaller.
+            start = size
+            prediction = inner.prediction
+            if prediction is not None and placed.device is not None:
+                start = max(inner.floor,
+                            min(size, prediction.largest(free_memory(placed.device))))
+            record.after_failure(max(min(fails or 2 * size, 2 * start), inner.floor),
+                                 inner.floor)
         else:
             record.after_success(size)  # more room: the size in use fits
 
@@ -223,6 +230,7 @@ def _dispatched(decorate: Callable[..., Any], name: str, func: Any, model: Any,
 
     def wrap(f: Callable[..., Any]) -> Dispatched:
         inner = plain(f)
+        inner.predict_start()  # see [Note: predicting the first size]
         device = inner.device
         return Dispatched(inner, PlacedModels(models, device, inner.__qualname__), context)
 
@@ -234,7 +242,10 @@ MODEL_DOC = """
     With ``model=`` (a module, or a sequence of modules, in eval mode) the decorator also
     places the models the function runs: at the first call each is paged onto ``device``
     with as many units resident as fit half the free memory (all of them when the model
-    fits); an out-of-memory error in compute shrinks the size, one at the smallest size
+    fits), and the function is traced on fake tensors (as for ``"auto"``) to start at the
+    size predicted to fit next to them, climbing from there towards the initial size (a
+    function that cannot be traced searches from the initial size, as without ``model``);
+    an out-of-memory error in compute shrinks the size, one at the smallest size
     gives resident bytes back to activations and runs again, one while weights move makes
     the pager's units finer. A model left partly resident on an accelerator runs its second
     call chunked (``adaptive.chunk``, the rest computed on the host) and stays chunked when

@@ -6,7 +6,11 @@ weights leave less room for activations, and paging every unit moves the whole m
 batch. At the first call each model is paged onto the device (``adaptive.page``, which also
 moves inputs and brings outputs back) with as many units resident as fit in half the memory
 free then, in execution order; all of them when the model fits, which is an ordinary
-resident model. From then on an out-of-memory error is routed by where it struck: while a
+resident model. Then, before that call runs, the function is traced on fake tensors at that
+placement and its first size is predicted to fit next to the resident weights (see [Note:
+predicting the first size] in ``_execution/auto.py``), so the first search skips the
+failures the prediction foresees; a function that cannot be traced searches from its
+initial size. From then on an out-of-memory error is routed by where it struck: while a
 weight moved, the pager splits its units (its own rule); in compute, the batch shrinks (the
 search's rule); and when compute runs out of memory at the smallest batch, residency is
 given back to activations: the resident bytes halve (the model holding most first) and the

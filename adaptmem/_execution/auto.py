@@ -18,6 +18,16 @@ takes over from there. A function that cannot run on fake tensors (``.item()``,
 data-dependent shapes, custom kernels, tensors of a device the fake mode does not know) is
 not predicted: that is logged once and the search starts at ``max_batchsize``.
 
+[Note: predicting the first size] ``model=`` (see [Note: batch size and residency together]
+in ``_dispatch/placed.py``) makes the same prediction for a function with a numeric initial
+size, after placing its models, with one difference: the initial size stays the largest one
+tried. The prediction only seeds the first call's size record (``SizeRecord.start_at``): it
+starts at the largest size predicted to fit within the margin, and climbs, as after a failure,
+towards the smallest size predicted not to fit at all, which a probe tests later like any
+failure. So the first search skips the out-of-memory errors the prediction foresees, and a
+prediction that is too cautious costs a few climbing calls, not the batch size. A start that
+fails halves as the search always does.
+
 [Note: counting the device's bytes only] The traces count only the storages made on the
 function's device, because only those compete for the memory free there: a function that
 gathers its results on the host (or whose model's engine hands outputs back there, as
@@ -137,13 +147,17 @@ class AutoStart:
     """The initial size of an ``"auto"`` function, decided at its first call (see
     [Note: starting where it fits])."""
 
-    def __init__(self, name: str, floor: int, ceiling: int,
-                 device: torch.device | None) -> None:
+    def __init__(self, name: str, floor: int, ceiling: int, device: torch.device | None,
+                 asked: str = "initial_batchsize='auto'", largest: str | None = None
+                 ) -> None:
         self.name = name
+        self.asked = asked  # what asked for the prediction, and the ceiling, for the log
+        self.largest = largest or f"max_batchsize={ceiling}"
         self.floor = floor
         self.ceiling = ceiling
         self.device = device
         self.prediction: PeakPrediction | None = None
+        self.free = 0  # bytes free on the device when the prediction was made
         self.initial: int | None = None
         self._flat = 0  # calls whose traces did not grow with the size
         self._lock = threading.Lock()
@@ -193,6 +207,14 @@ class AutoStart:
         fitting = [n for n, p in peaks.items() if p <= budget]
         return self._clamp(max(fitting, default=self.floor)), prediction
 
+    def failing(self) -> int | None:
+        """The smallest size predicted not to fit at all (no margin), or None without a
+        prediction or above the largest size."""
+        if self.prediction is None:
+            return None
+        size = self.prediction.largest(self.free, 1.0) + 1
+        return size if size <= self.ceiling else None
+
     def _clamp(self, size: int) -> int:
         return max(self.floor, min(self.ceiling, size))
 
@@ -205,18 +227,18 @@ class AutoStart:
             self._flat += 1
             if self._flat < FLAT_CALLS:
                 return None
-            logger.info("%s: initial_batchsize='auto' saw no memory grow with the size in %d "
-                        "calls (%s); the search starts at the largest size, %d",
-                        self.name, self._flat, exc, self.ceiling)
+            logger.info("%s: %s saw no memory grow with the size in %d calls (%s); the "
+                        "search starts at %s",
+                        self.name, self.asked, self._flat, exc, self.largest)
             return self.ceiling
         except NotPredictable as exc:
-            logger.info("%s: initial_batchsize='auto' could not trace the function on fake "
-                        "tensors (%s); the search starts at max_batchsize=%d",
-                        self.name, exc, self.ceiling)
+            logger.info("%s: %s could not trace the function on fake tensors (%s); the "
+                        "search starts at %s",
+                        self.name, self.asked, exc, self.largest)
             return self.ceiling
-        self.prediction = prediction
-        logger.info("%s: initial_batchsize='auto' predicts %s per item + %s fixed; %s free on "
-                    "%s, so the search starts at batchsize=%d",
-                    self.name, format_bytes(int(prediction.per_item_bytes)),
+        self.prediction, self.free = prediction, free
+        logger.info("%s: %s predicts %s per item + %s fixed; %s free on %s, so the search "
+                    "starts at size %d",
+                    self.name, self.asked, format_bytes(int(prediction.per_item_bytes)),
                     format_bytes(prediction.fixed_bytes), format_bytes(free), device, start)
         return start

@@ -178,12 +178,13 @@ class SizeRecord:
     memory). All methods are thread-safe.
     """
 
-    __slots__ = ("fits", "fails", "_lock", "successes", "patience", "site", "bucket")
+    __slots__ = ("fits", "fails", "start", "_lock", "successes", "patience", "site", "bucket")
 
     def __init__(self, fits: int | None = None, fails: int | None = None,
                  site: CallSite | None = None, bucket: int = 0) -> None:
         self.fits = fits
         self.fails = fails
+        self.start: int | None = None  # a predicted first size (start_at)
         self._lock = threading.Lock()
         self.successes = 0  # successful calls since the last failure or probe
         self.patience = PROBE_AFTER  # successes before the next probe of ``fails``
@@ -197,6 +198,9 @@ class SizeRecord:
         # Read without the lock: a torn read between two writers only changes one probe.
         fits, fails = self.fits, self.fails
         if fits is None:
+            start = self.start
+            if start is not None:
+                return max(floor, min(initial, start))
             return initial if fails is None else max(floor, min(initial, fails // 2))
         if fails is not None and fails <= initial:
             ceiling, bounded = fails, True
@@ -223,6 +227,16 @@ class SizeRecord:
         site = self._own_site()
         site.wait = max(site.wait, calls)
 
+    def start_at(self, size: int, fails: int | None) -> None:
+        """A prediction says ``size`` fits with a margin and ``fails`` (if given) does not
+        fit at all: a record that knows nothing yet starts at ``size`` and climbs towards
+        ``fails`` as if it had seen it fail (see [Note: predicting the first size] in
+        auto.py). A failure at ``size`` halves as usual; a probe tests ``fails`` later."""
+        with self._lock:
+            if self.fits is None and self.fails is None:
+                self.start = size
+                self.fails = fails if fails is not None and fails > size else None
+
     def after_failure(self, size: int, floor: int) -> int:
         """Record that ``size`` ran out of memory; return the size to retry with."""
         with self._lock:
@@ -230,6 +244,7 @@ class SizeRecord:
                 # A known failure confirmed (a probe): wait twice as long before the next.
                 self.patience = min(2 * self.patience, PROBE_AFTER_MAX)
             knew_a_fit = self.fits is not None
+            self.start = None  # a predicted start that failed: the search halves from here
             shrank = knew_a_fit and self.fits >= size  # type: ignore[operator]
             if self.fails is None or size < self.fails:
                 self.fails = size
@@ -256,6 +271,7 @@ class SizeRecord:
             self.successes += 1
             return
         with self._lock:
+            self.start = None
             if self.fits is not None and size > self.fits:
                 self._own_site().climbed()
             if self.fits is None or size > self.fits:

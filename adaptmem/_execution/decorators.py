@@ -96,6 +96,7 @@ class _Adaptive:
 
     kind = ""
     leading = 1
+    _accumulation: Accumulation | None = None  # batch's accumulate=
     # range and chunked run their steps to completion; see [Note: lazy results] in lazy.py.
     accepts_lazy = False
 
@@ -163,6 +164,7 @@ class _Adaptive:
         self._auto = (None if auto_ceiling is None else
                       AutoStart(self._name, floor, auto_ceiling, self.device))
         self._deciding = self._auto is not None
+        self._starts_only = False  # the prediction seeds the first record (predict_start)
 
     def _ranks(self) -> Ranks:
         ranks = resolve_ranks(self.group, self.group_timeout, self._name)
@@ -181,20 +183,40 @@ class _Adaptive:
         (bytes per item and fixed), or None (not decided yet, not predictable, not auto)."""
         return None if self._auto is None else self._auto.prediction
 
-    def _decide(self, call: Callable[[int], Any]) -> bool:
-        """Decide an "auto" initial size; True when this call is the first to use it."""
+    def predict_start(self) -> bool:
+        """Predict where the first call fits, as ``"auto"`` does, but keep the initial size
+        the largest one tried: the prediction only tells the first call's size record where
+        to start (see [Note: predicting the first size] in auto.py). For ``model=``. False
+        when the function cannot be traced (a generator, a coroutine, an accumulating
+        step); nothing changes for an ``"auto"`` function, which predicts anyway."""
+        if self._auto is not None:
+            return True
+        if _is_lazy_function(self._func) or self._accumulation is not None:
+            return False
+        self._auto = AutoStart(self._name, self.floor, self.initial, self.device,
+                               asked=f"{self.kind}(model=...)",
+                               largest=f"the initial size, {self.initial}")
+        self._starts_only = self._deciding = True
+        return True
+
+    def _decide(self, call: Callable[[int], Any], record: Any) -> bool:
+        """Decide an "auto" initial size (or, after ``predict_start``, where ``record``
+        starts); True when this call is the first to use it."""
         if self._auto is not None:
             decided = self._auto.decide(call)
             if decided is None:
                 return False  # too few items to tell: this call runs from the ceiling
-            self.initial = decided
+            if not self._starts_only:
+                self.initial = decided
+            elif self._auto.prediction is not None and decided < self.initial:
+                record.start_at(decided, self._auto.failing())
         self._deciding = False
         return True
 
-    def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any]) -> Any:
+    def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any], record: Any) -> Any:
         """A call that traces first: decide, then run for real (``rerun``) and check what it
         returns. A call too small to tell leaves the decision to the next one."""
-        decided = self._decide(call)
+        decided = self._decide(call, record)
         self._deciding = False
         try:
             return self._checked(rerun())
@@ -308,7 +330,7 @@ class _Batch(_Adaptive):
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
         if self._deciding:
-            return self._first_call(caller, args, kwargs, bound)
+            return self._first_call(caller, args, kwargs, bound, record)
         # See [Note: a retried training step counts its gradients once].
         accumulation = self._accumulation
         func = self._func if accumulation is None else accumulation.guard(self._func)
@@ -345,10 +367,10 @@ class _Batch(_Adaptive):
         return result
 
     def _first_call(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    bound: tuple[Any, ...]) -> Any:
+                    bound: tuple[Any, ...], record: Any) -> Any:
         func = self._func
         return self._first(lambda s: func(*bound, s, *args, **kwargs),
-                           lambda: self._run(caller, args, kwargs, bound))
+                           lambda: self._run(caller, args, kwargs, bound), record)
 
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -366,7 +388,7 @@ class _Batch(_Adaptive):
         ranks = self._ranks()
         cache, record = self._record(caller)
         if self._deciding:
-            return self._first_call(caller, args, kwargs, bound)
+            return self._first_call(caller, args, kwargs, bound, record)
         # See [Note: a retried training step counts its gradients once].
         accumulation = self._accumulation
         func = self._func if accumulation is None else accumulation.guard(self._func)
@@ -407,7 +429,7 @@ class _Range(_Adaptive):
         if self._deciding and end > start:
             return self._first(  # type: ignore[no-any-return]
                 lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
-                lambda: self._run(caller, args, kwargs, bound))
+                lambda: self._run(caller, args, kwargs, bound), record)
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
 
@@ -451,7 +473,7 @@ class _Chunked(_Adaptive):
         length = tensor.shape[dim]
         if self._deciding and length:
             return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
-                               lambda: self._run(caller, args, kwargs, bound))
+                               lambda: self._run(caller, args, kwargs, bound), record)
         if self.output is None:
             self._steps(step, 0, length, record, cache, ranks)
             return tensor
