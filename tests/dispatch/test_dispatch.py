@@ -296,3 +296,85 @@ def test_auto_predicts_through_a_partly_resident_model_and_pays_at_most_one_fail
     assert prediction.fixed_bytes >= paged_unit  # the paged units' device copies counted
     assert initial >= 512  # not pushed down by the host's 1.5 MiB of results (407 if counted)
     assert failed <= 1
+
+
+def _linear_stack() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(8) for m in (nn.Linear(512, 512), nn.ReLU())]).eval()
+
+
+def test_a_numeric_initial_size_starts_where_the_trace_predicts_and_stays_the_ceiling(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # 8 MiB of weights on a 12 MiB device, 2048 items of 2 KiB: all of them at once do not
+    # fit even with the model fully paged, and the plain search finds that out by failing.
+    model = _linear_stack()
+    data = torch.randn(2048, 512)
+    with torch.no_grad():
+        want = model(data)
+
+    def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    with simulated_cuda(total_memory="12MiB"):
+        with adaptive.page(model, "cuda", resident_bytes=0):
+            search = adaptive.batch(infer, initial_batchsize=2048)
+            searched = search(data)
+        run = adaptive.batch(infer, initial_batchsize=2048, model=model, device="cuda")
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            got = run(data)
+        failed, size, placement = run.stats.failed_attempts, run.stats.last_size, run.placement
+        prediction, initial = run.prediction, run.initial
+        run.remove()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(searched, want)
+    assert search.stats.failed_attempts >= 1
+    assert failed == 0 and size < 2048  # started below where it would fail
+    assert prediction is not None and initial == 2048  # the initial size is still the ceiling
+    assert 0 < placement["resident_bytes"][0]  # next to the weights it kept resident
+    assert any("batch(model=...) predicts" in r.getMessage() for r in caplog.records)
+
+
+def test_a_function_that_cannot_be_traced_is_searched_from_its_initial_size(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = _linear_stack()
+    data = torch.randn(2048, 512)
+    sizes: list[int] = []
+    with simulated_cuda(total_memory="12MiB"):
+
+        @adaptive.batch(initial_batchsize=2048, model=model, device="cuda")
+        def infer(batchsize: int, data: torch.Tensor) -> float:
+            sizes.append(batchsize)
+            with torch.no_grad():  # .item() has no value on fake tensors
+                return sum(float(model(c).sum().item()) for c in data.split(batchsize))
+
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            infer(data)
+            infer(data)
+        prediction = infer.prediction
+        infer.remove()
+    messages = [r.getMessage() for r in caplog.records]
+    traced = [m for m in messages if "could not trace" in m]
+    assert prediction is None and len(traced) == 1 and "the initial size, 2048" in traced[0]
+    # The first real attempt was the initial size, as without model=.
+    assert 2048 in sizes and infer.stats.failed_attempts >= 1
+    assert any("ran out of memory at batchsize=2048" in m for m in messages)
+
+
+def test_range_predicts_its_first_step_with_a_model_too() -> None:
+    model = _linear_stack()
+    data = torch.randn(2048, 512)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="12MiB"):
+
+        @adaptive.range(initial_step=2048, model=model, device="cuda")
+        def infer(start: int, end: int) -> torch.Tensor:
+            with torch.no_grad():
+                return model(data[start:end])
+
+        got = torch.cat(infer(0, 2048))
+        failed, prediction = infer.stats.failed_attempts, infer.prediction
+        infer.remove()
+    torch.testing.assert_close(got, want)
+    assert prediction is not None and failed == 0

@@ -175,3 +175,30 @@ def test_a_jittering_tenant_costs_few_failures_once_settled(free, seed: int) -> 
             ratios.append(used / ceiling.capacity)
     assert failures <= 3
     assert sum(ratios) / len(ratios) >= 0.85
+
+
+def test_a_predicted_start_runs_first_then_climbs_towards_the_predicted_failure() -> None:
+    # What model= seeds from its trace ([Note: predicting the first size] in auto.py).
+    record = SizeRecord()
+    record.start_at(100, 140)
+    assert record.next_size(1000) == 100  # not the initial size
+    record.after_success(100)
+    assert record.fits == 100 and record.fails == 140
+    assert record.next_size(1000) == 110  # a quarter of the way, as after a real failure
+    # A start that fails halves, as the search always does.
+    wrong = SizeRecord()
+    wrong.start_at(100, 140)
+    assert wrong.after_failure(100, floor=1) == 50
+    assert wrong.next_size(1000) == 50
+    # A record that already knows something keeps it; a failure at or below the start is
+    # no bound (the search climbs as with no failure known).
+    known = SizeRecord(fits=30)
+    known.start_at(100, 140)
+    assert known.next_size(1000) == 37 and known.fails is None
+    unbounded = SizeRecord()
+    unbounded.start_at(100, 100)
+    assert unbounded.next_size(1000) == 100 and unbounded.fails is None
+    # Never above the initial size, never below the floor.
+    low = SizeRecord()
+    low.start_at(3, 10)
+    assert record.next_size(60) == 60 and low.next_size(1000, floor=5) == 5
