@@ -33,7 +33,9 @@ class Dispatched:
         self.placed = placed
         self.user_context = context
         self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
-        self.paged_size: int | None = None  # the size that last ran paged, to carry over
+        # The size that last ran paged and the smallest known to fail there, to carry over.
+        self.paged_size: int | None = None
+        self.paged_fails: int | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
@@ -48,6 +50,10 @@ class Dispatched:
         again = False  # the call runs again after giving residency back
         while True:
             engine = placed.engine
+            if engine == PAGE and placed.may_switch and not again:
+                # The record paging used, before the switch changes the free memory it is
+                # filed under (see [Note: paging or chunking]).
+                self.paged_fails = target.size_record(caller).fails
             placed.ensure(again)
             inner.context = (self.user_context, placed.key())
             if placed.engine != engine:  # see [Note: paging or chunking]
@@ -55,7 +61,7 @@ class Dispatched:
                 if engine == PAGE:
                     self.paged_size = inner.stats.last_size
                 if self.paged_size is not None:
-                    _carry_size(self.paged_size, target.size_record(caller))
+                    _carry_size(self.paged_size, self.paged_fails, target.size_record(caller))
             watching = explorer.watching  # see [Note: exploring residency]
             if watching:
                 failed, mark = inner.stats.failed_attempts, explorer.mark()
@@ -151,7 +157,11 @@ class Dispatched:
             record.after_failure(max(min(fails or 2 * size, 2 * start), inner.floor),
                                  inner.floor)
         else:
-            record.after_success(size)  # more room: the size in use fits
+            # More room: the size in use fits; what failed with less is where the climb
+            # aims, not a larger guess that costs a failure (a probe tests it later).
+            record.after_success(size)
+            if fails is not None:
+                record.learn_fails(fails)
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         bound = self.inner.__get__(obj, objtype)
@@ -191,17 +201,22 @@ class Dispatched:
         """Give the models back exactly as they were before the first call."""
         self.explorer.stop()
         self.explorer.forget()
-        self.paged_size = None
+        self.paged_size = self.paged_fails = None
         self.placed.remove()
 
 
-def _carry_size(size: int, record: Any) -> None:
+def _carry_size(size: int, fails: int | None, record: Any) -> None:
     """The engine changed at the same resident bytes (see [Note: paging or chunking]): a
     call site that knows nothing yet under the new one starts from the size that last ran
     paged, instead of searching again from the initial size (the record it learned that
-    in is no help: it is filed under the free memory the engine in force then left)."""
+    in is no help: it is filed under the free memory the engine in force then left), and
+    climbs towards the smallest size that failed (or was predicted to) paged: chunked, the
+    device holds less per item, so that bound errs low and a probe tests it later, where
+    an unbounded climb would pay a failure to find the top."""
     if record.fits is None and record.fails is None:
         record.fits = size
+        if fails is not None and fails > size:
+            record.fails = fails
 
 
 class _BoundDispatched:

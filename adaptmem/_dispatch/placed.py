@@ -134,6 +134,11 @@ class PlacedModels:
     def pagers(self) -> list[Pager]:
         return [h for h in self.handles if isinstance(h, Pager)]
 
+    @property
+    def may_switch(self) -> bool:
+        """Whether the next ``ensure`` may change the engine (the choice is pending)."""
+        return self._choosing in (PENDING, TIMING)
+
     def key(self) -> tuple[Any, ...]:
         """What the cache tells placements apart by: the engine and the resident bytes of
         each model."""
