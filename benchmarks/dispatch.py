@@ -94,6 +94,7 @@ class Config:
     steady_failed: list[int] = field(default_factory=list)
     paged: list[int] = field(default_factory=list)  # weight bytes left paged, (c)
     traced: list[bool] = field(default_factory=list)  # 'auto' predicted from a trace, (c)
+    engines: list[str] = field(default_factory=list)  # the engine it ended on, (c)
     settle: int = SETTLE
     error: str | None = None
 
@@ -171,8 +172,9 @@ def run_once(cfg: Config, base: nn.Module, data: torch.Tensor, reference: torch.
                         p = decorated.placement
                         cfg.paged.append(p["weight_bytes"][0] - p["resident_bytes"][0])
                         cfg.traced.append(decorated.prediction is not None)
+                        cfg.engines.append(p["engine"])
                         cfg.placement.append(
-                            f"{p['resident_bytes'][0] / MiB:.1f} of "
+                            f"{p['engine']}, {p['resident_bytes'][0] / MiB:.1f} of "
                             f"{p['weight_bytes'][0] / MiB:.1f} MiB resident, given back "
                             f"{p['residency_given_back']}x, explored "
                             f"{p['residency_explored']}x")
@@ -256,9 +258,12 @@ def table(link: float, cfgs: list[Config], timed_calls: int) -> tuple[str, list[
                      f"{b.settle + timed_calls}: "
                      f"{'fewer' if fewer else 'no more' if no_more else 'MORE'}; target "
                      f"(>= 0.9 and fewer) {'met' if met else 'NOT met'}. It leaves "
-                     f"{max(c.paged) / MiB:.1f} MiB "
-                     f"of weights paged: {moved / MiB:.1f} MiB moved per call ({batches} "
-                     f"batches), {moved / (link * 1e9) * 1e3:.0f} ms at this link"
+                     f"{max(c.paged) / MiB:.1f} MiB of weights off the device"
+                     + (f", paged: {moved / MiB:.1f} MiB moved per call ({batches} "
+                        f"batches), {moved / (link * 1e9) * 1e3:.0f} ms at this link"
+                        if "chunk" not in c.engines else
+                        f" ({'in every round' if set(c.engines) == {'chunk'} else 'in some rounds'}"
+                        f" chunked: computed on the host, activations cross the link)")
                      + ("" if c.name != "initial 'auto'" else
                         "; 'auto' predicted from a trace" if all(c.traced) else
                         "; 'auto' could not trace the function (prediction None) and "
@@ -286,8 +291,10 @@ NOTE = (
     "outputs back, as with `model=`) and loops at a fixed batch size; a cell that runs out of "
     "memory is marked so. '(b)' is the plain decorator over a fully paged model; '(c)' is "
     "`model=`, which at its first call pages the model with min(weights, half the free "
-    "memory) resident, then measures items per second and tries twice (else half) the "
-    "resident bytes, keeping what is faster ([Note: exploring residency]).{auto_note}")
+    "memory) resident and starts at the size a trace of the function predicts fits next to "
+    "them ([Note: predicting the first size]), then measures items per second and tries "
+    "twice (else half) the resident bytes, keeping what is faster ([Note: exploring "
+    "residency]).{auto_note}")
 
 AUTO_NOTE = (
     " (c) with `initial_batchsize='auto'` runs only with `--auto`: with `model=` its trace "

@@ -250,15 +250,10 @@ def report(cfgs: list[dict[str, Any]]) -> tuple[str, list[str]]:
                 + ("" if fewer else " (failed attempts not fewer)") + ".")
         if not fewer:
             notes.append(
-                "Why (c) fails more often than (b): at its first call it keeps min(weights, "
-                "half the free memory) resident ([Note: batch size and residency together] "
-                "in adaptmem/_dispatch/placed.py), so its search starts with less room for "
-                "activations than (b)'s over the fully paged model, which on the CPU needs "
-                "room for only a unit or two at a time. Its throughput suffers less: most "
-                "of its weights stay resident, so little is copied per batch, while a "
-                "paged unit costs a copy into freshly mapped memory per batch (page faults "
-                "included), which is what puts the fully paged cells below the resident "
-                "ones at the same batch size.")
+                "(c) did not fail less often than (b): its first call starts at the size a "
+                "trace predicts fits next to the weights it keeps resident ([Note: "
+                "predicting the first size] in adaptmem/_execution/auto.py); a failure "
+                "beyond that is a prediction that erred, or a climb past it.")
     text = markdown_table(
         ["configuration", "setting", "items / CPU s", "vs best cell (CPU)", "items / s (wall)",
          "vs best cell (wall)", f"failed attempts ({SETTLE} settling calls)",
