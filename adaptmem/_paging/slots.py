@@ -14,6 +14,17 @@ Everything else (a miss, a stale copy, a tensor a running module holds already, 
 does not fit) takes ``bring_in``, which handles every case and is correct without the fast
 path. ``release`` runs per unit too, so it does ``unload``'s work inline.
 
+[Note: paging under a trace] An ``initial_batchsize="auto"`` trace (or ``model=``'s
+prediction) runs the forward under ``FakeTensorMode``, so the copies a fetch makes are fake
+tensors, which is what lets the trace count them without moving a byte. But assigning a fake
+copy to a parameter's ``.data`` leaves a plain Parameter backed by meta storage, which the
+fake mode then converts as a real meta tensor: every op mixing it with the fake input fails
+("found at least two devices, cpu and meta"). So a fake copy is also registered with the
+mode as the stand-in for its parameter (the fake mode's memo of real tensors it has
+converted): when the forward reaches the parameter, the mode finds the copy, on the device
+it was made for. The memo dies with the trace's mode. Real copies take none of this (one
+type check per fetch).
+
 [Note: version reads skip torch function modes]
 Reading ``tensor._version`` is a Python getter that every active ``TorchFunctionMode``
 sees (a simulated device's, a user's); the pager reads it for every tensor it fetches or
@@ -47,6 +58,19 @@ logger = logging.getLogger("adaptmem")
 # See [Note: version reads skip torch function modes]
 _no_modes = torch._C.DisableTorchFunction
 modes_on = torch._C._is_torch_function_mode_enabled
+
+
+def _stand_in(slots: Sequence[Slot], copies: Sequence[torch.Tensor]) -> None:
+    """Register fake ``copies`` as their slots' tensors with the fake mode tracing now (see
+    [Note: paging under a trace])."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if mode is None:
+        return
+    for s, c in zip(slots, copies, strict=True):
+        if isinstance(c, FakeTensor):
+            mode.fake_tensor_converter.set_tensor_memo(s.tensor, c)
 
 
 def _prefetched(needs: Sequence[Slot], ticket: Any) -> bool:
@@ -207,6 +231,8 @@ class SlotTable:
         """Start copying ``slots`` (all on the host) to the device (``masters``: theirs, when
         known)."""
         copies, ticket = self._start(masters or [s.master for s in slots])
+        if copies and type(copies[0]) is not torch.Tensor:
+            _stand_in(slots, copies)  # See [Note: paging under a trace]
         if self.modes:  # See [Note: version reads skip torch function modes]
             with _no_modes():
                 nbytes = _pending(slots, copies, ticket)

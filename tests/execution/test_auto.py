@@ -237,3 +237,32 @@ def test_a_training_step_is_not_traced_and_its_gradients_stay_real() -> None:
     assert model.weight.grad is not None and not isinstance(model.weight.grad, FakeTensor)
     torch.testing.assert_close(model.weight.grad, torch.full((1, 4), 32.0))
     assert step.prediction is None
+
+
+def test_auto_traces_through_a_model_paged_on_the_cpu() -> None:
+    # The pager's fake copies stand in for the paged weights during the traces (see [Note:
+    # paging under a trace] in _paging/slots.py); before, every op mixing them with the
+    # input failed ("cpu and meta") and the function was searched from the maximum.
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 64),
+                          nn.Linear(64, 512)).eval()
+    data = torch.randn(256, 64)
+    with torch.no_grad():
+        want = model(data)
+    first = model[0].weight.detach().clone()
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=(64 + 1) * 512 * 4) as pager:
+        paged = [u for u in pager.plan.units if u.placement == "paged"]
+        assert paged and len(paged) < len(pager.plan.units)  # partly resident
+
+        @adaptive.batch(initial_batchsize="auto", max_batchsize=256, device="cpu")
+        def run(batchsize: int) -> torch.Tensor:
+            with torch.no_grad():
+                return model(data[:batchsize])
+
+        got = run()
+        prediction = run.prediction
+    torch.testing.assert_close(got, want[:len(got)])
+    assert prediction is not None and prediction.per_item_bytes > 0
+    assert torch.equal(model[0].weight, first) and model[0].weight.device.type == "cpu"
