@@ -56,7 +56,7 @@ ITEMS = 2048
 LARGE = 2048  # the searches' initial size: every item at once, which does not fit even paged
 CAP = 104 << 20  # bytes the child may hold beyond what it holds when the cap is set
 BATCHES = [128, 256, 512, 1024]
-SETTLE = 4  # calls before the timed ones (the searches learn there; a fixed one: 1)
+SETTLE = 16  # calls before the timed ones (searches learn, model= explores; fixed: 1)
 TIMED = 3
 CHILD_TIMEOUT = 300
 MiB = 1 << 20

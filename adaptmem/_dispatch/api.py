@@ -146,16 +146,18 @@ class Dispatched:
         record = self._record(caller, target, moved=True)
         if record.fits is not None or record.fails is not None:
             return  # measured here before: it knows better
-        if direction > 0:
-            # Less room: what failed with more fails here; start below it, at the size the
-            # first call's prediction says fits next to the added weights, if it is smaller.
-            start = size
-            prediction = inner.prediction
-            if prediction is not None and placed.device is not None:
-                start = max(inner.floor,
-                            min(size, prediction.largest(free_memory(placed.device))))
-            record.after_failure(max(min(fails or 2 * size, 2 * start), inner.floor),
-                                 inner.floor)
+        prediction = inner.prediction
+        if direction > 0 and prediction is not None and placed.device is not None:
+            # Less room: start where the first call's prediction says the size fits next to
+            # the added weights (never above the size in use), and climb towards where it
+            # says nothing fits, or what failed with more room, whichever is smaller.
+            free = free_memory(placed.device)
+            failing = prediction.largest(free, 1.0) + 1
+            record.start_at(max(inner.floor, min(size, prediction.largest(free))),
+                            min(failing, fails) if fails is not None else failing)
+        elif direction > 0:
+            # Less room: what failed with more fails here; start below it.
+            record.after_failure(max(fails or 2 * size, inner.floor), inner.floor)
         else:
             # More room: the size in use fits; what failed with less is where the climb
             # aims, not a larger guess that costs a failure (a probe tests it later).
