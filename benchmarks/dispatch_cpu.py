@@ -290,8 +290,8 @@ def main() -> int:
     load_end = os.getloadavg()[0]
     text, notes = report(cfgs)
     body = (header(command)
-            + f"- Load average: {load_start:.1f} at start, {load_end:.1f} at end (2 cores "
-            f"shared with other engineers' test runs; this ran at nice 19)\n"
+            + f"- Load average: {load_start:.1f} at start, {load_end:.1f} at end "
+            f"({os.cpu_count()} cores; this ran at nice {os.nice(0)})\n"
             f"- Device: the CPU, torch threads 1 per child; cap = what the child holds (the "
             f"dataset included) + {CAP / MiB:.0f} MiB (`set_cpu_memory_limit`, RLIMIT_DATA)\n"
             f"- Workload: {BLOCKS} x (Linear({D}, {H}), ReLU, Linear({H}, {D})), "
