@@ -17,7 +17,7 @@ from .._common.oom import drop_frames, is_oom
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from .explore import Explorer
-from .placed import PAGE, PlacedModels, check_models
+from .placed import PAGE, PlacedModels, check_models, fakes_put_back
 
 __all__ = ["Dispatched", "batch", "range", "chunked"]
 
@@ -56,12 +56,15 @@ class Dispatched:
                 self.paged_fails = target.size_record(caller).fails
             placed.ensure(again)
             inner.context = (self.user_context, placed.key())
+            if first and not again:
+                self._record(caller, target, moved=True)  # its weights took memory
             if placed.engine != engine:  # see [Note: paging or chunking]
                 explorer.switched(placed.changes.placements)
                 if engine == PAGE:
                     self.paged_size = inner.stats.last_size
                 if self.paged_size is not None:
-                    _carry_size(self.paged_size, self.paged_fails, target.size_record(caller))
+                    _carry_size(self.paged_size, self.paged_fails if inner.probes else None,
+                                target.size_record(caller))
             watching = explorer.watching  # see [Note: exploring residency]
             if watching:
                 failed, mark = inner.stats.failed_attempts, explorer.mark()
@@ -150,20 +153,27 @@ class Dispatched:
         if direction > 0 and prediction is not None and placed.device is not None:
             # Less room: start where the first call's prediction says the size fits next to
             # the added weights (never above the size in use), and climb towards where it
-            # says nothing fits, or what failed with more room, whichever is smaller.
+            # says nothing fits, or what failed with more room, whichever is smaller (only
+            # what failed for work that never probes: see SizeRecord.start_at).
             free = free_memory(placed.device)
-            failing = prediction.largest(free, 1.0) + 1
-            record.start_at(max(inner.floor, min(size, prediction.largest(free))),
-                            min(failing, fails) if fails is not None else failing)
+            start = max(inner.floor, min(size, prediction.largest(free)))
+            bound = fails
+            if inner.probes:
+                failing = prediction.largest(free, 1.0) + 1
+                bound = failing if fails is None else min(failing, fails)
+            if bound is not None and bound <= start:  # a prediction below the floor
+                bound = fails if fails is not None and fails > start else None
+            record.start_at(start, bound)
         elif direction > 0:
             # Less room: what failed with more fails here; start below it.
             record.after_failure(max(fails or 2 * size, inner.floor), inner.floor)
         else:
-            # More room: the size in use fits; what failed with less is where the climb
-            # aims, not a larger guess that costs a failure (a probe tests it later).
+            # More room: the size in use fits. Work that probes climbs towards what failed
+            # with less room, not an unbounded guess that costs a failure; a probe tests
+            # that bound later (for work that never probes it would be a ceiling for good).
             record.after_success(size)
-            if fails is not None:
-                record.learn_fails(fails)
+            if fails is not None and fails > size and inner.probes:
+                record.fails = fails
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         bound = self.inner.__get__(obj, objtype)
@@ -247,9 +257,10 @@ def _dispatched(decorate: Callable[..., Any], name: str, func: Any, model: Any,
 
     def wrap(f: Callable[..., Any]) -> Dispatched:
         inner = plain(f)
-        inner.predict_start()  # see [Note: predicting the first size]
-        device = inner.device
-        return Dispatched(inner, PlacedModels(models, device, inner.__qualname__), context)
+        placed = PlacedModels(models, inner.device, inner.__qualname__)
+        # See [Note: predicting the first size].
+        inner.predict_start(lambda: fakes_put_back(placed.models))
+        return Dispatched(inner, placed, context)
 
     return wrap(func) if func is not None else wrap
 
@@ -261,7 +272,9 @@ MODEL_DOC = """
     with as many units resident as fit half the free memory (all of them when the model
     fits), and the function is traced on fake tensors (as for ``"auto"``) to start at the
     size predicted to fit next to them, climbing from there towards the initial size (a
-    function that cannot be traced searches from the initial size, as without ``model``);
+    function that cannot be traced searches from the initial size, as without ``model``;
+    a tensor the models made during the traces, such as a cache filled on first use, is put
+    back as it was and the prediction dropped);
     an out-of-memory error in compute shrinks the size, one at the smallest size
     gives resident bytes back to activations and runs again, one while weights move makes
     the pager's units finer. A model left partly resident on an accelerator runs its second

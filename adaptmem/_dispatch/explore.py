@@ -18,9 +18,9 @@ and keeps the faster:
   record starts at the size the first call's prediction says fits next to the added
   weights (never above the size in use) and climbs towards where it says nothing fits, or
   what failed at the best placement if smaller (see [Note: predicting the first size] in
-  ``_execution/auto.py``), so the trial runs without an out-of-memory error; without a
-  prediction it learns that what failed at the best placement fails there too and starts
-  at half of it. Going down leaves more room: the size in use
+  ``_execution/auto.py``), so the trial is predicted to run without an out-of-memory
+  error; without a prediction it learns that what failed at the best placement fails
+  there too and starts at half of it. Going down leaves more room: the size in use
   fits, and the trial runs it. Either trial is judged at a size it already runs, not at the
   larger one it might climb to afterwards: exploring costs no failed attempt of its own,
   and a placement with less resident that loses at the size in use is not given the

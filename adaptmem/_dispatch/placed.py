@@ -27,9 +27,10 @@ engine.py; give-back, take-back and exploring then move the chosen engine's resi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ from .._placement.splitter import Chunker
 from .._planning import Placement, module_sizes
 from .engine import Choice, HostClock, link_bandwidth
 
-__all__ = ["PAGE", "PlacedModels", "PlacementChanges", "check_models"]
+__all__ = ["PAGE", "PlacedModels", "PlacementChanges", "check_models", "fakes_put_back"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -307,3 +308,35 @@ class PlacedModels:
                 "engine": "resident" if all_resident else self.engine,
                 "engine_choice": None if self.choice is None else self.choice.as_dict(),
                 **self.changes.as_dict()}
+
+
+@contextlib.contextmanager
+def fakes_put_back(models: Sequence[nn.Module]) -> Iterator[list[str]]:
+    """Around the traces that predict a first size (see [Note: predicting the first size] in
+    ``_execution/auto.py``): a tensor a module made during them (a cache filled on first
+    use, a lazy buffer) is fake, and would poison every later call. Each such parameter,
+    buffer or tensor attribute is put back as it was before (removed if it was not there),
+    and its name is added to the list yielded, so the caller can drop the prediction."""
+    def tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
+        return m._parameters, m._buffers, m.__dict__
+
+    before = {id(m): tuple(dict(t) for t in tables(m)) for model in models
+              for m in model.modules()}
+    left: list[str] = []
+    try:
+        yield left
+    finally:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        for i, model in enumerate(models):
+            for path, m in model.named_modules():
+                old = before.get(id(m), ({}, {}, {}))
+                for table, was in zip(tables(m), old, strict=True):
+                    for name, value in list(table.items()):
+                        if not isinstance(value, FakeTensor):
+                            continue
+                        if name in was:
+                            table[name] = was[name]
+                        else:
+                            del table[name]
+                        left.append(f"model {i}: {path + '.' if path else ''}{name}")

@@ -26,7 +26,13 @@ starts at the largest size predicted to fit within the margin, and climbs, as af
 towards the smallest size predicted not to fit at all, which a probe tests later like any
 failure. So the first search skips the out-of-memory errors the prediction foresees, and a
 prediction that is too cautious costs a few climbing calls, not the batch size. A start that
-fails halves as the search always does.
+fails halves as the search always does. The traces run the user's code: a model that fills
+a cache on first use keeps fake tensors from them, so ``model=`` puts every parameter, buffer
+or tensor attribute of its models that the traces left fake back as it was and drops the
+prediction (``fakes_put_back`` in ``_dispatch/placed.py``; the same for ``"auto"`` with
+``model=``). Work that never probes a failed size (``range``,
+``chunked`` in place) gets no predicted failure: for it a bound would be a ceiling for good,
+so it climbs from the start as from any size that fits.
 
 [Note: counting the device's bytes only] The traces count only the storages made on the
 function's device, because only those compete for the memory free there: a function that
@@ -145,7 +151,8 @@ def has_fakes(result: Any) -> bool:
 
 class AutoStart:
     """The initial size of an ``"auto"`` function, decided at its first call (see
-    [Note: starting where it fits])."""
+    [Note: starting where it fits]), or the first size of a ``model=`` function (see
+    [Note: predicting the first size])."""
 
     def __init__(self, name: str, floor: int, ceiling: int, device: torch.device | None,
                  asked: str = "initial_batchsize='auto'", largest: str | None = None
@@ -206,6 +213,16 @@ class AutoStart:
             candidate = min(candidate - 1, self._clamp(prediction.largest(free, MARGIN)))
         fitting = [n for n, p in peaks.items() if p <= budget]
         return self._clamp(max(fitting, default=self.floor)), prediction
+
+    def forget(self, why: str) -> None:
+        """Drop the prediction made (the traces did harm, see ``_Adaptive.predict_start``):
+        the search starts at the largest size, as for a function that cannot be traced."""
+        if self.prediction is not None:
+            self.prediction = None
+            logger.info("%s: %s dropped its prediction: %s; the search starts at %s",
+                        self.name, self.asked, why, self.largest)
+        if self.initial is not None:
+            self.initial = self.ceiling
 
     def failing(self) -> int | None:
         """The smallest size predicted not to fit at all (no margin), or None without a

@@ -196,9 +196,9 @@ class SizeRecord:
         ``floor``. ``probe=False`` for work a failed attempt would leave half-done (see
         [Note: probing a failed size])."""
         # Read without the lock: a torn read between two writers only changes one probe.
-        fits, fails = self.fits, self.fails
+        # ``start`` first: after_success sets ``fits`` before it clears ``start``.
+        start, fits, fails = self.start, self.fits, self.fails
         if fits is None:
-            start = self.start
             if start is not None:
                 return max(floor, min(initial, start))
             return initial if fails is None else max(floor, min(initial, fails // 2))
@@ -271,11 +271,11 @@ class SizeRecord:
             self.successes += 1
             return
         with self._lock:
-            self.start = None
             if self.fits is not None and size > self.fits:
                 self._own_site().climbed()
             if self.fits is None or size > self.fits:
                 self.fits = size
+            self.start = None  # after ``fits``: see next_size
             if self.fails is not None and self.fails <= size:
                 self.fails = None  # it fails no longer: probe promptly if it comes back
                 self.patience = PROBE_AFTER

@@ -165,6 +165,7 @@ class _Adaptive:
                       AutoStart(self._name, floor, auto_ceiling, self.device))
         self._deciding = self._auto is not None
         self._starts_only = False  # the prediction seeds the first record (predict_start)
+        self._trace_guard: Callable[[], Any] | None = None
 
     def _ranks(self) -> Ranks:
         ranks = resolve_ranks(self.group, self.group_timeout, self._name)
@@ -179,44 +180,70 @@ class _Adaptive:
 
     @property
     def prediction(self) -> Any:
-        """For an ``"auto"`` initial size: the ``PeakPrediction`` made at the first call
-        (bytes per item and fixed), or None (not decided yet, not predictable, not auto)."""
+        """For an ``"auto"`` initial size, or a first size predicted for ``model=``: the
+        ``PeakPrediction`` made at the first call (bytes per item and fixed), or None (not
+        decided yet, not predictable, not predicted)."""
         return None if self._auto is None else self._auto.prediction
 
-    def predict_start(self) -> bool:
+    def predict_start(self, guard: Callable[[], Any] | None = None) -> bool:
         """Predict where the first call fits, as ``"auto"`` does, but keep the initial size
         the largest one tried: the prediction only tells the first call's size record where
         to start (see [Note: predicting the first size] in auto.py). For ``model=``. False
         when the function cannot be traced (a generator, a coroutine, an accumulating
-        step); nothing changes for an ``"auto"`` function, which predicts anyway."""
+        step); nothing changes for an ``"auto"`` function, which predicts anyway. ``guard``
+        makes a context manager entered around the traces, which yields a list of what the
+        traces left behind that it put back: anything in it drops the prediction."""
         if self._auto is not None:
+            self._trace_guard = guard
             return True
-        if _is_lazy_function(self._func) or self._accumulation is not None:
-            return False
+        if (_is_lazy_function(self._func) or self._accumulation is not None
+                or self.initial <= self.floor):
+            return False  # untraceable, or nothing to choose
         self._auto = AutoStart(self._name, self.floor, self.initial, self.device,
                                asked=f"{self.kind}(model=...)",
                                largest=f"the initial size, {self.initial}")
         self._starts_only = self._deciding = True
+        self._trace_guard = guard
         return True
 
-    def _decide(self, call: Callable[[int], Any], record: Any) -> bool:
-        """Decide an "auto" initial size (or, after ``predict_start``, where ``record``
-        starts); True when this call is the first to use it."""
+    @property
+    def probes(self) -> bool:
+        """Whether a settled call may try a size known to fail (see [Note: probing a failed
+        size] in cache.py): a failure bound that is only predicted or borrowed is given to
+        work that probes, and it would be a ceiling for good to work that does not."""
+        return self._probes
+
+    def _decide(self, call: Callable[[int], Any], record_of: Callable[[], Any]) -> bool:
+        """Decide an "auto" initial size (or, after ``predict_start``, where the record
+        ``record_of()`` returns starts: fetched after the traces, since the free memory it
+        is filed under may have been read again meanwhile); True when this call is the first
+        to use it."""
         if self._auto is not None:
-            decided = self._auto.decide(call)
+            if self._trace_guard is None:
+                decided = self._auto.decide(call)
+            else:
+                with self._trace_guard() as left:
+                    decided = self._auto.decide(call)
+                if left:
+                    self._auto.forget(f"the traces made fake tensors that the function or its "
+                                      f"model kept ({', '.join(left[:3])}); put back as they "
+                                      f"were")
+                    decided = self._auto.initial
             if decided is None:
                 return False  # too few items to tell: this call runs from the ceiling
             if not self._starts_only:
                 self.initial = decided
             elif self._auto.prediction is not None and decided < self.initial:
-                record.start_at(decided, self._auto.failing())
+                failing = self._auto.failing() if self.probes else None
+                record_of().start_at(decided, failing)
         self._deciding = False
         return True
 
-    def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any], record: Any) -> Any:
+    def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any],
+               record_of: Callable[[], Any]) -> Any:
         """A call that traces first: decide, then run for real (``rerun``) and check what it
         returns. A call too small to tell leaves the decision to the next one."""
-        decided = self._decide(call, record)
+        decided = self._decide(call, record_of)
         self._deciding = False
         try:
             return self._checked(rerun())
@@ -226,6 +253,15 @@ class _Adaptive:
     def _checked(self, result: Any) -> Any:
         """The first real call's result, refused if it holds a fake tensor from a trace."""
         if has_fakes(result):
+            if self._starts_only:
+                raise AdaptmemError(
+                    f"{self._name} returned a fake tensor made while the traces that predict "
+                    f"its first size (for model=) ran: it keeps tensors between calls outside "
+                    f"its model (a cache in a closure or a global), which the traces filled "
+                    f"with fakes. Keep such a cache in the model (tensors a model keeps are "
+                    f"put back after the traces), or fill it before the first call, and "
+                    f"rebuild what it cached"
+                )
             raise AdaptmemError(
                 f"{self._name} returned a fake tensor made while its 'auto' traces ran: it "
                 f"keeps tensors between calls (a cache, a lazy module), which the traces "
@@ -330,7 +366,7 @@ class _Batch(_Adaptive):
         cache = resolve_cache(self.cache)
         record = cache.record(self._key, self.context, self.device, caller)
         if self._deciding:
-            return self._first_call(caller, args, kwargs, bound, record)
+            return self._first_call(caller, args, kwargs, bound)
         # See [Note: a retried training step counts its gradients once].
         accumulation = self._accumulation
         func = self._func if accumulation is None else accumulation.guard(self._func)
@@ -367,10 +403,11 @@ class _Batch(_Adaptive):
         return result
 
     def _first_call(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    bound: tuple[Any, ...], record: Any) -> Any:
+                    bound: tuple[Any, ...]) -> Any:
         func = self._func
         return self._first(lambda s: func(*bound, s, *args, **kwargs),
-                           lambda: self._run(caller, args, kwargs, bound), record)
+                           lambda: self._run(caller, args, kwargs, bound),
+                           lambda: self._record(caller)[1])
 
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -388,7 +425,7 @@ class _Batch(_Adaptive):
         ranks = self._ranks()
         cache, record = self._record(caller)
         if self._deciding:
-            return self._first_call(caller, args, kwargs, bound, record)
+            return self._first_call(caller, args, kwargs, bound)
         # See [Note: a retried training step counts its gradients once].
         accumulation = self._accumulation
         func = self._func if accumulation is None else accumulation.guard(self._func)
@@ -406,6 +443,10 @@ class _Batch(_Adaptive):
 class _Range(_Adaptive):
     kind = "range"
     leading = 2
+
+    @property
+    def probes(self) -> bool:
+        return False  # a failed step's writes are redone: see [Note: probing a failed size]
 
     def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
         if self._self_first:
@@ -429,7 +470,8 @@ class _Range(_Adaptive):
         if self._deciding and end > start:
             return self._first(  # type: ignore[no-any-return]
                 lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
-                lambda: self._run(caller, args, kwargs, bound), record)
+                lambda: self._run(caller, args, kwargs, bound),
+                lambda: self._record(caller)[1])
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
 
@@ -444,6 +486,10 @@ class _Chunked(_Adaptive):
         self.dimension = dimension
         self.output = output
         super().__init__(func, initial, floor, cache, context, device, **options)
+
+    @property
+    def probes(self) -> bool:
+        return self.output is not None  # in place, a failed step's writes are redone
 
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._self_first:
@@ -473,7 +519,8 @@ class _Chunked(_Adaptive):
         length = tensor.shape[dim]
         if self._deciding and length:
             return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
-                               lambda: self._run(caller, args, kwargs, bound), record)
+                               lambda: self._run(caller, args, kwargs, bound),
+                               lambda: self._record(caller)[1])
         if self.output is None:
             self._steps(step, 0, length, record, cache, ranks)
             return tensor

@@ -23,7 +23,8 @@ fake mode then converts as a real meta tensor: every op mixing it with the fake 
 mode as the stand-in for its parameter (the fake mode's memo of real tensors it has
 converted): when the forward reaches the parameter, the mode finds the copy, on the device
 it was made for. The memo dies with the trace's mode. Real copies take none of this (one
-type check per fetch).
+type check per fetch; a simulated device's copies, of their own type, also take the look-up
+of the fake mode, which finds none outside a trace).
 
 [Note: version reads skip torch function modes]
 Reading ``tensor._version`` is a Python getter that every active ``TorchFunctionMode``

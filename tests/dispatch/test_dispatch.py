@@ -404,3 +404,46 @@ def test_model_pays_fewer_failed_attempts_than_batch_search_over_the_paged_model
         run.remove()
     assert placement["engine_switches"] >= 1 and placement["residency_explored"] >= 1
     assert failed < search.stats.failed_attempts
+
+
+class _Cached(nn.Module):
+    """Keeps a tensor made at its first forward (a table filled on first use)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+        self.table: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.linspace(0, 1, 256)
+        return self.lin(x) * self.table
+
+
+def test_a_tensor_a_model_made_during_the_prediction_is_put_back_and_the_search_runs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # model= traces the function to predict its first size; a cache the model fills on
+    # first use would hold a fake tensor from then on. It is put back as it was (None
+    # here), the prediction dropped, and the calls compute what the plain model does.
+    torch.manual_seed(0)
+    model = _Cached().eval()
+    data = torch.randn(1024, 256)
+    with torch.no_grad():
+        want = _Cached().eval().requires_grad_(False)
+        want.load_state_dict(model.state_dict())
+        expected = want(data).sum(0)
+
+    @adaptive.batch(initial_batchsize=1024, model=model, device="cpu")
+    def run(batchsize: int) -> torch.Tensor:
+        with torch.no_grad():  # memory that grows with the batch: a prediction is made
+            return sum(model(c).sum(0) for c in data.split(batchsize))
+
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        first, second = run(), run()
+    prediction = run.prediction
+    run.remove()
+    torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(second, expected, rtol=1e-4, atol=1e-3)
+    assert type(model.table) is torch.Tensor and prediction is None
+    assert any("dropped its prediction" in r.getMessage() and "table" in r.getMessage()
+               for r in caplog.records)

@@ -199,6 +199,7 @@ def test_a_predicted_start_runs_first_then_climbs_towards_the_predicted_failure(
     unbounded.start_at(100, 100)
     assert unbounded.next_size(1000) == 100 and unbounded.fails is None
     # Never above the initial size, never below the floor.
-    low = SizeRecord()
+    high, low = SizeRecord(), SizeRecord()
+    high.start_at(100, 140)
     low.start_at(3, 10)
-    assert record.next_size(60) == 60 and low.next_size(1000, floor=5) == 5
+    assert high.next_size(60) == 60 and low.next_size(1000, floor=5) == 5
