@@ -93,7 +93,12 @@ def test_compute_out_of_memory_at_the_smallest_batch_gives_residency_to_activati
     assert len(given) == placement["residency_given_back"]
 
 
-def test_residency_is_taken_again_when_memory_frees_up() -> None:
+def test_residency_is_taken_again_when_memory_frees_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The restore rule, not exploring: a trial is never kept here (on a busy machine a
+    # trial with less resident could be kept on timing noise and undo the restore).
+    from adaptmem._dispatch import explore
+
+    monkeypatch.setattr(explore, "GAIN", 1e9)
     model = _model(layers=4)  # 16 MiB of weights
     data = torch.randn(256, 1024)
     with simulated_cuda(total_memory="32MiB"):
@@ -115,9 +120,7 @@ def test_residency_is_taken_again_when_memory_frees_up() -> None:
                 break
         placement = run.placement
         run.remove()
-    # Taken again by the restore rule, or by exploring (whichever comes first: a trial with
-    # twice the resident bytes that runs faster is kept).
-    assert placement["residency_taken_again"] + placement["residency_explored"] >= 1
+    assert placement["residency_taken_again"] >= 1
     assert placement["resident_bytes"][0] > squeezed
 
 
@@ -381,9 +384,9 @@ def test_range_predicts_its_first_step_with_a_model_too() -> None:
 
 
 def test_model_pays_fewer_failed_attempts_than_batch_search_over_the_paged_model() -> None:
-    # Issue 14's target on the simulated GPU, over as many calls as the benchmark
-    # (benchmarks/dispatch.py) settles: the engine choice, exploring residency and the
-    # climbs after them included. A slow link: chunking is chosen, and exploring moves.
+    # Issue 14's target on the simulated GPU, over the calls in which the engine choice,
+    # a trial of exploring and the climbs after them happen (benchmarks/dispatch.py runs
+    # 27). A slow link: chunking is chosen, and exploring moves.
     model = _linear_stack()
     data = torch.randn(2048, 512)
     with torch.no_grad():
@@ -398,7 +401,7 @@ def test_model_pays_fewer_failed_attempts_than_batch_search_over_the_paged_model
             search = adaptive.batch(infer, initial_batchsize=2048)
             torch.testing.assert_close(search(), want)  # fails at 2048 first: all at once
         run = adaptive.batch(infer, initial_batchsize=2048, model=model, device="cuda")
-        for _ in range(27):
+        for _ in range(16):
             torch.testing.assert_close(run(), want)
         placement, failed = run.placement, run.stats.failed_attempts
         run.remove()
