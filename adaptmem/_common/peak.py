@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakTracker", "PeakPrediction", "NotPredictable", "fit"]
+__all__ = ["PeakTracker", "PeakPrediction", "NotPredictable", "fake_mode", "fit"]
 
 
 class NotPredictable(Exception):
@@ -78,6 +78,11 @@ class PeakTracker(TorchDispatchMode):
             return
         if self._owners.pop(key, None) is not None:
             self.live -= self._bytes.pop(key, 0)
+
+
+def fake_mode() -> Any:
+    """The ``FakeTensorMode`` active now (a trace predicting peak memory), or None."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
 @dataclass(frozen=True)

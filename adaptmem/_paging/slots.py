@@ -48,6 +48,7 @@ import torch
 
 from .._common.headroom import weight_room
 from .._common.oom import free_caches, is_oom
+from .._common.peak import fake_mode
 from .._engines.hoststore import HOST, LOADED, PENDING, Slot  # See [Note: slot states on ...]
 from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer
@@ -66,7 +67,7 @@ def _stand_in(slots: Sequence[Slot], copies: Sequence[torch.Tensor]) -> None:
     [Note: paging under a trace])."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    mode = fake_mode()
     if mode is None:
         return
     for s, c in zip(slots, copies, strict=True):

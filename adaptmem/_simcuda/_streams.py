@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .._common.peak import fake_mode
 from . import _active
 
 __all__ = ["Job", "SimStream", "SimEvent", "StreamRaceError", "check_access"]
@@ -172,7 +173,7 @@ class SimStream(torch.Stream):
                 start = d.done_at
         # A copy made under FakeTensorMode (a trace predicting memory through a paged model)
         # moves nothing on a real device: it takes no time on the link either.
-        faking = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+        faking = fake_mode() is not None
         done_at = start + nbytes / (bandwidth * 1e9) if bandwidth and not faking else start
         self._link_free_at = done_at
         self.seq += 1

@@ -58,6 +58,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .._common.peak import fake_mode
 from ._state import SimState
 from ._streams import SimStream, check_access
 
@@ -181,7 +182,7 @@ class Tensors:
         return self.reserve(backing.untyped_storage().nbytes(), index)
 
     def reserve(self, nbytes: int, index: int) -> Record:
-        if _fake_mode() is not None:
+        if fake_mode() is not None:
             nbytes = 0  # a fake tensor's backing is fake too: it takes no memory
         block = self.state.allocators[index].allocate(nbytes)
         return Record(index, block, self.state.current_streams[index])
@@ -600,11 +601,6 @@ def _is_cuda(device: Any) -> bool:
 
 
 _no_subclass_function = torch._C.DisableTorchFunctionSubclass
-
-
-def _fake_mode() -> Any:
-    """The ``FakeTensorMode`` active now (an ``initial_batchsize="auto"`` trace), or None."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
 
 
 def _storage_key(t: torch.Tensor) -> int:
