@@ -67,9 +67,11 @@ class PlacementStats(Stats):
 class LoadStats(Stats):
     """What a load read, from where, and how long it took.
 
-    ``bytes_read`` counts checkpoint bytes read (each tensor once); ``bytes_mapped`` those
-    left backed by the file (``copy=False``); ``bytes_by_device`` the bytes that ended up on
-    each device, every copy counted (a handle may keep a host and a device copy).
+    ``bytes_read`` counts checkpoint bytes read (each tensor once); ``bytes_direct`` those of
+    them read past the page cache (O_DIRECT, for parts of the file the cache did not hold);
+    ``bytes_mapped`` those left backed by the file (``copy=False``); ``bytes_by_device`` the
+    bytes that ended up on each device, every copy counted (a handle may keep a host and a
+    device copy).
     """
 
     files: list[str] = field(default_factory=list)
@@ -79,5 +81,6 @@ class LoadStats(Stats):
     seconds: float = 0.0
     format: str = ""
     bytes_mapped: int = 0
+    bytes_direct: int = 0
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)

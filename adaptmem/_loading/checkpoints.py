@@ -5,11 +5,13 @@ archive (loaded onto the meta device, which records each storage's byte offset a
 data), or a Hugging Face ``*.index.json``. Every file is checked (present, complete, readable)
 before any tensor is read, so a load can refuse a bad checkpoint before it changes a model.
 
-Reading puts a tensor's bytes straight into the memory that keeps them (``Reader.read_into``),
-or through two staging chunks when a conversion or a device copy follows
-(``Reader.copy_into``); files are read with ``preadv`` in 16 MiB pieces, with the next 64 MiB
-asked to be read ahead, not mapped, so the page cache never counts toward this process's
-memory.
+Reading puts a tensor's bytes straight into the memory that keeps them (``Reader.read_into``,
+on a few reader threads), or through two staging chunks when a conversion or a device copy
+follows (``Reader.copy_into``). Files are read with ``preadv`` in 16 MiB pieces, not mapped,
+so the page cache never counts toward this process's memory: what the cache holds is copied
+from it, and a large tensor's pieces that it does not hold are read past it with O_DIRECT
+(see [Note: reading past the page cache]); other uncached pieces ask for the next 64 MiB to
+be read ahead.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 
 from .._common.errors import LoadError
 from ..cpu_memory import map_file
+from .direct import DIRECT_PIECE, DirectReads
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -364,7 +367,7 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # kernel (finding, zeroing and mapping it: 0.25-0.3 s for 0.46 GiB on that VM, one core busy
 # throughout), and one thread does it all when `preadv` faults the pages it copies into. So
 # before reading, every new CPU tensor of the load (not those of a built model: its
-# constructor wrote them) is handed, in file order and _CHUNK at a time, to _FAULTERS threads that fault its pages in with MADV_POPULATE_WRITE (Linux 5.14+;
+# constructor wrote them) is handed, in file order and _CHUNK at a time, to the worker threads that fault its pages in with MADV_POPULATE_WRITE (Linux 5.14+;
 # the kernel walks the range in one call, no trap per page): the reader then mostly copies
 # into memory that exists, and on a cold file the faults overlap the disk. It writes nothing
 # (a page already present is skipped) and faults only memory the load fills anyway, so the
@@ -379,8 +382,8 @@ _CHUNK = 16 * 2**20
 _AHEAD = 64 * 2**20
 _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
-_FAULTERS = max(1, min(4, os.cpu_count() or 1))
-_FAULTER_STACK = 256 * 2**10  # a faulting thread only calls madvise
+_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_THREAD_STACK = 256 * 2**10  # faulting and reading threads only call madvise and preadv
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 _madvise: Any = None
@@ -424,6 +427,19 @@ def _populate(address: int, nbytes: int) -> None:
         _madvise = None
 
 
+@contextlib.contextmanager
+def _small_stacks() -> Any:
+    """Threads started inside (a pool starts its threads as work is submitted) get small
+    stacks: glibc keeps an exited thread's stack mapped for the next one, and a cap on the
+    data segment (set_cpu_memory_limit) would count 8 MiB per thread for good. Ours only
+    read, fault and wait."""
+    stack = threading.stack_size(_THREAD_STACK)
+    try:
+        yield
+    finally:
+        threading.stack_size(stack)
+
+
 def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """``target.copy_(src)``; an inference tensor (a model built under ``inference_mode``)
     can only be written in inference mode."""
@@ -438,7 +454,7 @@ class Reader:
     """Reads checkpoint tensors: one open file per checkpoint file, a reader thread and two
     staging chunks for conversions (see [Note: reading speed])."""
 
-    def __init__(self) -> None:
+    def __init__(self, files: int = 1) -> None:
         self._files: dict[str, object] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
@@ -446,8 +462,18 @@ class Reader:
         self._chunks: list[torch.Tensor] = []
         self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
         self._pool: ThreadPoolExecutor | None = None
-        self._faulters: ThreadPoolExecutor | None = None
+        # One thread per core (at most four) faults new memory in and reads pieces; their
+        # stacks and malloc arenas count toward a cap on the data segment, so no more.
+        self._workers: ThreadPoolExecutor | None = None
         self._faulting: dict[int, list[Future[None]]] = {}  # storage address -> its chunks
+        self._reads: list[Future[None]] = []
+        self._direct = DirectReads(files)
+        self._lock = threading.Lock()
+
+    @property
+    def bytes_direct(self) -> int:
+        """Bytes read past the page cache (see [Note: reading past the page cache])."""
+        return self._direct.bytes
 
     def __enter__(self) -> Reader:
         return self
@@ -456,10 +482,12 @@ class Reader:
         self.close(failed=kind is not None)
 
     def close(self, failed: bool = False) -> None:
-        """Wait for the threads; after a failure, pages not yet faulted in are left alone."""
-        if self._faulters is not None:
-            self._faulters.shutdown(wait=True, cancel_futures=failed)
-            self._faulters = None
+        """Wait for the threads; after a failure, reads and faults not yet started are
+        dropped."""
+        if self._workers is not None:
+            self._workers.shutdown(wait=True, cancel_futures=failed)
+            self._workers = None
+        self._reads = []
         self._faulting.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
@@ -470,6 +498,7 @@ class Reader:
         for f in self._files.values():
             f.close()  # type: ignore[attr-defined]
         self._files.clear()
+        self._direct.close()
         self._advised.clear()
         # Tensors made by `mapped` keep their own reference to the mapping.
         self._maps.clear()
@@ -492,28 +521,45 @@ class Reader:
     def _fill(self, name: str, offset: int, dest: torch.Tensor) -> None:
         """Read ``dest.nbytes`` bytes at ``offset`` of ``name`` into contiguous CPU ``dest``."""
         n = dest.numel() * dest.element_size()
-        if n == 0:
-            return
-        view = memoryview((ctypes.c_char * n).from_address(dest.data_ptr())).cast("B")
         f = self._file(name)
+        region = self._direct.region(dest.data_ptr())
+        for done in range(0, n, _CHUNK):
+            end = min(n, done + _CHUNK)
+            self._faulted(dest, done, end)
+            self._read_piece(name, f.fileno(), region, dest.data_ptr() + done, offset + done,
+                             end - done)
+
+    def _read_piece(self, name: str, fd: int, region: tuple[int, int] | None, address: int,
+                    offset: int, n: int) -> None:
+        """Read ``n`` bytes at ``offset`` of ``name`` to ``address``: what the page cache holds
+        from there, the rest past it when ``address`` lies in a region made by ``empty_for``,
+        else through it."""
+        view = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
         done = 0
         try:
             while done < n:
-                end = min(n, done + _CHUNK)
-                self._faulted(dest, done, end)
-                got = _read_cached(f.fileno(), view[done:end], offset + done)
-                if got:
-                    done += got
-                    continue
-                self._read_ahead(name, f.fileno(), offset + end)
-                if _preadv is not None:  # no shared file position: safe from two threads
-                    got = _preadv(f.fileno(), [view[done:end]], offset + done)
-                else:
-                    f.seek(offset + done)
-                    got = f.readinto(view[done:end])
+                got = 0
+                if region is not None:
+                    if not self._direct.cached(name, offset + done, n - done):
+                        got = self._direct.read(name, fd, region, address + done,
+                                                offset + done, n - done)
+                    if not got:  # fault the new pages in at once, not one trap per page
+                        _populate(address + done, n - done)
                 if not got:
-                    raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes short "
-                                    f"while reading at offset {offset + done}")
+                    got = _read_cached(fd, view[done:], offset + done)
+                if not got:
+                    if not self._direct.active(name):  # read-ahead would undo direct reads
+                        self._read_ahead(name, fd, offset + n)
+                    if _preadv is not None:  # no shared file position: safe from threads
+                        got = _preadv(fd, [view[done:]], offset + done)
+                    else:
+                        with self._lock:
+                            f = self._files[name]
+                            f.seek(offset + done)  # type: ignore[attr-defined]
+                            got = f.readinto(view[done:])  # type: ignore[attr-defined]
+                    if not got:
+                        raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes "
+                                        f"short while reading at offset {offset + done}")
                 done += got
         except OSError as exc:
             raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
@@ -536,28 +582,23 @@ class Reader:
         skipped) on background threads, in order (see [Note: faulting new memory ahead])."""
         if _madvise is None:
             return
+        # Tensors made by empty_for are faulted in by the reads themselves, on every reader.
         storages = [t.untyped_storage() for t in tensors
-                    if t.device.type == "cpu" and not t.is_pinned()]
+                    if t.device.type == "cpu" and not t.is_pinned()
+                    and self._direct.region(t.data_ptr()) is None]
         spans = [(s.data_ptr(), s.nbytes()) for s in storages]
         spans = [(a, n) for a, n in spans if n >= _PAGE]
         if not spans:
             return
-        if self._faulters is None:
-            self._faulters = ThreadPoolExecutor(_FAULTERS, thread_name_prefix="adaptmem-fault")
-        # The pool starts its threads as work is submitted: with small stacks, since glibc
-        # keeps an exited thread's stack mapped for the next one, and a cap on the data
-        # segment (set_cpu_memory_limit) would count 8 MiB per thread for good.
-        stack = threading.stack_size(_FAULTER_STACK)
-        try:
+        workers = self._pool_of_workers()
+        with _small_stacks():
             for address, nbytes in spans:
                 if address in self._faulting:  # one storage behind several tensors (ties)
                     continue
                 self._faulting[address] = [
-                    self._faulters.submit(_populate, address + done,
+                    workers.submit(_populate, address + done,
                                           min(_CHUNK, nbytes - done))
                     for done in range(0, nbytes, _CHUNK)]
-        finally:
-            threading.stack_size(stack)
 
     def _faulted(self, dest: torch.Tensor, start: int, end: int) -> None:
         """Wait until the faulting threads are done with bytes ``[start, end)`` of ``dest``:
@@ -572,10 +613,54 @@ class Reader:
         for i in range((base + start) // _CHUNK, min(len(chunks), -(-(base + end) // _CHUNK))):
             chunks[i].result()
 
-    def read_into(self, entry: Entry, dest: torch.Tensor) -> None:
+    def read_into(self, entry: Entry, dest: torch.Tensor, wait: bool = True) -> None:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
-        no autograd, no version-counter bump."""
-        self._fill(entry.file, entry.start, dest)
+        no autograd, no version-counter bump. With ``wait=False`` the pieces are read on
+        the reader threads and ``dest`` is complete once ``wait()`` returns; a tensor made
+        by ``empty_for`` is read past the page cache where the cache does not hold it."""
+        if wait:
+            self._fill(entry.file, entry.start, dest)
+            return
+        fd = self._file(entry.file).fileno()
+        region = self._direct.region(dest.data_ptr())
+        workers = self._pool_of_workers()
+        n = entry.nbytes
+        start = entry.start
+        # Pieces end on piece boundaries of the file, so that only a tensor's first and last
+        # piece are unaligned (see [Note: reading past the page cache]).
+        piece = _CHUNK if region is None else DIRECT_PIECE
+        cuts = [0, *range(piece - start % piece, n, piece), n]
+        with _small_stacks():
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                if b > a:
+                    self._reads.append(workers.submit(
+                        self._read_piece_of, dest, entry.file, fd, region, a, start + a, b - a))
+
+    def _read_piece_of(self, dest: torch.Tensor, name: str, fd: int,
+                       region: tuple[int, int] | None, at: int, offset: int, n: int) -> None:
+        # ``dest`` is passed to keep its memory alive while a thread writes into it.
+        self._read_piece(name, fd, region, dest.data_ptr() + at, offset, n)
+
+    def _pool_of_workers(self) -> ThreadPoolExecutor:
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(_WORKERS, thread_name_prefix="adaptmem-load-io")
+        return self._workers
+
+    def wait(self) -> None:
+        """Wait for the reads ``read_into(..., wait=False)`` started; raise the first error."""
+        reads, self._reads = self._reads, []
+        for future in reads:
+            future.result()
+
+    def empty_for(self, entry: Entry) -> torch.Tensor:
+        """A new CPU tensor to read ``entry`` into as it is stored (shape, dtype): laid out
+        for O_DIRECT when it is large (see [Note: reading past the page cache]), else
+        ordinary memory."""
+        new = None
+        if self.can_map(entry):
+            new = self._direct.empty(entry.file, self._file(entry.file).fileno(), entry.start,
+                                     entry.shape, entry.dtype)
+        return torch.empty(entry.shape, dtype=entry.dtype) if new is None else new
 
     def can_read_into(self, entry: Entry, dest: torch.Tensor) -> bool:
         # Entries held in memory (``entry.tensor``) are handed out by ``read`` instead.

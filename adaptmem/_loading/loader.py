@@ -285,7 +285,7 @@ def load(
     # ordinary ones even when the caller is in inference mode (placement refuses inference
     # tensors, which track no versions); an inference tensor is written in inference mode.
     with torch.inference_mode(False), torch.no_grad():
-        with Reader() as reader:
+        with Reader(files=len(ckpt.files)) as reader:
             pending = _read_all(reader, ckpt, dests, sources, copy, stats)
         _commit(model, sizes, pending)
         _settle_unloaded(model, sizes, dests, sources)
@@ -422,6 +422,8 @@ def _read_all(
             stats.bytes_read += entry.nbytes
         else:
             stats.bytes_mapped += entry.nbytes
+    reader.wait()
+    stats.bytes_direct = reader.bytes_direct
     return pending
 
 
@@ -451,7 +453,11 @@ def _targets(reader: Reader, entry: Entry, dest: _Dest,
     if (not copy and dest.device.type == "cpu" and not dest.pinned
             and dest.dtype == entry.dtype and reader.can_map(entry)):
         return reader.mapped(entry), []
-    new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device, pin_memory=dest.pinned)
+    if dest.device.type == "cpu" and not dest.pinned and dest.dtype == entry.dtype:
+        new = reader.empty_for(entry)  # See [Note: reading past the page cache]
+    else:
+        new = torch.empty(entry.shape, dtype=dest.dtype, device=dest.device,
+                          pin_memory=dest.pinned)
     return new, [new]
 
 
@@ -461,7 +467,9 @@ def _read_one(reader: Reader, entry: Entry, dest: _Dest, into: list[torch.Tensor
     if direct is None:
         reader.copy_into(entry, into)
         return
-    reader.read_into(entry, direct)
+    # One target: read on the reader threads (Reader.wait before the swap); several: the
+    # others are copied from the first once it is read.
+    reader.read_into(entry, direct, wait=len(into) > 1)
     if dest.into:
         increment_version(direct)  # written through its pointer: say so, as copy_ would
     for t in into:

@@ -23,9 +23,13 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 # Beyond what the child holds with its data. 16 MiB of weights (eight 2 MiB Linear layers)
 # + 1024 items (32 KiB of activations each) do not fit; 16 MiB + 512 items do, and so do
 # 1024 items next to 8 MiB resident or the fully paged model (a unit or two at a time), but
-# not 2048 items (all of the data) even then. The outcomes asserted below are the same for
-# caps from 40 to 46 MiB.
-CAP_MIB = 43
+# not 2048 items (all of the data) even then. The outcomes asserted below were the same for
+# caps from 40 to 46 MiB on the VM of 2026-11-25 (Linux 6.18.44-fc-v595); on that of
+# 2026-11-26 (fc-v669) the child held more beside its data, caps of 43-46 MiB failed at the
+# smallest batch even with the main loader of that day, 48 and 52 MiB sometimes, and 47,
+# 49, 50 and 54 MiB passed every time (the pager's prefetch makes the margin depend on
+# timing).
+CAP_MIB = 49
 
 # One child for every variant, run one after another (glibc's mmap threshold is fixed, so
 # what one frees is unmapped and the cap reads it as free for the next).

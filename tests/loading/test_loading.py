@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -701,39 +702,175 @@ def test_faulting_threads_are_gone_after_a_load_that_fails_midway(
     before = _snapshot(model) if into == "built" else None
     with pytest.raises(LoadError, match="truncated|ended"):
         adaptive.load(model, path)
-    assert not [t for t in threading.enumerate() if t.name.startswith("adaptmem-fault")]
+    assert not [t for t in threading.enumerate()
+                if t.name.startswith("adaptmem-load-io")]
     if before is not None:
         after = model.state_dict()
         assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="eviction needs posix_fadvise")
-@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
-def test_a_file_out_of_the_page_cache_is_read_from_disk_with_read_ahead(
-    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # [Note: reading speed]: a cached piece is read without the hint, one from disk with it.
-    from adaptmem._loading.checkpoints import Reader
-
-    torch.manual_seed(0)
-    source = BigNet()
-    path = _save(fmt, source.state_dict(), tmp_path)
-    hints = []
-    real = Reader._read_ahead
-    monkeypatch.setattr(Reader, "_read_ahead",
-                        lambda self, *a: (hints.append(a[-1]), real(self, *a))[1])
-    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
-    cached = len(hints)
+def _evict(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)  # dirty pages cannot be evicted
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def _cached_fraction(path: Path) -> float:
+    """How much of ``path`` the page cache holds (mincore on an untouched mapping)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    assert address not in (None, ctypes.c_void_p(-1).value)
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(address, size, vec) == 0
+        return sum(v & 1 for v in bytes(vec)) / pages
+    finally:
+        libc.munmap(address, size)
+
+
+def _takes_direct_reads(root: Path) -> bool:
+    probe = root / "direct-probe"
+    probe.write_bytes(b"\0" * 8192)
+    try:
+        os.close(os.open(probe, os.O_RDONLY | getattr(os, "O_DIRECT", 0)))
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+    return hasattr(os, "O_DIRECT")
+
+
+_LINUX_EVICTION = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not hasattr(os, "posix_fadvise"),
+    reason="eviction and mincore are Linux's")
+
+
+@_LINUX_EVICTION
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_a_file_out_of_the_page_cache_is_read_past_it_and_left_out_of_it(
+    fmt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # [Note: reading past the page cache]: a cold file goes straight into the new tensors,
+    # the cache gets nothing; a cached file is read from the cache, never from the disk.
+    from adaptmem._loading.checkpoints import Reader
+
+    if not _takes_direct_reads(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    torch.manual_seed(0)
+    source = BigNet()
+    path = _save(fmt, source.state_dict(), tmp_path)
+    large = source.emb.weight.nbytes + source.mid.weight.nbytes  # the tensors >= 1 MiB
+    hints = []
+    real = Reader._read_ahead
+    monkeypatch.setattr(Reader, "_read_ahead",
+                        lambda self, *a: (hints.append(a[-1]), real(self, *a))[1])
+    model, stats = adaptive.load(adaptive.empty_model(BigNet), path, return_stats=True)
+    _assert_same(model, source)
+    assert stats.bytes_direct == 0, "a cached file was read from the disk"
+    assert not hints, "a cached file asked for read-ahead"
+
+    _evict(path)
+    assert _cached_fraction(path) < 0.01
+    model, stats = adaptive.load(adaptive.empty_model(BigNet), path, return_stats=True)
+    _assert_same(model, source)
+    assert stats.bytes_direct == large
+    assert not hints, "read-ahead pulled the file into the page cache anyway"
+    # Only the small tensors' pages (and those they share with neighbours) were cached.
+    assert _cached_fraction(path) < 0.1
+    for p in (model.emb.weight, model.mid.weight):
+        assert p.untyped_storage().nbytes() == p.nbytes and p.storage_offset() == 0
+    model.emb.weight.data.mul_(2)  # ordinary memory: writable, and not the file's
+    _evict(path)
     _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
-    assert len(hints) > cached, "the evicted file was read without asking for read-ahead"
-    if hasattr(os, "RWF_NOWAIT"):
-        assert cached == 0, "a cached file asked for read-ahead"
+
+
+class _Odd(nn.Module):
+    """Large tensors at file offsets that are not multiples of the page or of their item
+    size's alignment in each other, the last one ending at the end of the file unaligned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(3, dtype=torch.int8), requires_grad=False)
+        self.b = nn.Parameter(torch.empty(2**20 + 7, dtype=torch.float16), requires_grad=False)
+        self.c = nn.Parameter(torch.empty(5), requires_grad=False)
+        self.d = nn.Parameter(torch.empty(3 * 2**20 + 3, dtype=torch.float64),
+                              requires_grad=False)
+        self.e = nn.Parameter(torch.empty(300_001), requires_grad=False)
+
+
+@_LINUX_EVICTION
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_direct_reads_at_unaligned_offsets_are_exact(fmt: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = _Odd()
+    for p in source.parameters():
+        p.data = (torch.randn(p.shape) * 100).to(p.dtype)
+    path = _save(fmt, source.state_dict(), tmp_path)
+    _evict(path)
+    model, stats = adaptive.load(_Odd, path, return_stats=True)
+    _assert_same(model, source)
+    if _takes_direct_reads(tmp_path):
+        assert stats.bytes_direct == source.b.nbytes + source.d.nbytes + source.e.nbytes
+
+
+@_LINUX_EVICTION
+@pytest.mark.parametrize("refusal", ["open", "read"])
+def test_a_file_system_without_direct_reads_reads_through_the_cache_with_read_ahead(
+    refusal: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import errno
+    import fcntl
+
+    from adaptmem._loading import checkpoints, direct
+
+    if refusal == "open":
+        real_open = os.open
+
+        def refusing_open(name: object, flags: int, *a: object) -> int:
+            if flags & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(name, flags, *a)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(checkpoints.os, "open", refusing_open)
+    else:
+        real_preadv = direct._preadv
+
+        def refusing_preadv(fd: int, buffers: list, offset: int, *flags: int) -> int:
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_preadv(fd, buffers, offset, *flags)  # type: ignore[misc]
+
+        monkeypatch.setattr(direct, "_preadv", refusing_preadv)
+    hints = []
+    real = checkpoints.Reader._read_ahead
+    monkeypatch.setattr(checkpoints.Reader, "_read_ahead",
+                        lambda self, *a: (hints.append(a[-1]), real(self, *a))[1])
+    torch.manual_seed(0)
+    source = BigNet()
+    path = _save("safetensors", source.state_dict(), tmp_path)
+    _evict(path)
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        model, stats = adaptive.load(adaptive.empty_model(BigNet), path, return_stats=True)
+    _assert_same(model, source)
+    assert stats.bytes_direct == 0
+    assert hints, "the evicted file was read without asking for read-ahead"
+    if refusal == "read":
+        assert "refuses O_DIRECT" in caplog.text
 
 
 def test_a_file_system_without_nowait_reads_the_same(
