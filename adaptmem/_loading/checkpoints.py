@@ -382,7 +382,8 @@ _CHUNK = 16 * 2**20
 _AHEAD = 64 * 2**20
 _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
-_WORKERS = max(1, min(4, os.cpu_count() or 1))
+_WORKERS = 4  # I/O depth for direct reads (see [Note: reading past the page cache])
+_CORES = max(1, min(4, os.cpu_count() or 1))
 _THREAD_STACK = 256 * 2**10  # faulting and reading threads only call madvise and preadv
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
@@ -427,6 +428,14 @@ def _populate(address: int, nbytes: int) -> None:
         _madvise = None
 
 
+def _data_capped() -> bool:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return False
+    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
+
+
 @contextlib.contextmanager
 def _small_stacks() -> Any:
     """Threads started inside (a pool starts its threads as work is submitted) get small
@@ -462,8 +471,7 @@ class Reader:
         self._chunks: list[torch.Tensor] = []
         self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
         self._pool: ThreadPoolExecutor | None = None
-        # One thread per core (at most four) faults new memory in and reads pieces; their
-        # stacks and malloc arenas count toward a cap on the data segment, so no more.
+        # Four threads fault new memory in and read pieces (see _pool_of_workers).
         self._workers: ThreadPoolExecutor | None = None
         self._faulting: dict[int, list[Future[None]]] = {}  # storage address -> its chunks
         self._reads: list[Future[None]] = []
@@ -643,7 +651,10 @@ class Reader:
 
     def _pool_of_workers(self) -> ThreadPoolExecutor:
         if self._workers is None:
-            self._workers = ThreadPoolExecutor(_WORKERS, thread_name_prefix="adaptmem-load-io")
+            # Under a cap on the data segment (set_cpu_memory_limit, ulimit -d) each thread's
+            # stack and malloc arena count for good: one thread per core then.
+            n = _CORES if _data_capped() else _WORKERS
+            self._workers = ThreadPoolExecutor(n, thread_name_prefix="adaptmem-load-io")
         return self._workers
 
     def wait(self) -> None:

@@ -36,10 +36,12 @@ logger = logging.getLogger("adaptmem")
 # start down and its end up writes the file's own bytes into the same places, or into the
 # mapping's slack around the tensor, never into other memory. The storage has exactly the
 # tensor's bytes (`torch.frombuffer`), and it is freed with the tensor. Reads run on the
-# loader's threads (one per core, at most four), in pieces of up to _DIRECT_PIECE, so
-# that the disk has enough requests in flight: on the VM, 16 MiB reads reached 1.1-1.2
-# GB/s from one thread and 1.4 GB/s from two, 64 MiB reads 1.3-1.4 and 1.6-1.7 GB/s, the
-# buffered floor 1.7-1.8 GB/s. Whether the page cache holds a piece is asked with mincore on
+# loader's four threads (one per core under a cap on the data segment, where each thread
+# costs cap), in pieces of up to _DIRECT_PIECE, so that the disk has enough requests in
+# flight: on the VM, 16 MiB reads reached 1.1-1.2 GB/s from one thread, 1.4 GB/s from two
+# and 1.5-1.7 from four, 64 MiB reads 1.3-1.4 and 1.6-1.7 GB/s from one and two, the
+# buffered floor 1.7-1.8 GB/s; GPT-2 small, whose tensors are mostly 2-9 MiB, loaded cold in
+# 0.36-0.45 s with four threads against 0.70 s and more with two. Whether the page cache holds a piece is asked with mincore on
 # an untouched shared mapping of the file, which reads nothing (a RWF_NOWAIT read that
 # misses starts reading the file into the cache, which would read it twice): a cached
 # piece is copied from the cache, so a warm load never touches the disk, and its new pages
