@@ -38,7 +38,7 @@ import torch
 
 from .._common.errors import LoadError
 from ..cpu_memory import map_file
-from .direct import DIRECT_PIECE, DirectReads
+from .direct import DIRECT_PIECE, DirectReads, libc_function
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -387,13 +387,8 @@ _CORES = max(1, min(4, os.cpu_count() or 1))
 _THREAD_STACK = 256 * 2**10  # faulting and reading threads only call madvise and preadv
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
-_madvise: Any = None
-if sys.platform.startswith("linux"):
-    with contextlib.suppress(OSError, AttributeError):
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _madvise = _libc.madvise
-        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _madvise.restype = ctypes.c_int
+_madvise = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
+                         ctypes.c_int)
 
 
 _nowait = getattr(os, "RWF_NOWAIT", None)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DirectReads", "DIRECT_PIECE"]
+__all__ = ["DirectReads", "DIRECT_PIECE", "libc_function"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -57,22 +57,25 @@ _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
 _PAGE = mmap.PAGESIZE
 _RESIDENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 says the page is cached
-_mincore: Any = None
-_mmap: Any = None
-_munmap: Any = None
-if sys.platform.startswith("linux"):
-    with contextlib.suppress(OSError, AttributeError):
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _mincore = _libc.mincore
-        _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        _mincore.restype = ctypes.c_int
-        _mmap = _libc.mmap
-        _mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-        _mmap.restype = ctypes.c_void_p
-        _munmap = _libc.munmap
-        _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _munmap.restype = ctypes.c_int
+
+
+def libc_function(name: str, argtypes: list[Any], restype: Any) -> Any:
+    """``name`` from the C library, typed; None where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
+_mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
+                         ctypes.c_int)
+_mmap = libc_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long], ctypes.c_void_p)
+_munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
