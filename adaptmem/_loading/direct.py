@@ -128,9 +128,11 @@ class DirectReads:
     def empty(self, name: str, fileno: int, start: int, shape: tuple[int, ...],
               dtype: torch.dtype) -> torch.Tensor | None:
         """A new CPU tensor for the contiguous bytes at ``start`` of ``name`` that O_DIRECT
-        reads can fill; None when the tensor is small or the file cannot be read so."""
+        reads can fill; None when the tensor is small, the page cache holds all of it (it is
+        copied from there into ordinary memory) or the file cannot be read so."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if nbytes < _DIRECT_MIN or start % dtype.itemsize or not self._open(name, fileno):
+        if (nbytes < _DIRECT_MIN or start % dtype.itemsize or not self._open(name, fileno)
+                or self.cached(name, start, nbytes)):  # a warm tensor: ordinary memory
             return None
         phase = start % _DIRECT_ALIGN
         length = -(-(phase + nbytes) // _DIRECT_ALIGN) * _DIRECT_ALIGN
