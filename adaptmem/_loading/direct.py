@@ -43,9 +43,11 @@ logger = logging.getLogger("adaptmem")
 # buffered floor 1.7-1.8 GB/s; GPT-2 small, whose tensors are mostly 2-9 MiB, loaded cold in
 # 0.36-0.45 s with four threads against 0.70 s and more with two. Whether the page cache holds a piece is asked with mincore on
 # an untouched shared mapping of the file, which reads nothing (a RWF_NOWAIT read that
-# misses starts reading the file into the cache, which would read it twice): a cached
-# piece is copied from the cache, so a warm load never touches the disk, and its new pages
-# are faulted in by the same thread in one call (MADV_POPULATE_WRITE). Where the file system refuses
+# misses starts reading the file into the cache, which would read it twice): a tensor the
+# cache holds whole gets ordinary memory, exactly as before (with every large tensor in a
+# mapping of its own, the demo's capped batch search failed once in four runs), and a
+# cached piece of a partly cached one is copied from the cache, its new pages faulted in by
+# the same thread in one call (MADV_POPULATE_WRITE): a warm load never touches the disk. Where the file system refuses
 # O_DIRECT (open or read fails with EINVAL: tmpfs on older kernels, some FUSE file
 # systems), the file is read through the page cache as before. A file read this way is not
 # left in the page cache: loading it again reads the disk again, at the same speed.
