@@ -38,7 +38,7 @@ import torch
 
 from .._common.errors import LoadError
 from ..cpu_memory import map_file
-from .direct import DIRECT_PIECE, DirectReads, libc_function
+from .direct import DIRECT_PIECE, DirectReads, libc_function, soft_limit
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -423,14 +423,6 @@ def _populate(address: int, nbytes: int) -> None:
         _madvise = None
 
 
-def _data_capped() -> bool:
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return False
-    return resource.getrlimit(resource.RLIMIT_DATA)[0] != resource.RLIM_INFINITY
-
-
 @contextlib.contextmanager
 def _small_stacks() -> Any:
     """Threads started inside (a pool starts its threads as work is submitted) get small
@@ -455,7 +447,8 @@ def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False)
 
 
 class Reader:
-    """Reads checkpoint tensors: one open file per checkpoint file, a reader thread and two
+    """Reads checkpoint tensors: one open file per checkpoint file, worker threads that fault
+    new memory in and read pieces, direct reads for cold files, and a reader thread with two
     staging chunks for conversions (see [Note: reading speed])."""
 
     def __init__(self, files: int = 1) -> None:
@@ -599,8 +592,7 @@ class Reader:
                 if address in self._faulting:  # one storage behind several tensors (ties)
                     continue
                 self._faulting[address] = [
-                    workers.submit(_populate, address + done,
-                                          min(_CHUNK, nbytes - done))
+                    workers.submit(_populate, address + done, min(_CHUNK, nbytes - done))
                     for done in range(0, nbytes, _CHUNK)]
 
     def _faulted(self, dest: torch.Tensor, start: int, end: int) -> None:
@@ -648,7 +640,7 @@ class Reader:
         if self._workers is None:
             # Under a cap on the data segment (set_cpu_memory_limit, ulimit -d) each thread's
             # stack and malloc arena count for good: one thread per core then.
-            n = _CORES if _data_capped() else _WORKERS
+            n = _WORKERS if soft_limit("RLIMIT_DATA") is None else _CORES
             self._workers = ThreadPoolExecutor(n, thread_name_prefix="adaptmem-load-io")
         return self._workers
 

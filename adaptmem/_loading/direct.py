@@ -19,38 +19,39 @@ from typing import Any
 
 import torch
 
-__all__ = ["DirectReads", "DIRECT_PIECE", "libc_function"]
+__all__ = ["DirectReads", "DIRECT_PIECE", "libc_function", "soft_limit"]
 
 logger = logging.getLogger("adaptmem")
 
 # [Note: reading past the page cache]
 # A buffered read of a file the page cache does not hold makes new memory twice: the kernel
 # fills page-cache pages first, then copies them into the tensor, which is new memory too.
-# On the 2-core VM, where new memory is most of a load's cost, that made a cold copying
-# load 2.6-4x the disk's sequential read time (GPT-2 large, 2.88 GiB). So a tensor of at
-# least _DIRECT_MIN bytes that is read without conversion gets memory laid out for
-# O_DIRECT: an anonymous mapping of its own, the tensor placed in it so that its address
-# and its file offset agree modulo _DIRECT_ALIGN (`DirectReads.empty`). A piece the page
-# cache does not hold is then read with O_DIRECT straight into the tensor: the disk writes
-# into the memory that keeps the weights, the page cache gets nothing. Aligning a read's
-# start down and its end up writes the file's own bytes into the same places, or into the
-# mapping's slack around the tensor, never into other memory. The storage has exactly the
-# tensor's bytes (`torch.frombuffer`), and it is freed with the tensor. Reads run on the
-# loader's four threads (one per core under a cap on the data segment, where each thread
-# costs cap), in pieces of up to _DIRECT_PIECE, so that the disk has enough requests in
-# flight: on the VM, 16 MiB reads reached 1.1-1.2 GB/s from one thread, 1.4 GB/s from two
-# and 1.5-1.7 from four, 64 MiB reads 1.3-1.4 and 1.6-1.7 GB/s from one and two, the
-# buffered floor 1.7-1.8 GB/s; GPT-2 small, whose tensors are mostly 2-9 MiB, loaded cold in
-# 0.36-0.45 s with four threads against 0.70 s and more with two. Whether the page cache holds a piece is asked with mincore on
-# an untouched shared mapping of the file, which reads nothing (a RWF_NOWAIT read that
-# misses starts reading the file into the cache, which would read it twice): a tensor the
-# cache holds whole gets ordinary memory, exactly as before (with every large tensor in a
-# mapping of its own, the demo's capped batch search failed once in four runs), and a
-# cached piece of a partly cached one is copied from the cache, its new pages faulted in by
-# the same thread in one call (MADV_POPULATE_WRITE): a warm load never touches the disk. Where the file system refuses
-# O_DIRECT (open or read fails with EINVAL: tmpfs on older kernels, some FUSE file
-# systems), the file is read through the page cache as before. A file read this way is not
-# left in the page cache: loading it again reads the disk again, at the same speed.
+# On the 2-core VM, where new memory is most of a load's cost, that made a cold copying load
+# 2.6-4x the disk's sequential read time (GPT-2 large, 2.88 GiB). So a tensor of at least
+# _DIRECT_MIN bytes that is read without conversion gets memory laid out for O_DIRECT: an
+# anonymous mapping of its own, the tensor placed in it so that its address and its file
+# offset agree modulo _DIRECT_ALIGN (`DirectReads.empty`). A piece the page cache does not
+# hold is then read with O_DIRECT straight into the tensor: the disk writes into the memory
+# that keeps the weights, the page cache gets nothing. Aligning a read's start down and its
+# end up writes the file's own bytes into the same places, or into the mapping's slack
+# around the tensor, never into other memory. The storage has exactly the tensor's bytes
+# (`torch.frombuffer`), and it is freed with the tensor. Reads run on the loader's four
+# threads (one per core under a cap on the data segment, where each thread costs cap), in
+# pieces of up to _DIRECT_PIECE, so that the disk has enough requests in flight: on the VM,
+# 16 MiB reads reached 1.1-1.2 GB/s from one thread, 1.4 GB/s from two and 1.5-1.7 from
+# four, 64 MiB reads 1.3-1.4 and 1.6-1.7 GB/s from one and two, the buffered floor 1.7-1.8
+# GB/s; GPT-2 small, whose tensors are mostly 2-9 MiB, loaded cold in 0.36-0.45 s with four
+# threads against 0.70 s and more with two. Whether the page cache holds a piece is asked
+# with mincore on an untouched shared mapping of the file, which reads nothing (a RWF_NOWAIT
+# read that misses starts reading the file into the cache, which would read it twice): a
+# tensor the cache holds whole gets ordinary memory, exactly as before (with every large
+# tensor in a mapping of its own, the demo's capped batch search failed once in four runs),
+# and a cached piece of a partly cached one is copied from the cache, its new pages faulted
+# in by the same thread in one call (MADV_POPULATE_WRITE): a warm load never touches the
+# disk. Where the file system refuses O_DIRECT (open or read fails with EINVAL: tmpfs on
+# older kernels, some FUSE file systems), the file is read through the page cache as before.
+# A file read this way is not left in the page cache: loading it again reads the disk again,
+# at the same speed.
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses of O_DIRECT reads (512-byte sectors too)
 _DIRECT_MIN = 2**20  # smaller tensors (biases, norms) are ordinary memory, read buffered
 DIRECT_PIECE = 64 * 2**20
@@ -81,13 +82,15 @@ _munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_i
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _open_files_limit() -> int:
+def soft_limit(kind: str) -> int | None:
+    """The soft limit on resource ``kind`` (``"RLIMIT_DATA"``, ...); None when unlimited or
+    where there are no such limits (not POSIX)."""
     try:
         import resource
-    except ImportError:  # not POSIX
-        return 0
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return sys.maxsize if soft == resource.RLIM_INFINITY else soft
+    except ImportError:
+        return None
+    soft = resource.getrlimit(getattr(resource, kind))[0]
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 class DirectReads:
@@ -98,7 +101,7 @@ class DirectReads:
         # A second descriptor per file: only while that stays well inside the limit on
         # open files (a directory of per-tensor files may hold hundreds).
         self._allowed = (_O_DIRECT is not None and _preadv is not None and _mmap is not None
-                         and 2 * files + 64 <= _open_files_limit())
+                         and 2 * files + 64 <= (soft_limit("RLIMIT_NOFILE") or sys.maxsize))
         self._fds: dict[str, int | None] = {}  # file -> its O_DIRECT descriptor, or None
         self._stale: list[int] = []  # descriptors given up on, closed in close()
         self._views: dict[str, tuple[int, int]] = {}  # file -> untouched mapping (address, size)

@@ -723,23 +723,19 @@ def _cached_fraction(path: Path) -> float:
     import ctypes
     import mmap
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    from adaptmem._loading.direct import _mincore, _mmap, _munmap
+
     size = path.stat().st_size
     pages = -(-size // mmap.PAGESIZE)
     with open(path, "rb") as f:
-        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        address = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
     assert address not in (None, ctypes.c_void_p(-1).value)
     try:
         vec = (ctypes.c_ubyte * pages)()
-        assert libc.mincore(address, size, vec) == 0
+        assert _mincore(address, size, vec) == 0
         return sum(v & 1 for v in bytes(vec)) / pages
     finally:
-        libc.munmap(address, size)
+        _munmap(address, size)
 
 
 def _takes_direct_reads(root: Path) -> bool:
