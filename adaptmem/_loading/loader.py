@@ -84,10 +84,35 @@ class _SkipWritesToMeta(TorchDispatchMode):
     """
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if (args and isinstance(args[0], torch.Tensor) and args[0].is_meta
-                and torch.Tag.inplace in func.tags and torch.Tag.inplace_view not in func.tags):
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_meta and _writes_values(func):
             return args[0]
         return func(*args, **(kwargs or {}))
+
+
+_INPLACE = getattr(torch.Tag, "inplace", None)  # torch 2.12 and later
+_WRITES: dict[Any, bool] = {}
+
+
+def _writes_values(func: Any) -> bool:
+    """Whether ``func`` writes values into its first argument, in place: tagged ``inplace``
+    (torch 2.12+), else its schema marks that argument, a tensor, written (``Tensor(a!)
+    self``). On torch 2.14 the two agree but for optimizer steps that take lists (no
+    initialiser calls them) and a few untagged ops that also only write values (``copy_``
+    overloads, ``index_put_``). Metadata changes (tagged ``inplace_view``) are not value
+    writes."""
+    writes = _WRITES.get(func)
+    if writes is None:
+        if torch.Tag.inplace_view in func.tags:
+            writes = False
+        elif _INPLACE is not None:
+            writes = _INPLACE in func.tags
+        else:
+            arguments = func._schema.arguments
+            alias = arguments[0].alias_info if arguments else None
+            writes = (alias is not None and alias.is_write
+                      and isinstance(arguments[0].type, torch.TensorType))
+        _WRITES[func] = writes
+    return writes
 
 
 def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
