@@ -291,7 +291,7 @@ def pinned_bandwidth(device: torch.device) -> float:
 def gpu_rows(quick: bool) -> list[dict[str, Any]]:
     import torchvision
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # fraction calls want an index
     sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     bandwidth = pinned_bandwidth(device)
     rows: list[dict[str, Any]] = []

@@ -167,7 +167,8 @@ def memory_info(device: torch.device) -> tuple[int, int]:
         if fraction is not None:
             # Under set_per_process_memory_fraction the allocator refuses to reserve past
             # fraction * total, however much the card has free.
-            free = min(free, max(0, int(fraction(device) * total) - reserved))
+            index = torch.cuda.current_device() if device.index is None else device.index
+            free = min(free, max(0, int(fraction(index) * total) - reserved))
         # Blocks torch's caching allocator holds but does not use are free to this process.
         cached = reserved - int(torch.cuda.memory_allocated(device))
         return free + max(0, cached), total

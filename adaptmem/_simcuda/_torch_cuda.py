@@ -104,7 +104,18 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
     def synchronize(device: Any = None) -> None:
         state.synchronize(state.device_index(device))
 
+    def indexed(device: Any) -> Any:
+        # torch's per-process fraction calls take None (the current device) or a device with
+        # an index: torch.device("cuda") raises there, as it does here.
+        if device is None or isinstance(device, int):
+            return device
+        if torch.device(device).index is None:
+            raise ValueError("Expected a torch.device with a specified index or an integer, "
+                             f"but got:{device}")
+        return device
+
     def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
+        device = indexed(device)
         if not isinstance(fraction, float):
             raise TypeError("Invalid type for fraction argument, must be `float`")
         if not 0 <= fraction <= 1:
@@ -181,7 +192,7 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
         "empty_cache": empty_cache,
         "mem_get_info": mem_get_info,
         "set_per_process_memory_fraction": set_per_process_memory_fraction,
-        "get_per_process_memory_fraction": lambda device=None: alloc(device).fraction,
+        "get_per_process_memory_fraction": lambda device=None: alloc(indexed(device)).fraction,
         "ipc_collect": nothing,
         "default_generators": generators,
         "get_rng_state": get_rng_state,

@@ -513,8 +513,9 @@ def test_a_real_cuda_oom_adapts_and_memory_returns_to_baseline() -> None:
     baseline = torch.cuda.memory_allocated(device)
     total = torch.cuda.get_device_properties(device).total_memory
     # Make the card look like 1 GiB: 4 MiB per item, so about 200 items fit.
+    index = torch.cuda.current_device()  # torch's fraction calls want an index
     torch.cuda.set_per_process_memory_fraction(
-        (torch.cuda.memory_reserved(device) + 2**30) / total, device)
+        (torch.cuda.memory_reserved(device) + 2**30) / total, index)
     try:
         @adaptive.batch(initial_batchsize=4096, device=device,
                         cache=adaptive.GlobalBatchsizeCache())
@@ -526,7 +527,7 @@ def test_a_real_cuda_oom_adapts_and_memory_returns_to_baseline() -> None:
         assert sizes[0] < 4096 and all(s <= 256 for s in sizes)
         assert sizes[-1] >= 100  # 1 GiB holds about 250 items; the search got near that
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(device) == baseline
 

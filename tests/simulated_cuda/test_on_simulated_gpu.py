@@ -4,9 +4,11 @@ has (the simulated one, see conftest.py; the real one where present)."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
+from conftest import run_if
 from torch import nn
 
 from adaptmem import adaptive
@@ -54,7 +56,7 @@ def test_gpu_paged_forward_under_inference_mode_matches_resident(on_device: bool
     assert all(p.device.type == ("cuda" if on_device else "cpu") for p in model.parameters())
 
 
-@pytest.mark.gpu
+@run_if(cuda=True, min_gpus=2)  # the simulation has two; a one-GPU machine skips it
 def test_gpu_split_over_two_cuda_devices_and_the_cpu_matches() -> None:
     model, x, expected = _linears()
     part = module_sizes(model).total_bytes // 3
@@ -70,6 +72,7 @@ def test_gpu_split_over_two_cuda_devices_and_the_cpu_matches() -> None:
 @pytest.mark.gpu
 def test_gpu_paged_weights_leave_no_device_memory_behind() -> None:
     model, x, expected = _linears()
+    gc.collect()  # on a real GPU, earlier tests' garbage must not go in the middle of this one
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) as pager:
@@ -77,8 +80,11 @@ def test_gpu_paged_weights_leave_no_device_memory_behind() -> None:
             for _ in range(2):
                 torch.testing.assert_close(model(x), expected)
         assert pager.stats.peak_device_bytes > 0
+    gc.collect()
     torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() == base
+    # Nothing left behind. On an H200 another test's 99 KiB went during this one once, so
+    # less than the base counts as nothing left too.
+    assert torch.cuda.memory_allocated() <= base
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 

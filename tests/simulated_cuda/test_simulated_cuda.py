@@ -151,6 +151,22 @@ def test_an_allocation_past_the_limit_raises_cudas_oom_and_allocates_nothing() -
         assert (keep + keep).numel() == 300 * MiB
 
 
+def test_the_memory_fraction_wants_a_device_index_as_torch_does() -> None:
+    # On a real GPU torch refuses torch.device("cuda") here (an H200 run found two callers
+    # the simulation had let through).
+    with simulated_cuda(devices=2):
+        for call in (lambda d: torch.cuda.set_per_process_memory_fraction(0.5, d),
+                     torch.cuda.get_per_process_memory_fraction):
+            with pytest.raises(ValueError, match="with a specified index or an integer"):
+                call(torch.device("cuda"))
+            with pytest.raises(ValueError, match="with a specified index or an integer"):
+                call("cuda")
+        torch.cuda.set_per_process_memory_fraction(0.25, "cuda:1")
+        torch.cuda.set_per_process_memory_fraction(0.5, 0)
+        assert torch.cuda.get_per_process_memory_fraction(torch.device("cuda", 1)) == 0.25
+        assert torch.cuda.get_per_process_memory_fraction() == 0.5
+
+
 # -- streams and events ----------------------------------------------------------------------
 
 def _copy_on_a_side_stream(host: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Stream]:
