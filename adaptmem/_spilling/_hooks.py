@@ -89,7 +89,7 @@ class Step:
         if entry is not None:
             stats.tensors_shared += 1
             return Packed(entry, t)
-        if not self.limits.over_limit(device) or not self.copies.has_tier(device):
+        if not self.limits.over_limit(device, nbytes) or not self.copies.has_tier(device):
             return keep(t, stats)
         with self.lock:
             entry = Entry(self, self.seq, device, nbytes, storage)

@@ -32,8 +32,10 @@ class SpillStats(Stats):
     again). ``seconds_waiting`` is time the
     training step itself waited: for copies out to drain in forward, for copies back that
     prefetching had not finished in backward. ``seconds_writing`` / ``seconds_reading`` are
-    the time the background copies took. ``peak_device_bytes`` is the most memory seen in
-    use on the device when a tensor was saved or restored.
+    the time the background copies took. ``peak_device_bytes`` is the most memory read in
+    use on the device: when a tensor was restored, and when one was saved and the tensors
+    saved since the last reading could have crossed the limit (memory in use is read no
+    more often than that; [Note: reading memory in use] in ``_limits.py``).
     """
 
     steps: int = 0

@@ -657,3 +657,71 @@ def test_a_retained_graph_restores_again_for_a_second_backward(tmp_path: Path) -
     assert handle.stats.tensors_restored == handle.stats.tensors_spilled == 6
     del loss
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+
+def test_memory_in_use_is_read_only_when_a_decision_could_change(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Reading memory in use costs (on a GPU it made a 7 ms step take 15-26 ms with nothing to
+    # spill), so a step far from its limit reads it once, not at every saved tensor.
+    from adaptmem._spilling import _limits
+
+    reads: list[int] = []
+    read = _limits.in_use_bytes
+    monkeypatch.setattr(_limits, "in_use_bytes", lambda d: reads.append(1) or read(d))
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(1024, 512)  # 2 MiB per saved activation
+    with adaptive.spill(limit="1TiB", to=tmp_path) as far:
+        model(x).sum().backward()
+    assert far.stats.tensors_spilled == 0 and len(reads) == 1
+    reads.clear()
+    with adaptive.spill(limit=0, to=tmp_path) as spilling:  # far above: every one spilled
+        model(x).sum().backward()
+    assert spilling.stats.tensors_spilled >= 8
+    pack_reads = len(reads) - spilling.stats.tensors_restored  # each restore reads once
+    assert pack_reads <= 3, len(reads)
+
+
+# -- a real GPU: the CUDA tier's streams and pinned copies under autograd ---------------------
+# The simulated device runs no autograd, so these run only where a real GPU is: there, on a
+# lent machine, `bash benchmarks/on_gpu.sh tests` or `lease` runs them (pytest -m gpu).
+
+_REAL_GPU = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="needs a real GPU: autograd does not run on the "
+                                      "simulated device (benchmarks/on_gpu.sh runs these)")
+
+
+def _gpu_step(model: nn.Module, x: torch.Tensor, spill: Any = None
+              ) -> tuple[torch.Tensor, list[torch.Tensor], int]:
+    """One training step on the GPU; the loss, the gradients, and the device memory that
+    forward left allocated for backward."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with spill if spill is not None else nullcontext():
+        loss = model(x).pow(2).mean()
+        torch.cuda.synchronize()
+        time.sleep(0.2)  # copies out finish on their stream; their memory goes as they do
+        held = torch.cuda.memory_allocated() - before
+        loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], held
+
+
+@pytest.mark.gpu
+@_REAL_GPU
+@pytest.mark.parametrize("to", ["host", "dir"])
+def test_gpu_spilled_step_gives_bitwise_gradients_and_holds_less_device_memory(
+        to: str, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.GELU())
+                            for _ in range(8)]).cuda()
+    x = torch.randn(4096, 1024, device="cuda")  # 16 MiB per saved activation, 16 of them
+    loss0, grads0, held0 = _gpu_step(model, x)
+    handle = adaptive.spill(limit=0, to="host" if to == "host" else tmp_path)
+    loss1, grads1, held1 = _gpu_step(model, x, handle)
+    assert torch.equal(loss1, loss0)
+    assert all(torch.equal(a, b) for a, b in zip(grads1, grads0, strict=True))
+    assert handle.stats.tensors_spilled >= 15
+    assert handle.stats.tensors_restored == handle.stats.tensors_spilled
+    assert held1 < 0.5 * held0, (held1, held0)
