@@ -7,13 +7,18 @@
 #   bash benchmarks/on_gpu.sh paging     # benchmarks/paging.py --gpu-only --write
 #   bash benchmarks/on_gpu.sh chunking   # benchmarks/chunking.py --write
 #   bash benchmarks/on_gpu.sh loading    # benchmarks/loading.py
+#   bash benchmarks/on_gpu.sh lease      # all of it, cut to fit one short lease (below)
 #
-# Logs and the updated RESULTS.md go to $OUT (default /tmp/adaptmem-gpu). toma and
-# pytorch-optimem, the rivals the benchmarks compare against, are pure-Python wheels: put them
-# in .whl/ (pip download --no-deps toma pytorch-optimem -d .whl) and they are installed first;
-# without them the rivals' rows say they are missing.
+# 'lease' runs, in the order $STEPS names them (default: tests spill paging chunking loading;
+# 'suite' adds the whole test suite on 8 workers), each within what is left of $BUDGET
+# seconds (default 480): tests is pytest -m gpu, spill is spill.py --device cuda (the spill
+# tier's CUDA path, which no simulation reaches: autograd is not simulated), paging is
+# paging.py --gpu-only, chunking is chunking.py at batches 1, 4 and 16, loading is
+# loading.py for the GPT-2 small shape, one round. A step that would get under 20 seconds is
+# skipped, and says so. Every step writes its log to $OUT; keep to at most 8 files there
+# (install.log, gpu.txt, one log per step, RESULTS.md) where only 8 come back.
 set -uo pipefail
-step=${1:?"which step: tests, paging, chunking or loading"}
+step=${1:?"which step: tests, paging, chunking, loading or lease"}
 out=${OUT:-/tmp/adaptmem-gpu}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: the script changes directory next
@@ -25,7 +30,12 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log" 2>&1 ||
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>&1
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import sys, torch; print(sys.version); print('torch', torch.__version__, \
+torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+    python3 -c "import adaptmem; from adaptmem import adaptive; print('adaptmem imports')"
+} >"$out/gpu.txt" 2>&1
 status=0
 run() {  # run LOG SECONDS COMMAND...: log to $out/LOG, remember the first failure
     local log=$1 seconds=$2
@@ -37,15 +47,40 @@ run() {  # run LOG SECONDS COMMAND...: log to $out/LOG, remember the first failu
 case $step in
     tests)
         run gpu-tests.log 240 python3 -m pytest -q -m gpu -p no:cacheprovider
-        parallel=()  # the whole suite with CUDA present; pytest-xdist spreads it when there
+        # The whole suite with CUDA present; pytest-xdist spreads it when there. pytest-benchmark
+        # (in the GPU image) warns under xdist, and this suite makes warnings errors: off.
+        parallel=()
         if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
-        run all-tests.log 300 python3 -m pytest -q -p no:cacheprovider "${parallel[@]}"
+        run all-tests.log 300 python3 -m pytest -q -p no:cacheprovider -p no:benchmark "${parallel[@]}"
         ;;
     paging) run paging.log 560 python3 benchmarks/paging.py --gpu-only --write ;;
     chunking) run chunking.log 560 python3 benchmarks/chunking.py --write ;;
     loading) run loading.log 560 python3 benchmarks/loading.py --timeout 120 ;;
+    lease)
+        deadline=$((SECONDS + ${BUDGET:-480}))
+        within() {  # within LOG SECONDS COMMAND...: run, cut to what is left of the budget
+            local log=$1 want=$2 left=$((deadline - SECONDS))
+            shift 2
+            if [ "$left" -lt 20 ]; then
+                echo "skipped $log: ${left}s of the budget left" | tee -a "$out/gpu.txt"
+                return
+            fi
+            run "$log" $((want < left ? want : left)) "$@"
+        }
+        for part in ${STEPS:-tests spill paging chunking loading}; do
+            case $part in
+                tests) within gpu-tests.log 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider ;;
+                spill) within spill.log 90 python3 benchmarks/spill.py --device cuda --rounds 3 --write ;;
+                paging) within paging.log 180 python3 benchmarks/paging.py --gpu-only --write ;;
+                chunking) within chunking.log 120 python3 benchmarks/chunking.py --batches 1,4,16 --write ;;
+                loading) within loading.log 150 python3 benchmarks/loading.py --models small --rounds 1 --timeout 60 ;;
+                suite) within all-tests.log 600 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 ;;
+                *) echo "unknown lease part '$part'" | tee -a "$out/gpu.txt" ;;
+            esac
+        done
+        ;;
     *)
-        echo "unknown step '$step': tests, paging, chunking or loading" >&2
+        echo "unknown step '$step': tests, paging, chunking, loading or lease" >&2
         exit 2
         ;;
 esac
