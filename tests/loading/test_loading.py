@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -732,8 +733,8 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def _cached_fraction(path: Path) -> float:
-    """How much of ``path`` the page cache holds (mincore on an untouched mapping)."""
+def _resident(path: Path) -> list[bool]:
+    """Which pages of ``path`` the page cache holds (mincore on an untouched mapping)."""
     import ctypes
     import mmap
 
@@ -747,9 +748,15 @@ def _cached_fraction(path: Path) -> float:
     try:
         vec = (ctypes.c_ubyte * pages)()
         assert _mincore(address, size, vec) == 0
-        return sum(v & 1 for v in bytes(vec)) / pages
+        return [bool(v & 1) for v in bytes(vec)]
     finally:
         _munmap(address, size)
+
+
+def _cached_fraction(path: Path) -> float:
+    """How much of ``path`` the page cache holds."""
+    resident = _resident(path)
+    return sum(resident) / len(resident)
 
 
 def _takes_direct_reads(root: Path) -> bool:
@@ -943,6 +950,41 @@ def test_copy_false_keeps_cpu_tensors_backed_by_the_file(fmt: str, tmp_path: Pat
         model.scale.add_(1)  # copy-on-write: the file must not change
     again = adaptive.load(Net, path, device="cpu")
     assert torch.equal(again.scale, source.scale)
+
+
+
+def test_a_cold_copy_false_load_asks_for_the_first_page_of_every_mapped_tensor(
+        tmp_path: Path) -> None:
+    # [Note: the first page of a mapped tensor]: with a small page at each tensor's start in
+    # the cache, touching a cold mapping reads in small pieces with read-ahead running ahead
+    # (GPT-2 small: 0.29-0.32 s against 0.81-0.99 s on the development VM), and nothing
+    # else is read before the tensors are touched.
+    import mmap
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(256, 1024) for i in range(8)}  # 1 MiB each
+    path = tmp_path / "cold.safetensors"
+    save_file(state, str(path))
+    _evict(path)
+    if _cached_fraction(path) > 0.1:
+        pytest.skip(f"{tmp_path} keeps files in memory (tmpfs?): no file is cold there")
+    factory = lambda: nn.ParameterDict({k: nn.Parameter(torch.empty(256, 1024))  # noqa: E731
+                                        for k in state})
+    model = adaptive.load(factory, path, device="cpu", copy=False)
+    with path.open("rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+        offsets = {k: v["data_offsets"][0] + 8 + header
+                   for k, v in json.loads(f.read(header)).items() if k != "__metadata__"}
+    firsts = {offsets[k] // mmap.PAGESIZE for k in state}
+    deadline = time.monotonic() + 5  # the hint is not waited for
+    while not all((resident := _resident(path))[page] for page in firsts):
+        assert time.monotonic() < deadline, "the first pages never came"
+        time.sleep(0.01)
+    assert sum(resident) < 0.25 * len(resident)  # first pages, not the tensors
+    for k, v in state.items():  # and the values, read through the mapping, are the file's
+        assert torch.equal(model[k], v)
 
 
 def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:
