@@ -83,6 +83,14 @@ class _SkipWritesToMeta(TorchDispatchMode):
     on a real tensor: buffers get their constructor values.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ so that torch.compile skips it, and that
+        # wrapper imports torch._dynamo on its first call: 1.0-1.5 s of a first empty_model
+        # on the 2-core VM where torch._dynamo is not imported yet (plain torch models;
+        # torchvision and transformers import it), for a mode that only returns early.
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if args and isinstance(args[0], torch.Tensor) and args[0].is_meta and _writes_values(func):
             return args[0]

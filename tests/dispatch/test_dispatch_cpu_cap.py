@@ -58,6 +58,10 @@ CHILD = """
     data = torch.load(path + ".data", weights_only=True)
     want = torch.load(path + ".want", weights_only=True)
     metas = [adaptive.empty_model(build) for _ in range(4)]  # before the cap
+    # model= traces on fake tensors, which imports torch's compiler on first use (78 MiB of
+    # VmData on the development VM, more than the cap): a process capped after loading
+    # imports it first. empty_model used to import it as a side effect.
+    import torch._dynamo
     set_cpu_memory_limit((held_bytes() + cap) / 2**30)
 
     def run(model, batchsize):

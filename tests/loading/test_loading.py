@@ -480,6 +480,26 @@ def test_empty_model_runs_no_initialiser_on_parameters(
     assert torch.equal(loaded.table, torch.arange(8.0) * 2)
 
 
+
+def test_the_first_empty_model_imports_no_compiler() -> None:
+    # torch wraps every dispatch mode's handler so that torch.compile skips it, and the
+    # wrapper imports torch._dynamo on its first call: 1.0-1.5 s of the first empty_model in
+    # a process that had not imported it (models of plain torch: torchvision and transformers
+    # import it themselves).
+    code = """
+        import sys, time, torch
+        from adaptmem import adaptive
+        start = time.perf_counter()
+        adaptive.empty_model(lambda: torch.nn.Sequential(*[torch.nn.Linear(64, 64)] * 4))
+        print("TOOK", time.perf_counter() - start, "DYNAMO", "torch._dynamo" in sys.modules)
+    """
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2]))
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "DYNAMO False" in result.stdout, result.stdout
+
+
 def test_missing_key_on_meta_is_named_in_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
