@@ -78,6 +78,7 @@ class Copies:
         self.futures: set[concurrent.futures.Future[Any]] = set()
         self.error: OSError | None = None
         self.discarded = False
+        self.ended = False  # the step's block ended: an error now has no one to raise it
         self.holds_mmap_threshold = False
         self.freed_untrimmed = self.read_untrimmed = 0  # see [Note: glibc heap]
 
@@ -151,10 +152,19 @@ class Copies:
                 entry.event.synchronize()
             self.disk.write(data, entry.offset)
         except OSError as exc:
+            # Raised later, in the step's thread. Its frames here would hold ``entry`` alive,
+            # and with it the scratch file, for as long as the caller keeps the error.
+            exc.__traceback__ = None
+            if exc.__cause__ is not None:
+                exc.__cause__.__traceback__ = None
             with self.lock:
                 entry.state = EntryState.KEPT  # still in memory: the step stays correct
-                if self.error is None:
+                first, unraised = self.error is None, self.ended
+                if first:
                     self.error = exc
+            if first and unraised:
+                logger.warning("%s. The step had ended: it kept its saved tensors in memory "
+                               "and is correct, but spilled no more from then on", exc)
             return
         finally:
             self.stats.seconds_writing += time.perf_counter() - start
@@ -231,11 +241,15 @@ class Copies:
             self.disk.close()
             self.disk = None
 
-    def end(self) -> None:
-        """The step ended: let go of glibc's mmap threshold (see [Note: glibc heap])."""
+    def end(self) -> OSError | None:
+        """The step ended: let go of glibc's mmap threshold (see [Note: glibc heap]). The
+        first error a copy out met so far, for the step to raise; a later one is logged."""
         if self.holds_mmap_threshold:
             self.holds_mmap_threshold = False
             release_mmap_threshold()
+        with self.lock:
+            self.ended = True
+            return self.error
 
     def discard(self) -> None:
         """Write nothing more, and wait for the copies under way."""

@@ -193,7 +193,7 @@ class Step:
 
     def finish(self) -> None:
         """The block ended normally: the scratch file lives on while saved tensors need it."""
-        self.copies.end()
+        error = self.copies.end()
         with self.lock:
             self.exited = True
             if self.live == 0:
@@ -203,7 +203,6 @@ class Step:
             logger.info("spill: %d saved tensors (%s) copied out, %s copied back so far, "
                         "%.3f s waited", self.seq, format_bytes(s.bytes_out),
                         format_bytes(s.bytes_in), s.seconds_waiting)
-        error = self.copies.error
         if error is not None and not self.error_raised:
             self.error_raised = True
             raise error

@@ -354,6 +354,31 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path,
         with adaptive.spill(threshold=0, limit=0, to=tmp_path):
             _exp_chain(x, 20).sum().backward()
     assert caught.value.errno == errno.ENOSPC and str(tmp_path) in str(caught.value)
+    # The scratch file is gone while the caller still holds the error (its frames once
+    # held a spilled tensor, and the file with it).
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+def test_a_disk_that_fills_after_the_step_is_logged_and_the_step_is_right(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adaptmem_log: Any) -> None:
+    # Writes run behind the step: a disk that fills once the block has ended cannot raise
+    # in it. The step kept those tensors in memory (its gradients are right); a warning says
+    # the disk is full.
+    def slow_and_full(fd: int, data: Any, offset: int) -> int:
+        time.sleep(0.05)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_tiers.os, "pwrite", slow_and_full)
+    x = torch.randn(128, 128, requires_grad=True)
+    _exp_chain(x, 20).sum().backward()
+    expected, x.grad = x.grad, None
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path):
+        _exp_chain(x, 20).sum().backward()
+    assert torch.equal(x.grad, expected)
+    deadline = time.monotonic() + 10
+    while not any("disk is full" in r.getMessage() for r in adaptmem_log.records):
+        assert time.monotonic() < deadline, "no warning about the full disk"
+        time.sleep(0.01)
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
 
 
