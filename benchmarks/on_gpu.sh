@@ -14,7 +14,9 @@
 # seconds (default 480): tests is pytest -m gpu, spill is spill.py --device cuda (the spill
 # tier's CUDA path, which no simulation reaches: autograd is not simulated), paging is
 # paging.py --gpu-only, chunking is chunking.py at batches 1, 4 and 16, loading is
-# loading.py for the GPT-2 small shape, one round. A step that would get under 20 seconds is
+# loading.py for the GPT-2 small shape, one round; 'loading-cpu' is loading.py on that host's
+# CPU (issue 16's warm target, on a second and larger machine), GPT-2 small and
+# large, two rounds. A step that would get under 20 seconds is
 # skipped, and says so. Every step writes its log to $OUT; keep to at most 8 files there
 # (install.log, gpu.txt, one log per step, RESULTS.md) where only 8 come back.
 set -uo pipefail
@@ -74,6 +76,7 @@ case $step in
                 paging) within paging.log 180 python3 benchmarks/paging.py --gpu-only --write ;;
                 chunking) within chunking.log 120 python3 benchmarks/chunking.py --batches 1,4,16 --write ;;
                 loading) within loading.log 150 python3 benchmarks/loading.py --models small --rounds 1 --timeout 60 ;;
+                loading-cpu) within loading-cpu.log 300 python3 benchmarks/loading.py --device cpu --models small,large --rounds 2 --timeout 120 ;;
                 suite) within all-tests.log 600 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 ;;
                 *) echo "unknown lease part '$part'" | tee -a "$out/gpu.txt" ;;
             esac
