@@ -457,13 +457,13 @@ def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False)
         target.copy_(src, non_blocking=non_blocking)
 
 
-
 def _ask_for_first_page(fd: int, offset: int) -> None:
     """Start reading the page of ``fd`` that holds ``offset``, without waiting ([Note: the
     first page of a mapped tensor])."""
     if _fadvise is not None:
         with contextlib.suppress(OSError):
             _fadvise(fd, offset - offset % _PAGE, _PAGE, os.POSIX_FADV_WILLNEED)
+
 
 class Reader:
     """Reads checkpoint tensors: one open file per checkpoint file, worker threads that fault

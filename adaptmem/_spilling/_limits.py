@@ -10,9 +10,9 @@ could have crossed the limit: forward's memory grows by what it saves (and by wh
 and frees again), so while twice the bytes saved since a reading stay below that reading's
 distance to the limit, the decision it gave still holds. Far below the limit (or far above,
 ``limit=0``) that is a reading every few hundred megabytes; near it, a reading per tensor,
-as before. On the CPU, where memory in use is the process's resident memory and moves with
-the C library's heap, where spilling starts varied as much from run to run before this as
-after.
+as before. On the CPU, memory in use is the process's resident memory, which moves with the
+C library's heap: there, where spilling starts varied from run to run as much before this
+change as after it.
 """
 
 from __future__ import annotations
