@@ -77,7 +77,10 @@ case $step in
                 chunking) within chunking.log 120 python3 benchmarks/chunking.py --batches 1,4,16 --write ;;
                 loading) within loading.log 150 python3 benchmarks/loading.py --models small --rounds 1 --timeout 60 ;;
                 loading-cpu) within loading-cpu.log 300 python3 benchmarks/loading.py --device cpu --models small,large --rounds 2 --timeout 120 ;;
-                suite) within all-tests.log 600 python3 -m pytest -q -p no:cacheprovider -p no:benchmark -n 8 ;;
+                suite)
+                    parallel=()
+                    if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
+                    within all-tests.log 600 python3 -m pytest -q -p no:cacheprovider -p no:benchmark "${parallel[@]}" ;;
                 *) echo "unknown lease part '$part'" | tee -a "$out/gpu.txt" ;;
             esac
         done

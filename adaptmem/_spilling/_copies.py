@@ -154,17 +154,18 @@ class Copies:
         except OSError as exc:
             # Raised later, in the step's thread. Its frames here would hold ``entry`` alive,
             # and with it the scratch file, for as long as the caller keeps the error.
-            exc.__traceback__ = None
-            if exc.__cause__ is not None:
-                exc.__cause__.__traceback__ = None
+            chained: BaseException | None = exc
+            while chained is not None:
+                chained.__traceback__ = None
+                chained = chained.__cause__ or chained.__context__
             with self.lock:
                 entry.state = EntryState.KEPT  # still in memory: the step stays correct
-                first, unraised = self.error is None, self.ended
+                first, unraised = self.error is None, self.ended and not self.discarded
                 if first:
                     self.error = exc
             if first and unraised:
-                logger.warning("%s. The step had ended: it kept its saved tensors in memory "
-                               "and is correct, but spilled no more from then on", exc)
+                logger.warning("%s. The step had ended: the tensors whose copy failed stayed "
+                               "in memory (the step is correct) instead of being spilled", exc)
             return
         finally:
             self.stats.seconds_writing += time.perf_counter() - start

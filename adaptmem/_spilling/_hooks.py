@@ -73,6 +73,7 @@ class Step:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0 or nbytes < self.settings.threshold:
+            self.limits.count(t.device, nbytes)  # memory in use grows by it all the same
             return keep(t, stats)
         error = self.copies.error
         if error is not None:

@@ -5,19 +5,22 @@ out before forward waits.
 ``torch.cuda.memory_allocated`` builds the allocator's whole statistics dictionary, and
 ``limit="auto"`` also asks the driver for free memory. Asked at every saved tensor of a
 megabyte or more, that made a 7 ms training step on an H200 take 15-26 ms with nothing to
-spill. So the step reads memory in use only when the tensors saved since the last reading
-could have crossed the limit: forward's memory grows by what it saves (and by what it makes
-and frees again), so while twice the bytes saved since a reading stay below that reading's
-distance to the limit, the decision it gave still holds. Far below the limit (or far above,
-``limit=0``) that is a reading every few hundred megabytes; near it, a reading per tensor,
-as before. On the CPU, memory in use is the process's resident memory, which moves with the
-C library's heap: there, where spilling starts varied from run to run as much before this
-change as after it.
+spill. So the step reuses a reading while the tensors saved since (of every size) could not
+have crossed the limit: forward's memory grows mostly by what it saves, so while twice the
+bytes saved since a reading stay below that reading's distance to the limit, and the
+reading is under 10 ms old (gradients between two forwards in one block, other threads and
+processes move memory too), its decision is taken to hold. It is a heuristic: memory that
+grows some other way within those 10 ms goes unseen until the next reading. Far from the
+limit (or far above it, ``limit=0``) that is a reading every 10 ms or every few hundred
+megabytes saved; near it, a reading per tensor, as before. On the CPU, memory in use is the
+process's resident memory, which moves with the C library's heap: there, where spilling
+starts varied from run to run as much before this change as after it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +36,10 @@ class _Reading:
     in_use: int  # bytes in use on the device when read
     limit: int  # the limit then, as bytes in use (limit="auto": from the free memory then)
     saved: int = 0  # bytes saved on the device since
+    at: float = field(default_factory=time.monotonic)
+
+
+_REUSE_SECONDS = 0.01  # how long a reading may stand in for memory in use
 
 
 class Limits:
@@ -58,11 +65,19 @@ class Limits:
         reading = self.readings.get(device)
         if reading is not None:
             reading.saved += nbytes
-            if 2 * reading.saved < abs(reading.in_use - reading.limit):
+            if (2 * reading.saved < abs(reading.in_use - reading.limit)
+                    and time.monotonic() - reading.at < _REUSE_SECONDS):
                 return reading.in_use > reading.limit
         in_use = self.in_use(device)
         self.readings[device] = _Reading(in_use, self._limit(device, in_use))
         return in_use > self.readings[device].limit
+
+    def count(self, device: torch.device, nbytes: int) -> None:
+        """A tensor of ``nbytes`` saved on ``device`` that is not spilled whatever the limit
+        (under the threshold): memory in use grew by it since the last reading."""
+        reading = self.readings.get(device)
+        if reading is not None:
+            reading.saved += nbytes
 
     def _limit(self, device: torch.device, in_use: int) -> int:
         if self.settings.limit != "auto":
