@@ -37,8 +37,9 @@ from typing import Any
 import torch
 
 from .._common.errors import LoadError
+from .._common.libc import libc_function
 from ..cpu_memory import map_file
-from .direct import DIRECT_PIECE, DirectReads, libc_function, soft_limit
+from .direct import DIRECT_PIECE, DirectReads, soft_limit
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 

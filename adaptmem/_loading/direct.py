@@ -15,11 +15,12 @@ import mmap
 import os
 import sys
 import threading
-from typing import Any
 
 import torch
 
-__all__ = ["DirectReads", "DIRECT_PIECE", "libc_function", "soft_limit"]
+from .._common.libc import libc_function
+
+__all__ = ["DirectReads", "DIRECT_PIECE", "soft_limit"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -60,18 +61,6 @@ _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
 _PAGE = mmap.PAGESIZE
 _RESIDENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 says the page is cached
-
-
-def libc_function(name: str, argtypes: list[Any], restype: Any) -> Any:
-    """``name`` from the C library, typed; None where there is none (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = getattr(ctypes.CDLL(None, use_errno=True), name)
-    except (OSError, AttributeError):
-        return None
-    function.argtypes, function.restype = argtypes, restype
-    return function
 
 
 _mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],

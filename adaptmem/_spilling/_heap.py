@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .._common.devices import parse_size
+from .._common.libc import libc_function
 
 __all__ = ["TRIM_EVERY", "check_mmap_threshold", "fixed_mmap_threshold",
            "hold_mmap_threshold", "release_mmap_threshold", "return_freed_memory"]
@@ -37,14 +38,9 @@ TRIM_EVERY = 8 << 20  # bytes freed (or read back) between two trims of one step
 @functools.cache
 def _glibc(name: str) -> Any:
     """glibc's function ``name`` through ctypes, or None (another C library or platform)."""
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if platform.libc_ver()[0] != "glibc":
         return None
-    try:
-        fn = getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function(name, None, ctypes.c_int)
 
 
 def return_freed_memory() -> None:
