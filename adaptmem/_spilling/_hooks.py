@@ -64,8 +64,10 @@ class Step:
     def pack(self, t: torch.Tensor) -> Any:
         stats = self.stats
         stats.tensors_saved += 1
-        if (_in_backward() or type(t) is not torch.Tensor or t.layout != torch.strided
-                or t.device.type == "meta" or (t.requires_grad and t.is_leaf)):
+        if _in_backward() or type(t) is not torch.Tensor or t.layout != torch.strided:
+            return keep(t, stats)
+        device = t.device  # asked once: each call makes a new torch.device
+        if device.type == "meta" or (t.requires_grad and t.is_leaf):
             return keep(t, stats)
         base = t._base
         if base is not None and base.is_leaf:  # see [Note: what is spilled]
@@ -73,7 +75,7 @@ class Step:
         storage = t.untyped_storage()
         nbytes = storage.nbytes()
         if nbytes == 0 or nbytes < self.settings.threshold:
-            self.limits.count(t.device, nbytes)  # memory in use grows by it all the same
+            self.limits.count(device, nbytes)  # memory in use grows by it all the same
             return keep(t, stats)
         error = self.copies.error
         if error is not None:
@@ -81,7 +83,6 @@ class Step:
                 self.error_raised = True
                 raise error
             return keep(t, stats)
-        device = t.device
         key = (device, storage.data_ptr())
         with self.lock:
             entry = self.by_storage.get(key)
