@@ -38,6 +38,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     python3 -c "import adaptmem; from adaptmem import adaptive; print('adaptmem imports')"
 } >"$out/gpu.txt" 2>&1
+# The whole suite spreads over 8 workers where pytest-xdist is there. pytest-benchmark (in
+# the GPU image) warns under xdist, and this suite makes warnings errors: it is turned off.
+suite=(python3 -m pytest -q -p no:cacheprovider -p no:benchmark)
+if python3 -c "import xdist" 2>/dev/null; then suite+=(-n 8); fi
 status=0
 run() {  # run LOG SECONDS COMMAND...: log to $out/LOG, remember the first failure
     local log=$1 seconds=$2
@@ -49,11 +53,7 @@ run() {  # run LOG SECONDS COMMAND...: log to $out/LOG, remember the first failu
 case $step in
     tests)
         run gpu-tests.log 240 python3 -m pytest -q -m gpu -p no:cacheprovider
-        # The whole suite with CUDA present; pytest-xdist spreads it when there. pytest-benchmark
-        # (in the GPU image) warns under xdist, and this suite makes warnings errors: off.
-        parallel=()
-        if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
-        run all-tests.log 300 python3 -m pytest -q -p no:cacheprovider -p no:benchmark "${parallel[@]}"
+        run all-tests.log 300 "${suite[@]}"  # the whole suite with CUDA present
         ;;
     paging) run paging.log 560 python3 benchmarks/paging.py --gpu-only --write ;;
     chunking) run chunking.log 560 python3 benchmarks/chunking.py --write ;;
@@ -77,10 +77,7 @@ case $step in
                 chunking) within chunking.log 120 python3 benchmarks/chunking.py --batches 1,4,16 --write ;;
                 loading) within loading.log 150 python3 benchmarks/loading.py --models small --rounds 1 --timeout 60 ;;
                 loading-cpu) within loading-cpu.log 300 python3 benchmarks/loading.py --device cpu --models small,large --rounds 2 --timeout 120 ;;
-                suite)
-                    parallel=()
-                    if python3 -c "import xdist" 2>/dev/null; then parallel=(-n 8); fi
-                    within all-tests.log 600 python3 -m pytest -q -p no:cacheprovider -p no:benchmark "${parallel[@]}" ;;
+                suite) within all-tests.log 600 "${suite[@]}" ;;
                 *) echo "unknown lease part '$part'" | tee -a "$out/gpu.txt" ;;
             esac
         done
