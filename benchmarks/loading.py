@@ -6,6 +6,7 @@ the source allows (page-cache copy bandwidth, cold sequential disk read).
     python benchmarks/loading.py --all-methods            # + baselines, accelerate, per-tensor
     python benchmarks/loading.py --models tiny --rounds 1 # a seconds-long smoke run
     python benchmarks/loading.py --page-probe 0.5,3       # 4 KiB vs huge pages, fresh memory
+    python benchmarks/loading.py --first-build-probe --rounds 5  # empty_model's first call
 
 Each model (transformers' GPT2LMHeadModel from a config when installed, else an equivalent
 built here; random weights, fp32) is saved as ``.pt`` and ``.safetensors``. Then, for each
@@ -404,6 +405,36 @@ def _read_faulted_ahead(path: Path, dest: torch.Tensor) -> None:
     os.close(fd)
 
 
+_FIRST_BUILD = """
+import sys, time, torch
+from torch import nn
+from adaptmem import adaptive
+start = time.perf_counter()
+if sys.argv[1] == "with the compiler import":
+    import torch._dynamo  # what a dispatch mode's first call imported, until it opted out
+adaptive.empty_model(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(24)]))
+print(time.perf_counter() - start)
+"""
+
+
+def first_build_probe(rounds: int) -> None:
+    """The first ``empty_model`` of a fresh process (a plain torch model, 24 x
+    Linear(2048, 2048)), as it is and with ``import torch._dynamo`` inside the timed window:
+    what the loader's dispatch mode cost on its first call before it opted out of torch's
+    compile-skipping wrapper. Interleaved, ``rounds`` pairs."""
+    here = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    times: dict[str, list[float]] = {"as it is": [], "with the compiler import": []}
+    for _ in range(rounds):
+        for how in times:
+            out = subprocess.run([sys.executable, "-c", _FIRST_BUILD, how], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            times[how].append(float(out.split()[-1]))
+    for how, ts in times.items():
+        print(f"| first empty_model, {how} | {statistics.median(ts):.3f} s "
+              f"[{min(ts):.3f}-{max(ts):.3f}] |")
+
+
 def page_probe(sizes: list[float], rounds: int, workdir: str | None) -> None:
     """Fresh-process copies of a cached file into new memory made each way of PAGE_MODES."""
     work = Path(tempfile.mkdtemp(prefix="adaptmem-pages-", dir=workdir))
@@ -523,12 +554,21 @@ def main() -> None:
                     help="instead of loading: copy a cached file of each size (GiB) into new "
                     "memory made with 4 KiB pages, huge pages and/or pre-faulted, each in a "
                     "fresh process, --rounds times")
+    ap.add_argument("--first-build-probe", action="store_true",
+                    help="instead of loading: the first empty_model of a fresh process, with "
+                    "and without importing torch's compiler in it, --rounds pairs")
     ap.add_argument("--fresh-memory-probe", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--probe-pages", default="4k", help=argparse.SUPPRESS)
     ap.add_argument("--probe-bytes", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.fresh_memory_probe:
         fresh_memory_probe(Path(args.fresh_memory_probe), args.probe_pages, args.probe_bytes)
+        return
+    if args.first_build_probe:
+        print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; Linux "
+              f"{platform.release()}; torch {torch.__version__}; command: python "
+              f"benchmarks/loading.py {' '.join(sys.argv[1:])}", flush=True)
+        first_build_probe(args.rounds)
         return
     if args.page_probe:
         print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; Linux "

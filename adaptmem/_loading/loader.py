@@ -86,7 +86,7 @@ class _SkipWritesToMeta(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ so that torch.compile skips it, and that
-        # wrapper imports torch._dynamo on its first call: 1.0-1.5 s of a first empty_model
+        # wrapper imports torch._dynamo on its first call: about 1.1 s of a first empty_model
         # on the 2-core VM where torch._dynamo is not imported yet (plain torch models;
         # torchvision and transformers import it), for a mode that only returns early.
         return False

@@ -483,7 +483,7 @@ def test_empty_model_runs_no_initialiser_on_parameters(
 
 def test_the_first_empty_model_imports_no_compiler() -> None:
     # torch wraps every dispatch mode's handler so that torch.compile skips it, and the
-    # wrapper imports torch._dynamo on its first call: 1.0-1.5 s of the first empty_model in
+    # wrapper imports torch._dynamo on its first call: about 1.1 s of the first empty_model in
     # a process that had not imported it (models of plain torch: torchvision and transformers
     # import it themselves).
     code = """
