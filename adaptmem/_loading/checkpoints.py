@@ -376,6 +376,14 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # cache in 141-183 ms with two faulting threads against 266-327 ms without
 # (`benchmarks/loading.py`). Where madvise refuses it (older kernels), reading goes on as
 # before.
+# Tried and rejected (2026-11-27): a private (copy-on-write) mapping of a cached tensor's
+# bytes of the file, faulted in for writing, copies each page without zeroing it first, and
+# loaded GPT-2 small warm in 0.138-0.179 s against 0.178-0.206 s (eight interleaved pairs;
+# GPT-2 large 0.68-0.71 against 0.83-0.85 s). But truncating a file discards even the
+# private pages of its mappings past the new end (POSIX wants SIGBUS there): a model loaded
+# so crashed with SIGBUS once its checkpoint was saved again over the same path (torch.save
+# truncates first), though every page was the process's own. A copying load must not depend
+# on the file afterwards.
 # [Note: the first page of a mapped tensor]
 # A tensor of a copy=False load is read when it is first touched, through page faults on the
 # file's mapping. Where the kernel caches files in large folios and maps them whole (ext4 and
