@@ -179,8 +179,9 @@ class _Dest:
     into: list[torch.Tensor] = field(default_factory=list)
 
 
-def _placements(sizes: ModuleSizes, device: Any) -> Callable[[str], Any]:
-    """A function: canonical tensor name -> list of tensors to copy into, or (device, pinned)."""
+def _placements(sizes: ModuleSizes, device: Any, making: bool) -> Callable[[str], Any]:
+    """A function: canonical tensor name -> list of tensors to copy into, or (device, pinned);
+    ``making``: the model has meta tensors."""
     if isinstance(device, LoadTargets):
         targets = device.load_targets()
         if not isinstance(targets, Mapping):
@@ -205,7 +206,13 @@ def _placements(sizes: ModuleSizes, device: Any) -> Callable[[str], Any]:
             else:
                 resolved[place] = (resolve_device(place, f"plan placement {place!r}"), False)
         return lambda name: resolved[where[name]]
-    if device is None:  # real tensors stay put; meta ones go to default_device()
+    if device is None:
+        # A model with meta tensors (a factory, or built on meta) is being made: all of it
+        # goes to default_device(), its real buffers too, so that it runs where it lands.
+        # A model without them stays where it is, each tensor on its device.
+        if making:
+            dev = default_device()
+            return lambda name: (dev, False)
         return lambda name: (None, False)
     dev = resolve_device(device)
     return lambda name: (dev, False)
@@ -251,9 +258,10 @@ def load(
         model_or_factory: an ``nn.Module`` (built normally or on the meta device), or a
             zero-argument factory, built with ``empty_model`` so its parameters cost nothing.
         checkpoint: path to a file, an ``*.index.json``, or a directory.
-        device: where tensors go. A device (``"cuda:0"``, ``"cpu"``); ``None`` keeps real
-            tensors where they are and sends meta ones to the current accelerator, else the
-            CPU. Or a ``Plan`` from ``adaptive.plan``: each tensor goes to its unit's
+        device: where tensors go. A device (``"cuda:0"``, ``"cpu"``); ``None``: a model
+            with meta tensors (a factory, or built on meta) goes whole, buffers included,
+            to the current accelerator, else the CPU; a model without them stays where it
+            is, each tensor on its device. Or a ``Plan`` from ``adaptive.plan``: each tensor goes to its unit's
             placement, paged units to pinned host memory (plain CPU memory without CUDA). Or
             a placement handle (``adaptive.page``/``chunk``/``split``): each checkpoint tensor
             is copied in place into every copy the handle keeps (host and device).
@@ -383,7 +391,7 @@ def _plan_load(
         raise LoadError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
                         + "\n\t".join(errors))
 
-    place = _placements(sizes, device)
+    place = _placements(sizes, device, any(t.device.type == "meta" for t in tensors.values()))
     handle = isinstance(device, LoadTargets)
     dests: dict[str, _Dest] = {}
     for name, current in tensors.items():

@@ -1299,6 +1299,45 @@ def test_gpu_peak_is_model_bytes_plus_largest_tensor(fmt: str, tmp_path: Path) -
     assert all(p.is_cuda for p in model.parameters())
 
 
+class _WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.lin(x)) * self.scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("made", ["factory", "built on meta"])
+def test_gpu_default_device_takes_a_model_being_made_whole_to_the_accelerator(
+    made: str, tmp_path: Path,
+) -> None:
+    # device=None: the parameters (meta) and the buffers (real, on the CPU: persistent ones
+    # from the checkpoint, non-persistent ones from the constructor) all land on the GPU,
+    # so the model runs there; a model without meta tensors stays where it is.
+    torch.manual_seed(0)
+    source = _WithBuffers().eval()
+    path = _save("pt", source.state_dict(), tmp_path)
+    if made == "factory":
+        model = adaptive.load(_WithBuffers, path)
+    else:
+        with torch.device("meta"):
+            model = _WithBuffers()
+        model.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+        model = adaptive.load(model, path)
+    where = {k: t.device.type for k, t in [*model.named_parameters(), *model.named_buffers()]}
+    assert set(where.values()) == {"cuda"}, where
+    x = torch.randn(3, 4)
+    assert torch.allclose(model.eval()(x.cuda()).cpu(), source(x))
+
+    on_cpu = _WithBuffers()
+    adaptive.load(on_cpu, path)
+    assert {t.device.type for t in on_cpu.state_dict().values()} == {"cpu"}
+
+
 @pytest.mark.gpu
 def test_gpu_in_place_load_into_cuda_model_keeps_identity(tmp_path: Path) -> None:
     source = _source()
