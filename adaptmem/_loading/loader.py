@@ -251,8 +251,10 @@ def load(
     Zero-copy: with ``copy=False``, CPU tensors that need no conversion are not read at all
     but stay backed by a private copy-on-write mapping of the checkpoint file: loading is
     instant, pages are read on first use and are shared with the page cache, writes stay in
-    this process, and the file must not be truncated or replaced while the model lives. The
-    default ``copy=True`` reads them into ordinary memory.
+    this process, and the file must not be truncated or replaced while the model lives.
+    Checkpoint tensors whose bytes overlap (saved tied, or as views of one storage) that the
+    model keeps apart are read instead, so that they do not share memory. The default
+    ``copy=True`` reads them into ordinary memory.
 
     Args:
         model_or_factory: an ``nn.Module`` (built normally or on the meta device), or a
@@ -443,10 +445,12 @@ def _read_all(
 ) -> dict[str, torch.Tensor]:
     """Read every source once, in file order; return the new tensors to swap in."""
     order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
+    shared = _overlapping(sources, order) if not copy else set()
     pending: dict[str, torch.Tensor] = {}
     targets: dict[str, list[torch.Tensor]] = {}
     for name in order:  # every destination first, so that their pages can be faulted ahead
-        new, into = _guarded(_targets, reader, sources[name], dests[name], copy)
+        new, into = _guarded(_targets, reader, sources[name], dests[name],
+                             copy or name in shared)
         if new is not None:
             pending[name] = new
         targets[name] = into
@@ -466,6 +470,27 @@ def _read_all(
     reader.wait()
     stats.bytes_direct = reader.bytes_direct
     return pending
+
+
+def _overlapping(sources: dict[str, Entry], order: list[str]) -> set[str]:
+    """Model tensors whose checkpoint bytes overlap another model tensor's (entries saved
+    as views of one storage, or from a model tied where this one is not). ``copy=False``
+    reads them instead of mapping them: two mappings of the same bytes would be one memory,
+    tying tensors the model keeps apart."""
+    shared: set[str] = set()
+    reach: dict[str, tuple[int, str]] = {}  # file -> (furthest byte end so far, its tensor)
+    spans = [n for n in order if sources[n].tensor is None and sources[n].offset is not None
+             and sources[n].numel]
+    for name in sorted(spans, key=lambda n: (sources[n].file, sources[n].start)):
+        entry = sources[name]
+        first = entry.start
+        end = first + entry.span * entry.dtype.itemsize
+        last_end, last = reach.get(entry.file, (-1, ""))
+        if first < last_end:
+            shared.update((name, last))
+        if end > last_end:
+            reach[entry.file] = (end, name)
+    return shared
 
 
 def _guarded(step: Callable[..., Any], reader: Reader, entry: Entry, dest: _Dest,

@@ -972,6 +972,49 @@ def test_copy_false_keeps_cpu_tensors_backed_by_the_file(fmt: str, tmp_path: Pat
     assert torch.equal(again.scale, source.scale)
 
 
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 64, bias=False)
+        self.b = nn.Linear(64, 64, bias=False)
+        self.c = nn.Parameter(torch.zeros(32, 64))
+
+
+def test_copy_false_gives_tensors_that_shared_a_storage_in_the_file_their_own_memory(
+    tmp_path: Path,
+) -> None:
+    # Saved tied (a, b) and as a view of the same storage (c: half of it): mapping each
+    # would make one memory of tensors the model keeps apart, so those are read instead.
+    # Tensors the model ties itself are still mapped, once.
+    torch.manual_seed(0)
+    saved = _Two()
+    weight = torch.randn(64, 64)
+    state = {"a.weight": weight, "b.weight": weight, "c": weight[16:48]}
+    torch.save(state, tmp_path / "shared.pt")
+    model, stats = adaptive.load(_Two, tmp_path / "shared.pt", device="cpu", copy=False,
+                                 return_stats=True)
+    assert stats.bytes_mapped == 0 and stats.bytes_read == weight.nbytes * 2.5
+    ptrs = {model.a.weight.data_ptr(), model.b.weight.data_ptr(), model.c.data_ptr()}
+    assert len(ptrs) == 3
+    with torch.no_grad():
+        model.a.weight.add_(1)
+    assert torch.equal(model.b.weight, weight) and torch.equal(model.c, weight[16:48])
+    assert torch.equal(model.a.weight, weight + 1)
+
+    saved.b.weight = saved.a.weight  # tied in the model too: mapped once, still tied
+    torch.save(saved.state_dict(), tmp_path / "tied.pt")
+
+    def tied() -> nn.Module:
+        m = _Two()
+        m.b.weight = m.a.weight
+        return m
+
+    model, stats = adaptive.load(tied, tmp_path / "tied.pt", device="cpu", copy=False,
+                                 return_stats=True)
+    assert model.a.weight is model.b.weight
+    assert stats.bytes_mapped == saved.a.weight.nbytes + saved.c.nbytes
+
+
 
 def test_a_cold_copy_false_load_asks_for_the_first_page_of_every_mapped_tensor(
         tmp_path: Path) -> None:
