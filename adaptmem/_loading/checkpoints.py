@@ -134,6 +134,12 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
             indexes.sort(key=lambda p: ".safetensors." not in p.name)
             return _open_index(indexes[0])
         files = sorted(p for p in path.iterdir() if p.is_file() and _is_checkpoint_file(p))
+        weights = [p for p in files if p.name in _WEIGHTS_NAMES]
+        if weights:
+            # A Hugging Face model or Trainer directory: its weights file, not the optimizer,
+            # scheduler, RNG and argument files saved beside it.
+            weights.sort(key=lambda p: _WEIGHTS_NAMES.index(p.name))
+            return _open_file(weights[0])
         if any(p.suffix == ".safetensors" for p in files):
             # A model directory with both formats (model.safetensors beside
             # pytorch_model.bin) holds the same tensors twice: read the safetensors.
@@ -147,6 +153,10 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     if path.name.endswith(".index.json"):
         return _open_index(path)
     return _open_file(path)
+
+
+# The single-file weights of a Hugging Face model directory, the first one preferred.
+_WEIGHTS_NAMES = ["model.safetensors", "pytorch_model.bin"]
 
 
 def _is_checkpoint_file(p: Path) -> bool:
@@ -201,6 +211,9 @@ def _open_index(index: Path) -> Checkpoint:
 def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
     if not path.is_file():
         raise LoadError(f"checkpoint file {str(path)!r} does not exist")
+    if path.stat().st_size == 0:
+        raise LoadError(f"checkpoint file {str(path)!r} is empty (0 bytes): was it written "
+                        f"completely?")
     if path.suffix == ".safetensors":
         return _open_safetensors(path)
     return _open_torch(path, single_key)
@@ -278,7 +291,8 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     except LoadError:
         raise
     except Exception as exc:
-        raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
+        why = str(exc) or type(exc).__name__
+        raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
     state = _state_dict_of(obj, name)
@@ -331,19 +345,38 @@ def _check_archive(path: Path) -> None:
                                 f"with torch.save")
 
 
+# Where training code keeps the model's state dict inside a checkpoint of more things
+# (Lightning, the PyTorch tutorials, many research repositories, DeepSpeed).
+_NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module")
+
+
 def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
     if isinstance(obj, Mapping) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        nested = obj.get("state_dict")
-        if isinstance(nested, Mapping):
-            obj = nested
-    if not isinstance(obj, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
-    ):
-        raise LoadError(
-            f"{name!r} holds a {type(obj).__name__}, not a state dict (a mapping of names to "
-            f"tensors); save model.state_dict()"
-        )
-    return dict(obj)
+        for key in _NESTED_KEYS:
+            nested = obj.get(key)
+            if isinstance(nested, Mapping) and nested and all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor)
+                    for k, v in nested.items()):
+                logger.info("adaptmem.load: reading the state dict under %r of %s", key, name)
+                obj = nested
+                break
+    if isinstance(obj, Mapping):
+        others = [k for k, v in obj.items() if not (isinstance(k, str)
+                                                     and isinstance(v, torch.Tensor))]
+        if others:
+            shown = ", ".join(repr(k) for k in others[:5]) + (" ..." if len(others) > 5 else "")
+            raise LoadError(
+                f"{name!r} holds a mapping with {len(others)} "
+                f"{'entry that is' if len(others) == 1 else 'entries that are'} not named "
+                f"tensors ({shown}): "
+                f"an optimizer or training state, or a module's non-tensor extra state? "
+                f"adaptive.load reads state dicts of tensors; save model.state_dict(), or "
+                f"load this file with load_state_dict")
+        return dict(obj)
+    kind = type(obj).__name__
+    raise LoadError(
+        f"{name!r} holds {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}, not a state "
+        f"dict (a mapping of names to tensors); save model.state_dict()")
 
 
 # [Note: reading speed]

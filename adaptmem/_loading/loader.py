@@ -59,8 +59,7 @@ def _parameters_on_meta() -> Iterator[None]:
         # Lazy modules' UninitializedParameter holds no memory and builds itself later.
         if (param is not None and param.device.type != "meta"
                 and not isinstance(param, nn.UninitializedParameter)):
-            cls = type(param)
-            module._parameters[name] = cls(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = _reparameter(param, param.to("meta"))
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
     try:
@@ -70,6 +69,21 @@ def _parameters_on_meta() -> Iterator[None]:
             yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _reparameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter over ``data`` of ``old``'s class (without calling its constructor, which
+    may want more arguments), ``requires_grad`` and attributes (``no_decay``, ...), as an
+    in-place ``load_state_dict`` would leave them."""
+    if type(data) is torch.Tensor:
+        new = torch.Tensor._make_subclass(type(old), data, old.requires_grad)
+    else:  # a tensor subclass (a simulated device's): Parameter's own path for those
+        try:
+            new = type(old)(data, requires_grad=old.requires_grad)
+        except TypeError:
+            new = nn.Parameter(data, requires_grad=old.requires_grad)
+    new.__dict__.update(old.__dict__)
+    return new  # type: ignore[no-any-return]
 
 
 class _SkipWritesToMeta(TorchDispatchMode):
@@ -232,11 +246,14 @@ def load(
     stays, so peak memory is the final footprint plus about one tensor.
 
     Formats: a ``torch.save``d state dict (only its pickle is read up front; tensors are
-    read one at a time, never the whole file at once), a ``.safetensors`` file, a sharded
+    read one at a time, never the whole file at once; or a training checkpoint holding it
+    under ``state_dict``, ``model_state_dict``, ``model`` or ``module``), a ``.safetensors`` file, a sharded
     checkpoint with an ``*.index.json`` (Hugging Face layout, either format; pass the index
     or its directory), or a directory of checkpoint files, e.g. one file per tensor (a
     ``torch.save``d bare tensor is named by its file name without the suffix; when a
-    directory holds both ``.safetensors`` and ``torch.save`` files, only the former are read).
+    directory holds both ``.safetensors`` and ``torch.save`` files, only the former are read;
+    a directory with ``model.safetensors`` or ``pytorch_model.bin``, as Hugging Face saves a
+    model or a Trainer checkpoint, reads that file only).
 
     Tied weights are read once and stay tied. Buffers load too; non-persistent buffers (in
     no checkpoint) keep the values the model's constructor gave them, which is why a factory
@@ -285,8 +302,10 @@ def load(
         LoadError: missing keys, unexpected keys (strict) and shape mismatches, reported
             together in ``load_state_dict``'s wording; a checkpoint that is missing,
             truncated or corrupt, or a missing shard (the message names the file); a
-            non-persistent buffer on meta that no checkpoint can fill. The model is unchanged.
-            Also a checkpoint tensor that cannot be copied into its target (naming both).
+            non-persistent buffer on meta that no checkpoint can fill; the model is
+            unchanged. Also a checkpoint tensor that cannot be copied into its target
+            (naming both): a built model's tensors filled in place before it keep their
+            new values.
         TypeError / ValueError: an argument of the wrong kind or value (named in the message).
 
     Example:
@@ -351,9 +370,13 @@ def _plan_load(
     """Match keys, decide every destination, and raise before anything is modified."""
     tensors = _current_tensors(model, sizes)
     by_id = {id(t): name for name, t in tensors.items()}
+    # A state-dict hook may hand out new tensors (cast, say): their keys still name them.
+    by_key = {qualified: name for name, info in sizes.tensors.items()
+              for qualified in (name, *info.aliases)}
     keys: dict[str, list[str]] = {}  # canonical name -> its state-dict keys
     for key, value in model.state_dict(keep_vars=True).items():
-        name = by_id.get(id(value)) if isinstance(value, torch.Tensor) else None
+        name = (by_id.get(id(value)) or by_key.get(key)) if isinstance(value, torch.Tensor) \
+            else None
         if name is not None:
             keys.setdefault(name, []).append(key)
     missing: list[str] = []
@@ -372,7 +395,11 @@ def _plan_load(
                     f"{torch.Size(ckpt.entries[k].shape)} from checkpoint, the shape in current "
                     f"model is {torch.Size(shape)}."
                 )
-        sources[name] = ckpt.entries[present[0]]
+        sources[name] = ckpt.entries[present[-1]]  # load_state_dict ends with the last
+    # BatchNorm's own loading gives a checkpoint from before num_batches_tracked (state-dict
+    # version 1) the counter it lacks: the module's value stays, as load_state_dict keeps it.
+    missing = [k for k in missing if not (k.rpartition(".")[2] == "num_batches_tracked"
+                                          and _is_norm(model, k.rpartition(".")[0]))]
     expected = {k for names in keys.values() for k in names}
     unexpected = [k for k in ckpt.entries if k not in expected]
     errors = []
@@ -382,16 +409,32 @@ def _plan_load(
         errors.append("Unexpected key(s) in state_dict: "
                       + ", ".join(f'"{k}"' for k in unexpected) + ". ")
     errors.extend(mismatched)
-    lost = [n for n in tensors if n not in keys and tensors[n].device.type == "meta"]
+    # Parameters the model's state dict leaves out (a hook dropping frozen weights) are left
+    # uninitialised like missing ones (_settle_unloaded warns); buffers would lose values.
+    lost = [n for n in tensors if n not in keys and tensors[n].device.type == "meta"
+            and sizes.tensors[n].kind != "parameter"]
     if lost:
         errors.append(
             "non-persistent buffer(s) on the meta device, which no checkpoint holds: "
             + ", ".join(lost) + ". Their values were lost when the model was built on meta; "
             "pass the factory (or build with adaptive.empty_model), which keeps buffers real."
         )
+    own_code = _own_loading(model)
+    if errors and own_code and (missing or unexpected):
+        errors.append(
+            "These modules load their state with code of their own (_load_from_state_dict, "
+            "load hooks or extra state), which adaptive.load does not run and which may "
+            "rename or drop keys of older checkpoints: " + ", ".join(own_code[:8])
+            + (" ..." if len(own_code) > 8 else "") + ". Load with model.load_state_dict, or "
+            "pass strict=False if the keys above may be ignored.")
     if errors:
         raise LoadError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
                         + "\n\t".join(errors))
+    extra = [k for k in unexpected if k.endswith("._extra_state") or k == "_extra_state"]
+    if extra:
+        logger.warning("adaptmem.load: extra state is not restored (set_extra_state is not "
+                       "called): %s. Load with model.load_state_dict to restore it",
+                       ", ".join(extra))
 
     place = _placements(sizes, device, any(t.device.type == "meta" for t in tensors.values()))
     handle = isinstance(device, LoadTargets)
@@ -423,6 +466,32 @@ def _plan_load(
     stats = LoadStats(files=list(ckpt.files), format=ckpt.format,
                       missing_keys=missing, unexpected_keys=unexpected)
     return dests, sources, stats
+
+
+def _is_norm(model: nn.Module, name: str) -> bool:
+    from torch.nn.modules.batchnorm import _NormBase
+
+    try:
+        return isinstance(model.get_submodule(name), _NormBase)
+    except AttributeError:
+        return False
+
+
+def _own_loading(model: nn.Module) -> list[str]:
+    """Modules (``name (Class)``) whose state loads through code of their own: an override
+    of ``_load_from_state_dict`` (BatchNorm's, which only fills an old checkpoint's missing
+    ``num_batches_tracked``, aside), load-state-dict hooks, or extra state."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    plain = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
+    found = []
+    for name, module in model.named_modules():
+        cls = type(module)
+        if (cls._load_from_state_dict not in plain or module._load_state_dict_pre_hooks
+                or module._load_state_dict_post_hooks
+                or cls.get_extra_state is not nn.Module.get_extra_state):
+            found.append(f"{name} ({cls.__name__})" if name else f"the model ({cls.__name__})")
+    return found
 
 
 def _label(files: list[str]) -> str:
@@ -569,13 +638,7 @@ def _commit(model: nn.Module, sizes: ModuleSizes, pending: dict[str, torch.Tenso
         if old.device.type != "meta":
             old.data = new
             continue
-        if isinstance(old, nn.Parameter):
-            try:
-                replacement: torch.Tensor = type(old)(new, requires_grad=old.requires_grad)
-            except TypeError:
-                replacement = nn.Parameter(new, requires_grad=old.requires_grad)
-        else:
-            replacement = new
+        replacement = _reparameter(old, new) if isinstance(old, nn.Parameter) else new
         for registry, attr in regs:
             registry[attr] = replacement
 

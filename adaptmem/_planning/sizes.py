@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from .._common.tree import join_name, registrations
 
@@ -96,6 +97,13 @@ def module_sizes(model: nn.Module) -> ModuleSizes:
             aliases[r.canonical].append(r.name)
             continue
         t = r.tensor
+        if is_lazy(t):
+            owner = type(model.get_submodule(r.module_name)).__name__
+            raise ValueError(
+                f"{r.name!r} ({owner}) is an uninitialised lazy "
+                f"{'parameter' if r.kind == 'parameter' else 'buffer'}: its shape is not known "
+                f"yet. Run one forward pass (or build the module with its sizes) before "
+                f"handing the model to adaptmem")
         aliases[r.name] = []
         own[r.module_name].append(r.name)
         tensors[r.name] = TensorInfo(r.name, r.module_name, r.attr, r.kind, tensor_bytes(t),

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1099,10 +1100,205 @@ def test_torch_without_storage_offsets_falls_back_to_mmap(
     assert stats.format == "torch (mmap)"
 
 
-def test_nested_state_dict_key_is_accepted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key", ["state_dict", "model_state_dict", "model", "module"])
+def test_nested_state_dict_key_is_accepted(key: str, tmp_path: Path) -> None:
+    # The model's state dict inside a training checkpoint, beside an optimizer's state.
     source = _source()
-    torch.save({"epoch": 3, "state_dict": source.state_dict()}, tmp_path / "ckpt.pt")
+    optimizer = torch.optim.AdamW(source.parameters())
+    for p in source.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    torch.save({"epoch": 3, key: source.state_dict(), "optimizer": optimizer.state_dict()},
+               tmp_path / "ckpt.pt")
     _assert_same(adaptive.load(Net, tmp_path / "ckpt.pt", device="cpu"), source)
+
+
+def test_a_training_checkpoint_without_a_model_state_dict_names_what_it_holds(
+    tmp_path: Path,
+) -> None:
+    torch.save({"weights": {"a": torch.ones(2)}, "epoch": 3, "w": torch.ones(2)},
+               tmp_path / "ckpt.pt")
+    with pytest.raises(LoadError, match=r"2 entries that are not named tensors "
+                                        r"\('weights', 'epoch'\).*save model.state_dict\(\)"):
+        adaptive.load(Net, tmp_path / "ckpt.pt")
+    torch.save([torch.ones(2)], tmp_path / "list.pt")
+    with pytest.raises(LoadError, match="holds a list, not a state dict"):
+        adaptive.load(Net, tmp_path / "list.pt")
+    torch.save(torch.ones(2), tmp_path / "one.pt")
+    with pytest.raises(LoadError, match="holds a Tensor"):
+        adaptive.load(Net, tmp_path / "one.pt")
+
+
+class _FlagParam(nn.Parameter):
+    """A parameter class whose constructor wants one more argument."""
+
+    def __new__(cls, data: torch.Tensor, flag: str, requires_grad: bool = True) -> Any:
+        p = super().__new__(cls, data, requires_grad)
+        p.flag = flag
+        return p
+
+
+class _Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = _FlagParam(torch.zeros(3), flag="x", requires_grad=False)
+        self.v = nn.Parameter(torch.zeros(3))
+        self.v.no_decay = True
+
+
+@pytest.mark.parametrize("into", ["factory", "built"])
+def test_parameter_classes_and_attributes_survive_the_load(into: str, tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(3), "v": torch.full((3,), 2.0)}, tmp_path / "m.pt")
+    model = adaptive.load(_Flagged if into == "factory" else _Flagged(), tmp_path / "m.pt")
+    assert type(model.w) is _FlagParam and model.w.flag == "x"
+    assert not model.w.requires_grad and model.v.requires_grad and model.v.no_decay
+    assert torch.equal(model.w, torch.ones(3)) and torch.equal(model.v, torch.full((3,), 2.0))
+    assert type(adaptive.empty_model(_Flagged).w) is _FlagParam
+
+
+def test_tied_keys_holding_different_values_end_with_the_last_as_load_state_dict(
+    tmp_path: Path,
+) -> None:
+    source = _source()
+    state = source.state_dict()
+    state["head.weight"] = state["emb.weight"] + 1  # edited after saving, say
+    torch.save(state, tmp_path / "m.pt")
+    reference = Net()
+    reference.load_state_dict(torch.load(tmp_path / "m.pt"))
+    model = adaptive.load(Net, tmp_path / "m.pt", device="cpu")
+    assert torch.equal(model.emb.weight, reference.emb.weight)
+    assert torch.equal(model.emb.weight, state["head.weight"])
+
+
+class _SavesHalf(nn.Module):
+    """A state-dict hook hands out new tensors (cast to half)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(4))
+        self._register_state_dict_hook(
+            lambda module, state, prefix, local: {k: v.half() for k, v in state.items()})
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_keys_of_tensors_a_state_dict_hook_replaced_still_name_them(
+    strict: bool, tmp_path: Path,
+) -> None:
+    source = _SavesHalf()
+    with torch.no_grad():
+        source.w.fill_(3)
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    model, stats = adaptive.load(_SavesHalf(), tmp_path / "m.pt", strict=strict,
+                                 return_stats=True)
+    assert model.w.dtype == torch.float32 and model.w.tolist() == [3.0] * 4
+    assert stats.missing_keys == [] and stats.unexpected_keys == []
+
+
+class _Adapter(nn.Module):
+    """Its state dict leaves the frozen base out, as adapter training code saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4, 4)
+        self.adapter = nn.Linear(4, 4)
+        self._register_state_dict_hook(
+            lambda module, state, prefix, local: {k: v for k, v in state.items()
+                                                  if "base" not in k})
+
+
+def test_parameters_a_state_dict_leaves_out_are_left_uninitialised_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    source = _Adapter()
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        model = adaptive.load(_Adapter, tmp_path / "m.pt")
+    assert "base.weight, base.bias" in caplog.text and "uninitialised" in caplog.text
+    assert torch.equal(model.adapter.weight, source.adapter.weight)
+    assert model.base.weight.device.type == "cpu"
+
+
+class _Renames(nn.Module):
+    """Loads checkpoints of an older layout (``old.*``) through a pre-hook of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.new = nn.Linear(2, 2)
+
+        def rename(state: dict, prefix: str, *args: Any) -> None:
+            for k in [k for k in state if k.startswith(prefix + "old.")]:
+                state[k.replace("old.", "new.", 1)] = state.pop(k)
+
+        self._register_load_state_dict_pre_hook(rename)
+
+
+def test_key_errors_name_the_modules_that_load_with_code_of_their_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    torch.save({"old.weight": torch.ones(2, 2), "old.bias": torch.ones(2)}, tmp_path / "m.pt")
+    with pytest.raises(LoadError, match=r"(?s)Missing key.*new\.weight.*Unexpected key.*"
+                                        r"old\.weight.*code of their own.*"
+                                        r"the model \(_Renames\).*load_state_dict"):
+        adaptive.load(_Renames, tmp_path / "m.pt")
+
+    class Extra(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(2))
+
+        def get_extra_state(self) -> Any:
+            return torch.tensor(1.0)
+
+        def set_extra_state(self, state: Any) -> None:
+            pass
+
+    torch.save(Extra().state_dict(), tmp_path / "e.pt")
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        adaptive.load(Extra(), tmp_path / "e.pt", strict=False)
+    assert "extra state is not restored" in caplog.text and "_extra_state" in caplog.text
+
+
+def test_a_batchnorm_checkpoint_from_before_num_batches_tracked_loads(tmp_path: Path) -> None:
+    source = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    with torch.no_grad():
+        source[1].running_mean.fill_(0.5)
+    state = {k: v for k, v in source.state_dict().items() if "num_batches" not in k}
+    torch.save(state, tmp_path / "v1.pt")
+    model = adaptive.load(lambda: nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
+                          tmp_path / "v1.pt")
+    assert torch.equal(model[1].running_mean, torch.full((3,), 0.5))
+    assert model[1].num_batches_tracked.item() == 0
+
+
+@pytest.mark.parametrize("into", ["factory", "built"])
+def test_an_uninitialised_lazy_module_is_a_clear_error(into: str, tmp_path: Path) -> None:
+    def lazy() -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(3), nn.ReLU())
+
+    torch.save({"0.weight": torch.ones(3, 4), "0.bias": torch.ones(3)}, tmp_path / "m.pt")
+    with pytest.raises(ValueError, match=r"'0.weight' \(LazyLinear\) is an uninitialised lazy "
+                                         r"parameter.*Run one forward pass"):
+        adaptive.load(lazy if into == "factory" else lazy(), tmp_path / "m.pt")
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_an_empty_file_is_named_as_empty(suffix: str, tmp_path: Path) -> None:
+    (tmp_path / f"model{suffix}").write_bytes(b"")
+    with pytest.raises(LoadError, match=r"model\.\w+' is empty \(0 bytes\)"):
+        adaptive.load(Net, tmp_path / f"model{suffix}")
+
+
+def test_a_trainer_directory_reads_the_model_weights_only(tmp_path: Path) -> None:
+    # Hugging Face Trainer's checkpoint-N/: the weights beside optimizer, scheduler and RNG
+    # state, all torch.save files.
+    source = _source()
+    torch.save(source.state_dict(), tmp_path / "pytorch_model.bin")
+    torch.save({"state": {}, "param_groups": []}, tmp_path / "optimizer.pt")
+    torch.save({"last_epoch": 3}, tmp_path / "scheduler.pt")
+    torch.save({"cpu": torch.get_rng_state()}, tmp_path / "rng_state.pth")
+    model, stats = adaptive.load(Net, tmp_path, device="cpu", return_stats=True)
+    _assert_same(model, source)
+    assert [Path(f).name for f in stats.files] == ["pytorch_model.bin"]
 
 
 def test_corrupt_safetensors_header_is_named(tmp_path: Path) -> None:
