@@ -85,8 +85,11 @@ def map_tensors(obj: Any, fn: Any) -> Any:
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [map_tensors(x, fn) for x in obj]
+    if isinstance(obj, list):  # the same list when nothing changed: a forward may fill it
+        items = [map_tensors(x, fn) for x in obj]
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        return items
     if isinstance(obj, dict):
         out = {k: map_tensors(v, fn) for k, v in obj.items()}
         if all(out[k] is v for k, v in obj.items()):

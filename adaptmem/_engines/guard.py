@@ -73,11 +73,12 @@ class PlacementGuard:
 
     __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
                  "_registered", "_kinds", "_homes", "_adopted", "_passed", "_data", "_engine",
-                 "_handle")
+                 "_handle", "_modules")
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
                  handle: str) -> None:
         self._engine, self._handle = engine, handle
+        self._modules = dict(model.named_modules())  # each once, checked at every call
         self._names = list(tensors)
         self._tensors = list(tensors.values())
         # Every registration: a tensor registered under two names is checked under both.
@@ -115,6 +116,9 @@ class PlacementGuard:
                 dtypes, devices = _metadata(self._tensors)
         else:
             dtypes, devices = _metadata(self._tensors)
+        if any(map(_training, self._modules.values())):
+            self._passed = False
+            self._refuse_training()
         if (dtypes != self._dtypes or devices != self._devices
                 or not all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                                self._registered))
@@ -146,6 +150,15 @@ class PlacementGuard:
                 if now is not None:
                     self._adopted[i] = (now.dtype, now.get_device())
 
+    def _refuse_training(self) -> NoReturn:
+        names = [n or "<root>" for n, m in self._modules.items() if m.training]
+        raise PlacementError(
+            f"{self._engine} is for inference, but {len(names)} module(s) are in training "
+            f"mode now (first: {names[0]!r}; model.train() after placing?): a training "
+            f"forward writes buffers (BatchNorm's running statistics) that a placed model "
+            f"would not keep, so this call did not run. Call model.eval() again, or "
+            f"{self._handle}.remove() first to train")
+
     def _refuse(self) -> NoReturn:
         what = "a tensor changed"
         for registry, attr, t, label in zip(self._registries, self._attrs, self._registered,
@@ -166,8 +179,10 @@ class PlacementGuard:
                 break
         raise PlacementError(
             f"{what} while {self._engine} holds the model: model.half(), .float(), .to(), "
-            f".cuda() and .cpu() are not followed by a placed model, so this call did not "
-            f"run. Call {self._handle}.remove() first (it restores every tensor as it was "
+            f".cuda() and .cpu() are not followed by a placed model, nor is data of another "
+            f"dtype or device given through .data (give new data the dtype and device the "
+            f"tensor has between calls), so this call did not run. Call "
+            f"{self._handle}.remove() first (it restores every tensor as it was "
             f"before placement), then convert the model and place it again"
         )
 
@@ -204,6 +219,7 @@ class PlacementGuard:
 
 _dtype_of = operator.attrgetter("dtype")
 _no_modes = torch._C.DisableTorchFunction
+_training = operator.attrgetter("training")
 _device_of = torch.Tensor.get_device
 
 

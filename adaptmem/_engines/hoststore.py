@@ -57,10 +57,26 @@ class Slot:
         # Buffers may be written by the forward (a cache); parameters are only read.
         self.buffer = buffer
 
+    def follow_data(self) -> None:
+        """A loaded tensor given other data of its shape and dtype on the device
+        (``tensor.data = new``, a resident weight swapped) keeps it: it is the copy now."""
+        if self.state is LOADED and self.copy is not None:
+            data = self.tensor.data
+            if (data.data_ptr() != self.copy.data_ptr() and data.shape == self.copy.shape
+                    and data.dtype == self.copy.dtype and data.device == self.copy.device):
+                self.copy = data
+
     def restore(self) -> None:
         """Put the data back on its original device and dtype, bitwise, and forget any
         device copy. A loaded device copy is the live data (a resident weight edited in
-        place, through ``.data`` too), so it is copied into the master first."""
+        place, through ``.data`` too, or given other data), so it is copied into the master
+        first; data given to a tensor at rest is its master's values already (the pager
+        adopts it) or, not adopted yet, is what is put back."""
+        self.follow_data()
+        if self.state is not LOADED and self.tensor.data_ptr() != self.master.data_ptr():
+            new = self.tensor.data
+            if new.shape == self.master.shape and new.dtype == self.master.dtype:
+                self.master, self.original = new, (new if new.device == self.origin else None)
         if self.state is LOADED and self.copy is not None:
             self.master.copy_(self.copy)
         if self.original is not None:

@@ -96,4 +96,4 @@ class Refiner:
             raise err from cause.oom
         err = OutOfMemoryError(message)
         err.phase = Phase.TRANSFER
-        raise err
+        raise err from None  # raised while handling NoRoom, which it replaces

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from .._common.errors import PlacementError
 from .._common.headroom import weight_room
 from .._common.oom import free_caches, is_oom
 from .._common.peak import fake_mode
@@ -77,9 +78,10 @@ def _stand_in(slots: Sequence[Slot], copies: Sequence[torch.Tensor]) -> None:
 
 def _prefetched(needs: Sequence[Slot], ticket: Any) -> bool:
     """Every slot of ``needs`` has its copy on the way in ``ticket``, and nothing wrote to
-    its tensor since that copy was made."""
+    its tensor since that copy was made, nor gave it other data (``.data = ...``)."""
     for s in needs:
-        if s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version:
+        if (s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version
+                or s.tensor.data_ptr() != s.master.data_ptr()):
             return False
     return True
 
@@ -133,6 +135,7 @@ class SlotTable:
         self.held = 0
         self.resident_bytes = 0
         self._written: set[str] = set()  # buffers already reported as written in place
+        self.masters_changed = 0  # counts masters replaced (``_adopt``)
         # A torch function mode was on when the current call began: See [Note: version
         # reads skip torch function modes].
         self.modes = False
@@ -183,6 +186,8 @@ class SlotTable:
         in ``keep``) are dropped, caches emptied and it is tried once more; then it raises
         ``NoRoom``."""
         for s in missing:
+            if s.tensor.data_ptr() != s.master.data_ptr():  # given other data at rest
+                self._adopt(s)
             # Written in place since its copy was made (by a hook, or by an earlier module's
             # forward): the copy is stale.
             if s.state is PENDING and s.tensor._version != s.version:
@@ -217,6 +222,26 @@ class SlotTable:
                 tickets.setdefault(id(s.ticket), []).append(s)
             groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
         self._install(missing, self.transfer.wait(groups, demand=bool(absent)))  # type: ignore[arg-type]
+
+    def _adopt(self, s: Slot) -> None:
+        """``s``'s tensor was given other data between calls (``tensor.data = new``): that
+        data is the weight now, and a copy made from the old master is dropped. The master
+        becomes the new data when the master was the tensor's own CPU data, else (a pinned
+        or separate host copy, the pager's own) takes its values."""
+        new = s.tensor.data
+        if new.shape != s.master.shape or new.dtype != s.master.dtype:
+            raise PlacementError(
+                f"{s.name!r} was given data of shape {list(new.shape)} and {new.dtype} while "
+                f"placed, where it was {list(s.master.shape)} and {s.master.dtype}; remove() "
+                f"the placement, change the model, then place it again")
+        if s.state is PENDING:
+            self.unload(s)
+        if s.original is not None:  # the master was the tensor's own data: not ours to write
+            s.master = s.original = new if new.device.type == "cpu" else new.to("cpu")
+            self.masters_changed += 1  # the schedule keeps lists of masters
+        else:
+            s.master.copy_(new)
+        s.tensor.data = s.master
 
     def _install(self, slots: Sequence[Slot], waited: bool | None) -> None:
         """Point each slot's tensor at its device copy; count whether compute waited on it
@@ -350,6 +375,9 @@ class SlotTable:
         self.drop_pending()
         out = {}
         for name, s in self.slots.items():
+            if s.state is not LOADED and s.tensor.data_ptr() != s.master.data_ptr():
+                self._adopt(s)
+            s.follow_data()
             targets = [s.master]
             if s.resident and s.copy is not None:
                 targets.append(s.copy)

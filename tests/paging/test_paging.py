@@ -338,6 +338,86 @@ def test_a_buffer_written_in_place_by_the_forward_keeps_what_was_written(caplog)
     assert "written in place" in caplog.text
 
 
+def _data_given_between_calls_is_used_and_kept(device: str) -> None:
+    # `param.data = new` (a loading idiom) between calls, on the device the weight has
+    # between calls (the host when paged, the device when resident): the next forwards
+    # use it and remove() keeps it. Data on another device is refused, saying so.
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    for resident in (0, 2**20):
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).eval()
+        reference = copy.deepcopy(model)
+        new = torch.randn(4, 4)
+        reference[2].weight.data = new.clone()
+        with torch.no_grad():
+            expected = reference(x)
+            with adaptive.page(model, device, unit_bytes=0, resident_bytes=resident):
+                model(x)
+                at_rest = model[2].weight.device
+                model[2].weight.data = new.clone().to(at_rest)
+                for _ in range(3):
+                    assert torch.equal(model(x).cpu(), expected), resident
+                if at_rest.type != "cpu":
+                    model[2].weight.data = new.clone()
+                    with pytest.raises(PlacementError, match="through .data"):
+                        model(x)
+                    model[2].weight.data = new.clone().to(at_rest)
+        assert model[2].weight.device.type == "cpu"
+        assert torch.equal(model[2].weight.data, new), resident
+
+
+def test_data_given_to_a_weight_between_calls_is_used_and_kept_after_remove() -> None:
+    _data_given_between_calls_is_used_and_kept("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_data_given_to_a_weight_between_calls_is_used_and_kept_after_remove() -> None:
+    _data_given_between_calls_is_used_and_kept("cuda")
+
+
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_training_mode_set_after_placing_is_refused_at_the_next_call(engine: str) -> None:
+    # A training forward would update BatchNorm's running statistics in copies the placed
+    # model does not keep (the kernel bumps no version counter), so it does not run.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)).eval()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 4)
+    if engine == "page":
+        handle: Any = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    else:
+        handle = adaptive.chunk(model, "cpu", capacity="1KiB", example_inputs=(x,))
+    model(x)
+    model.train()
+    with pytest.raises(PlacementError, match=r"training mode now .*model.eval\(\) again"):
+        model(x)
+    model[1].eval()
+    with pytest.raises(PlacementError, match=r"3 module\(s\) are in training mode"):
+        model(x)
+    model.eval()
+    model(x)
+    handle.remove()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_list_the_caller_passes_is_the_list_the_forward_fills() -> None:
+    class Collects(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, feats: list) -> torch.Tensor:
+            h = self.a(x)
+            feats.append(h)
+            return self.b(h)
+
+    model = Collects().eval()
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        feats: list[torch.Tensor] = []
+        model(torch.randn(2, 4), feats)
+        assert len(feats) == 1
+
+
 def test_a_resident_weight_edited_through_data_keeps_the_edit_after_remove() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)).eval()
