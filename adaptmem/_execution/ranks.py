@@ -4,8 +4,11 @@
 same number of times, and a rank that picked another size (or retried while the others went
 on) would desynchronise the job's collectives. So a grouped call exchanges twice per
 attempt: before it, the ranks agree on the size (the minimum of what each record proposes);
-after it, on the outcome (each rank's status and size). Any rank out of memory: every rank
-drops its result, every record learns that size failed, and all retry smaller, together.
+after it, on the outcome (each rank's status and size). Any rank out of memory: every record
+learns that size failed, and all retry smaller, together. A plain call drops its result and
+runs again; a ``range`` / ``chunked`` step that worked on this rank is kept (delivered, and
+the rank moves on past it: its body never runs twice over the same items), and only the
+next step is smaller.
 Any rank raising something else: it still takes part in the outcome exchange, then re-raises
 its own error, while the others raise ``RankError`` naming it, its error's type and message.
 An error after the outcome exchange (``chunked(output=...)`` refusing a result of the wrong
@@ -338,8 +341,21 @@ def run_range_grouped(
                 tried = []
             step = agreed
             continue
+        if status == OK and at < end:
+            # Another rank ran out of memory; this one's step is done: keep it, never run
+            # the body over the same items again (see [Note: ranks in step]).
+            if deliver is None:
+                results.append(result)
+            else:
+                try:
+                    deliver(at, at + span, result)
+                except Exception as exc:  # the others hear of it at the next exchange
+                    late = exc
+            position += span
+            if progress is not None:
+                progress.advance(span, agreed)
         del result
-        if status != ERROR and at < end:
+        if status not in (ERROR, OK) and at < end:
             stats.failed(seconds)
         step = _settle(outcomes, status, problem, span or agreed, tried, record, ranks,
                        floor=min(floor, span) if span else floor, name=name, what="step",

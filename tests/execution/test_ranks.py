@@ -88,8 +88,13 @@ def test_ranges_of_different_lengths_agree_on_every_step(
     shorter, longer = (s["ranges"] for s in two_ranks)
     for rank in (shorter, longer):
         assert sum(rank["results"]) == rank["end"]  # covered once
-        steps = [e - s for s, e in rank["spans"]]
-        assert max(steps[-len(rank["results"]):]) <= 16  # the tightest rank's ceiling
+        # Every body that ran is kept: a step that worked here while the other rank ran out
+        # is not run again (the spans the body saw tile [0, end) without overlap).
+        spans = sorted(rank["spans"])
+        assert spans[0][0] == 0 and spans[-1][1] == rank["end"]
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False)), spans
+        assert len(spans) == len(rank["results"])
+    assert max(e - s for s, e in longer["spans"]) <= 16  # rank 1's ceiling
     # While both have work, both attempt the same sizes.
     both = len(shorter["attempts"]) - 1
     assert shorter["attempts"][:both] == longer["attempts"][:both]
@@ -99,9 +104,10 @@ def test_chunked_with_a_group_writes_every_result_and_shows_progress_on_rank_0(
         two_ranks: list[dict[str, Any]]) -> None:
     first, second = (s["chunks"] for s in two_ranks)
     assert first["right"] and second["right"]
-    # Agreed steps 64, 32, 16: rank 0 has only 50 items, so its first span is 50.
-    assert first["attempts"][:3] == [50, 32, 16] and second["attempts"][:3] == [64, 32, 16]
-    assert first["progress"][-1].endswith(": 50/50 items (100%), step=16, 2 retries")
+    # Agreed steps 64, 32, 16: rank 0 has only 50 items, so its first span is 50, which
+    # fits there and is kept while rank 1 runs out and retries smaller.
+    assert first["attempts"] == [50] and second["attempts"][:3] == [64, 32, 16]
+    assert first["progress"][-1].endswith(": 50/50 items (100%), step=64, 0 retries")
     assert second["progress"] == []  # one bar per group: rank 0's
 
 
