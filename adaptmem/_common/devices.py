@@ -189,13 +189,20 @@ def free_memory(device: torch.device) -> int:
 
 
 def empty_cache(device: torch.device | None = None) -> None:
-    """Return cached allocator blocks of accelerators already in use to the driver."""
+    """Return cached allocator blocks of accelerators already in use to the driver: those
+    of ``device``'s kind, and with ``device=None`` (a function whose device is not known)
+    of every kind available."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    if device is not None and device.type == "mps":
-        torch.mps.empty_cache()
-    if device is not None and device.type == "xpu":
-        torch.xpu.empty_cache()
+    kind = None if device is None else device.type
+    if kind in (None, "mps"):
+        mps = getattr(torch.backends, "mps", None)
+        if mps is not None and mps.is_available():
+            torch.mps.empty_cache()
+    if kind in (None, "xpu"):
+        xpu = getattr(torch, "xpu", None)
+        if xpu is not None and xpu.is_available():
+            xpu.empty_cache()
 
 
 def synchronize(device: torch.device) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from .enums import TextEnum
 
@@ -71,14 +72,18 @@ _oom_types_lock = threading.Lock()
 
 def oom_error_for(original: BaseException) -> type[OutOfMemoryError]:
     """The OutOfMemoryError subclass that is also an instance of ``type(original)``."""
-    base = type(original)
+    return _oom_type(type(original))
+
+
+def _oom_type(base: type[BaseException]) -> type[OutOfMemoryError]:
     if issubclass(base, OutOfMemoryError):
         return base
     with _oom_types_lock:
         cls = _oom_types.get(base)
         if cls is None:
             try:
-                cls = type(f"OutOfMemoryError[{base.__name__}]", (OutOfMemoryError, base), {})
+                cls = type(f"OutOfMemoryError[{base.__name__}]", (OutOfMemoryError, base),
+                           {"__reduce__": _reduce_oom, "_base": base})
                 # Constructed with one message argument whatever the original took.
                 cls.__init__ = RuntimeError.__init__  # type: ignore[assignment,misc]
             except TypeError:  # an incompatible layout (an OSError subclass, say)
@@ -86,3 +91,16 @@ def oom_error_for(original: BaseException) -> type[OutOfMemoryError]:
             cls.__module__ = __name__
             _oom_types[base] = cls
         return cls
+
+
+def _reduce_oom(error: OutOfMemoryError) -> tuple[Any, ...]:
+    """Pickle a made-up class's error as its original type, so that it crosses processes
+    (multiprocessing, ``torch.multiprocessing.spawn``) as the same kind of error."""
+    return _rebuild_oom, (type(error)._base, error.args, dict(error.__dict__))  # type: ignore[attr-defined]
+
+
+def _rebuild_oom(base: type[BaseException], args: tuple[Any, ...],
+                 state: dict[str, Any]) -> OutOfMemoryError:
+    error = _oom_type(base)(*args)
+    error.__dict__.update(state)
+    return error

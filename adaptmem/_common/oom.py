@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import traceback
+import types
 
 import torch
 
@@ -73,13 +76,36 @@ def shrinks_size(exc: BaseException) -> bool:
 def drop_frames(exc: BaseException) -> None:
     """Drop every frame a failed attempt left in ``exc``'s tracebacks: their locals are
     cleared, then the tracebacks themselves go (a frame keeps its function, and so the
-    closures it captured, alive even when cleared)."""
+    closures it captured, alive even when cleared). The walk down the chain stops at an
+    exception the caller is handling (the call was made in an ``except`` block): its
+    traceback starts in a frame still running outside adaptmem, and it is the caller's."""
     seen: set[int] = set()
+    running: set[int] | None = None
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        traceback.clear_frames(exc.__traceback__)
+        tb = exc.__traceback__
+        if len(seen) > 1 and tb is not None:
+            if running is None:
+                running = _running_outside()
+            if id(tb.tb_frame) in running:
+                return
+        traceback.clear_frames(tb)
         exc.__traceback__ = None
         exc = exc.__context__ or exc.__cause__  # type: ignore[assignment]
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _running_outside() -> set[int]:
+    """The frames running now (this thread's stack) that are not adaptmem's."""
+    frames = set()
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if not frame.f_code.co_filename.startswith(_PACKAGE):
+            frames.add(id(frame))
+        frame = frame.f_back
+    return frames
 
 
 def free_caches(device: torch.device | None) -> None:

@@ -167,14 +167,23 @@ class AutoStart:
         self.free = 0  # bytes free on the device when the prediction was made
         self.initial: int | None = None
         self._flat = 0  # calls whose traces did not grow with the size
-        self._lock = threading.Lock()
+        # Reentrant: a recursive function's traces call it again on this thread.
+        self._lock = threading.RLock()
+        self._deciding = False
 
     def decide(self, call: Callable[[int], Any]) -> int | None:
         """The initial size: predicted once (thread-safe), then the same for every call.
-        None while calls are too small to tell (the call runs from the ceiling)."""
+        None while calls are too small to tell (the call runs from the ceiling), and for a
+        call the prediction's own traces make (a recursive function)."""
         with self._lock:
             if self.initial is None:
-                self.initial = self._decide(call)
+                if self._deciding:
+                    return None
+                self._deciding = True
+                try:
+                    self.initial = self._decide(call)
+                finally:
+                    self._deciding = False
             return self.initial
 
     def _search(self, call: Callable[[int], Any], free: int, device: torch.device

@@ -584,6 +584,12 @@ class _ResultWriter:
                 f"dimension {dim}; with output='new' every step's result has the same shape "
                 f"apart from that dimension"
             )
+        elif result.dtype != out.dtype or result.device != out.device:
+            raise ValueError(
+                f"{self.name} returned {result.dtype} on {result.device} for [{start}, {end}), "
+                f"where the first step returned {out.dtype} on {out.device}; with "
+                f"output='new' every step's result has the first one's dtype and device (the "
+                f"output is made from it): convert the result in the step")
         out.narrow(dim, start, end - start).copy_(result)
 
 

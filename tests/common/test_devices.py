@@ -64,3 +64,26 @@ def test_gpu_auto_paging_plans_within_a_memory_fraction() -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("device", [None, "mps"])
+def test_retries_empty_the_cache_of_an_mps_device_also_when_the_device_is_not_named(
+    device: str | None, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # device=None (a function whose device is not known): every available accelerator's
+    # cache is emptied between attempts, not CUDA's alone.
+    from adaptmem import adaptive
+    from adaptmem.testing import MemoryCeiling
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "empty_cache", lambda: calls.append("mps"))
+    ceiling = MemoryCeiling(4)
+
+    @adaptive.batch(initial_batchsize=8, device=device, cache=adaptive.NoBatchsizeCache)
+    def run(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    assert run() == 4
+    assert calls == ["mps"]

@@ -49,3 +49,21 @@ def test_adaptmem_oom_is_recognised_whatever_the_original(kind: str) -> None:
     # adaptmem's error has its own message, so recognising it must not depend on the text.
     error = oom_error_for(make_oom(kind))("f ran out of memory at the smallest batchsize, 1")
     assert is_oom(error)
+
+
+@pytest.mark.parametrize("kind", sorted(OOM_KINDS))
+def test_adaptmem_oom_crosses_processes_as_the_same_kind_of_error(kind: str) -> None:
+    # multiprocessing and torch.multiprocessing.spawn pickle a worker's error for the
+    # parent: the made-up class pickles as its original type, with its phase.
+    import pickle
+
+    from adaptmem._common.errors import Phase
+
+    original = make_oom(kind)
+    error = oom_error_for(original)("f ran out of memory at the smallest batchsize, 1")
+    error.phase = Phase.TRANSFER
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error)
+    assert isinstance(back, type(original)) and isinstance(back, OutOfMemoryError)
+    assert str(back) == str(error) and back.phase == Phase.TRANSFER
+    assert is_oom(back)

@@ -128,6 +128,27 @@ def test_a_function_that_cannot_be_traced_is_logged_once_and_searched_from_the_m
     assert len(messages) == 1 and "max_batchsize=32" in messages[0]
 
 
+def test_a_recursive_auto_function_decides_once_without_waiting_on_itself() -> None:
+    # The prediction traces the function, which calls itself: that inner call must not
+    # wait for the decision it is part of (it did, forever).
+    import threading
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=1024)
+    def tree(batchsize: int, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        if depth == 0:
+            return torch.cat([c * 2 for c in x.split(batchsize)])
+        return tree(x, depth - 1) + 1
+
+    x = torch.randn(256, 8)
+    out: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: out.append(tree(x)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the first call waits on itself"
+    assert torch.allclose(out[0], x * 2 + 2)
+    assert torch.allclose(tree(x), x * 2 + 2)
+
+
 def test_auto_options_are_checked_where_they_are_given() -> None:
     with pytest.raises(TypeError, match="max_batchsize caps initial_batchsize='auto'"):
         adaptive.batch(initial_batchsize=64, max_batchsize=128)

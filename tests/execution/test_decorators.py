@@ -926,6 +926,12 @@ def test_chunked_output_rejects_bad_options_and_results_clearly() -> None:
     ragged = adaptive.chunked(initial_step=4, output="new")(lambda c, s, e: c.repeat(1, s + 1))
     with pytest.raises(ValueError, match="does not match the first step"):
         ragged(torch.zeros(8, 2))
+    # A later step of another dtype is refused, not cast into the first step's.
+    mixed = adaptive.chunked(initial_step=4, output="new")(
+        lambda c, s, e: c.long() if s == 0 else c * 0.5)
+    with pytest.raises(ValueError, match=r"returned torch.float32 .* first step returned "
+                                         r"torch.int64"):
+        mixed(torch.ones(8))
 
 
 @settings(max_examples=30, deadline=None)
@@ -985,3 +991,49 @@ def test_objects_of_a_failed_generator_or_coroutine_attempt_are_gone_before_the_
     alive_at_retry.clear()
     assert asyncio.run(infer()) == 1
     assert alive_at_retry == [False, False, False]
+
+
+def test_a_retry_inside_an_except_block_leaves_the_handled_exception_its_traceback() -> None:
+    # A failed attempt's frames are dropped (they hold its tensors), but the walk down the
+    # exception chain stops at the exception the caller is handling: its traceback stays
+    # for logging.exception and a bare raise.
+    import sys
+    import traceback
+
+    ceiling = MemoryCeiling(4)
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def fallback(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    def fast_path() -> None:
+        raise ValueError("fast path failed")
+
+    try:
+        fast_path()
+    except ValueError as handled:
+        assert fallback() == 4 and ceiling.failures == [8]
+        assert handled.__traceback__ is not None and sys.exc_info()[2] is not None
+        names = [f.name for f in traceback.extract_tb(handled.__traceback__)]
+        assert names[-1] == "fast_path"
+
+
+def test_a_failed_attempt_leaves_no_frame_that_holds_its_tensors() -> None:
+    # The attempt's own chain (an error the function handled, then an OOM) is dropped.
+    ceiling = MemoryCeiling(4)
+    kept: list[weakref.ref] = []
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def step(batchsize: int) -> int:
+        big = torch.zeros(batchsize, 1024)
+        kept.append(weakref.ref(big))
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            ceiling.require(batchsize)
+        return batchsize
+
+    assert step() == 4
+    gc.collect()
+    assert kept[0]() is None, "the failed attempt's tensor is still alive"
