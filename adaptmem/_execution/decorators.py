@@ -50,8 +50,16 @@ def _check_callable(func: Any, decorator: str) -> None:
 
 
 def _function_key(func: Any) -> Any:
-    # Closures re-created per call share their code, so they share sizes (and don't leak).
-    return getattr(getattr(func, "__func__", func), "__code__", func)
+    """What the size caches key a decorated callable by: its code. Closures re-created per
+    call share their code, so they share sizes; and no key holds the callable itself, so a
+    ``functools.partial`` or a callable object (holding a model, say) is not kept alive."""
+    while isinstance(func, functools.partial):
+        func = func.func
+    code = getattr(getattr(func, "__func__", func), "__code__", None)
+    if code is None:  # a callable object: its class's __call__
+        call = getattr(type(func), "__call__", None)  # noqa: B004 (the class's method)
+        code = getattr(getattr(call, "__func__", call), "__code__", None)
+    return code if code is not None else func
 
 
 def _takes_instance(func: Callable[..., Any]) -> bool:

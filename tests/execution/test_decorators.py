@@ -3,6 +3,7 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from typing import Any
 
 import pytest
 import torch
@@ -1037,3 +1038,34 @@ def test_a_failed_attempt_leaves_no_frame_that_holds_its_tensors() -> None:
     assert step() == 4
     gc.collect()
     assert kept[0]() is None, "the failed attempt's tensor is still alive"
+
+
+@pytest.mark.parametrize("form", ["partial", "callable object"])
+def test_the_size_cache_does_not_keep_a_decorated_callable_and_its_model_alive(
+    form: str,
+) -> None:
+    # The cache keys a callable by its code; a partial or an object holding a model is not
+    # kept once the caller drops it.
+    import functools
+
+    class Scorer:
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+
+        def __call__(self, batchsize: int, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.model(c) for c in x.split(batchsize)])
+
+    def score(batchsize: int, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([model(c) for c in x.split(batchsize)])
+
+    alive = []
+    for _ in range(3):
+        model = torch.nn.Linear(4, 4)
+        alive.append(weakref.ref(model))
+        fn: Any = (functools.partial(score, model=model) if form == "partial"
+                   else Scorer(model))
+        decorated = adaptive.batch(initial_batchsize=8)(fn)
+        decorated(x=torch.ones(16, 4))
+        del model, fn, decorated
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None, None]
