@@ -136,6 +136,12 @@ class _Adaptive:
         self.initial = initial
         self.floor = floor
         self.cache = cache
+        try:
+            hash(context)
+        except TypeError:
+            raise TypeError(
+                f"context={context!r} cannot key the size cache: it must be hashable (a "
+                f"str, a number, a tuple), not {type(context).__name__}") from None
         self.context = context
         self.device = None if device is None else resolve_device(device)
         self._name = getattr(func, "__qualname__", repr(func))

@@ -255,6 +255,8 @@ def test_bad_arguments_fail_at_the_call_that_received_them() -> None:
         adaptive.batch(f)
     with pytest.raises(TypeError, match="initial_batchsize"):
         adaptive.batch()(f)
+    with pytest.raises(TypeError, match=r"context=\['a'\] cannot key .* hashable"):
+        adaptive.batch(initial_batchsize=4, context=["a"])(f)
     with pytest.raises(ValueError, match="initial_batchsize"):
         adaptive.batch(initial_batchsize=0)
     with pytest.raises(ValueError, match="initial_batchsize"):
