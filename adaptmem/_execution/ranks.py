@@ -286,6 +286,20 @@ def run_sized_grouped(
         stats.retried()
 
 
+def _keep(results: list[Any], deliver: Callable[[int, int, Any], None] | None, at: int,
+          span: int, result: Any) -> Exception | None:
+    """Collect a step that worked on this rank, or deliver it; the error ``deliver`` raised,
+    if it did (the other ranks hear of it at the next exchange)."""
+    if deliver is None:
+        results.append(result)
+        return None
+    try:
+        deliver(at, at + span, result)
+    except Exception as exc:
+        return exc
+    return None
+
+
 def run_range_grouped(
     body: Callable[[int, int], Any], start: int, end: int, record: SizeRecord, ranks: Ranks, *,
     initial: int, floor: int, name: str, device: torch.device | None, cache: BatchsizeCache,
@@ -325,14 +339,9 @@ def run_range_grouped(
                 record.after_success(span)
                 if span == agreed:  # not a last step shorter than the others
                     stats.saw(span)
-                if deliver is None:
-                    results.append(result)
-                else:
-                    try:
-                        deliver(at, at + span, result)
-                    except Exception as exc:  # the others hear of it at the next exchange
-                        late = exc
-                        continue
+                late = _keep(results, deliver, at, span, result)
+                if late is not None:  # the others hear of it at the next exchange
+                    continue
                 position += span
                 if progress is not None:
                     progress.advance(span, agreed)
@@ -344,16 +353,11 @@ def run_range_grouped(
         if status == OK and at < end:
             # Another rank ran out of memory; this one's step is done: keep it, never run
             # the body over the same items again (see [Note: ranks in step]).
-            if deliver is None:
-                results.append(result)
-            else:
-                try:
-                    deliver(at, at + span, result)
-                except Exception as exc:  # the others hear of it at the next exchange
-                    late = exc
-            position += span
-            if progress is not None:
-                progress.advance(span, agreed)
+            late = _keep(results, deliver, at, span, result)
+            if late is None:
+                position += span
+                if progress is not None:
+                    progress.advance(span, agreed)
         del result
         if status not in (ERROR, OK) and at < end:
             stats.failed(seconds)
