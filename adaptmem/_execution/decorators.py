@@ -175,8 +175,11 @@ class _Adaptive:
             )
         # An "auto" initial size is decided at the first call (see [Note: starting where it
         # fits] in auto.py); until then ``initial`` is the ceiling.
+        size = "batchsize" if self.kind == "batch" else "step"  # the user's own words
         self._auto = (None if auto_ceiling is None else
-                      AutoStart(self._name, floor, auto_ceiling, self.device))
+                      AutoStart(self._name, floor, auto_ceiling, self.device,
+                                asked=f"initial_{size}='auto'",
+                                largest=f"max_{size}={auto_ceiling}"))
         self._deciding = self._auto is not None
         self._starts_only = False  # the prediction seeds the first record (predict_start)
         self._trace_guard: Callable[[], Any] | None = None

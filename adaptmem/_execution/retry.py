@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import torch
 
 from .._common.devices import default_device, format_bytes, free_memory
-from .._common.errors import Phase, oom_error_for
+from .._common.errors import OutOfMemoryError, Phase, oom_error_for
 from .._common.oom import drop_frames, free_caches, shrinks_size
 from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
@@ -191,11 +191,17 @@ def run_range(
         def attempt(size: int, at: int = at) -> Any:
             return body(at, at + size)
 
-        result, used = run_sized(
-            attempt, span, record,
-            floor=min(floor, span), name=name, what="step", device=device, cache=cache,
-            watch=watch, counts_size=False,
-        )
+        try:
+            result, used = run_sized(
+                attempt, span, record,
+                floor=min(floor, span), name=name, what="step", device=device, cache=cache,
+                watch=watch, counts_size=False,
+            )
+        except OutOfMemoryError as error:  # gave up: say where
+            if at > start and error.args and isinstance(error.args[0], str):
+                error.args = (f"{error.args[0]} It stopped at {at} of [{start}, {end}): the "
+                              f"steps before it had run.", *error.args[1:])
+            raise
         # A last step shorter than the step (what was left) says nothing about sizes.
         if watch is not None and (used < span or span == step):
             watch.stats.saw(used)

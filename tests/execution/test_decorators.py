@@ -1071,3 +1071,16 @@ def test_the_size_cache_does_not_keep_a_decorated_callable_and_its_model_alive(
         del model, fn, decorated
     gc.collect()
     assert [ref() for ref in alive] == [None, None, None]
+
+
+def test_a_range_that_gives_up_partway_says_where_it_stopped() -> None:
+    ceilings = iter([8] * 5 + [2] * 100)  # fits 8 for five steps, then less than min_step
+
+    @adaptive.range(initial_step=8, min_step=4, cache=adaptive.NoBatchsizeCache)
+    def fill(start: int, end: int) -> None:
+        if end - start > next(ceilings):
+            raise make_oom("cpu")
+
+    with pytest.raises(OutOfMemoryError, match=r"smallest step, 4.*It stopped at 40 of "
+                                               r"\[0, 100\): the steps before it had run"):
+        fill(0, 100)
