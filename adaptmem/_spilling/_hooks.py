@@ -8,7 +8,17 @@ storage again. Parameters stay, and so do views of a leaf (a tensor autograd did
 a parameter, frozen or not, a buffer, an input): something outside the graph holds their
 storage, so a copy would free nothing (``nn.Linear`` saves ``weight.t()``). Tensors saved
 while backward runs (recomputation by ``torch.utils.checkpoint``, double backward) stay
-too: they are used at once.
+too: they are used at once. So do conj and neg views (their bit is not part of what a
+restore rebuilds) and nested tensors. A whole tensor outside the graph (an input, a
+parameter saved as it is) is spilled when large: the caller may hold it (then the copy
+frees nothing), or it was made in the forward without gradients and only the graph holds it.
+
+[Note: sharing an entry] A view saved while its storage already has an entry shares that
+entry only when its bytes are the ones the entry copied: the same base tensor (so the same
+version counter) at the same version. Otherwise it gets an entry of its own. Pieces of one
+storage with counters of their own (``unsafe_chunk``'s, which GRU and LSTM cells fill one
+after another) and a buffer refilled in place and saved again would otherwise be restored
+with bytes copied before they were written.
 """
 
 from __future__ import annotations
@@ -64,7 +74,9 @@ class Step:
     def pack(self, t: torch.Tensor) -> Any:
         stats = self.stats
         stats.tensors_saved += 1
-        if _in_backward() or type(t) is not torch.Tensor or t.layout != torch.strided:
+        if (_in_backward() or type(t) is not torch.Tensor or t.layout != torch.strided
+                or t.is_nested or t.is_conj() or t.is_neg()):
+            # A conj or neg view's bit is not part of what a restore rebuilds: it stays.
             return keep(t, stats)
         device = t.device  # asked once: each call makes a new torch.device
         if device.type == "meta" or (t.requires_grad and t.is_leaf):
@@ -86,15 +98,18 @@ class Step:
         key = (device, storage.data_ptr())
         with self.lock:
             entry = self.by_storage.get(key)
-            if entry is not None and entry.storage_ref() is not storage:
-                entry = None  # the address was freed and reused since
+            if entry is not None and (
+                    entry.storage_ref() is not storage  # the address was freed and reused
+                    or entry.root_ref() is not (t._base if t._base is not None else t)
+                    or entry.version != t._version):  # See [Note: sharing an entry]
+                entry = None
         if entry is not None:
             stats.tensors_shared += 1
             return Packed(entry, t)
         if not self.limits.over_limit(device, nbytes) or not self.copies.has_tier(device):
             return keep(t, stats)
         with self.lock:
-            entry = Entry(self, self.seq, device, nbytes, storage)
+            entry = Entry(self, self.seq, device, nbytes, storage, t)
             self.live += 1
             self.by_storage[key] = entry
             self.by_seq[self.seq] = entry

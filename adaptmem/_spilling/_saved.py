@@ -25,7 +25,7 @@ import torch
 
 from ._stats import SpillStats
 
-__all__ = ["Entry", "EntryState", "Kept", "Packed", "keep"]
+__all__ = ["Entry", "EntryState", "Kept", "KeptLeaf", "Packed", "keep"]
 
 _set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
 
@@ -51,10 +51,10 @@ class Entry:
 
     __slots__ = ("step", "seq", "device", "nbytes", "state", "source", "host", "offset",
                  "event", "storage_ref", "restored", "restored_ref", "read", "uses_left",
-                 "handed_back", "__weakref__")
+                 "handed_back", "root_ref", "version", "__weakref__")
 
     def __init__(self, step: Owner, seq: int, device: torch.device, nbytes: int,
-                 storage: torch.UntypedStorage) -> None:
+                 storage: torch.UntypedStorage, t: torch.Tensor | None = None) -> None:
         self.step = step
         self.seq = seq
         self.device = device
@@ -65,6 +65,12 @@ class Entry:
         self.offset = -1  # in the scratch file
         self.event: Any = None  # marks the device-to-host copy done
         self.storage_ref = weakref.ref(storage)
+        # See [Note: sharing an entry]: the tensor (a view's base) whose version counter
+        # covers the bytes copied, and its version then.
+        root = None if t is None else (t._base if t._base is not None else t)
+        self.root_ref: Callable[[], torch.Tensor | None] = (
+            (lambda: None) if root is None else weakref.ref(root))
+        self.version = -1 if t is None else t._version
         # The restored copy is held until every saved tensor over it was unpacked once
         # (backward's last use of it), then only weakly (for a retain_graph second pass).
         self.restored: torch.UntypedStorage | None = None
@@ -129,6 +135,19 @@ class Kept(Packed):
         self.maker = _maker(t)
 
 
+class KeptLeaf(Kept):
+    """A saved tensor outside the graph (a leaf, an input, a parameter) that stays: the
+    tensor itself, which double backward needs, with its version, checked on unpacking
+    (autograd checks none for a tensor a hook saved; see [Note: version check])."""
+
+    __slots__ = ()
+
+    def __init__(self, t: torch.Tensor) -> None:  # noqa: D107
+        self.alias = t
+        self.version = t._version
+        self.maker = ""
+
+
 def _maker(t: torch.Tensor) -> str:
     # A string, never the node itself: holding grad_fn would make the cycle that
     # [Note: kept tensors] is about.
@@ -139,6 +158,9 @@ def _maker(t: torch.Tensor) -> str:
 def keep(t: torch.Tensor, stats: SpillStats) -> Any:
     """What autograd holds for ``t`` when it stays where it is."""
     stats.tensors_kept += 1
-    if t.grad_fn is None:
-        return t  # a leaf or a tensor outside autograd: no cycle to make
+    if t.grad_fn is None:  # a leaf or a tensor outside autograd: no cycle to make
+        try:
+            return KeptLeaf(t)
+        except RuntimeError:  # no version counter (an inference tensor): nothing to check
+            return t
     return Kept(t)

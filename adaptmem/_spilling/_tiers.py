@@ -72,6 +72,9 @@ def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
 
 def check_directory(path: str | os.PathLike[str]) -> str:
     """The absolute path of a directory a scratch file can be created in, else ValueError."""
+    if not os.fspath(path):
+        raise ValueError("to='' names no directory: pass an existing directory to spill "
+                         "into (to='.' for this one), or to='host' for (pinned) host memory")
     directory = os.path.abspath(os.fspath(path))
     if not os.path.isdir(directory):
         what = "does not exist" if not os.path.exists(directory) else "is not a directory"

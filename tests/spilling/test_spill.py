@@ -99,6 +99,30 @@ class _Checkpointed(nn.Module):
         return x
 
 
+class _PackedLSTM(nn.Module):
+    """A packed, bidirectional recurrence: its cells fill ``unsafe_chunk`` pieces in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(16, 32, bidirectional=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, [5, 3, 2, 1], enforce_sorted=True)
+        return nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0])[0]
+
+
+class _Spectral(nn.Module):
+    """Saves a conj view (and a neg view, through .imag of one) of complex tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = torch.fft.fft(x) * self.w
+        return (c.conj() * self.w).real + c.conj().imag * 2
+
+
 def _zoo() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]],
                                Callable[[Any], torch.Tensor]]]:
     def mean(out: Any) -> torch.Tensor:
@@ -128,6 +152,10 @@ def _zoo() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, .
         "checkpointed-reentrant": (lambda: _Checkpointed(True),
                                    lambda: (torch.randn(8, 64, requires_grad=True),), mean),
         "shared-submodules": (_Shared, lambda: (torch.randn(8, 64),), mean),
+        "gru": (lambda: nn.GRU(16, 32), lambda: (torch.randn(5, 4, 16),),
+                lambda out: mean(out[0])),
+        "lstm-packed": (_PackedLSTM, lambda: (torch.randn(5, 4, 16),), mean),
+        "complex-conj": (_Spectral, lambda: (torch.randn(8, 64),), mean),
     }
 
 
@@ -248,6 +276,51 @@ def test_a_saved_tensor_changed_in_place_raises_autograds_error(threshold: int |
     assert "is at version 1; expected version 0" in str(spilled.value)
 
 
+@pytest.mark.parametrize("what", ["parameter", "input"])
+@pytest.mark.parametrize("threshold", [0, "1GiB"], ids=["spilled", "kept"])
+def test_a_tensor_outside_the_graph_changed_in_place_after_saving_raises(
+    what: str, threshold: int | str, tmp_path: Path,
+) -> None:
+    # Saved as it is (no grad_fn): autograd checks no version for a tensor a hook saved, so
+    # spill does, as torch alone would raise (an optimizer step between a forward and its
+    # backward, say).
+    w = nn.Parameter(torch.randn(512, 512))
+    x = torch.randn(512, 512, requires_grad=what == "parameter")  # else w is not saved
+    with adaptive.spill(threshold=threshold, limit=0, to=tmp_path):
+        out = (x * w).sum()
+    with torch.no_grad():
+        (w if what == "parameter" else x).add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_a_buffer_refilled_in_place_and_saved_again_restores_each_fill(
+    tmp_path: Path,
+) -> None:
+    # Two saves of one storage at different versions are two copies, not one shared.
+    w1 = nn.Parameter(torch.ones(512, 512))
+    w2 = nn.Parameter(torch.ones(512, 512))
+    buffer = torch.empty(512, 512)
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        buffer.fill_(2)
+        first = (buffer * w1).sum()  # saves buffer at version 1
+        buffer.fill_(3)
+        second = (buffer * w2).sum()  # saves it again at version 2
+    second.backward()
+    assert torch.equal(w2.grad, torch.full((512, 512), 3.0))
+    assert handle.stats.tensors_shared == 0
+    del first
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype")
+def test_nested_tensors_stay(tmp_path: Path) -> None:
+    layer = nn.Linear(64, 64)
+    nested = torch.nested.nested_tensor([torch.randn(300, 64), torch.randn(200, 64)])
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path):
+        layer(nested * 2).relu().to_padded_tensor(0).sum().backward()
+    assert layer.weight.grad is not None
+
+
 def test_small_tensors_parameters_and_tensors_under_the_limit_stay(tmp_path: Path) -> None:
     big = nn.Linear(1024, 1024)  # a 4 MiB weight, saved for the input's gradient
     x = torch.randn(4, 1024, requires_grad=True)
@@ -326,6 +399,7 @@ def test_the_default_tier_for_cpu_tensors_is_a_file_in_the_temporary_directory()
     ({"limit": "lots"}, ValueError, "'auto'"),
     ({"to": 3}, TypeError, "directory"),
     ({"to": "/nonexistent/spill"}, ValueError, "does not exist"),
+    ({"to": ""}, ValueError, "names no directory"),
     ({"to": "/proc"}, ValueError, "cannot create a scratch file"),
     ({"prefetch": -1}, ValueError, "prefetch"),
     ({"mmap_threshold": 0}, ValueError, "mmap_threshold"),
