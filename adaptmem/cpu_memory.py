@@ -23,7 +23,9 @@ back to its master, a few pages at most).
 
 from __future__ import annotations
 
+import math
 import mmap
+import numbers
 import os
 import resource
 import sys
@@ -99,8 +101,11 @@ def set_cpu_memory_limit(gib: float | None) -> None:
         resource.setrlimit(resource.RLIMIT_DATA, _original_limit)
         _limit_bytes = _cap_bytes = None
         return
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0:
-        raise ValueError(f"gib must be a positive number of GiB (e.g. 8 or 1.5), got {gib!r}")
+    if (isinstance(gib, bool) or not isinstance(gib, numbers.Real) or not gib > 0
+            or not math.isfinite(gib)):  # numbers.Real: NumPy's numbers too
+        raise ValueError(f"gib must be a positive, finite number of GiB (e.g. 8 or 1.5), "
+                         f"got {gib!r}")
+    gib = float(gib)
     held = held_bytes()
     cap = int(gib * _GIB)
     if cap <= held:
@@ -112,8 +117,9 @@ def set_cpu_memory_limit(gib: float | None) -> None:
     reserved = max(0, _status_kib("VmData") - held)
     soft = cap + reserved
     hard = _original_limit[1]
-    if hard != resource.RLIM_INFINITY and soft > hard:
-        raise ValueError(f"gib={gib} is above this process's hard data limit of {hard} bytes")
+    if (hard != resource.RLIM_INFINITY and soft > hard) or soft >= 2**63:
+        top = "an rlimit's largest value" if soft >= 2**63 else f"{hard} bytes"
+        raise ValueError(f"gib={gib} is above this process's hard data limit of {top}")
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     _limit_bytes, _cap_bytes = soft, cap
 

@@ -144,14 +144,13 @@ def parse_device(device: Any, name: str = "device") -> torch.device:
     """A ``torch.device`` from its name without asking whether this machine has it, for plans
     made for another machine (``resolve_device`` checks). An integer or an accelerator name
     without an index means index 0 (``"cuda"`` is ``cuda:0``); the CPU has no index."""
+    what = name if name.endswith(repr(device)) else f"{name} {device!r}"  # named once
     try:
         dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"{name} {device!r} is not a device name such as 'cuda:0' or "
-                         f"'cpu'") from None
+        raise ValueError(f"{what} is not a device name such as 'cuda:0' or 'cpu'") from None
     if dev.type == "meta":
-        raise ValueError(f"{name} {device!r}: the meta device holds no data; pick 'cpu' "
-                         f"or 'cuda'")
+        raise ValueError(f"{what}: the meta device holds no data; pick 'cpu' or 'cuda'")
     if dev.type == "cpu":
         return torch.device("cpu")
     return dev if dev.index is not None else torch.device(dev.type, 0)

@@ -10,8 +10,9 @@ of those units, which grows with the batch. So the decorator measures both sides
 the calls themselves, and keeps the cheaper per forward:
 
 - the link: a timed copy of a host buffer to the device (``link_bandwidth``; 1 MiB, grown
-  until the copy takes a few milliseconds, then the fastest of three), at the call that
-  needs it;
+  until the copy takes a few milliseconds, then the fastest of three; never more than a
+  quarter of the free memory, and when no copy fits the engine in force stays), at the
+  call that needs it;
 - the host: the second call runs chunked with the same resident bytes, and ``HostClock``
   times the forwards of the units the chunker computes on the host (host compute is
   synchronous, so wall time between a unit's hooks is its compute).
@@ -53,36 +54,48 @@ import torch
 from torch import nn
 
 from .._common.devices import free_memory, synchronize
+from .._common.oom import free_caches, is_oom
 from .._engines.base import HookSet
 
 __all__ = ["Choice", "HostClock", "link_bandwidth"]
 
 COPY_START = 1 << 20  # bytes of the first timed copy
+COPY_MIN = 64 << 10  # ... when a quarter of the free memory is less
 COPY_MAX = 64 << 20
 COPY_LONG_ENOUGH = 0.003  # seconds a timed copy should take to be read
 COPY_REPEATS = 3
 
 
-def link_bandwidth(device: torch.device) -> float:
+def link_bandwidth(device: torch.device) -> float | None:
     """Bytes per second a host-to-device copy reaches, from timed copies (see [Note: paging
     or chunking]): a pinned host buffer where the device has streams, as the pager's
-    masters are."""
-    nbytes = COPY_START
-    limit = max(COPY_START, min(COPY_MAX, free_memory(device) // 4))
-    torch.ones(1024, dtype=torch.uint8).to(device)  # a first copy may set things up: untimed
-    while True:
-        host = torch.empty(nbytes, dtype=torch.uint8)
-        if device.type != "cpu":
-            try:
-                host = host.pin_memory()
-            except RuntimeError:
-                pass  # pageable memory: the copy is what a pager without pinning sees
-        seconds = _timed_copy(host, device)
-        if seconds >= COPY_LONG_ENOUGH or 2 * nbytes > limit:
-            # The fastest of three: a copy whose thread was preempted reads slow.
-            seconds = min(seconds, *(_timed_copy(host, device) for _ in range(COPY_REPEATS - 1)))
-            return nbytes / max(seconds, 1e-9)
-        nbytes *= 2
+    masters are. Copies stay under a quarter of the free memory; None when even the
+    smallest runs out of memory (the caller keeps what it has)."""
+    limit = min(COPY_MAX, free_memory(device) // 4)
+    nbytes = max(COPY_MIN, min(COPY_START, limit))
+    best: float | None = None
+    try:
+        torch.ones(1024, dtype=torch.uint8).to(device)  # a first copy may set things up
+        while True:
+            host = torch.empty(nbytes, dtype=torch.uint8)
+            if device.type != "cpu":
+                try:
+                    host = host.pin_memory()
+                except RuntimeError:
+                    pass  # pageable memory: the copy is what a pager without pinning sees
+            seconds = _timed_copy(host, device)
+            if seconds >= COPY_LONG_ENOUGH or 2 * nbytes > limit:
+                # The fastest of three: a copy whose thread was preempted reads slow.
+                seconds = min(seconds, *(_timed_copy(host, device)
+                                         for _ in range(COPY_REPEATS - 1)))
+                return nbytes / max(seconds, 1e-9)
+            best = nbytes / max(seconds, 1e-9)
+            nbytes *= 2
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        free_caches(device)
+        return best  # the last size that fitted, timed once; None if none did
 
 
 def _timed_copy(host: torch.Tensor, device: torch.device) -> float:

@@ -233,7 +233,13 @@ class PlacedModels:
             return
         clock.remove()
         paged = self._paged_bytes
-        self.choice = Choice(paged, link_bandwidth(self.device), clock.seconds, clock.forwards)
+        bandwidth = link_bandwidth(self.device)
+        if bandwidth is None:  # no copy fitted to time: keep the engine in force
+            logger.info("%s: the link could not be timed (out of device memory); keeping "
+                        "the model chunked", self.name)
+            self._choosing = MADE
+            return
+        self.choice = Choice(paged, bandwidth, clock.seconds, clock.forwards)
         self._choosing = MADE
         logger.info("%s: %s of weights not resident would cross the link at %.3g GB/s in %.3g "
                     "ms per forward, or be computed on the host in %.3g ms (%d forwards "

@@ -124,6 +124,10 @@ def plan_placement(
                 f"but its capacity is {format_bytes(t.capacity)}; raise that capacity or add "
                 f"an unlimited device last, e.g. {{..., 'cpu': None}}"
             )
+    if any(t.dtype is not None for t in targets):  # sizes in the dtype each unit takes there
+        placed = [replace(u, nbytes=sizes.bytes_of(
+            u.tensors, by_label[u.placement].dtype if u.placement in by_label else None))
+            for u in placed]
     opts = {
         "devices": {t.label: t.capacity for t in targets},
         "dtypes": {t.label: dtype_name(t.dtype) for t in targets if t.dtype is not None},
@@ -131,7 +135,9 @@ def plan_placement(
         "order": "recorded" if recording is not None else "registration",
     }
     opts.update(options or {})
-    return Plan(mode, placed, sizes.total_bytes, opts)
+    total = (sum(u.nbytes for u in placed) if any(t.dtype is not None for t in targets)
+             else sizes.total_bytes)
+    return Plan(mode, placed, total, opts)
 
 
 def _assign_within_capacity(units: Sequence[Unit], sizes: ModuleSizes, targets: Sequence[Target]

@@ -86,6 +86,17 @@ def plan(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     sizes = module_sizes(model)
+    if order is not None:
+        if isinstance(order, str) or not isinstance(order, Sequence):
+            raise TypeError(f"order must be a list of module names in execution order, got "
+                            f"{order!r}")
+        known = set(sizes.modules)
+        unknown = [n for n in order if n not in known]
+        if unknown:
+            raise ValueError(
+                f"order names {', '.join(repr(n) for n in unknown[:5])}"
+                f"{' ...' if len(unknown) > 5 else ''}, not module(s) of this model; give "
+                f"names as model.named_modules() does")
     recording = None
     if example_inputs is not None:
         recording = record_forward(model, *split_inputs(example_inputs))

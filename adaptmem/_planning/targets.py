@@ -105,6 +105,7 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
     if dtype is not None and not isinstance(dtype, Mapping):
         dtype = parse_dtype(dtype)
     resolved = []
+    matched: set[Any] = set()  # keys of a dtype mapping that named one of the devices
     for key, capacity in items:
         key_dtype = None
         if isinstance(key, tuple) and len(key) == 2:
@@ -114,8 +115,10 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
         dev = resolve_device(key, f"devices key {key!r}") if probe else parse_device(key, f"devices key {key!r}")
         if key_dtype is None:
             if isinstance(dtype, Mapping):
-                given = [v for k, v in dtype.items() if str(k) in (str(key), str(dev))]
-                key_dtype = parse_dtype(given[0], f"dtype[{key!r}]") if given else None
+                names = [k for k in dtype if str(k) in (str(key), str(dev))
+                         or _names_device(k, dev)]
+                matched.update(names)
+                key_dtype = parse_dtype(dtype[names[0]], f"dtype[{key!r}]") if names else None
             else:
                 key_dtype = dtype
         cap: int | None
@@ -132,5 +135,21 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
         else:
             cap = capacity_of(capacity, f"devices[{key!r}]")
         resolved.append((dev, cap, key_dtype))
+    if isinstance(dtype, Mapping):
+        unknown = [k for k in dtype if k not in matched]
+        if unknown:
+            raise ValueError(
+                f"dtype names {', '.join(repr(k) for k in unknown)}, which "
+                f"{'is' if len(unknown) == 1 else 'are'} not among the devices "
+                f"({', '.join(repr(str(d)) for d, _, _ in resolved)}); key dtype by the "
+                f"devices given")
     labels = qualify_labels([(d, t) for d, _, t in resolved])
     return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]
+
+
+def _names_device(name: Any, dev: torch.device) -> bool:
+    """Whether a dtype key such as ``"cuda"`` names the device ``dev`` (``cuda:0``)."""
+    try:
+        return parse_device(name, "dtype key") == dev
+    except (ValueError, TypeError):
+        return False

@@ -229,11 +229,12 @@ def memory_stats(*engines: Any) -> MemoryStats:
             continue  # a decorated function never called: nothing to say, only noise
         sections[_unique(name, sections)] = figures
     for engine in engines:
-        stats = engine if isinstance(engine, Stats) else getattr(engine, "stats", None)
-        if not isinstance(stats, Stats):
+        stats: Any = engine if isinstance(engine, Stats) else getattr(engine, "stats", None)
+        if not callable(getattr(stats, "as_dict", None)):  # Stats, or a decorator's CallStats
             raise TypeError(
                 f"memory_stats takes engines with a .stats (a Pager, Chunker, Splitter, spill "
-                f"handle) or Stats objects, got {type(engine).__name__} {engine!r}"
+                f"handle, decorated function) or Stats objects, got {type(engine).__name__} "
+                f"{engine!r}"
             )
         if id(stats) in shown:
             continue

@@ -76,7 +76,7 @@ def test_the_cap_fails_real_allocations_and_reports_what_is_left() -> None:
     assert 200 * 2**20 <= before - after <= 320 * 2**20
 
 
-@pytest.mark.parametrize("bad", [0, -1, "8", True])
+@pytest.mark.parametrize("bad", [0, -1, "8", True, float("inf"), float("nan"), 1e30])
 def test_bad_caps_are_refused_with_the_fix(bad: object) -> None:
     with pytest.raises(ValueError, match="gib"):
         adaptive.cpu_memory.set_cpu_memory_limit(bad)  # type: ignore[arg-type]
@@ -152,3 +152,13 @@ def test_a_checkpoint_mapped_under_the_cap_does_not_count_against_it(tmp_path: P
     assert 40 << 20 < int(free) <= 48 << 20  # the mapping took none of the cap
     assert "CAP HOLDS" in result.stdout  # and the cap still refuses more than it allows
     assert "LIMIT BACK True" in result.stdout  # the limit came down when the mapping went
+
+
+def test_a_numpy_number_is_a_cap_like_any_number() -> None:
+    import numpy as np
+
+    try:
+        adaptive.cpu_memory.set_cpu_memory_limit(np.int64(64))  # type: ignore[arg-type]
+        assert adaptive.cpu_memory.get_available_cpu_memory() > 0
+    finally:
+        adaptive.cpu_memory.set_cpu_memory_limit(None)

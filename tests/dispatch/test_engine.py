@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -177,3 +178,27 @@ def test_a_first_call_that_gives_residency_back_runs_again_paged_not_chunked() -
     # The next call is the one that runs chunked to time the host, at the same residency.
     assert timed["engine"] == "chunk" and timed["engine_switches"] == 1
     assert timed["resident_bytes"] == given["resident_bytes"]
+
+
+def test_timing_the_link_stays_under_free_memory_and_keeps_the_engine_when_nothing_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The timed copy stays under a quarter of the free memory; a copy that runs out of
+    # memory does not fail the user's call: the engine in force stays.
+    from adaptmem._dispatch import engine
+
+    with simulated_cuda(total_memory="64MiB"):
+        device = torch.device("cuda", 0)
+        sizes: list[int] = []
+        real = engine._timed_copy
+        monkeypatch.setattr(engine, "_timed_copy",
+                            lambda host, dev: (sizes.append(host.numel()), real(host, dev))[1])
+        monkeypatch.setattr(engine, "free_memory", lambda dev: 2 << 20)
+        assert engine.link_bandwidth(device) is not None
+        assert max(sizes) <= (2 << 20) // 4
+
+        def no_room(host: torch.Tensor, dev: torch.device) -> float:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 MiB.")
+
+        monkeypatch.setattr(engine, "_timed_copy", no_room)
+        assert engine.link_bandwidth(device) is None

@@ -110,6 +110,8 @@ def test_stats_are_registered_for_memory_stats() -> None:
     name = f"chunked {double.__qualname__}"
     assert sections[name] is double.stats
     assert sections[name].as_dict()["calls"] == 1
+    # Passed to memory_stats as an engine: taken (shown once), not refused.
+    assert adaptive.memory_stats(double)[name]["calls"] == 1
 
 
 def test_on_adapt_reports_shrink_fits_probe_and_gave_up() -> None:

@@ -98,6 +98,19 @@ def test_plan_places_a_prefix_per_device_and_round_trips() -> None:
     half = adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None},
                          dtype={"cuda:0": torch.float16})
     assert half.device_map == {"": "cuda:0"}
+    # ... and the plan reports them so: units, totals and the printed table.
+    assert half.total_bytes == sum(u.nbytes for u in half.units) == 4 * layer // 2
+    assert half.bytes_by_placement()["cuda:0"] == 4 * layer // 2
+    assert "totals: cuda:0 514.0 KiB" in str(half)
+    # A dtype key names a device as the devices do ("cuda" is cuda:0); one naming no device
+    # is an error, not ignored.
+    short = adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None},
+                          dtype={"cuda": torch.float16})
+    assert short.device_map == {"": "cuda:0"}
+    with pytest.raises(ValueError, match=r"dtype names 'cuda:1', which is not among the "
+                                         r"devices \('cuda:0', 'cpu'\)"):
+        adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None},
+                      dtype={"cuda:1": torch.float16})
     again = Plan.from_dict(json.loads(p.to_json()))
     assert again.to_dict() == p.to_dict()
     text = str(p)
@@ -107,6 +120,13 @@ def test_plan_places_a_prefix_per_device_and_round_trips() -> None:
 def test_plan_rejects_what_is_not_a_module() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         adaptive.plan("resnet50")  # type: ignore[arg-type]
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="order must be a list of module names"):
+        adaptive.plan(model, order="first")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"order names 'frist', not module\(s\)"):
+        adaptive.plan(model, order=["1", "frist"])
+    with pytest.raises(ValueError, match=r"^devices key 'bogus:0' is not a device name"):
+        adaptive.plan(model, devices={"bogus:0": None})
     with pytest.raises(ValueError, match="unit_bytes"):
         adaptive.plan(nn.Linear(2, 2), unit_bytes="lots")
 
