@@ -102,7 +102,7 @@ def _running_outside() -> set[int]:
     frames = set()
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
-        if not frame.f_code.co_filename.startswith(_PACKAGE):
+        if not frame.f_code.co_filename.startswith(_PACKAGE + os.sep):
             frames.add(id(frame))
         frame = frame.f_back
     return frames

@@ -10,9 +10,9 @@ of those units, which grows with the batch. So the decorator measures both sides
 the calls themselves, and keeps the cheaper per forward:
 
 - the link: a timed copy of a host buffer to the device (``link_bandwidth``; 1 MiB, grown
-  until the copy takes a few milliseconds, then the fastest of three; never more than a
-  quarter of the free memory, and when no copy fits the engine in force stays), at the
-  call that needs it;
+  until the copy takes a few milliseconds, then the fastest of three; no larger than a
+  quarter of the free memory, though at least 64 KiB, and when no copy fits the engine in
+  force stays), at the call that needs it;
 - the host: the second call runs chunked with the same resident bytes, and ``HostClock``
   times the forwards of the units the chunker computes on the host (host compute is
   synchronous, so wall time between a unit's hooks is its compute).

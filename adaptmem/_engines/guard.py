@@ -73,7 +73,7 @@ class PlacementGuard:
 
     __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
                  "_registered", "_kinds", "_homes", "_adopted", "_passed", "_data", "_engine",
-                 "_handle", "_modules")
+                 "_handle", "_modules", "_ptrs", "on_new_data")
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
                  handle: str) -> None:
@@ -98,6 +98,9 @@ class PlacementGuard:
         # Registrations whose object a forward replaced: index -> (dtype, device) it had.
         self._adopted: dict[int, tuple[torch.dtype, int]] = {}
         self._passed = False  # the last check passed: the call that followed really ran
+        # Called by check() with the names of tensors given other data of their dtype and
+        # device since (``t.data = new``); None: such data is not looked for.
+        self.on_new_data: Any = None
         self.expect({n: t.data for n, t in tensors.items()})
 
     def expect(self, data: Mapping[str, torch.Tensor]) -> None:
@@ -105,6 +108,7 @@ class PlacementGuard:
         self._data = {n: data[n] for n in self._names}
         with _no_modes():  # read as check() reads them
             self._dtypes, self._devices = _metadata(list(self._data.values()))
+            self._ptrs = list(map(_data_ptr, self._data.values()))
 
     def check(self) -> None:
         """Raise ``PlacementError`` if a tensor was replaced or converted since placement."""
@@ -125,7 +129,24 @@ class PlacementGuard:
                 or (self._adopted and self._adopted_changed() is not None)):
             self._passed = False
             self._refuse()
+        if self.on_new_data is not None:
+            self._follow_new_data()
         self._passed = True
+
+    def _follow_new_data(self) -> None:
+        """Tensors given other data between calls (of the same dtype and device: other data
+        was refused above) are handed to the engine, which adopts it, and are expected to
+        hold it from now on (so that ``put_back`` and ``remove()`` keep it)."""
+        with _no_modes():
+            ptrs = list(map(_data_ptr, self._tensors))
+            if ptrs == self._ptrs:
+                return
+            changed = [i for i, (a, b) in enumerate(zip(ptrs, self._ptrs, strict=True))
+                       if a != b]
+            self.on_new_data([self._names[i] for i in changed])
+            for i in changed:
+                self._data[self._names[i]] = self._tensors[i].data
+            self._ptrs = list(map(_data_ptr, self._tensors))
 
     def _adopted_changed(self) -> int | None:
         for i, (dtype, device) in self._adopted.items():
@@ -221,6 +242,9 @@ _dtype_of = operator.attrgetter("dtype")
 _no_modes = torch._C.DisableTorchFunction
 _training = operator.attrgetter("training")
 _device_of = torch.Tensor.get_device
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _metadata(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.dtype], list[int]]:

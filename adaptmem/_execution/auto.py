@@ -173,12 +173,14 @@ class AutoStart:
 
     def decide(self, call: Callable[[int], Any]) -> int | None:
         """The initial size: predicted once (thread-safe), then the same for every call.
-        None while calls are too small to tell (the call runs from the ceiling), and for a
-        call the prediction's own traces make (a recursive function)."""
+        None while calls are too small to tell (the call runs from the ceiling). A call
+        the prediction's own traces make (a recursive function) ends the prediction: the
+        search starts at the ceiling."""
         with self._lock:
             if self.initial is None:
                 if self._deciding:
-                    return None
+                    raise NotPredictable("it calls itself while its traces run (recursion), "
+                                         "so they cannot tell its own share")
                 self._deciding = True
                 try:
                     self.initial = self._decide(call)

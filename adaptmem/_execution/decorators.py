@@ -56,10 +56,13 @@ def _function_key(func: Any) -> Any:
     while isinstance(func, functools.partial):
         func = func.func
     code = getattr(getattr(func, "__func__", func), "__code__", None)
-    if code is None:  # a callable object: its class's __call__
-        call = getattr(type(func), "__call__", None)  # noqa: B004 (the class's method)
-        code = getattr(getattr(call, "__func__", call), "__code__", None)
-    return code if code is not None else func
+    if code is not None:
+        return code
+    # A callable object: its class (long-lived, unlike the object) with its __call__'s code;
+    # classes that inherit one __call__ (every nn.Module) stay apart.
+    call = getattr(type(func), "__call__", None)  # noqa: B004 (the class's method)
+    code = getattr(getattr(call, "__func__", call), "__code__", None)
+    return func if code is None else (type(func), code)
 
 
 def _takes_instance(func: Callable[..., Any]) -> bool:

@@ -95,6 +95,7 @@ class Pager(Engine):
         slots = self._table.slots
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
                                      self.made_by, self.handle_name)
+        self._guard.on_new_data = self._table.adopt  # `weight.data = new` between calls
         # Nothing above touched the model; from here on it is paged, or put back on failure.
         self._hold(self._modules.values())
         try:

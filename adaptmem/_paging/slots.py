@@ -78,10 +78,10 @@ def _stand_in(slots: Sequence[Slot], copies: Sequence[torch.Tensor]) -> None:
 
 def _prefetched(needs: Sequence[Slot], ticket: Any) -> bool:
     """Every slot of ``needs`` has its copy on the way in ``ticket``, and nothing wrote to
-    its tensor since that copy was made, nor gave it other data (``.data = ...``)."""
+    its tensor since that copy was made (data given between calls was adopted when the call
+    began: ``SlotTable.adopt``)."""
     for s in needs:
-        if (s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version
-                or s.tensor.data_ptr() != s.master.data_ptr()):
+        if s.state is not PENDING or s.ticket is not ticket or s.tensor._version != s.version:
             return False
     return True
 
@@ -223,6 +223,17 @@ class SlotTable:
             groups = [(g[0].ticket, [s.copy for s in g]) for g in tickets.values()]
         self._install(missing, self.transfer.wait(groups, demand=bool(absent)))  # type: ignore[arg-type]
 
+    def adopt(self, names: Sequence[str]) -> None:
+        """The tensors ``names`` were given other data between calls (of their dtype and
+        device, checked by the guard when the call began): a tensor at rest adopts it as
+        its master's values (``_adopt``), a loaded (resident) one as its device copy."""
+        for name in names:
+            s = self.slots[name]
+            if s.state is LOADED:
+                s.follow_data()
+            elif s.tensor.data_ptr() != s.master.data_ptr():
+                self._adopt(s)
+
     def _adopt(self, s: Slot) -> None:
         """``s``'s tensor was given other data between calls (``tensor.data = new``): that
         data is the weight now, and a copy made from the old master is dropped. The master
@@ -237,8 +248,8 @@ class SlotTable:
         if s.state is PENDING:
             self.unload(s)
         if s.original is not None:  # the master was the tensor's own data: not ours to write
+            self.masters_changed += 1  # the schedule keeps lists of masters: first
             s.master = s.original = new if new.device.type == "cpu" else new.to("cpu")
-            self.masters_changed += 1  # the schedule keeps lists of masters
         else:
             s.master.copy_(new)
         s.tensor.data = s.master

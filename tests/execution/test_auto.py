@@ -128,9 +128,12 @@ def test_a_function_that_cannot_be_traced_is_logged_once_and_searched_from_the_m
     assert len(messages) == 1 and "max_batchsize=32" in messages[0]
 
 
-def test_a_recursive_auto_function_decides_once_without_waiting_on_itself() -> None:
+def test_a_recursive_auto_function_decides_once_without_waiting_on_itself(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # The prediction traces the function, which calls itself: that inner call must not
-    # wait for the decision it is part of (it did, forever).
+    # wait for the decision it is part of (it did, forever); the prediction ends, saying
+    # why, and the search starts at the ceiling.
     import threading
 
     @adaptive.batch(initial_batchsize="auto", max_batchsize=1024)
@@ -141,12 +144,15 @@ def test_a_recursive_auto_function_decides_once_without_waiting_on_itself() -> N
 
     x = torch.randn(256, 8)
     out: list[torch.Tensor] = []
-    worker = threading.Thread(target=lambda: out.append(tree(x)), daemon=True)
-    worker.start()
-    worker.join(timeout=60)
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        worker = threading.Thread(target=lambda: out.append(tree(x)), daemon=True)
+        worker.start()
+        worker.join(timeout=60)
     assert not worker.is_alive(), "the first call waits on itself"
     assert torch.allclose(out[0], x * 2 + 2)
     assert torch.allclose(tree(x), x * 2 + 2)
+    assert "calls itself while its traces run (recursion)" in caplog.text
+    assert "search starts at max_batchsize=1024" in caplog.text
 
 
 def test_auto_options_are_checked_where_they_are_given() -> None:

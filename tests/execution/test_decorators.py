@@ -1084,3 +1084,12 @@ def test_a_range_that_gives_up_partway_says_where_it_stopped() -> None:
     with pytest.raises(OutOfMemoryError, match=r"smallest step, 4.*It stopped at 40 of "
                                                r"\[0, 100\): the steps before it had run"):
         fill(0, 100)
+
+
+def test_callable_objects_of_different_classes_keep_sizes_apart() -> None:
+    # Every nn.Module shares one __call__: the key is the class with its __call__'s code.
+    from adaptmem._execution.decorators import _function_key
+
+    a, b, c = torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(3, 3)
+    assert _function_key(a) != _function_key(b)
+    assert _function_key(a) == _function_key(c)  # one class: one record, like closures
