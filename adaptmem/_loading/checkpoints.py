@@ -292,6 +292,9 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
         raise
     except Exception as exc:
         why = str(exc) or type(exc).__name__
+        if "meta tensor" in why:  # torch rebuilds a sparse (or other packed) tensor eagerly
+            why += (" (it holds a tensor torch rebuilds when loading, such as a sparse one: "
+                    "adaptive.load reads dense tensors; load this file with torch.load)")
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}

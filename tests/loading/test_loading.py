@@ -1281,6 +1281,13 @@ def test_an_uninitialised_lazy_module_is_a_clear_error(into: str, tmp_path: Path
         adaptive.load(lazy if into == "factory" else lazy(), tmp_path / "m.pt")
 
 
+@pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")
+def test_a_sparse_tensor_in_a_torch_save_file_is_named_as_the_cause(tmp_path: Path) -> None:
+    torch.save({"weight": torch.eye(3).to_sparse()}, tmp_path / "s.pt")
+    with pytest.raises(LoadError, match=r"s\.pt' is not a readable .* such as a sparse one"):
+        adaptive.load(lambda: nn.Linear(3, 3, bias=False), tmp_path / "s.pt")
+
+
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_an_empty_file_is_named_as_empty(suffix: str, tmp_path: Path) -> None:
     (tmp_path / f"model{suffix}").write_bytes(b"")
