@@ -59,18 +59,25 @@ def refuse_if_held(model: nn.Module) -> None:
     )
 
 
+def refuse_training(engine: str, modules: Iterable[tuple[str, nn.Module]], fix: str,
+                    when: str = "") -> None:
+    """Raise ``PlacementError`` if any of ``modules`` (name, module) is in training mode
+    (``when``: " now", say): ``engine`` is for inference."""
+    training = [n or "<root>" for n, m in modules if m.training]
+    if training:
+        raise PlacementError(
+            f"{engine} is for inference, but {len(training)} module(s) are in training "
+            f"mode{when} (first: {training[0]!r}); {fix}"
+        )
+
+
 def check_placeable(model: Any, engine: str, allow_meta: bool = False) -> None:
     """Refuse, before anything changes, a model ``engine`` (``"adaptive.page"``, ...) cannot
     take: not a module, in training mode, weights on meta, inference tensors, or already
     held by adaptmem or dispatched by accelerate."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    training = [n or "<root>" for n, m in model.named_modules() if m.training]
-    if training:
-        raise PlacementError(
-            f"{engine} is for inference, but {len(training)} module(s) are in training mode "
-            f"(first: {training[0]!r}); call model.eval() first"
-        )
+    refuse_training(engine, model.named_modules(), "call model.eval() first")
     if not allow_meta:
         meta = [n for n, t in _named_tensors(model) if t.is_meta]
         if meta:

@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
+from .._common.claims import refuse_training
 from .._common.errors import PlacementError
 from .._common.tree import registrations
 
@@ -108,7 +109,7 @@ class PlacementGuard:
         self._data = {n: data[n] for n in self._names}
         with _no_modes():  # read as check() reads them
             self._dtypes, self._devices = _metadata(list(self._data.values()))
-            self._ptrs = list(map(_data_ptr, self._data.values()))
+        self._ptrs = _pointers(list(self._data.values()))
 
     def check(self) -> None:
         """Raise ``PlacementError`` if a tensor was replaced or converted since placement."""
@@ -122,7 +123,12 @@ class PlacementGuard:
             dtypes, devices = _metadata(self._tensors)
         if any(map(_training, self._modules.values())):
             self._passed = False
-            self._refuse_training()
+            refuse_training(
+                self._engine, self._modules.items(),
+                f"model.train() after placing? A training forward writes buffers (BatchNorm's "
+                f"running statistics) that a placed model would not keep, so this call did "
+                f"not run. Call model.eval() again, or {self._handle}.remove() first to train",
+                when=" now")
         if (dtypes != self._dtypes or devices != self._devices
                 or not all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                                self._registered))
@@ -130,23 +136,21 @@ class PlacementGuard:
             self._passed = False
             self._refuse()
         if self.on_new_data is not None:
-            self._follow_new_data()
+            self.follow_new_data()
         self._passed = True
 
-    def _follow_new_data(self) -> None:
-        """Tensors given other data between calls (of the same dtype and device: other data
-        was refused above) are handed to the engine, which adopts it, and are expected to
-        hold it from now on (so that ``put_back`` and ``remove()`` keep it)."""
-        with _no_modes():
-            ptrs = list(map(_data_ptr, self._tensors))
-            if ptrs == self._ptrs:
-                return
-            changed = [i for i, (a, b) in enumerate(zip(ptrs, self._ptrs, strict=True))
-                       if a != b]
-            self.on_new_data([self._names[i] for i in changed])
-            for i in changed:
-                self._data[self._names[i]] = self._tensors[i].data
-            self._ptrs = list(map(_data_ptr, self._tensors))
+    def follow_new_data(self) -> None:
+        """Tensors given other data since (``t.data = new``; ``check`` has refused another
+        dtype or device by then, ``put_back`` has undone it) are handed to
+        ``on_new_data``, which adopts it, and are expected to hold it from now on."""
+        ptrs = _pointers(self._tensors)
+        if ptrs == self._ptrs or ptrs is None or self._ptrs is None:
+            return
+        changed = [i for i, (a, b) in enumerate(zip(ptrs, self._ptrs, strict=True)) if a != b]
+        self.on_new_data([self._names[i] for i in changed])
+        for i in changed:
+            self._data[self._names[i]] = self._tensors[i].data
+        self._ptrs = _pointers(self._tensors)
 
     def _adopted_changed(self) -> int | None:
         for i, (dtype, device) in self._adopted.items():
@@ -170,15 +174,6 @@ class PlacementGuard:
                 self._registered[i] = now  # None: deleted, nothing left to check there
                 if now is not None:
                     self._adopted[i] = (now.dtype, now.get_device())
-
-    def _refuse_training(self) -> NoReturn:
-        names = [n or "<root>" for n, m in self._modules.items() if m.training]
-        raise PlacementError(
-            f"{self._engine} is for inference, but {len(names)} module(s) are in training "
-            f"mode now (first: {names[0]!r}; model.train() after placing?): a training "
-            f"forward writes buffers (BatchNorm's running statistics) that a placed model "
-            f"would not keep, so this call did not run. Call model.eval() again, or "
-            f"{self._handle}.remove() first to train")
 
     def _refuse(self) -> NoReturn:
         what = "a tensor changed"
@@ -235,7 +230,7 @@ class PlacementGuard:
         self._names, self._tensors, self._dtypes, self._devices = [], [], [], []
         self._registries, self._attrs, self._registered, self._kinds = [], [], [], []
         self._homes = []
-        self._adopted, self._data = {}, {}
+        self._adopted, self._data, self._ptrs = {}, {}, []
 
 
 _dtype_of = operator.attrgetter("dtype")
@@ -244,7 +239,17 @@ _training = operator.attrgetter("training")
 _device_of = torch.Tensor.get_device
 
 
-_data_ptr = torch.Tensor.data_ptr
+_data_ptr = operator.methodcaller("data_ptr")
+
+
+def _pointers(tensors: Sequence[torch.Tensor]) -> list[int] | None:
+    """Each tensor's data pointer, asked as a user would (a tensor subclass, a simulated
+    device's, answers through its ``__torch_function__``); None when one has none to give
+    (then new data given through ``.data`` is not looked for)."""
+    try:
+        return list(map(_data_ptr, tensors))
+    except RuntimeError:
+        return None
 
 
 def _metadata(tensors: Sequence[torch.Tensor]) -> tuple[list[torch.dtype], list[int]]:

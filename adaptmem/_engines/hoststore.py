@@ -69,14 +69,8 @@ class Slot:
     def restore(self) -> None:
         """Put the data back on its original device and dtype, bitwise, and forget any
         device copy. A loaded device copy is the live data (a resident weight edited in
-        place, through ``.data`` too, or given other data), so it is copied into the master
-        first; data given to a tensor at rest is its master's values already (the pager
-        adopts it) or, not adopted yet, is what is put back."""
-        self.follow_data()
-        if self.state is not LOADED and self.tensor.data_ptr() != self.master.data_ptr():
-            new = self.tensor.data
-            if new.shape == self.master.shape and new.dtype == self.master.dtype:
-                self.master, self.original = new, (new if new.device == self.origin else None)
+        place, through ``.data`` too, or given other data, which the pager adopted), so it
+        is copied into the master first."""
         if self.state is LOADED and self.copy is not None:
             self.master.copy_(self.copy)
         if self.original is not None:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import increment_version
+from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._common.devices import default_device, format_bytes, resolve_device
@@ -469,8 +470,6 @@ def _plan_load(
 
 
 def _is_norm(model: nn.Module, name: str) -> bool:
-    from torch.nn.modules.batchnorm import _NormBase
-
     try:
         return isinstance(model.get_submodule(name), _NormBase)
     except AttributeError:
@@ -481,8 +480,6 @@ def _own_loading(model: nn.Module) -> list[str]:
     """Modules (``name (Class)``) whose state loads through code of their own: an override
     of ``_load_from_state_dict`` (BatchNorm's, which only fills an old checkpoint's missing
     ``num_batches_tracked``, aside), load-state-dict hooks, or extra state."""
-    from torch.nn.modules.batchnorm import _NormBase
-
     plain = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
     found = []
     for name, module in model.named_modules():

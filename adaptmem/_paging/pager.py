@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -95,7 +96,7 @@ class Pager(Engine):
         slots = self._table.slots
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
                                      self.made_by, self.handle_name)
-        self._guard.on_new_data = self._table.adopt  # `weight.data = new` between calls
+        self._guard.on_new_data = self._adopt  # `weight.data = new` between calls
         # Nothing above touched the model; from here on it is paged, or put back on failure.
         self._hold(self._modules.values())
         try:
@@ -311,6 +312,9 @@ class Pager(Engine):
         self._hooks.clear()
         with torch.inference_mode(False):  # See [Note: a placed model is neither copied ...]
             self._guard.put_back()
+            # Data given since the last call is kept (data of another shape: none is).
+            with contextlib.suppress(PlacementError):
+                self._guard.follow_new_data()
         self._stack.clear()
         with self._quiet, torch.inference_mode(False):
             self._table.restore()
@@ -326,7 +330,13 @@ class Pager(Engine):
         the host master first, then the device copy when the tensor is resident. Call it
         outside a forward; the tensors keep their shape, dtype and device.
         """
+        self._guard.follow_new_data()  # data given since the last call is written into
         return self._table.load_targets()
+
+    def _adopt(self, names: list[str]) -> None:
+        """Tensors given other data between calls (found by the guard): the slots adopt it."""
+        self._table.adopt(names)
+        self._schedule.refresh()
 
     def __repr__(self) -> str:
         paged = sum(u.nbytes for u in self._units if u.placement is Placement.PAGED)

@@ -54,7 +54,7 @@ class Schedule:
     """Steps (module ids) in call order, with their slots and host masters, and a cursor
     at the step expected next."""
 
-    __slots__ = ("ahead", "table", "steps", "needs", "masters", "ends", "cursor", "seen")
+    __slots__ = ("ahead", "table", "steps", "needs", "masters", "ends", "cursor")
 
     def __init__(self, ahead: int, table: SlotTable) -> None:
         self.ahead = ahead  # steps prefetched past the running one
@@ -62,7 +62,6 @@ class Schedule:
         self.steps: list[int] = []
         self.needs: list[tuple[Slot, ...]] = []
         self.masters: list[tuple[torch.Tensor, ...]] = []  # what each step copies
-        self.seen = table.masters_changed  # masters replaced when ``masters`` was made
         self.ends: list[int] = []  # per step: where its lookahead stops (exclusive)
         self.cursor = 0
 
@@ -70,10 +69,13 @@ class Schedule:
         """The modules of ``order`` that acquire something (``needs``), in that order."""
         self.steps = [mid for mid in order if mid in needs]
         self.needs = [needs[mid] for mid in self.steps]
-        self.masters = [tuple(s.master for s in step) for step in self.needs]
-        self.seen = self.table.masters_changed
+        self.refresh()
         self.ends = lookahead_ends([sum(s.nbytes for s in step) for step in self.needs],
                                    self.ahead)
+
+    def refresh(self) -> None:
+        """Read each step's host masters again (a slot adopted new data as its master)."""
+        self.masters = [tuple(s.master for s in step) for step in self.needs]
 
     def restart(self) -> None:
         """A new outermost call: expect the first step."""
@@ -94,9 +96,6 @@ class Schedule:
                 return
             pos = found
         table = self.table
-        if self.seen != table.masters_changed:  # a tensor was given new data: new masters
-            self.masters = [tuple(s.master for s in step) for step in self.needs]
-            self.seen = table.masters_changed
         for k in range(pos + 1, self.ends[pos]):
             ahead: Sequence[Slot] = self.needs[k]
             masters: tuple[torch.Tensor, ...] | None = self.masters[k]

@@ -135,7 +135,6 @@ class SlotTable:
         self.held = 0
         self.resident_bytes = 0
         self._written: set[str] = set()  # buffers already reported as written in place
-        self.masters_changed = 0  # counts masters replaced (``_adopt``)
         # A torch function mode was on when the current call began: See [Note: version
         # reads skip torch function modes].
         self.modes = False
@@ -186,8 +185,6 @@ class SlotTable:
         in ``keep``) are dropped, caches emptied and it is tried once more; then it raises
         ``NoRoom``."""
         for s in missing:
-            if s.tensor.data_ptr() != s.master.data_ptr():  # given other data at rest
-                self._adopt(s)
             # Written in place since its copy was made (by a hook, or by an earlier module's
             # forward): the copy is stale.
             if s.state is PENDING and s.tensor._version != s.version:
@@ -224,31 +221,32 @@ class SlotTable:
         self._install(missing, self.transfer.wait(groups, demand=bool(absent)))  # type: ignore[arg-type]
 
     def adopt(self, names: Sequence[str]) -> None:
-        """The tensors ``names`` were given other data between calls (of their dtype and
-        device, checked by the guard when the call began): a tensor at rest adopts it as
-        its master's values (``_adopt``), a loaded (resident) one as its device copy."""
-        for name in names:
-            s = self.slots[name]
+        """The tensors ``names`` were given other data between calls (found by the guard,
+        of their dtype and device): a tensor at rest adopts it as its master's values
+        (``_adopt``), a loaded (resident) one as its device copy."""
+        slots = [self.slots[name] for name in names]
+        for s in slots:  # all or nothing
+            new = s.tensor.data
+            if new.shape != s.master.shape or new.dtype != s.master.dtype:
+                raise PlacementError(
+                    f"{s.name!r} was given data of shape {list(new.shape)} and {new.dtype} "
+                    f"while placed, where it was {list(s.master.shape)} and {s.master.dtype}; "
+                    f"remove() the placement, change the model, then place it again")
+        for s in slots:
             if s.state is LOADED:
                 s.follow_data()
-            elif s.tensor.data_ptr() != s.master.data_ptr():
+            else:
                 self._adopt(s)
 
     def _adopt(self, s: Slot) -> None:
-        """``s``'s tensor was given other data between calls (``tensor.data = new``): that
-        data is the weight now, and a copy made from the old master is dropped. The master
-        becomes the new data when the master was the tensor's own CPU data, else (a pinned
-        or separate host copy, the pager's own) takes its values."""
+        """``s``'s tensor (at rest) was given other data of its shape and dtype between
+        calls: that data is the weight now, and a copy made from the old master is dropped.
+        The master becomes the new data when the master was the tensor's own CPU data, else
+        (a pinned or separate host copy, the pager's own) takes its values."""
         new = s.tensor.data
-        if new.shape != s.master.shape or new.dtype != s.master.dtype:
-            raise PlacementError(
-                f"{s.name!r} was given data of shape {list(new.shape)} and {new.dtype} while "
-                f"placed, where it was {list(s.master.shape)} and {s.master.dtype}; remove() "
-                f"the placement, change the model, then place it again")
         if s.state is PENDING:
             self.unload(s)
         if s.original is not None:  # the master was the tensor's own data: not ours to write
-            self.masters_changed += 1  # the schedule keeps lists of masters: first
             s.master = s.original = new if new.device.type == "cpu" else new.to("cpu")
         else:
             s.master.copy_(new)
@@ -386,9 +384,6 @@ class SlotTable:
         self.drop_pending()
         out = {}
         for name, s in self.slots.items():
-            if s.state is not LOADED and s.tensor.data_ptr() != s.master.data_ptr():
-                self._adopt(s)
-            s.follow_data()
             targets = [s.master]
             if s.resident and s.copy is not None:
                 targets.append(s.copy)

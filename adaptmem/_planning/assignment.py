@@ -124,7 +124,8 @@ def plan_placement(
                 f"but its capacity is {format_bytes(t.capacity)}; raise that capacity or add "
                 f"an unlimited device last, e.g. {{..., 'cpu': None}}"
             )
-    if any(t.dtype is not None for t in targets):  # sizes in the dtype each unit takes there
+    converts = any(t.dtype is not None for t in targets)
+    if converts:  # sizes in the dtype each unit takes there
         placed = [replace(u, nbytes=sizes.bytes_of(
             u.tensors, by_label[u.placement].dtype if u.placement in by_label else None))
             for u in placed]
@@ -135,8 +136,7 @@ def plan_placement(
         "order": "recorded" if recording is not None else "registration",
     }
     opts.update(options or {})
-    total = (sum(u.nbytes for u in placed) if any(t.dtype is not None for t in targets)
-             else sizes.total_bytes)
+    total = sum(u.nbytes for u in placed) if converts else sizes.total_bytes
     return Plan(mode, placed, total, opts)
 
 

@@ -96,12 +96,14 @@ class Step:
                 raise error
             return keep(t, stats)
         key = (device, storage.data_ptr())
+        root = t if base is None else base
+        version = t._version
         with self.lock:
             entry = self.by_storage.get(key)
             if entry is not None and (
                     entry.storage_ref() is not storage  # the address was freed and reused
-                    or entry.root_ref() is not (t._base if t._base is not None else t)
-                    or entry.version != t._version):  # See [Note: sharing an entry]
+                    or entry.root_ref() is not root
+                    or entry.version != version):  # See [Note: sharing an entry]
                 entry = None
         if entry is not None:
             stats.tensors_shared += 1
@@ -109,7 +111,7 @@ class Step:
         if not self.limits.over_limit(device, nbytes) or not self.copies.has_tier(device):
             return keep(t, stats)
         with self.lock:
-            entry = Entry(self, self.seq, device, nbytes, storage, t)
+            entry = Entry(self, self.seq, device, nbytes, storage, root, version)
             self.live += 1
             self.by_storage[key] = entry
             self.by_seq[self.seq] = entry

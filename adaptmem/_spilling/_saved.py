@@ -54,7 +54,7 @@ class Entry:
                  "handed_back", "root_ref", "version", "__weakref__")
 
     def __init__(self, step: Owner, seq: int, device: torch.device, nbytes: int,
-                 storage: torch.UntypedStorage, t: torch.Tensor | None = None) -> None:
+                 storage: torch.UntypedStorage, root: torch.Tensor, version: int) -> None:
         self.step = step
         self.seq = seq
         self.device = device
@@ -67,10 +67,8 @@ class Entry:
         self.storage_ref = weakref.ref(storage)
         # See [Note: sharing an entry]: the tensor (a view's base) whose version counter
         # covers the bytes copied, and its version then.
-        root = None if t is None else (t._base if t._base is not None else t)
-        self.root_ref: Callable[[], torch.Tensor | None] = (
-            (lambda: None) if root is None else weakref.ref(root))
-        self.version = -1 if t is None else t._version
+        self.root_ref = weakref.ref(root)
+        self.version = version
         # The restored copy is held until every saved tensor over it was unpacked once
         # (backward's last use of it), then only weakly (for a retain_graph second pass).
         self.restored: torch.UntypedStorage | None = None
