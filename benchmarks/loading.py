@@ -24,8 +24,10 @@ last, and reports:
 
 Measured in the same run, per round: the page-cache copy bandwidth (the warm file read with
 ``preadv`` into memory that already exists: what copying from the cache costs), the same
-copy into new memory in a fresh process (one thread; and with a thread per core faulting the
-memory in ahead of the reads, the floor of any copying load here), and the cold
+copy into new memory in a fresh process (one thread; with a thread per core faulting the
+memory in ahead of the reads; and with a thread per core filling it without zeroing it
+first, UFFDIO_COPY, where the system allows: the faster is the floor of a copying load
+here), and the cold
 sequential read bandwidth of the disk (the file evicted, then read front to back in 16 MiB
 reads, once with the kernel's read-ahead alone and once asking for the next 64 MiB ahead as
 adaptive.load does; the faster counts). Each turns into a floor time for the file: ``bytes / bandwidth``.
@@ -49,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -285,8 +288,6 @@ def _evict(path: Path) -> None:
 
 def _resident(path: Path) -> float:
     """Fraction of ``path``'s pages in the page cache (mincore; maps, reads nothing)."""
-    import warnings
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     total = resident = 0
@@ -321,6 +322,8 @@ def bandwidths(path: Path) -> dict[str, float]:
                            capture_output=True, text=True, check=True)
     faulted = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path),
                             "--probe-pages", "ahead"], capture_output=True, text=True, check=True)
+    filled = subprocess.run([sys.executable, __file__, "--fresh-memory-probe", str(path),
+                             "--probe-pages", "fill"], capture_output=True, text=True)
     # The disk's sequential read: the faster of a plain front-to-back read (the kernel's
     # read-ahead alone) and one that asks for the next 64 MiB ahead, as adaptive.load does.
     colds = []
@@ -333,7 +336,10 @@ def bandwidths(path: Path) -> dict[str, float]:
     cold = max(colds)
     return {"page_cache_bytes_s": max(warm), "disk_bytes_s": cold, "resident_after_evict": left,
             "fresh_memory_bytes_s": float(fresh.stdout.split()[-1]),
-            "fresh_ahead_bytes_s": float(faulted.stdout.split()[-1])}
+            "fresh_ahead_bytes_s": float(faulted.stdout.split()[-1]),
+            # 0 where the system gives no userfaultfd
+            "fresh_fill_bytes_s": float(filled.stdout.split()[-1]) if filled.returncode == 0
+            else 0.0}
 
 
 PAGE_MODES = {  # how new memory is made before the warm file is read into it
@@ -342,8 +348,15 @@ PAGE_MODES = {  # how new memory is made before the warm file is read into it
     "pre-faulted (mmap + MADV_POPULATE_WRITE)": "populate",
     "huge + pre-faulted": "thp+populate",
     "faulted ahead by every core (MADV_POPULATE_WRITE per 16 MiB)": "ahead",
+    "filled without zeroing by every core (UFFDIO_COPY per 16 MiB)": "fill",
 }
 _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23  # Linux values; Python 3.11 names neither
+
+
+def _floor_bandwidth(limits: dict[str, float], cache: str) -> float:
+    if cache == "cold":
+        return limits["disk_bytes_s"]
+    return max(limits["fresh_ahead_bytes_s"], limits.get("fresh_fill_bytes_s", 0.0))
 
 
 def fresh_memory_probe(path: Path, mode: str = "4k", size: int | None = None) -> None:
@@ -352,11 +365,17 @@ def fresh_memory_probe(path: Path, mode: str = "4k", size: int | None = None) ->
     ``mode`` other than 4k the buffer is an anonymous mapping, 2 MiB aligned, advised to use
     transparent huge pages and/or pre-faulted in one call before the read. With ``ahead``,
     a thread per core faults the buffer in 16 MiB at a time while this one reads each piece
-    once its faults are done, as adaptive.load does."""
+    once its faults are done, as adaptive.load does where it cannot fill; with ``fill``, the
+    buffer is filled from the cache without being zeroed first (UFFDIO_COPY), as
+    adaptive.load does where the system allows."""
     size = size or path.stat().st_size
+    if mode == "fill":  # imported before timing, as a loading script imports adaptmem first
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        import adaptmem._loading.new_memory  # noqa: F401
     t0 = time.perf_counter()
-    if mode == "ahead":
-        _read_faulted_ahead(path, torch.empty(size, dtype=torch.uint8))
+    if mode in ("ahead", "fill"):
+        read = _read_faulted_ahead if mode == "ahead" else _read_filled
+        read(path, torch.empty(size, dtype=torch.uint8))
         print(size / (time.perf_counter() - t0))
         return
     if mode == "4k":
@@ -402,6 +421,36 @@ def _read_faulted_ahead(path: Path, dest: torch.Tensor) -> None:
             done.result()
             while a < b:
                 a += os.preadv(fd, [view[a:b]], a)
+    os.close(fd)
+
+
+def _read_filled(path: Path, dest: torch.Tensor) -> None:
+    """``dest`` filled from the cached file without zeroing it first (UFFDIO_COPY, through
+    adaptive.load's own NewMemory), a thread per core, 16 MiB at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from adaptmem._loading.new_memory import NewMemory  # imported before timing
+
+    size, piece = dest.numel(), 16 * 2**20
+    base = dest.data_ptr()
+    view = memoryview((ctypes.c_char * size).from_address(base)).cast("B")
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():  # a read-only buffer: torch warns, reads nothing
+        warnings.simplefilter("ignore")
+        source = torch.frombuffer(mapping, dtype=torch.uint8).data_ptr()
+    memory = NewMemory()
+    if not memory.fill_later(dest):
+        raise SystemExit("this system gives no userfaultfd")
+
+    def fill(a: int, b: int) -> None:
+        for x, y in memory.fill(base + a, source + a, b - a):  # partial and existing pages
+            while x < y:
+                x += os.preadv(fd, [view[a + x: a + y]], a + x)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda ab: fill(*ab), [(a, min(size, a + piece)) for a in range(0, size, piece)]))
+    memory.close()
     os.close(fd)
 
 
@@ -674,12 +723,17 @@ def _report(model: str, info: dict[str, object], methods: list[tuple[str, str]],
         left = max(x["resident_after_evict"] for x in limits[kind])
         fresh = [x["fresh_memory_bytes_s"] for x in limits[kind]]
         ahead = [x["fresh_ahead_bytes_s"] for x in limits[kind]]
+        filled = [x["fresh_fill_bytes_s"] for x in limits[kind] if x["fresh_fill_bytes_s"]]
+        fill_text = (f"; filled without zeroing by every core {_spread([f / 1e9 for f in filled])}"
+                     f" GB/s (floor {_spread([size / f for f in filled], '{:.3f}')} s)"
+                     if filled else "; no userfaultfd here, so no fill without zeroing")
         print(f"- .{kind}: page-cache copy {_spread([w / 1e9 for w in warm])} GB/s "
               f"(floor {_spread([size / w for w in warm], '{:.3f}')} s); the same into new "
               f"memory in a fresh process {_spread([f / 1e9 for f in fresh])} GB/s (floor "
               f"{_spread([size / f for f in fresh], '{:.3f}')} s), and with every core "
               f"faulting it in ahead of the reads {_spread([f / 1e9 for f in ahead])} GB/s "
-              f"(floor {_spread([size / f for f in ahead], '{:.3f}')} s); cold sequential read "
+              f"(floor {_spread([size / f for f in ahead], '{:.3f}')} s){fill_text}; "
+              f"cold sequential read "
               f"{_spread([c / 1e9 for c in cold])} GB/s (floor "
               f"{_spread([size / c for c in cold], '{:.3f}')} s); "
               f"{left:.0%} of the file cached after eviction")
@@ -701,11 +755,11 @@ def _report(model: str, info: dict[str, object], methods: list[tuple[str, str]],
             ratio = [float(r["total_s"]) / float(recipe[r["round"]]["total_s"])  # type: ignore[arg-type,index]
                      for r in runs if r["round"] in recipe]
             # load s against the round's floor for this file: the cold sequential read when
-            # cold; when warm, the page-cache copy into new memory of a fresh process with
-            # every core faulting it in (the fastest way to new memory measured here).
-            key = "disk_bytes_s" if cache == "cold" else "fresh_ahead_bytes_s"
-            disk = [float(r["load_s"]) / (size / limits[kind if kind != "dir" else "pt"][  # type: ignore[arg-type]
-                int(r["round"])][key]) for r in runs]  # type: ignore[call-overload]
+            # cold; when warm, the fastest way to new memory measured here (the page-cache
+            # copy into new memory of a fresh process, faulted in ahead or filled).
+            lim = limits[kind if kind != "dir" else "pt"]
+            disk = [float(r["load_s"]) / (size / _floor_bandwidth(  # type: ignore[arg-type]
+                lim[int(r["round"])], cache)) for r in runs]  # type: ignore[call-overload]
             wrong = any(r["wrong_tensors"] for r in runs)
             print(f"| {method}{' (WRONG VALUES)' if wrong else ''} | "
                   + " | ".join(_spread([float(r[k]) for r in runs])  # type: ignore[arg-type]

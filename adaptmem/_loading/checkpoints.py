@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from .._common.errors import LoadError
-from .._common.libc import libc_function
 from ..cpu_memory import map_file
 from .direct import DIRECT_PIECE, DirectReads, soft_limit
+from .new_memory import NewMemory, populate
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -390,8 +390,9 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # VM, new memory in huge pages filled 5-9x slower in a fresh process than in 4 KiB pages,
 # and pre-faulting (MADV_POPULATE_WRITE) on the reading thread moves the same work earlier
 # without making it cheaper (`benchmarks/loading.py --page-probe`). So new tensors are
-# ordinary memory, faulted in by other threads while this one reads (see [Note: faulting new
-# memory ahead]).
+# ordinary memory: a large one the page cache holds is filled from it without being zeroed
+# first (see [Note: filling new memory from the page cache]), the others are faulted in by
+# other threads while this one reads (see [Note: faulting new memory ahead]).
 # Files are read in _CHUNK pieces; before each, the kernel is asked (POSIX_FADV_WILLNEED) to
 # start reading the next _AHEAD bytes, so a cold disk keeps working while this thread waits
 # on page faults, beyond the kernel's own read-ahead window (which grows only as reads reach
@@ -400,18 +401,6 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # waiting for the disk (`preadv` with RWF_NOWAIT, Linux 4.14+): what the cache holds is read
 # at once, and only a piece that must come from the disk asks for read-ahead. Both are
 # skipped where the system lacks them.
-# [Note: faulting new memory ahead] What a fresh process does pay per new page is work in the
-# kernel (finding, zeroing and mapping it: 0.25-0.3 s for 0.46 GiB on that VM, one core busy
-# throughout), and one thread does it all when `preadv` faults the pages it copies into. So
-# before reading, every new CPU tensor of the load (not those of a built model: its
-# constructor wrote them) is handed, in file order and _CHUNK at a time, to the worker threads that fault its pages in with MADV_POPULATE_WRITE (Linux 5.14+;
-# the kernel walks the range in one call, no trap per page): the reader then mostly copies
-# into memory that exists, and on a cold file the faults overlap the disk. It writes nothing
-# (a page already present is skipped) and faults only memory the load fills anyway, so the
-# peak is unchanged. Measured in fresh processes on the 2-core VM: 0.46 GiB from the page
-# cache in 141-183 ms with two faulting threads against 266-327 ms without
-# (`benchmarks/loading.py`). Where madvise refuses it (older kernels), reading goes on as
-# before.
 # Tried and rejected (2026-11-27): a private (copy-on-write) mapping of a cached tensor's
 # bytes of the file, faulted in for writing, copies each page without zeroing it first, and
 # loaded GPT-2 small warm in 0.138-0.179 s against 0.178-0.206 s (eight interleaved pairs;
@@ -449,10 +438,7 @@ _fadvise = getattr(os, "posix_fadvise", None)
 _WORKERS = 4  # I/O depth for direct reads (see [Note: reading past the page cache])
 _CORES = max(1, min(4, os.cpu_count() or 1))
 _THREAD_STACK = 256 * 2**10  # faulting and reading threads only call madvise and preadv
-_MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
-_madvise = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
-                         ctypes.c_int)
 
 
 _nowait = getattr(os, "RWF_NOWAIT", None)
@@ -473,18 +459,6 @@ def _read_cached(fd: int, view: memoryview, offset: int) -> int:
             _nowait = None
             return 0
         raise
-
-
-def _populate(address: int, nbytes: int) -> None:
-    """Fault in the whole pages of ``[address, address + nbytes)`` for writing, where the
-    system can (see [Note: faulting new memory ahead])."""
-    global _madvise
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + nbytes) // _PAGE * _PAGE
-    if (_madvise is not None and end > start
-            and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0
-            and ctypes.get_errno() == errno.EINVAL):  # a kernel without MADV_POPULATE_WRITE
-        _madvise = None
 
 
 @contextlib.contextmanager
@@ -533,7 +507,7 @@ class Reader:
         self._pool: ThreadPoolExecutor | None = None
         # Four threads fault new memory in and read pieces (see _pool_of_workers).
         self._workers: ThreadPoolExecutor | None = None
-        self._faulting: dict[int, list[Future[None]]] = {}  # storage address -> its chunks
+        self._new = NewMemory()
         self._reads: list[Future[None]] = []
         self._direct = DirectReads(files)
         self._lock = threading.Lock()
@@ -556,7 +530,7 @@ class Reader:
             self._workers.shutdown(wait=True, cancel_futures=failed)
             self._workers = None
         self._reads = []
-        self._faulting.clear()
+        self._new.close()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
@@ -591,17 +565,24 @@ class Reader:
         n = dest.numel() * dest.element_size()
         f = self._file(name)
         region = self._direct.region(dest.data_ptr())
+        fill = self._new.fills(dest.data_ptr())
         for done in range(0, n, _CHUNK):
             end = min(n, done + _CHUNK)
-            self._faulted(dest, done, end)
+            self._new.faulted(dest, done, end, _CHUNK)
             self._read_piece(name, f.fileno(), region, dest.data_ptr() + done, offset + done,
-                             end - done)
+                             end - done, fill)
 
     def _read_piece(self, name: str, fd: int, region: tuple[int, int] | None, address: int,
-                    offset: int, n: int) -> None:
+                    offset: int, n: int, fill: bool = False) -> None:
         """Read ``n`` bytes at ``offset`` of ``name`` to ``address``: what the page cache holds
-        from there, the rest past it when ``address`` lies in a region made by ``empty_for``,
-        else through it."""
+        from there (copied into new memory without zeroing it first when ``fill``: see [Note:
+        filling new memory from the page cache]), the rest past it when ``address`` lies in a
+        region made by ``empty_for``, else through it."""
+        if fill and (region is None or self._direct.cached(name, offset, n)):
+            source = self._direct.source(name)
+            for a, b in self._new.fill(address, None if source is None else source + offset, n):
+                self._read_piece(name, fd, None, address + a, offset + a, b - a)
+            return
         view = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
         done = 0
         try:
@@ -612,7 +593,7 @@ class Reader:
                         got = self._direct.read(name, fd, region, address + done,
                                                 offset + done, n - done)
                     if not got:  # fault the new pages in at once, not one trap per page
-                        _populate(address + done, n - done)
+                        populate(address + done, n - done)
                 if not got:
                     got = _read_cached(fd, view[done:], offset + done)
                 if not got:
@@ -648,37 +629,10 @@ class Reader:
     def fault_ahead(self, tensors: list[torch.Tensor]) -> None:
         """Start faulting in the pages of ``tensors`` (ordinary CPU memory; others are
         skipped) on background threads, in order (see [Note: faulting new memory ahead])."""
-        if _madvise is None:
-            return
-        # Tensors made by empty_for are faulted in by the reads themselves, on every reader.
-        storages = [t.untyped_storage() for t in tensors
-                    if t.device.type == "cpu" and not t.is_pinned()
-                    and self._direct.region(t.data_ptr()) is None]
-        spans = [(s.data_ptr(), s.nbytes()) for s in storages]
-        spans = [(a, n) for a, n in spans if n >= _PAGE]
-        if not spans:
-            return
-        workers = self._pool_of_workers()
+        # Tensors laid out for O_DIRECT are faulted in by the reads themselves.
         with _small_stacks():
-            for address, nbytes in spans:
-                if address in self._faulting:  # one storage behind several tensors (ties)
-                    continue
-                self._faulting[address] = [
-                    workers.submit(_populate, address + done, min(_CHUNK, nbytes - done))
-                    for done in range(0, nbytes, _CHUNK)]
-
-    def _faulted(self, dest: torch.Tensor, start: int, end: int) -> None:
-        """Wait until the faulting threads are done with bytes ``[start, end)`` of ``dest``:
-        faulting them here too would only repeat their work."""
-        if not self._faulting:  # nothing faulted ahead: staging buffers, built models
-            return
-        storage = dest.untyped_storage()
-        chunks = self._faulting.get(storage.data_ptr())
-        if not chunks:
-            return
-        base = dest.data_ptr() - storage.data_ptr()
-        for i in range((base + start) // _CHUNK, min(len(chunks), -(-(base + end) // _CHUNK))):
-            chunks[i].result()
+            self._new.fault_ahead([t for t in tensors if self._direct.region(t.data_ptr()) is None],
+                                  self._pool_of_workers, _CHUNK)
 
     def read_into(self, entry: Entry, dest: torch.Tensor, wait: bool = True) -> None:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
@@ -690,6 +644,7 @@ class Reader:
             return
         fd = self._file(entry.file).fileno()
         region = self._direct.region(dest.data_ptr())
+        fill = self._new.fills(dest.data_ptr())
         workers = self._pool_of_workers()
         n = entry.nbytes
         start = entry.start
@@ -701,12 +656,14 @@ class Reader:
             for a, b in zip(cuts, cuts[1:], strict=False):
                 if b > a:
                     self._reads.append(workers.submit(
-                        self._read_piece_of, dest, entry.file, fd, region, a, start + a, b - a))
+                        self._read_piece_of, dest, entry.file, fd, region, a, start + a, b - a,
+                        fill))
 
     def _read_piece_of(self, dest: torch.Tensor, name: str, fd: int,
-                       region: tuple[int, int] | None, at: int, offset: int, n: int) -> None:
+                       region: tuple[int, int] | None, at: int, offset: int, n: int,
+                       fill: bool) -> None:
         # ``dest`` is passed to keep its memory alive while a thread writes into it.
-        self._read_piece(name, fd, region, dest.data_ptr() + at, offset, n)
+        self._read_piece(name, fd, region, dest.data_ptr() + at, offset, n, fill)
 
     def _pool_of_workers(self) -> ThreadPoolExecutor:
         if self._workers is None:
@@ -723,14 +680,18 @@ class Reader:
             future.result()
 
     def empty_for(self, entry: Entry) -> torch.Tensor:
-        """A new CPU tensor to read ``entry`` into as it is stored (shape, dtype): laid out
-        for O_DIRECT when it is large (see [Note: reading past the page cache]), else
-        ordinary memory."""
+        """A new CPU tensor to read ``entry`` into as it is stored (shape, dtype): when it is
+        large, laid out for O_DIRECT where the page cache lacks some of it (see [Note: reading
+        past the page cache]) and filled from the cache where it holds it (see [Note: filling
+        new memory from the page cache]); else ordinary memory, faulted in ahead."""
         new = None
         if self.can_map(entry):
             new = self._direct.empty(entry.file, self._file(entry.file).fileno(), entry.start,
                                      entry.shape, entry.dtype)
-        return torch.empty(entry.shape, dtype=entry.dtype) if new is None else new
+        if new is None:
+            return torch.empty(entry.shape, dtype=entry.dtype)
+        self._new.fill_later(new)
+        return new
 
     def can_read_into(self, entry: Entry, dest: torch.Tensor) -> bool:
         # Entries held in memory (``entry.tensor``) are handed out by ``read`` instead.

@@ -45,11 +45,12 @@ logger = logging.getLogger("adaptmem")
 # threads against 0.70 s and more with two. Whether the page cache holds a piece is asked
 # with mincore on an untouched shared mapping of the file, which reads nothing (a RWF_NOWAIT
 # read that misses starts reading the file into the cache, which would read it twice): a
-# tensor the cache holds whole gets ordinary memory, exactly as before (with every large
-# tensor in a mapping of its own, the demo's capped batch search failed once in four runs),
-# and a cached piece of a partly cached one is copied from the cache, its new pages faulted
-# in by the same thread in one call (MADV_POPULATE_WRITE): a warm load never touches the
-# disk. Where the file system refuses O_DIRECT (open or read fails with EINVAL: tmpfs on
+# tensor the cache holds whole gets ordinary memory (with every large tensor in a mapping of
+# its own, the demo's capped batch search failed once in four runs), and a cached piece of a
+# partly cached one is copied from the cache; both are filled without zeroing them first
+# where the system allows (see [Note: filling new memory from the page cache]), else their
+# new pages are faulted in ahead in one call (MADV_POPULATE_WRITE): a warm load never
+# touches the disk. Where the file system refuses O_DIRECT (open or read fails with EINVAL: tmpfs on
 # older kernels, some FUSE file systems), the file is read through the page cache as before.
 # A file read this way is not left in the page cache: loading it again reads the disk again,
 # at the same speed.
@@ -121,13 +122,15 @@ class DirectReads:
 
     def empty(self, name: str, fileno: int, start: int, shape: tuple[int, ...],
               dtype: torch.dtype) -> torch.Tensor | None:
-        """A new CPU tensor for the contiguous bytes at ``start`` of ``name`` that O_DIRECT
-        reads can fill; None when the tensor is small, the page cache holds all of it (it is
-        copied from there into ordinary memory) or the file cannot be read so."""
+        """A new CPU tensor for the contiguous bytes at ``start`` of ``name``, when they are
+        large: one that O_DIRECT reads can fill where the page cache lacks some of them,
+        ordinary memory where it holds them all (copied from there, see ``source``); None
+        when the tensor is small or the file cannot be read so."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if (nbytes < _DIRECT_MIN or start % dtype.itemsize or not self._open(name, fileno)
-                or self.cached(name, start, nbytes)):  # a warm tensor: ordinary memory
+        if nbytes < _DIRECT_MIN or start % dtype.itemsize or not self._open(name, fileno):
             return None
+        if self.cached(name, start, nbytes):  # a warm tensor: ordinary memory
+            return torch.empty(shape, dtype=dtype)
         phase = start % _DIRECT_ALIGN
         length = -(-(phase + nbytes) // _DIRECT_ALIGN) * _DIRECT_ALIGN
         try:
@@ -163,6 +166,12 @@ class DirectReads:
             return False
         self._views[name] = (address, size)
         return True
+
+    def source(self, name: str) -> int | None:
+        """The address of ``name``'s shared read-only mapping (byte 0 of the file), where
+        there is one: cached bytes can be copied from it."""
+        view = self._views.get(name)
+        return None if view is None else view[0]
 
     def cached(self, name: str, offset: int, n: int) -> bool:
         """Whether the page cache holds every page of bytes ``[offset, offset + n)``."""
