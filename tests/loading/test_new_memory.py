@@ -70,6 +70,7 @@ def _source() -> Odd:
 
 
 def _save(fmt: str, model: nn.Module, root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
     path = root / f"model.{fmt}"
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     if fmt == "pt":
@@ -87,52 +88,65 @@ def _assert_same(model: nn.Module, source: nn.Module) -> None:
         assert torch.equal(got[k], v), k
 
 
-def _load_here(path: str, stop_at_half: bool) -> list[int]:
-    """Load ``path`` into ``Odd``, check it bitwise, and return the bytes each UFFDIO_COPY
-    call copied (with ``stop_at_half``, each copies half its pages and stops there, as a
-    failing copy would)."""
-    copied: list[int] = []
+def _loads_here(loads: list[tuple[str, bool]]) -> list[list[int]]:
+    """Load each ``(path, stop_at_half)`` into ``Odd`` and check it bitwise; return the bytes
+    each UFFDIO_COPY call copied, per load (with ``stop_at_half``, each copies half its
+    pages and stops there, as a failing copy would). Every model is kept until the end, so
+    that no load gets memory an earlier one freed."""
     real = new_memory._copy
+    kept, out = [], []
+    for path, stop_at_half in loads:
+        copied: list[int] = []
 
-    def copy(fd: int, start: int, end: int, delta: int, existing: list) -> int:
-        if stop_at_half:
-            end = start + (end - start) // 2 // _PAGE * _PAGE
-        stop = real(fd, start, end, delta, existing)
-        copied.append(stop - start)
-        return stop
+        def copy(fd: int, start: int, end: int, delta: int, existing: list,
+                 copied: list[int] = copied, stop_at_half: bool = stop_at_half) -> int:
+            if stop_at_half:
+                end = start + (end - start) // 2 // _PAGE * _PAGE
+            stop = real(fd, start, end, delta, existing)
+            copied.append(stop - start)
+            return stop
 
-    new_memory._copy = copy
-    _assert_same(adaptive.load(Odd, path), _source())
-    return copied
+        new_memory._copy = copy
+        kept.append(adaptive.load(Odd, path))
+        out.append(copied)
+    new_memory._copy = real
+    source = _source()  # made afterwards: its temporaries, freed, would be reused by a load
+    for model in kept:
+        _assert_same(model, source)
+    return out
 
 
-def _load_in_a_fresh_process(path: Path, stop_at_half: bool = False) -> list[int]:
-    """``_load_here`` in a new process, where users load: its memory is new, so no page of
-    the tensors exists yet (in this one, a load may get memory the allocator reused, whose
-    pages exist and are read instead)."""
+@pytest.fixture(scope="module")
+def fresh_loads(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], list[int]]:
+    """``_loads_here`` for both formats, whole and stopping halfway, in a new process, where
+    users load: its memory is new, so no page of the tensors exists yet (in this one, a
+    load may get memory the allocator reused, whose pages exist and are read instead)."""
+    root = tmp_path_factory.mktemp("fresh")
+    loads = [(str(_save(fmt, _source(), root / fmt)), stop)
+             for fmt in ("pt", "safetensors") for stop in (False, True)]
     script = textwrap.dedent(f"""
         import importlib.util, json
         spec = importlib.util.spec_from_file_location("under_test", {__file__!r})
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        print("COPIED", json.dumps(module._load_here({str(path)!r}, {stop_at_half})))
+        print("COPIED", json.dumps(module._loads_here({loads!r})))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.split("COPIED ", 1)[1])
+    copied = json.loads(out.stdout.split("COPIED ", 1)[1])
+    return {(fmt, stop): c for (fmt, stop), c in zip(
+        [(f, st) for f in ("pt", "safetensors") for st in (False, True)], copied, strict=True)}
 
 
 @FILLS
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_a_warm_load_fills_its_large_tensors_from_the_page_cache_exactly(
-    fmt: str, tmp_path: Path,
+    fmt: str, fresh_loads: dict[tuple[str, bool], list[int]],
 ) -> None:
-    source = _source()
-    path = _save(fmt, source, tmp_path)
-    copied = _load_in_a_fresh_process(path)
-    large = sum(getattr(source, k).nbytes for k in LARGE)
-    # All but each piece's partial first and last page, and the few pages of memory this
+    copied = fresh_loads[(fmt, False)]  # and the model came out bitwise equal
+    large = sum(getattr(_source(), k).nbytes for k in LARGE)
+    # All but each piece's partial first and last page, and the few pages of memory the
     # process freed while starting that the allocator hands out again.
     assert sum(copied) >= 0.95 * large, (sum(copied), large)
 
@@ -140,12 +154,11 @@ def test_a_warm_load_fills_its_large_tensors_from_the_page_cache_exactly(
 @FILLS
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_a_copy_that_stops_midway_leaves_the_rest_to_the_ordinary_read(
-    fmt: str, tmp_path: Path,
+    fmt: str, fresh_loads: dict[tuple[str, bool], list[int]],
 ) -> None:
-    # What is left must be unregistered first: a read into a registered page would fail.
-    path = _save(fmt, _source(), tmp_path)
-    copied = _load_in_a_fresh_process(path, stop_at_half=True)
-    assert sum(copied) > 0  # the copies ran, each stopping halfway
+    # What is left must be unregistered first: a read into a registered page would fail
+    # (the model is checked bitwise in the child).
+    assert sum(fresh_loads[(fmt, True)]) > 0  # the copies ran, each stopping halfway
 
 
 @FILLS
@@ -301,8 +314,7 @@ def test_a_warm_load_maps_none_of_its_file_for_long(tmp_path: Path) -> None:
     _assert_same(model, source)
 
 
-@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
-def test_a_copying_load_needs_its_file_no_more(fmt: str, tmp_path: Path) -> None:
+def test_a_copying_load_needs_its_file_no_more(tmp_path: Path) -> None:
     # Saving over the checkpoint truncates it first: weights still backed by the file (a
     # mapping, even a private one) would crash with SIGBUS. In a child process, so that a
     # crash fails this test only.
@@ -312,16 +324,17 @@ def test_a_copying_load_needs_its_file_no_more(fmt: str, tmp_path: Path) -> None
         from adaptmem import adaptive
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 512))
-        path = {str(tmp_path / ("model." + fmt))!r}
-        save = torch.save if {fmt!r} == "pt" else st.save_file
-        save({{k: v.clone() for k, v in net.state_dict().items()}}, path)
-        open(path, "rb").read()
-        model = adaptive.load(adaptive.empty_model(
-            lambda: nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 512))), path)
-        save({{k: torch.zeros(1) for k in net.state_dict()}}, path)  # truncates, then writes
-        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), net.parameters()))
-        print("same")
+        for save, name in ((torch.save, "model.pt"), (st.save_file, "model.safetensors")):
+            path = {str(tmp_path)!r} + "/" + name
+            save({{k: v.clone() for k, v in net.state_dict().items()}}, path)
+            open(path, "rb").read()
+            model = adaptive.load(adaptive.empty_model(
+                lambda: nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 512))), path)
+            save({{k: torch.zeros(1) for k in net.state_dict()}}, path)  # truncates first
+            assert all(torch.equal(a, b) for a, b in zip(model.parameters(), net.parameters()))
+            print("same", name)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=120)
-    assert out.returncode == 0 and "same" in out.stdout, (out.returncode, out.stderr[-2000:])
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.split() == ["same", "model.pt", "same", "model.safetensors"]
