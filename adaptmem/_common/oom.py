@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
 import traceback
 import types
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch
 
 from .devices import empty_cache
 from .errors import OutOfMemoryError, Phase
 
-__all__ = ["is_oom", "oom_phase", "shrinks_size", "drop_frames", "free_caches", "OOM_MESSAGES"]
+__all__ = ["is_oom", "oom_phase", "shrinks_size", "transfer_errors_shrink", "drop_frames",
+           "free_caches", "OOM_MESSAGES"]
 
 # Matched against every string argument of a RuntimeError, case-sensitively, because these are
 # the exact words the backends print (checked against their sources and real failures).
@@ -67,10 +71,28 @@ def oom_phase(exc: BaseException) -> Phase:
     return Phase(getattr(exc, "phase", Phase.COMPUTE))
 
 
+# Set while a decorator with ``model=`` runs its function (see [Note: batch size and
+# residency together] in ``_dispatch/placed.py``).
+_transfer_shrinks: ContextVar[bool] = ContextVar("adaptmem_transfer_shrinks", default=False)
+
+
+@contextlib.contextmanager
+def transfer_errors_shrink() -> Iterator[None]:
+    """Inside, an error a pager raised while moving weights shrinks the batch or step too:
+    the decorator that placed the model owns both, and a smaller batch leaves the weights
+    the room its activations held."""
+    token = _transfer_shrinks.set(True)
+    try:
+        yield
+    finally:
+        _transfer_shrinks.reset(token)
+
+
 def shrinks_size(exc: BaseException) -> bool:
     """True for an out-of-memory error that a smaller batch or step can help: one raised in
-    compute, not one a pager raised while moving weights."""
-    return is_oom(exc) and oom_phase(exc) is not Phase.TRANSFER
+    compute, not one a pager raised while moving weights (unless inside
+    ``transfer_errors_shrink``)."""
+    return is_oom(exc) and (oom_phase(exc) is not Phase.TRANSFER or _transfer_shrinks.get())
 
 
 def drop_frames(exc: BaseException) -> None:

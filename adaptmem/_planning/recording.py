@@ -97,7 +97,7 @@ def meta_copy(obj: Any) -> Any:
     tensor of the same shape, dtype and strides; ties stay ties and nothing is allocated. The
     hooks an engine put on a module in ``obj`` are left off its copy. See [Note: recording
     on a copy]."""
-    engines = {id(e): e for e in (holder(m) for m in _modules_in(obj)) if e is not None}
+    engines = _machinery(_modules_in(obj))
     try:
         copied = _copy(obj, _meta_like, dict(engines))
     except Exception as exc:  # noqa: BLE001 - any object deepcopy cannot copy
@@ -119,20 +119,60 @@ def _modules_in(obj: Any) -> list[nn.Module]:
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_PACKAGE = __name__.split(".")[0] + "."
+
+
+def _hooks(module: nn.Module) -> list[tuple[dict[Any, Any], Any, Any]]:
+    """(its dict, key, hook) for every hook on ``module``."""
+    out: list[tuple[dict[Any, Any], Any, Any]] = []
+    for attr in _HOOK_DICTS:
+        hooks = getattr(module, attr, None)
+        if hooks:
+            out.extend((hooks, key, hook) for key, hook in list(hooks.items()))
+    return out
+
+
+def _owner(hook: Any) -> Any:
+    """The object a hook is a method of (None for a plain function)."""
+    return getattr(getattr(hook, "func", hook), "__self__", None)
+
+
+def _ours(hook: Any) -> bool:
+    """Whether ``hook`` is adaptmem's: a method of one of its objects, or one of its
+    functions."""
+    owner = _owner(hook)
+    where = type(owner).__module__ if owner is not None else getattr(
+        getattr(hook, "func", hook), "__module__", None)
+    return isinstance(where, str) and where.startswith(_PACKAGE)
+
+
+def _machinery(modules: Iterable[nn.Module]) -> dict[int, Any]:
+    """The engines holding ``modules`` and every adaptmem object whose methods are hooks on
+    them (a clock timing several models, engines of other models): copies share these
+    instead of copying them. Copying one would reach everything it hooks, other models and
+    their engines too, which refuse to be copied."""
+    found: dict[int, Any] = {}
+    for model in modules:
+        engine = holder(model)
+        if engine is not None:
+            found[id(engine)] = engine
+        for module in model.modules():
+            for _, _, hook in _hooks(module):
+                owner = _owner(hook)
+                if owner is not None and _ours(hook):
+                    found[id(owner)] = owner
+    return found
 
 
 def _drop_hooks_of(model: nn.Module, owners: set[int]) -> None:
-    """Remove from ``model`` (a copy) the hooks that are methods of ``owners``: an engine
-    holding the original must not act on the copy."""
+    """Remove from ``model`` (a copy) adaptmem's hooks: methods of ``owners`` and its own
+    functions. An engine holding the original must not act on the copy, nor a clock count
+    the copy's forward."""
     for module in model.modules():
-        for attr in _HOOK_DICTS:
-            hooks = getattr(module, attr, None)
-            if not hooks:
-                continue
-            for key, hook in list(hooks.items()):
-                bound = getattr(getattr(hook, "func", hook), "__self__", None)
-                if bound is not None and id(bound) in owners:
-                    del hooks[key]
+        for hooks, key, hook in _hooks(module):
+            owner = _owner(hook)
+            if (owner is not None and id(owner) in owners) or (owner is None and _ours(hook)):
+                del hooks[key]
 
 
 class _UseRecorder(TorchFunctionMode):
@@ -245,7 +285,8 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         model: the model; names in the result are its ``named_modules()`` names.
         args, kwargs: the call's inputs; tensors anywhere in them (inside objects too).
         keep: objects the copies share instead of copying; their hooks are left off the
-            copy. The engine holding ``model``, if any, is always one of them.
+            copy. The engine holding ``model``, if any, and every adaptmem object hooked on
+            it are always among them.
 
     Raises:
         PlacementError: the model or the inputs cannot be deep-copied.
@@ -254,8 +295,7 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """
     tensors = canonical_tensors(model)
     home = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-    engine = holder(model)
-    shared = {id(k): k for k in (*keep, *(() if engine is None else (engine,)))}
+    shared = {**{id(k): k for k in keep}, **_machinery([model])}
     try:
         memo: dict[int, Any] = dict(shared)
         replica, inputs = _copy((model, (args, kwargs)), _meta_like, memo)

@@ -137,6 +137,66 @@ def test_a_chunked_model_gives_residency_back_and_takes_it_again() -> None:
     assert taken["resident_bytes"][0] > before
 
 
+def test_two_models_in_one_function_are_paged_then_chunked_and_timed_together() -> None:
+    # The timed chunked call records one model's forward on a copy of it; the clock timing
+    # both models hooks both, and the copy must share it instead of reaching the other model
+    # and its engine through it.
+    first, second = _model(), _model()
+    with torch.no_grad():
+        second[0].weight.mul_(-1)  # not the same model twice
+    before = [_snapshot(first), _snapshot(second)]
+    data = torch.randn(32, 512)
+    with torch.no_grad():
+        want = second(first(data))
+    with simulated_cuda(total_memory="20MiB", bandwidth=100):
+
+        @adaptive.batch(initial_batchsize=32, model=[first, second], device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([second(first(c)) for c in data.split(batchsize)])
+
+        results = [run(data) for _ in range(3)]  # paged, chunked and timed, chosen
+        placement = run.placement
+        run.remove()
+    for got in results:
+        torch.testing.assert_close(got, want)
+    assert placement["engine_choice"]["forwards_timed"] >= 1  # both models ran chunked
+    assert placement["engine_switches"] >= 1
+    assert 0 < placement["resident_bytes"][1] < sum(t.nbytes for t in before[1].values())
+    for model, state in zip((first, second), before, strict=True):
+        after = _snapshot(model)
+        assert all(torch.equal(state[k], after[k]) and after[k].device.type == "cpu"
+                   for k in state)
+
+
+def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_the_batch() -> None:
+    # The first layer's 16 MiB weight is brought in while the batch's 16 MiB input is on the
+    # device: the pager cannot split it, and the call is searched from its initial size (a
+    # data-dependent branch cannot be traced). The batch shrinks, as it would in compute.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8192, 512), nn.ReLU(), nn.Linear(512, 512)).eval()
+    data = torch.randn(512, 8192)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="24MiB", bandwidth=100):
+
+        @adaptive.batch(initial_batchsize=512, model=model, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            out = []
+            with torch.no_grad():
+                for chunk in data.split(batchsize):
+                    if float(chunk.abs().sum()) < 0:  # data-dependent: cannot be traced
+                        raise AssertionError
+                    out.append(model(chunk))
+            return torch.cat(out)
+
+        got = run(data)
+        size, failed = run.stats.last_size, run.stats.failed_attempts
+        run.remove()
+    torch.testing.assert_close(got, want)
+    assert size < 512 and failed >= 1
+
+
 def test_the_size_learned_under_paging_carries_over_to_the_timed_chunked_call() -> None:
     model = _model()
     data = torch.randn(2048, 512)  # 4 MiB of activations per layer at once: does not fit
