@@ -163,3 +163,20 @@ def hf_gpt2() -> nn.Module:
 
 def hf_gpt2_example() -> dict[str, torch.Tensor]:
     return {"input_ids": torch.arange(12).reshape(2, 6) % 100}
+
+
+class OddOffsets(nn.Module):
+    """Large tensors (>= 1 MiB) at file offsets that are multiples of neither the page nor
+    each other's item size, one spanning two 16 MiB reading pieces, the last ending the file
+    unaligned; small ones between them (``LARGE`` names the large ones)."""
+
+    LARGE = ("b", "d", "e")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.empty(3, dtype=torch.int8), requires_grad=False)
+        self.b = nn.Parameter(torch.empty(2**20 + 7, dtype=torch.float16), requires_grad=False)
+        self.c = nn.Parameter(torch.empty(5), requires_grad=False)
+        self.d = nn.Parameter(torch.empty(3 * 2**20 + 3, dtype=torch.float64),
+                              requires_grad=False)
+        self.e = nn.Parameter(torch.empty(300_001), requires_grad=False)

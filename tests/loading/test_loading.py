@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import OddOffsets
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -837,30 +838,16 @@ def test_a_file_out_of_the_page_cache_is_read_past_it_and_left_out_of_it(
     _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
 
 
-class _Odd(nn.Module):
-    """Large tensors at file offsets that are not multiples of the page or of their item
-    size's alignment in each other, the last one ending at the end of the file unaligned."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.empty(3, dtype=torch.int8), requires_grad=False)
-        self.b = nn.Parameter(torch.empty(2**20 + 7, dtype=torch.float16), requires_grad=False)
-        self.c = nn.Parameter(torch.empty(5), requires_grad=False)
-        self.d = nn.Parameter(torch.empty(3 * 2**20 + 3, dtype=torch.float64),
-                              requires_grad=False)
-        self.e = nn.Parameter(torch.empty(300_001), requires_grad=False)
-
-
 @_LINUX_EVICTION
 @pytest.mark.parametrize("fmt", ["pt", "safetensors"])
 def test_direct_reads_at_unaligned_offsets_are_exact(fmt: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    source = _Odd()
+    source = OddOffsets()
     for p in source.parameters():
         p.data = (torch.randn(p.shape) * 100).to(p.dtype)
     path = _save(fmt, source.state_dict(), tmp_path)
     _evict(path)
-    model, stats = adaptive.load(_Odd, path, return_stats=True)
+    model, stats = adaptive.load(OddOffsets, path, return_stats=True)
     _assert_same(model, source)
     if _takes_direct_reads(tmp_path):
         assert stats.bytes_direct == source.b.nbytes + source.d.nbytes + source.e.nbytes

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from models import OddOffsets
 from torch import nn
 
 from adaptmem import adaptive
@@ -44,26 +45,9 @@ FILLS = pytest.mark.skipif(
            "refused by seccomp): loads fault new memory in ahead instead, tested below")
 
 
-class Odd(nn.Module):
-    """Large tensors (>= 1 MiB) at file offsets that agree with no page, one of two reading
-    pieces, the last ending the file unaligned; small ones between them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.empty(3, dtype=torch.int8), requires_grad=False)
-        self.b = nn.Parameter(torch.empty(2**20 + 7, dtype=torch.float16), requires_grad=False)
-        self.c = nn.Parameter(torch.empty(5), requires_grad=False)
-        self.d = nn.Parameter(torch.empty(2 * 2**20 + 3, dtype=torch.float64),
-                              requires_grad=False)
-        self.e = nn.Parameter(torch.empty(300_001), requires_grad=False)
-
-
-LARGE = ("b", "d", "e")
-
-
-def _source() -> Odd:
+def _source() -> OddOffsets:
     torch.manual_seed(0)
-    source = Odd()
+    source = OddOffsets()
     for p in source.parameters():
         p.data = (torch.randn(p.shape) * 100).to(p.dtype)
     return source
@@ -89,7 +73,7 @@ def _assert_same(model: nn.Module, source: nn.Module) -> None:
 
 
 def _loads_here(loads: list[tuple[str, bool]]) -> list[list[int]]:
-    """Load each ``(path, stop_at_half)`` into ``Odd`` and check it bitwise; return the bytes
+    """Load each ``(path, stop_at_half)`` into ``OddOffsets`` and check it bitwise; return the bytes
     each UFFDIO_COPY call copied, per load (with ``stop_at_half``, each copies half its
     pages and stops there, as a failing copy would). Every model is kept until the end, so
     that no load gets memory an earlier one freed."""
@@ -107,7 +91,7 @@ def _loads_here(loads: list[tuple[str, bool]]) -> list[list[int]]:
             return stop
 
         new_memory._copy = copy
-        kept.append(adaptive.load(Odd, path))
+        kept.append(adaptive.load(OddOffsets, path))
         out.append(copied)
     new_memory._copy = real
     source = _source()  # made afterwards: its temporaries, freed, would be reused by a load
@@ -131,8 +115,9 @@ def fresh_loads(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, boo
         spec.loader.exec_module(module)
         print("COPIED", json.dumps(module._loads_here({loads!r})))
     """)
+    path = os.pathsep.join([str(ROOT), str(ROOT / "tests")])  # adaptmem, and tests' models
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                         timeout=120, env=dict(os.environ, PYTHONPATH=path))
     assert out.returncode == 0, out.stderr[-3000:]
     copied = json.loads(out.stdout.split("COPIED ", 1)[1])
     return {(fmt, stop): c for (fmt, stop), c in zip(
@@ -145,7 +130,7 @@ def test_a_warm_load_fills_its_large_tensors_from_the_page_cache_exactly(
     fmt: str, fresh_loads: dict[tuple[str, bool], list[int]],
 ) -> None:
     copied = fresh_loads[(fmt, False)]  # and the model came out bitwise equal
-    large = sum(getattr(_source(), k).nbytes for k in LARGE)
+    large = sum(getattr(_source(), k).nbytes for k in OddOffsets.LARGE)
     # All but each piece's partial first and last page, and the few pages of memory the
     # process freed while starting that the allocator hands out again.
     assert sum(copied) >= 0.95 * large, (sum(copied), large)
@@ -272,9 +257,9 @@ def test_a_system_without_userfaultfd_loads_the_same_and_faults_in_ahead(
                         lambda address, nbytes: (populated.append(nbytes), real(address, nbytes)))
     source = _source()
     path = _save("safetensors", source, tmp_path)
-    _assert_same(adaptive.load(Odd, path), source)
+    _assert_same(adaptive.load(OddOffsets, path), source)
     assert new_memory._fills is False  # asked once, then never again
-    assert sum(populated) >= sum(getattr(source, k).nbytes for k in LARGE)
+    assert sum(populated) >= sum(getattr(source, k).nbytes for k in OddOffsets.LARGE)
 
 
 def _status_kib(field: str) -> int:
