@@ -39,6 +39,7 @@ class OutOfMemoryError(AdaptmemError):
     """
 
     phase: Phase = Phase.COMPUTE
+    engine_id: int | None = None  # a transfer error's pager (its id()), for model=
 
 
 class PlacementError(AdaptmemError):

@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextvars import ContextVar
 
 import torch
@@ -16,8 +16,8 @@ import torch
 from .devices import empty_cache
 from .errors import OutOfMemoryError, Phase
 
-__all__ = ["is_oom", "oom_phase", "shrinks_size", "transfer_errors_shrink", "drop_frames",
-           "free_caches", "OOM_MESSAGES"]
+__all__ = ["is_oom", "oom_phase", "shrinks_size", "transfer_errors_shrink", "raised_by",
+           "drop_frames", "free_caches", "OOM_MESSAGES"]
 
 # Matched against every string argument of a RuntimeError, case-sensitively, because these are
 # the exact words the backends print (checked against their sources and real failures).
@@ -71,28 +71,34 @@ def oom_phase(exc: BaseException) -> Phase:
     return Phase(getattr(exc, "phase", Phase.COMPUTE))
 
 
-# Set while a decorator with ``model=`` runs its function (see [Note: batch size and
+# The engines of the decorator with ``model=`` whose function runs (see [Note: batch size and
 # residency together] in ``_dispatch/placed.py``).
-_transfer_shrinks: ContextVar[bool] = ContextVar("adaptmem_transfer_shrinks", default=False)
+_owned: ContextVar[frozenset[int]] = ContextVar("adaptmem_owned_engines", default=frozenset())
 
 
 @contextlib.contextmanager
-def transfer_errors_shrink() -> Iterator[None]:
-    """Inside, an error a pager raised while moving weights shrinks the batch or step too:
-    the decorator that placed the model owns both, and a smaller batch leaves the weights
-    the room its activations held."""
-    token = _transfer_shrinks.set(True)
+def transfer_errors_shrink(engines: Iterable[object]) -> Iterator[None]:
+    """Inside, an error one of ``engines`` (pagers) raised while moving weights shrinks the
+    batch or step too: the decorator that placed them holds both, and a smaller batch leaves
+    the weights the room its activations held. Other pagers' errors do not."""
+    token = _owned.set(frozenset(id(e) for e in engines))
     try:
         yield
     finally:
-        _transfer_shrinks.reset(token)
+        _owned.reset(token)
+
+
+def raised_by(exc: BaseException, engines: Iterable[object]) -> bool:
+    """Whether ``exc`` is a transfer error one of ``engines`` raised."""
+    return getattr(exc, "engine_id", None) in {id(e) for e in engines}
 
 
 def shrinks_size(exc: BaseException) -> bool:
     """True for an out-of-memory error that a smaller batch or step can help: one raised in
-    compute, not one a pager raised while moving weights (unless inside
-    ``transfer_errors_shrink``)."""
-    return is_oom(exc) and (oom_phase(exc) is not Phase.TRANSFER or _transfer_shrinks.get())
+    compute, not one a pager raised while moving weights (unless that pager's decorator holds
+    the batch too: ``transfer_errors_shrink``)."""
+    return is_oom(exc) and (oom_phase(exc) is not Phase.TRANSFER
+                            or getattr(exc, "engine_id", None) in _owned.get())
 
 
 def drop_frames(exc: BaseException) -> None:

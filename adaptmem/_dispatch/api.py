@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .._common.devices import free_memory
-from .._common.errors import OutOfMemoryError
-from .._common.oom import drop_frames, is_oom, transfer_errors_shrink
+from .._common.errors import OutOfMemoryError, Phase
+from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from .explore import Explorer
@@ -69,13 +69,15 @@ class Dispatched:
             if watching:
                 failed, mark = inner.stats.failed_attempts, explorer.mark()
             try:
-                with transfer_errors_shrink():
+                with transfer_errors_shrink(placed.handles):
                     result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
-                # Memory ran out at the smallest size (in compute, or while a weight moved,
-                # which shrinks the batch here too): give residency back to activations.
+                # Memory ran out at the smallest size, in compute or while one of our pagers
+                # moved a weight (which shrinks the batch here too): give residency back.
+                # Another pager's weight gains nothing from ours.
                 resident = tuple(placed.resident)
-                if not any(resident):
+                if not any(resident) or (exc.phase is Phase.TRANSFER
+                                         and not raised_by(exc, placed.handles)):
                     raise
                 # The failed attempt's memory goes before giving back: free memory is read
                 # then, and what it held is not held by anything now.

@@ -14,10 +14,13 @@ initial size. From then on an out-of-memory error is routed by where it struck: 
 weight moved, the pager splits its units (its own rule); in compute, the batch shrinks (the
 search's rule); and when compute runs out of memory at the smallest batch, residency is
 given back to activations: the resident bytes halve (the model holding most first) and the
-call runs again, down to nothing resident. A weight that the pager cannot split further
-and that does not fit beside the batch's activations shrinks the batch as compute does
-(``transfer_errors_shrink`` in ``_common/oom.py``): the decorator holds both, and the
-activations are what left it no room; at the smallest batch, residency is given back. Memory given back is taken again, doubling,
+call runs again, down to nothing resident. A weight that one of these pagers cannot split
+further and that does not fit beside the batch's activations shrinks the batch as compute
+does (``transfer_errors_shrink`` in ``_common/oom.py``, by the pager's identity on its
+error): the decorator holds both, and the activations are what left it no room; at the
+smallest batch, residency is given back, and then the pager's error ends the call. Another
+pager's error passes through (our residency frees nothing it lacks). Not for generator or
+async functions: their bodies run after the call returns, outside that scope. Memory given back is taken again, doubling,
 when free memory has grown by a quarter since it was given, checked every
 ``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures items per
 second and moves residency to what runs fastest (see [Note: exploring residency] in

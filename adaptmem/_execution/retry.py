@@ -12,7 +12,7 @@ import torch
 
 from .._common.devices import default_device, format_bytes, free_memory
 from .._common.errors import OutOfMemoryError, Phase, oom_error_for
-from .._common.oom import drop_frames, free_caches, shrinks_size
+from .._common.oom import drop_frames, free_caches, oom_phase, shrinks_size
 from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
 from .stats import Watch
@@ -128,6 +128,8 @@ def shrink(
     if size <= floor:
         if watch is not None:
             watch.tell("gave_up", size, None)
+        if oom_phase(failure) is Phase.TRANSFER:  # shrunk for a pager (model=): its words
+            raise failure
         # No retry follows: keep the original traceback for whoever debugs this.
         error = oom_error_for(failure)(
             f"{name} ran out of memory at the smallest {what}, {floor}; tried {what} "

@@ -91,7 +91,7 @@ class Pager(Engine):
         self._needs = Needs()
         self._schedule = Schedule(prefetch, self._table)
         self._learner = Learner(self._modules, self._touch, self._quiet)
-        self._refiner = Refiner(self._sizes, self.plan, self._stats, self._table)
+        self._refiner = Refiner(self._sizes, self.plan, self._stats, self._table, self)
         self._hooks = Hooks(self._pre_hook, self._post_hook)
         slots = self._table.slots
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},

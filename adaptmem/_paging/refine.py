@@ -32,11 +32,12 @@ class Refiner:
     ``stats``, or raises the transfer error."""
 
     def __init__(self, sizes: ModuleSizes, plan: Plan, stats: PagingStats,
-                 table: SlotTable) -> None:
+                 table: SlotTable, owner: object) -> None:
         self.sizes = sizes
         self.plan = plan
         self.stats = stats
         self.table = table
+        self.owner = id(owner)  # the pager, named on its errors (see transfer_errors_shrink)
 
     def refine(self, units: list[Unit], module: str, inside: bool, needs: Sequence[Slot],
                cause: NoRoom) -> None:
@@ -93,7 +94,9 @@ class Refiner:
         if cause.oom is not None:
             err = oom_error_for(cause.oom)(message)
             err.phase = Phase.TRANSFER
+            err.engine_id = self.owner
             raise err from cause.oom
         err = OutOfMemoryError(message)
         err.phase = Phase.TRANSFER
+        err.engine_id = self.owner
         raise err from None  # raised while handling NoRoom, which it replaces

@@ -197,6 +197,49 @@ def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_the_batch() -> None
     assert size < 512 and failed >= 1
 
 
+def test_a_weight_that_never_fits_ends_the_call_with_the_pagers_error() -> None:
+    # Shrinking and giving residency back cannot make room for a weight larger than the
+    # device: the error that ends the call is the pager's, naming the weight.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8)).eval()  # 64 MiB weight
+    with simulated_cuda(total_memory="20MiB", bandwidth=100):
+        run = _decorated(model, 8)
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            run(torch.randn(8, 4096))
+        run.remove()
+    assert info.value.phase == "transfer"  # type: ignore[attr-defined]
+    assert "'0.weight', 64.0 MiB" in str(info.value) and "cannot be split" in str(info.value)
+
+
+def test_another_pagers_weight_that_never_fits_leaves_the_placement_alone() -> None:
+    # The function also runs a model the user pages on their own: its transfer error is not
+    # the decorator's to answer (a smaller batch, or residency given back, frees nothing it
+    # lacks), and passes through with the decorator's model still resident.
+    torch.manual_seed(0)
+    placed = nn.Sequential(nn.Linear(256, 256)).eval()  # fits whole
+    other = nn.Sequential(nn.Linear(4096, 4096)).eval()  # its 64 MiB weight never fits
+    sizes: list[int] = []
+    with simulated_cuda(total_memory="20MiB", bandwidth=100):
+
+        @adaptive.batch(initial_batchsize=64, model=placed, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> None:
+            sizes.append(batchsize)
+            with torch.no_grad():
+                for chunk in data.split(batchsize):
+                    placed(chunk)
+                    other(torch.zeros(len(chunk), 4096, device="cuda"))
+
+        with adaptive.page(other, "cuda"), pytest.raises(torch.OutOfMemoryError) as info:
+            run(torch.randn(64, 256))
+        resident = run.placement["resident_bytes"]
+        given_back = run.placement["residency_given_back"]
+        run.remove()
+    assert info.value.phase == "transfer"  # type: ignore[attr-defined]
+    assert min(sizes) == 1  # where the prediction started: the traces ran at 8 and 16
+    assert given_back == 0
+    assert resident == [sum(t.nbytes for t in placed.state_dict().values())]
+
+
 def test_the_size_learned_under_paging_carries_over_to_the_timed_chunked_call() -> None:
     model = _model()
     data = torch.randn(2048, 512)  # 4 MiB of activations per layer at once: does not fit
