@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from .._common.libc import libc_function
+from .._common.libc import libc_function, resident_pages
 
 __all__ = ["DirectReads", "DIRECT_PIECE", "soft_limit"]
 
@@ -61,11 +61,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", None)
 _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
 _PAGE = mmap.PAGESIZE
-_RESIDENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 says the page is cached
 
 
-_mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
-                         ctypes.c_int)
 _mmap = libc_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                ctypes.c_int, ctypes.c_long], ctypes.c_void_p)
 _munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
@@ -183,10 +180,8 @@ class DirectReads:
         pages = -(-(min(offset + n, size) - first) // _PAGE)
         if pages <= 0:
             return True
-        vec = (ctypes.c_ubyte * pages)()
-        if _mincore(address + first, pages * _PAGE, vec) != 0:
-            return True
-        return b"\0" not in bytes(vec).translate(_RESIDENT)
+        flags = resident_pages(address + first, pages * _PAGE)
+        return flags is None or b"\0" not in flags
 
     def read(self, name: str, fileno: int, region: tuple[int, int], address: int, offset: int,
              n: int) -> int:

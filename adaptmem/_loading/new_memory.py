@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from .._common.libc import libc_function
+from .._common.libc import libc_function, resident_pages
 
 __all__ = ["NewMemory", "populate"]
 
@@ -79,9 +79,6 @@ _MADV_POPULATE_WRITE = 23
 _MADV_DONTNEED = 4
 _STEP = 4 * 2**20  # bytes copied before their source is unmapped again
 _PAGE = mmap.PAGESIZE
-_mincore = libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p],
-                         ctypes.c_int)
-_PRESENT = bytes(i & 1 for i in range(256))  # mincore: bit 0 says the page is present
 _madvise = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
                          ctypes.c_int)
 _drop = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int],
@@ -125,12 +122,16 @@ _fills = (_USERFAULTFD is not None and _syscall is not None and _ioctl is not No
           and _drop is not None)  # False once the system refused a userfaultfd
 
 
+def _whole_pages(start: int, end: int) -> tuple[int, int]:
+    """The first and the end of the whole pages inside ``[start, end)``."""
+    return -(-start // _PAGE) * _PAGE, end // _PAGE * _PAGE
+
+
 def populate(address: int, nbytes: int) -> None:
     """Fault in the whole pages of ``[address, address + nbytes)`` for writing, where the
     system can (see [Note: faulting new memory ahead])."""
     global _madvise
-    start = -(-address // _PAGE) * _PAGE
-    end = (address + nbytes) // _PAGE * _PAGE
+    start, end = _whole_pages(address, address + nbytes)
     if (_madvise is not None and end > start
             and _madvise(start, end - start, _MADV_POPULATE_WRITE) != 0
             and ctypes.get_errno() == errno.EINVAL):  # a kernel without MADV_POPULATE_WRITE
@@ -181,8 +182,7 @@ def _open_userfaultfd() -> int | None:
 def _unmap_source(start: int, end: int) -> None:
     """Unmap the whole pages of ``[start, end)`` of a shared file mapping (MADV_DONTNEED: the
     page cache keeps them)."""
-    low = -(-start // _PAGE) * _PAGE
-    high = end // _PAGE * _PAGE
+    low, high = _whole_pages(start, end)
     if high > low:
         _drop(low, high - low, _MADV_DONTNEED)
 
@@ -200,11 +200,9 @@ def _register(fd: int, start: int, end: int) -> bool:
 def _missing(start: int, end: int) -> list[tuple[int, int]]:
     """The runs ``(a, b)`` of whole pages in ``[start, end)`` (page-aligned) that have no page
     yet, in order (mincore on anonymous memory); all of it where mincore cannot say."""
-    pages = (end - start) // _PAGE
-    vec = (ctypes.c_ubyte * pages)()
-    if _mincore is None or _mincore(start, end - start, vec) != 0:
+    flags = resident_pages(start, end - start)
+    if flags is None:
         return [(start, end)]
-    flags = bytes(vec).translate(_PRESENT)
     return [(start + m.start() * _PAGE, start + m.end() * _PAGE)
             for m in re.finditer(b"\0+", flags)]
 
@@ -294,8 +292,7 @@ class NewMemory:
         relative to ``address``, left for the caller to read: the partial first and last
         page, pages that exist (memory the allocator reused), and everything where the
         system refuses."""
-        first = -(-address // _PAGE) * _PAGE
-        end = (address + n) // _PAGE * _PAGE
+        first, end = _whole_pages(address, address + n)
         fd = self._descriptor() if source is not None and end > first else None
         runs = _missing(first, end) if fd is not None else []
         if fd is None or source is None or not runs:

@@ -761,17 +761,17 @@ def _resident(path: Path) -> list[bool]:
     import ctypes
     import mmap
 
-    from adaptmem._loading.direct import _mincore, _mmap, _munmap
+    from adaptmem._common.libc import resident_pages
+    from adaptmem._loading.direct import _mmap, _munmap
 
     size = path.stat().st_size
-    pages = -(-size // mmap.PAGESIZE)
     with open(path, "rb") as f:
         address = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
     assert address not in (None, ctypes.c_void_p(-1).value)
     try:
-        vec = (ctypes.c_ubyte * pages)()
-        assert _mincore(address, size, vec) == 0
-        return [bool(v & 1) for v in bytes(vec)]
+        flags = resident_pages(address, size)
+        assert flags is not None  # mincore answered
+        return [flag == 1 for flag in flags]
     finally:
         _munmap(address, size)
 
