@@ -11,7 +11,8 @@ others copy nothing (``.to("cpu")`` of a CPU tensor is a no-op) while adaptmem m
 copies, so the comparison is of bookkeeping, not of bus use. With CUDA it also runs the
 GPU workloads of issue 3: ResNet-101 at 512x512 (batches 1 to 64) and a GPT-2-XL-shaped
 fp16 transformer, under a memory fraction that holds 25% of the weights, against the bound
-max(resident compute, paged bytes / pinned bandwidth).
+max(resident compute, paged bytes / pinned bandwidth), adaptmem's pager as it is and with
+each tensor copied on its own (as before packed masters) in the same run.
 
 ``--simulated`` adds (``--simulated-only``: runs only) the same comparison on a simulated
 GPU, ``adaptmem.testing.simulated_cuda(bandwidth=...)``, on any machine: a small GPT and
@@ -288,7 +289,21 @@ def pinned_bandwidth(device: torch.device) -> float:
     return host.numel() / t
 
 
-def gpu_rows(quick: bool) -> list[dict[str, Any]]:
+def _unpacked(model: nn.Module, device: torch.device, **options: Any) -> Any:
+    """adaptive.page as it was before packed masters: each tensor pinned, and copied, on its
+    own (see [Note: packed masters] in adaptmem/_engines/hoststore.py)."""
+    from adaptmem._paging import pager
+
+    packs = pager._pack_groups
+    pager._pack_groups = lambda units: []  # type: ignore[assignment]
+    try:
+        return adaptive.page(model, device, **options)
+    finally:
+        pager._pack_groups = packs
+
+
+def gpu_rows(quick: bool, batches: tuple[int, ...] = (1, 4, 16, 64),
+             rivals: tuple[str, ...] = ("optimem", "accelerate")) -> list[dict[str, Any]]:
     import torchvision
 
     device = torch.device("cuda", torch.cuda.current_device())  # fraction calls want an index
@@ -305,13 +320,17 @@ def gpu_rows(quick: bool) -> list[dict[str, Any]]:
         for p in gpt.parameters():
             p.normal_(0, 0.02)
     workloads: list[tuple[str, nn.Module, Callable[[], torch.Tensor]]] = []
-    for batch in (1, 4) if quick else (1, 4, 16, 64):
+    for batch in (1, 4) if quick else batches:
         workloads.append((f"ResNet-101 512x512, batch {batch}", resnet,
                           lambda b=batch: torch.randn(b, 3, 512, 512)))
     workloads.append(("GPT-2-XL shape fp16, 1x1024 tokens", gpt,
                       lambda: torch.randint(0, 50257, (1, 1024))))
-    engines = [Engine("adaptmem page", None), Engine("optimem.page", _optimem("cuda")),  # type: ignore[arg-type]
-               Engine("accelerate cpu_offload", _accelerate("cuda"))]
+    engines = [Engine("adaptmem page", None),  # type: ignore[arg-type]
+               Engine("adaptmem page, tensor by tensor", None)]  # type: ignore[arg-type]
+    if "optimem" in rivals:
+        engines.append(Engine("optimem.page", _optimem("cuda")))
+    if "accelerate" in rivals:
+        engines.append(Engine("accelerate cpu_offload", _accelerate("cuda")))
     rounds, per_round = (3, 1) if quick else (5, 2)
     for name, base, make_input in workloads:
         weights = sum(t.numel() * t.element_size()
@@ -341,6 +360,8 @@ def gpu_rows(quick: bool) -> list[dict[str, Any]]:
             try:
                 if engine.name == "adaptmem page":
                     handle = adaptive.page(model, device, resident_bytes=0, device_budget=cap)
+                elif engine.name == "adaptmem page, tensor by tensor":
+                    handle = _unpacked(model, device, resident_bytes=0, device_budget=cap)
                 else:
                     handle = engine.setup(model)
                 torch.cuda.reset_peak_memory_stats(device)
@@ -666,6 +687,10 @@ def main() -> int:
     parser.add_argument("--slow-bandwidth", type=float, default=0.05,
                         help="a second simulated link in GB/s, slower than compute "
                              "(default 0.05; 0 skips it)")
+    parser.add_argument("--batches", default="1,4,16,64",
+                        help="ResNet-101 batch sizes on a GPU (default 1,4,16,64)")
+    parser.add_argument("--rivals", default="optimem,accelerate",
+                        help="rivals on a GPU, comma-separated (default optimem,accelerate)")
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     if args.gpu_only and not gpu:
@@ -700,7 +725,8 @@ def main() -> int:
             write_section("Paging", cpu)
     if gpu:
         body = (header(command) + "\nUnder a memory fraction holding 25% of the weights.\n\n"
-                + gpu_table(gpu_rows(args.quick)))
+                + gpu_table(gpu_rows(args.quick, tuple(int(b) for b in args.batches.split(",")),
+                                     tuple(args.rivals.split(",")))))
         print(f"## {GPU_TITLE}\n\n" + body)
         if args.write:
             write_section(GPU_TITLE, body)

@@ -15,13 +15,18 @@ import torch
 
 from .._common.devices import stream_module
 
-__all__ = ["Transfer", "SyncTransfer", "StreamTransfer", "transfer_for"]
+__all__ = ["Run", "Transfer", "SyncTransfer", "StreamTransfer", "transfer_for"]
+
+# (i, j, pack, start, end): hosts[i:j] lie back to back in bytes [start, end) of pack.
+Run = tuple[int, int, torch.Tensor, int, int]
 
 
 class Transfer:
     """Copies host tensors to ``device``.
 
-    ``start`` begins copies and returns them with a ticket. ``wait`` makes compute wait for
+    ``start`` begins copies and returns them with a ticket; ``runs`` (``hoststore.
+    packed_runs``) name host tensors that lie back to back in one pinned buffer, which a
+    transfer may copy in one piece (see [Note: packed masters] in ``hoststore.py``). ``wait`` makes compute wait for
     some tickets' copies and marks the copies as used by compute; it returns whether compute
     had to wait (always for a ``demand`` fetch, started just now), or None when that is only
     known later, from ``settle()``, which returns the ``(hits, misses)`` decided since its
@@ -35,7 +40,8 @@ class Transfer:
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    def start(self, hosts: Sequence[torch.Tensor], runs: Sequence[Run] = ()
+              ) -> tuple[list[torch.Tensor], Any]:
         raise NotImplementedError
 
     def wait(self, groups: Sequence[tuple[Any, Sequence[torch.Tensor]]],
@@ -55,8 +61,9 @@ class SyncTransfer(Transfer):
         super().__init__(device)
         self._on_cpu = device.type == "cpu"  # read per copy; torch.device attributes are slow
 
-    def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
-        # Both keep the master's strides (channels_last stays channels_last); on the CPU
+    def start(self, hosts: Sequence[torch.Tensor], runs: Sequence[Run] = ()
+              ) -> tuple[list[torch.Tensor], Any]:
+        # Tensor by tensor (packs are made for streams only). Both keep the master's strides (channels_last stays channels_last); on the CPU
         # clone gives a distinct tensor, so the paging path is real there too.
         if self._on_cpu:
             return [h.clone() for h in hosts], None
@@ -82,15 +89,22 @@ class StreamTransfer(Transfer):
         self.stream = self.module.Stream(device)
         self._unsettled: list[tuple[list[Any], Any]] = []
 
-    def start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    def start(self, hosts: Sequence[torch.Tensor], runs: Sequence[Run] = ()
+              ) -> tuple[list[torch.Tensor], Any]:
+        device = self.device
         with self.module.stream(self.stream):
-            copies = [
-                torch.empty_like(h, device=self.device).copy_(h, non_blocking=True)
-                for h in hosts
-            ]
+            if runs:
+                copies = _run_copies(hosts, runs, device)
+                for k, c in enumerate(copies):
+                    if c is None:
+                        h = hosts[k]
+                        copies[k] = torch.empty_like(h, device=device).copy_(h, non_blocking=True)
+            else:
+                copies = [torch.empty_like(h, device=device).copy_(h, non_blocking=True)
+                          for h in hosts]
             event = self.module.Event(enable_timing=True)
             event.record(self.stream)
-        return copies, event
+        return copies, event  # type: ignore[return-value]
 
     def wait(self, groups: Sequence[tuple[Any, Sequence[torch.Tensor]]],
              demand: bool) -> bool | None:
@@ -102,8 +116,15 @@ class StreamTransfer(Transfer):
             compute.wait_event(ticket)
             # Allocated on the side stream, used on the compute stream: without this the
             # allocator could hand the memory to the next copy while compute still reads it.
+            # The views of one packed block record it once.
+            recorded = None
             for c in copies:
-                c.record_stream(compute)
+                base = c._base
+                if base is None:
+                    c.record_stream(compute)
+                elif base is not recorded:
+                    base.record_stream(compute)
+                    recorded = base
         if demand:
             return True
         self._unsettled.append(([t for t, _ in groups], arrival))
@@ -125,6 +146,26 @@ class StreamTransfer(Transfer):
                 misses += 1
         self._unsettled = keep
         return hits, misses
+
+
+def _run_copies(hosts: Sequence[torch.Tensor], runs: Sequence[Run],
+                device: torch.device) -> list[torch.Tensor | None]:
+    """Copies of the hosts in ``runs``, each run in one block on ``device`` and one copy, as
+    views with the hosts' shapes and strides; None for the others."""
+    copies: list[torch.Tensor | None] = [None] * len(hosts)
+    for i, j, pack, start, end in runs:
+        block = torch.empty(end - start, dtype=torch.uint8, device=device)
+        block.copy_(pack[start:end], non_blocking=True)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        for k in range(i, j):
+            h = hosts[k]
+            view = typed.get(h.dtype)
+            if view is None:
+                view = typed[h.dtype] = block.view(h.dtype)
+            # A host view's offset counts elements of its dtype from the pack's start.
+            copies[k] = view.as_strided(h.shape, h.stride(),
+                                        h.storage_offset() - start // h.element_size())
+    return copies
 
 
 def transfer_for(device: torch.device) -> Transfer:

@@ -33,7 +33,7 @@ from .._engines.guard import PlacementGuard
 from .._engines.hoststore import LOADED, Slot, make_slots
 from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer, transfer_for
-from .._planning import Placement, Plan, module_sizes, order_units, paging_units
+from .._planning import Placement, Plan, Unit, module_sizes, order_units, paging_units
 from .hooks import Frame, Hooks
 from .learner import Learner, Quiet
 from .needs import Needs
@@ -42,6 +42,13 @@ from .schedule import Schedule
 from .slots import NoRoom, SlotTable, modes_on, room_for_weights
 
 __all__ = ["Pager"]
+
+
+def _pack_groups(units: list[Unit]) -> list[list[str]]:
+    """The tensors whose masters share a pinned buffer, one group per unit: those it owns
+    that no unit borrows (see [Note: packed masters] in ``hoststore.py``)."""
+    borrowed = {n for u in units for n in u.borrowed}
+    return [[n for n in u.tensors if n not in borrowed] for u in units]
 
 
 class Pager(Engine):
@@ -85,7 +92,8 @@ class Pager(Engine):
         self.plan = Plan("page", [], self._sizes.total_bytes, {
             "device": str(device), "unit_bytes": unit_bytes, "prefetch": prefetch,
             "resident_bytes": resident_bytes, "device_budget": device_budget})
-        self._table = SlotTable(make_slots(self._modules, self._sizes, device, pin_memory),
+        self._table = SlotTable(make_slots(self._modules, self._sizes, device, pin_memory,
+                                           _pack_groups(self._units)),
                                 device, transfer if transfer is not None else transfer_for(device),
                                 device_budget, self._stats)
         self._needs = Needs()

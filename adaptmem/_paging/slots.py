@@ -50,7 +50,13 @@ from .._common.errors import PlacementError
 from .._common.headroom import weight_room
 from .._common.oom import free_caches, is_oom
 from .._common.peak import fake_mode
-from .._engines.hoststore import HOST, LOADED, PENDING, Slot  # See [Note: slot states on ...]
+from .._engines.hoststore import (  # See [Note: slot states ...]
+    HOST,
+    LOADED,
+    PENDING,
+    Slot,
+    packed_runs,
+)
 from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer
 from .._planning import Placement, Unit
@@ -134,6 +140,7 @@ class SlotTable:
         self.stats = stats
         self.held = 0
         self.resident_bytes = 0
+        self.packed = any(s.pack is not None for s in slots.values())
         self._written: set[str] = set()  # buffers already reported as written in place
         # A torch function mode was on when the current call began: See [Note: version
         # reads skip torch function modes].
@@ -266,7 +273,7 @@ class SlotTable:
     def fetch(self, slots: Sequence[Slot], masters: Sequence[torch.Tensor] | None = None) -> None:
         """Start copying ``slots`` (all on the host) to the device (``masters``: theirs, when
         known)."""
-        copies, ticket = self._start(masters or [s.master for s in slots])
+        copies, ticket = self._start(masters or [s.master for s in slots], slots)
         if copies and type(copies[0]) is not torch.Tensor:
             _stand_in(slots, copies)  # See [Note: paging under a trace]
         if self.modes:  # See [Note: version reads skip torch function modes]
@@ -297,7 +304,7 @@ class SlotTable:
         """Copy ``slots`` (``unit``'s) to the device for good. Returns False, changing
         nothing, when they do not fit (an out-of-memory error)."""
         try:
-            copies, ticket = self._start([s.master for s in slots])
+            copies, ticket = self._start([s.master for s in slots], slots)
             self.transfer.wait([(ticket, copies)], demand=True)
         except Exception as exc:
             if not is_oom(exc):
@@ -314,13 +321,18 @@ class SlotTable:
         self.resident_bytes += nbytes
         return True
 
-    def _start(self, hosts: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    def _start(self, hosts: Sequence[torch.Tensor], slots: Sequence[Slot]
+               ) -> tuple[list[torch.Tensor], Any]:
+        """Start copying ``hosts`` (the masters of ``slots``): runs of packed masters in one
+        copy each (see [Note: packed masters] in ``hoststore.py``), but under a trace, which
+        copies nothing (see [Note: paging under a trace])."""
+        runs = packed_runs(slots) if self.packed and fake_mode() is None else ()
         if torch.is_inference_mode_enabled():
             # A copy made under inference_mode is an inference tensor, which a forward with
             # autograd on could not use; resident copies outlive the mode they were made in.
             with torch.inference_mode(False):
-                return self.transfer.start(hosts)
-        return self.transfer.start(hosts)
+                return self.transfer.start(hosts, runs) if runs else self.transfer.start(hosts)
+        return self.transfer.start(hosts, runs) if runs else self.transfer.start(hosts)
 
     def _add(self, nbytes: int) -> None:
         self.held += nbytes

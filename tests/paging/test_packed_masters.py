@@ -1,0 +1,165 @@
+"""Packed masters on an accelerator: each paged unit's pinned masters are views of one buffer,
+so a unit goes to the device in one copy (see [Note: packed masters] in hoststore.py).
+
+Tests marked ``gpu`` run on the real CUDA device when there is one, else on the simulated
+one; those taking ``simulated_cuda_device`` count the copies the simulation saw.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import REAL_CUDA
+from torch import nn
+
+from adaptmem import adaptive
+from adaptmem._planning import module_sizes
+from adaptmem.testing import SimulatedCuda
+
+
+def _block(width: int) -> nn.Module:
+    # Float weights, float and int64 buffers (num_batches_tracked), a channels_last weight.
+    block = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width),
+                          nn.ReLU(), nn.Conv2d(width, width, 1, bias=False),
+                          nn.BatchNorm2d(width), nn.ReLU())
+    block[0].weight.data = block[0].weight.data.contiguous(memory_format=torch.channels_last)
+    return block
+
+
+def _net(blocks: int = 4, width: int = 16) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_block(width) for _ in range(blocks)]).eval()
+    for m in model.modules():  # running statistics other than the defaults
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+            m.num_batches_tracked.fill_(7)
+    return model, torch.randn(2, width, 8, 8)
+
+
+def _expected(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return copy.deepcopy(model).cuda()(x.cuda()).cpu()  # the same kernels as paged
+
+
+def _unit_bytes(model: nn.Module) -> int:
+    return module_sizes(model).subtree_bytes["0"]
+
+
+def _check(out: torch.Tensor, expected: torch.Tensor) -> None:
+    if REAL_CUDA:  # kernels may be chosen by a weight's alignment: round-off may differ
+        torch.testing.assert_close(out, expected)
+    else:
+        assert torch.equal(out, expected)
+
+
+def test_a_paged_unit_is_one_copy_and_gives_the_unpaged_output(
+        simulated_cuda_device: SimulatedCuda) -> None:
+    model, x = _net()
+    expected = _expected(model, x)
+    tensors = len(module_sizes(model).tensors)
+    with adaptive.page(model, "cuda", unit_bytes=_unit_bytes(model), resident_bytes=0,
+                       prefetch=1) as pager, torch.no_grad():
+        assert len(pager.plan.units) == 4
+        model(x)  # learns the order
+        before = simulated_cuda_device.copy_stats["copies"]
+        for _ in range(3):
+            _check(model(x).cpu(), expected)
+        per_forward = (simulated_cuda_device.copy_stats["copies"] - before) / 3
+    # One copy per unit (and the input's), where tensor by tensor it was one per tensor.
+    assert per_forward <= 4 + 1 < tensors
+
+
+@pytest.mark.gpu
+def test_gpu_a_units_masters_share_one_pinned_buffer_and_keep_their_layout() -> None:
+    model, x = _net()
+    with adaptive.page(model, "cuda", unit_bytes=_unit_bytes(model), resident_bytes=0):
+        for block in model:
+            tensors = [*block.parameters(), *block.buffers()]
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in tensors)
+            assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+            start = tensors[0].untyped_storage().data_ptr()
+            assert all((t.data_ptr() - start) % 256 == 0 for t in tensors)  # each aligned
+        weight = model[0][0].weight
+        assert weight.is_contiguous(memory_format=torch.channels_last)
+        assert model[0][1].num_batches_tracked.dtype == torch.int64
+        assert model[0][1].num_batches_tracked.item() == 7
+
+
+@pytest.mark.gpu
+def test_gpu_packed_units_run_paged_prefetched_resident_and_come_back_bitwise() -> None:
+    model, x = _net()
+    reference = copy.deepcopy(model)
+    expected = _expected(model, x)
+    before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    unit = _unit_bytes(model)
+    with adaptive.page(model, "cuda", unit_bytes=unit, resident_bytes=unit,
+                       prefetch=2) as pager, torch.no_grad():
+        assert {u.placement for u in pager.plan.units} == {"resident", "paged"}
+        for _ in range(4):
+            _check(model(x.cuda()).cpu(), expected)
+        # Inside a forward a weight (a view of its unit's block) keeps its own layout.
+        seen = {}
+
+        def look(module: nn.Module, args: object) -> None:
+            seen["weight"] = module[0].weight.data
+            seen["count"] = module[1].num_batches_tracked.data
+
+        handle = model[2].register_forward_pre_hook(look)
+        model(x)
+        handle.remove()
+        assert seen["weight"].device.type == "cuda"
+        assert seen["weight"].is_contiguous(memory_format=torch.channels_last)
+        assert seen["count"].item() == 7
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    for name, t in before.items():  # bitwise, on their own memory again, layout kept
+        assert after[name].device.type == "cpu" and torch.equal(after[name], t), name
+    storages = [t.untyped_storage().data_ptr() for t in after.values()]
+    assert len(set(storages)) == len(storages)
+    assert model[0][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 reference.state_dict().values(), strict=True))
+
+
+@pytest.mark.gpu
+def test_gpu_edits_between_calls_reach_packed_masters_and_the_next_forward() -> None:
+    # In place and through .data, between calls; then remove() keeps them.
+    model, x = _net()
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference[1][0].weight.mul_(2)
+        reference[3][3].weight.data = torch.randn_like(reference[3][3].weight)
+    expected = _expected(reference, x)
+    with adaptive.page(model, "cuda", unit_bytes=_unit_bytes(model), resident_bytes=0), \
+            torch.no_grad():
+        model(x)
+        model[1][0].weight.mul_(2)
+        model[3][3].weight.data = reference[3][3].weight.data.clone()
+        for _ in range(2):
+            _check(model(x).cpu(), expected)
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_a_tied_weight_is_not_packed_with_its_unit() -> None:
+    # A weight another unit borrows stays on its own: a block outliving its unit would hold
+    # the whole unit's bytes on the device.
+    torch.manual_seed(0)
+    embed = nn.Embedding(64, 32)
+    head = nn.Linear(32, 64, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(nn.Sequential(embed, nn.LayerNorm(32)), nn.Linear(32, 32),
+                          head).eval()
+    x = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        expected = copy.deepcopy(model).cuda()(x.cuda()).cpu()
+    unit = module_sizes(model).subtree_bytes["0"]
+    with adaptive.page(model, "cuda", unit_bytes=unit, resident_bytes=0), torch.no_grad():
+        norm = {t.untyped_storage().data_ptr() for t in model[0][1].parameters()}
+        assert len(norm) == 1  # the rest of the unit is packed
+        assert embed.weight.untyped_storage().data_ptr() not in norm
+        for _ in range(2):
+            _check(model(x).cpu(), expected)
