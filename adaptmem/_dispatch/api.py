@@ -14,12 +14,25 @@ from typing import Any
 from .._common.devices import free_memory
 from .._common.errors import OutOfMemoryError, Phase
 from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
+from .._common.peak import NotPredictable, fake_mode
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from .explore import Explorer
 from .placed import PAGE, PlacedModels, check_models, fakes_put_back
 
 __all__ = ["Dispatched", "batch", "range", "chunked"]
+
+
+# [Note: called inside another decorator's trace]
+# A function decorated with model= can be called by another decorated function whose first
+# call traces it on fake tensors to predict a size (``initial_batchsize="auto"``, or its own
+# model=). Placing models there would pin memory and copy weights under the fake mode, and
+# leave fake tensors in the models (the inner model then had "tensors on the meta device"
+# at its first real call, and the call failed). So inside a trace a decorated function
+# neither places nor moves its models: before its first real call it ends the trace (the
+# outer function gets no prediction and runs from its initial size, placing the inner
+# models at the first real call), and once placed it runs as placed, its pagers making fake
+# copies as they do under any trace.
 
 
 class Dispatched:
@@ -46,6 +59,12 @@ class Dispatched:
         ``caller``, placing the models first and giving residency back when compute runs
         out at the smallest size."""
         placed, inner, explorer = self.placed, self.inner, self.explorer
+        if fake_mode() is not None:  # See [Note: called inside another decorator's trace]
+            if not placed.placed:
+                raise NotPredictable(
+                    f"{placed.name} (model=) was called for the first time inside the "
+                    f"trace: its models are placed at its first real call")
+            return target.call_from(caller, args, kwargs)
         first = not placed.placed
         again = False  # the call runs again after giving residency back
         while True:

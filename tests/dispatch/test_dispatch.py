@@ -364,6 +364,51 @@ def test_a_function_that_cannot_be_traced_is_searched_from_its_initial_size(
     assert any("ran out of memory at batchsize=2048" in m for m in messages)
 
 
+@pytest.mark.parametrize("inner_first", [False, True], ids=["first-inside", "placed-before"])
+def test_a_model_function_called_by_another_places_its_models_at_its_own_first_call(
+        inner_first: bool, caplog: pytest.LogCaptureFixture) -> None:
+    # An outer model= function calls an inner one: the outer's first call traces on fake
+    # tensors, and the inner must not place its models there (it left fakes in them, and
+    # the first real call failed with "tensors on the meta device").
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).eval()
+    second = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    data = torch.randn(100, 64)
+    with torch.no_grad():
+        want = second(first(data))
+    with simulated_cuda(total_memory="1GiB"):
+
+        @adaptive.batch(initial_batchsize=64, model=second, device="cuda")
+        def inner(batchsize: int, hidden: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([second(c) for c in hidden.split(batchsize)])
+
+        @adaptive.batch(initial_batchsize=64, model=first, device="cuda")
+        def outer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                hidden = torch.cat([first(c) for c in data.split(batchsize)])
+            return inner(hidden)
+
+        if inner_first:
+            with torch.no_grad():
+                inner(first(data))
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            got = [outer(data).cpu() for _ in range(3)]
+        placements = [dict(outer.placement), dict(inner.placement)]
+        outer.remove()
+        inner.remove()
+    for out in got:
+        torch.testing.assert_close(out, want)
+    assert all(p["resident_bytes"] == p["weight_bytes"] for p in placements)
+    traced = [r.getMessage() for r in caplog.records if "could not trace" in r.getMessage()]
+    if inner_first:  # the trace ran through the placed inner model
+        assert not traced
+    else:
+        assert len(traced) == 1 and "called for the first time inside the trace" in traced[0]
+    for model in (first, second):
+        assert all(p.device.type == "cpu" for p in model.parameters())
+
+
 def test_range_predicts_its_first_step_with_a_model_too() -> None:
     model = _linear_stack()
     data = torch.randn(2048, 512)
