@@ -182,6 +182,17 @@ def memory_info(device: torch.device) -> tuple[int, int]:
     return cpu_memory_info()
 
 
+def capacity(device: torch.device) -> int:
+    """The most bytes this process can ever hold on ``device``: its total memory, on CUDA
+    times any per-process memory fraction (see ``memory_info``)."""
+    total = memory_info(device)[1]
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if device.type == "cuda" and fraction is not None:
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return int(fraction(index) * total)
+    return total
+
+
 def free_memory(device: torch.device) -> int:
     """Free bytes on ``device`` (see ``memory_info``)."""
     return memory_info(device)[0]

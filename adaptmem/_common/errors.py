@@ -36,10 +36,14 @@ class OutOfMemoryError(AdaptmemError):
     (``torch.OutOfMemoryError``, ``MemoryError``, ...), so existing ``except`` clauses keep
     working. ``phase`` says where memory ran out: ``"compute"`` (inside the user's function)
     or ``"transfer"`` (while moving weights to a device), a ``Phase`` equal to that text.
+    ``beyond_device`` is True for a transfer error whose weights, needed at once, are more
+    than the device can ever hold (its memory, its memory fraction or ``device_budget``):
+    no smaller batch and no residency given back can help.
     """
 
     phase: Phase = Phase.COMPUTE
     engine_id: int | None = None  # a transfer error's pager (its id()), for model=
+    beyond_device: bool = False
 
 
 class PlacementError(AdaptmemError):

@@ -96,9 +96,11 @@ def raised_by(exc: BaseException, engines: Iterable[object]) -> bool:
 def shrinks_size(exc: BaseException) -> bool:
     """True for an out-of-memory error that a smaller batch or step can help: one raised in
     compute, not one a pager raised while moving weights (unless that pager's decorator holds
-    the batch too: ``transfer_errors_shrink``)."""
+    the batch too: ``transfer_errors_shrink``, and its weights are not more than the device
+    can ever hold: ``OutOfMemoryError.beyond_device``)."""
     return is_oom(exc) and (oom_phase(exc) is not Phase.TRANSFER
-                            or getattr(exc, "engine_id", None) in _owned.get())
+                            or (getattr(exc, "engine_id", None) in _owned.get()
+                                and not getattr(exc, "beyond_device", False)))
 
 
 def drop_frames(exc: BaseException) -> None:

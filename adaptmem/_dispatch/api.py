@@ -93,10 +93,11 @@ class Dispatched:
             except OutOfMemoryError as exc:
                 # Memory ran out at the smallest size, in compute or while one of our pagers
                 # moved a weight (which shrinks the batch here too): give residency back.
-                # Another pager's weight gains nothing from ours.
+                # Another pager's weight gains nothing from ours, nor weights larger than
+                # the device.
                 resident = tuple(placed.resident)
-                if not any(resident) or (exc.phase is Phase.TRANSFER
-                                         and not raised_by(exc, placed.handles)):
+                if not any(resident) or (exc.phase is Phase.TRANSFER and (
+                        exc.beyond_device or not raised_by(exc, placed.handles))):
                     raise
                 # The failed attempt's memory goes before giving back: free memory is read
                 # then, and what it held is not held by anything now.

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import NoReturn
 
-from .._common.devices import format_bytes, free_memory
+from .._common.devices import capacity, format_bytes, free_memory
 from .._common.errors import OutOfMemoryError, Phase, oom_error_for
 from .._engines.hoststore import LOADED, Slot
 from .._engines.stats import PagingStats
@@ -91,12 +91,12 @@ class Refiner:
             f"It cannot be split further: raise device_budget, lower resident_bytes, or free "
             f"device memory."
         )
-        if cause.oom is not None:
-            err = oom_error_for(cause.oom)(message)
-            err.phase = Phase.TRANSFER
-            err.engine_id = self.owner
-            raise err from cause.oom
-        err = OutOfMemoryError(message)
+        err = oom_error_for(cause.oom)(message) if cause.oom is not None \
+            else OutOfMemoryError(message)
         err.phase = Phase.TRANSFER
         err.engine_id = self.owner
+        err.beyond_device = cause.need > (table.budget if table.budget is not None
+                                          else capacity(table.device))
+        if cause.oom is not None:
+            raise err from cause.oom
         raise err from None  # raised while handling NoRoom, which it replaces

@@ -197,18 +197,41 @@ def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_the_batch() -> None
     assert size < 512 and failed >= 1
 
 
-def test_a_weight_that_never_fits_ends_the_call_with_the_pagers_error() -> None:
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["device", "memory-fraction"])
+def test_a_weight_that_never_fits_ends_the_call_at_once_with_the_pagers_error(
+        fraction: float | None) -> None:
     # Shrinking and giving residency back cannot make room for a weight larger than the
-    # device: the error that ends the call is the pager's, naming the weight.
+    # device (or than its memory fraction): the error that ends the call is the pager's,
+    # naming the weight, raised at the first attempt with the resident model left alone.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 8)).eval()  # 64 MiB weight
-    with simulated_cuda(total_memory="20MiB", bandwidth=100):
-        run = _decorated(model, 8)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(4096, 4096)).eval()  # 4, 64 MiB
+    sizes: list[int] = []
+    with simulated_cuda(total_memory="20MiB" if fraction is None else "80MiB",
+                        bandwidth=100):
+        if fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction, 0)
+            torch.cuda.empty_cache()
+
+        @adaptive.batch(initial_batchsize=8, model=model, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                for chunk in data.split(batchsize):
+                    if float(chunk.abs().sum()) < 0:  # data-dependent: cannot be traced
+                        raise AssertionError
+                    sizes.append(batchsize)  # real attempts only
+                    model[1](torch.randn(len(chunk), 4096, device="cuda"))
+            return data
+
         with pytest.raises(torch.OutOfMemoryError) as info:
-            run(torch.randn(8, 4096))
+            run(torch.randn(8, 1024))
+        placement = dict(run.placement)
         run.remove()
-    assert info.value.phase == "transfer"  # type: ignore[attr-defined]
-    assert "'0.weight', 64.0 MiB" in str(info.value) and "cannot be split" in str(info.value)
+        torch.cuda.set_per_process_memory_fraction(1.0, 0)
+    error = info.value
+    assert error.phase == "transfer" and error.beyond_device  # type: ignore[attr-defined]
+    assert "'1.weight', 64.0 MiB" in str(error) and "cannot be split" in str(error)
+    assert sizes == [8]  # no smaller batch tried: it could not help
+    assert placement["residency_given_back"] == 0 and placement["resident_bytes"][0] > 0
 
 
 def test_another_pagers_weight_that_never_fits_leaves_the_placement_alone() -> None:

@@ -765,6 +765,7 @@ def test_a_tensor_larger_than_the_budget_raises_a_transfer_error_with_sizes() ->
     with pytest.raises(OutOfMemoryError, match=r"'0\.0'.*KiB.*device_budget") as info:
         model(x)
     assert info.value.phase == "transfer"
+    assert info.value.beyond_device  # more than device_budget: nothing else can help
     pager.remove()
     assert torch.equal(model(x), expected)
 
@@ -816,6 +817,7 @@ def test_transfer_oom_that_cannot_be_resolved_keeps_the_original_type_and_phase(
         model(x)
     err = info.value
     assert isinstance(err, OutOfMemoryError) and err.phase == "transfer"
+    assert not err.beyond_device  # the device could hold it, were other memory free
     assert isinstance(err.__cause__, torch.OutOfMemoryError)
     assert "0.0" in str(err)
     pager.remove()
