@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 import re
+import sys
 from typing import Any
 
 import torch
@@ -184,12 +186,20 @@ def memory_info(device: torch.device) -> tuple[int, int]:
 
 def capacity(device: torch.device) -> int:
     """The most bytes this process can ever hold on ``device``: its total memory, on CUDA
-    times any per-process memory fraction (see ``memory_info``)."""
+    times any per-process memory fraction (see ``memory_info``), on MPS times the high
+    watermark ratio the allocator allows past its recommended maximum (1.7 unless
+    ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` says otherwise; 0 means no limit)."""
     total = memory_info(device)[1]
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if device.type == "cuda" and fraction is not None:
         index = torch.cuda.current_device() if device.index is None else device.index
         return int(fraction(index) * total)
+    if device.type == "mps":
+        try:
+            ratio = float(os.environ.get("PYTORCH_MPS_HIGH_WATERMARK_RATIO", "1.7"))
+        except ValueError:
+            ratio = 1.7
+        return sys.maxsize if ratio <= 0 else int(ratio * total)
     return total
 
 

@@ -55,6 +55,7 @@ from torch import nn
 
 from .._common.devices import free_memory, synchronize
 from .._common.oom import free_caches, is_oom
+from .._common.peak import fake_mode
 from .._engines.base import HookSet
 
 __all__ = ["Choice", "HostClock", "link_bandwidth"]
@@ -142,15 +143,23 @@ class HostClock:
                                                                always_call=True))
         return hook
 
+    # A forward on fake tensors (another decorated function's trace calling this one) is
+    # neither counted nor timed: it computes nothing.
+
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.forwards += 1
+        if fake_mode() is None:
+            self.forwards += 1
 
     def _unit_pre(self, module: nn.Module, args: Any) -> None:
+        if fake_mode() is not None:
+            return
         if self._depth == 0:
             self._started = time.perf_counter()
         self._depth += 1
 
     def _unit_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if fake_mode() is not None:
+            return
         self._depth -= 1
         if self._depth == 0:
             self.seconds += time.perf_counter() - self._started

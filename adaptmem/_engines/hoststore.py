@@ -15,10 +15,16 @@ back to back in slot order, each starting at a multiple of PACK_ALIGN bytes (wha
 ``cudaMalloc`` guarantees, so that no kernel sees a less aligned weight than it would
 alone). A fetch then copies each run of slots that lie back to back in one pack with one
 allocation and one copy, and hands out views of that block (``packed_runs``; the transfer
-does the rest). The padding is at most PACK_ALIGN - 1 bytes a tensor, less than the 512
+does the rest). Resident units are copied tensor by tensor, once: a trace predicting
+peak memory counts a view of a weight already on the device as its storage's bytes (its
+input was real, and the fake view has a storage of its own), and that storage must be the
+weight, not its unit. The padding is at most PACK_ALIGN - 1 bytes a tensor, less than the 512
 bytes a block of the caching allocator is rounded to. Tensors another unit borrows (ties),
 and units of one tensor, are not packed: a block lives while any of its views does, so a
-tensor held longer than its unit would keep its whole block on the device. The masters of
+tensor held longer than its unit would keep its whole block on the device. For the same
+reason a view of a paged weight or buffer that outlives the forward (part of an output
+the caller keeps, or saved for a backward) holds its unit's whole block, outside the
+pager's count of bytes held: clone what is kept (resident weights are on their own). The masters of
 a unit share one storage while the model is placed (``state_dict()`` then holds views of
 it; ``remove()`` gives every tensor memory of its own again). Building the packs copies
 each tensor once, straight into pinned memory, where pinning tensor by tensor made a

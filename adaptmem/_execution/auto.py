@@ -55,7 +55,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._common.devices import default_device, format_bytes, free_memory
-from .._common.peak import NotPredictable, PeakPrediction, PeakTracker, fit
+from .._common.peak import NotPredictable, PeakPrediction, PeakTracker, fake_mode, fit
 
 __all__ = ["AUTO", "DEFAULT_MAX_BATCHSIZE", "AutoStart", "has_fakes"]
 
@@ -181,6 +181,10 @@ class AutoStart:
                 if self._deciding:
                     raise NotPredictable("it calls itself while its traces run (recursion), "
                                          "so they cannot tell its own share")
+                if fake_mode() is not None:  # another decorated function's trace calls it
+                    raise NotPredictable("a decorated function it calls predicts its own "
+                                         "first size at its own first real call, not "
+                                         "inside this trace")
                 self._deciding = True
                 try:
                     self.initial = self._decide(call)

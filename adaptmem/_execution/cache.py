@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .._common.devices import default_device, free_memory
+from .._common.peak import fake_mode
 
 __all__ = [
     "SizeRecord",
@@ -270,6 +271,8 @@ class SizeRecord:
             # Nothing new: the settled path takes no lock (a lost count delays a probe).
             self.successes += 1
             return
+        if fake_mode() is not None:
+            return  # a run on fake tensors (another function's trace) proves nothing
         with self._lock:
             if self.fits is not None and size > self.fits:
                 self._own_site().climbed()

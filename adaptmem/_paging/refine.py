@@ -95,8 +95,9 @@ class Refiner:
             else OutOfMemoryError(message)
         err.phase = Phase.TRANSFER
         err.engine_id = self.owner
-        err.beyond_device = cause.need > (table.budget if table.budget is not None
-                                          else capacity(table.device))
+        # As large as the device: nothing else (the inputs) could be there beside it.
+        err.beyond_device = cause.need >= (table.budget if table.budget is not None
+                                           else capacity(table.device))
         if cause.oom is not None:
             raise err from cause.oom
         raise err from None  # raised while handling NoRoom, which it replaces

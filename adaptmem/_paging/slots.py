@@ -304,7 +304,10 @@ class SlotTable:
         """Copy ``slots`` (``unit``'s) to the device for good. Returns False, changing
         nothing, when they do not fit (an out-of-memory error)."""
         try:
-            copies, ticket = self._start([s.master for s in slots], slots)
+            # Tensor by tensor: a resident weight lives on its own, so that a trace (which
+            # counts a view of a weight as its storage's bytes, see [Note: packed
+            # masters]) or a view kept by the caller never stands for a whole unit.
+            copies, ticket = self._start([s.master for s in slots], ())
             self.transfer.wait([(ticket, copies)], demand=True)
         except Exception as exc:
             if not is_oom(exc):
@@ -323,10 +326,11 @@ class SlotTable:
 
     def _start(self, hosts: Sequence[torch.Tensor], slots: Sequence[Slot]
                ) -> tuple[list[torch.Tensor], Any]:
-        """Start copying ``hosts`` (the masters of ``slots``): runs of packed masters in one
-        copy each (see [Note: packed masters] in ``hoststore.py``), but under a trace, which
-        copies nothing (see [Note: paging under a trace])."""
-        runs = packed_runs(slots) if self.packed and fake_mode() is None else ()
+        """Start copying ``hosts`` (the masters of ``slots``; none: tensor by tensor): runs
+        of packed masters in one copy each (see [Note: packed masters] in
+        ``hoststore.py``), but under a trace, which copies nothing (see [Note: paging under
+        a trace])."""
+        runs = packed_runs(slots) if slots and self.packed and fake_mode() is None else ()
         if torch.is_inference_mode_enabled():
             # A copy made under inference_mode is an inference tensor, which a forward with
             # autograd on could not use; resident copies outlive the mode they were made in.

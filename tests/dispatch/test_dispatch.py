@@ -6,6 +6,7 @@ raises CUDA's out-of-memory error past its total."""
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import pytest
@@ -407,6 +408,76 @@ def test_a_model_function_called_by_another_places_its_models_at_its_own_first_c
         assert len(traced) == 1 and "called for the first time inside the trace" in traced[0]
     for model in (first, second):
         assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def _inner_and_outer(first: nn.Module, second: nn.Module, initial: int,
+                     **inner_options: Any) -> tuple[Any, Any]:
+    @adaptive.batch(initial_batchsize=initial, model=second, device="cuda", **inner_options)
+    def inner(batchsize: int, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([second(c) for c in hidden.split(batchsize)])
+
+    @adaptive.batch(initial_batchsize=initial, model=first, device="cuda")
+    def outer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            hidden = torch.cat([first(c) for c in data.split(batchsize)])
+        return inner(hidden)
+
+    return inner, outer
+
+
+def test_an_inner_function_predicts_its_first_size_at_its_own_real_call(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The inner function's first call was too small to predict from; its next call comes
+    # from the outer function's trace. It must not trace inside that trace (its ops
+    # counted against the outer's budget and it gave up predicting for good).
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(64, 256)).eval()
+    second = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)).eval()
+    data = torch.randn(1024, 64)
+    with torch.no_grad():
+        want = second(first(data))
+    with simulated_cuda(total_memory="64MiB"):
+        inner, outer = _inner_and_outer(first, second, 1024)
+        with torch.no_grad():
+            inner(first(data[:4]))
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            got = outer(data)
+        prediction = inner.prediction
+        outer.remove()
+        inner.remove()
+    torch.testing.assert_close(got, want)
+    assert prediction is not None
+    traced = [r.getMessage() for r in caplog.records if "could not trace" in r.getMessage()]
+    assert len(traced) == 1 and ".outer:" in traced[0]
+    assert "a decorated function it calls predicts its own first size" in traced[0]
+
+
+def test_a_trace_through_a_placed_function_leaves_its_sizes_and_engine_choice_alone() -> None:
+    # The outer function's first call traces the inner one on fake tensors: nothing the
+    # inner one learns from real calls (a size that failed, the host's time per forward
+    # that chooses paging or chunking) may come from that fake run.
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(64, 1024)).eval()
+    second = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)],
+                           nn.Linear(1024, 8)).eval()  # 24 MiB: partly resident
+    data = torch.randn(1024, 64)
+    with torch.no_grad():
+        want = second(first(data))
+        hidden = first(data)
+    with simulated_cuda(total_memory="40MiB", bandwidth=1.25):
+        inner, outer = _inner_and_outer(first, second, 512)
+        inner(hidden)  # placed, paged
+        inner(hidden)  # chunked and timed
+        record = inner.inner.size_record(sys._getframe(0))
+        before = (record.fits, record.fails)
+        got = outer(data)  # its first call traces inner on fake tensors
+        choice = dict(inner.placement["engine_choice"])
+        outer.remove()
+        inner.remove()
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert choice["forwards_timed"] == 2  # the timed call's, not the trace's
+    assert (record.fits, record.fails) == before
 
 
 def test_range_predicts_its_first_step_with_a_model_too() -> None:

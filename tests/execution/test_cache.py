@@ -52,6 +52,20 @@ def test_a_probe_never_passes_a_quarter_of_the_gap(fits: int, gap: int, more: in
     assert fits <= size <= fits + max(1, gap // 4)
 
 
+def test_a_success_on_fake_tensors_teaches_a_record_nothing() -> None:
+    # Another decorated function's trace runs this one on fake tensors: nothing fails
+    # there, so a size it ran says nothing about memory.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    record = SizeRecord(fits=350, fails=384)
+    with FakeTensorMode():
+        record.after_success(384)
+        record.after_success(1000)
+    assert (record.fits, record.fails) == (350, 384)
+    record.after_success(384)  # a real run at the failed size: it fits now
+    assert (record.fits, record.fails) == (384, None)
+
+
 def test_a_held_record_runs_the_size_that_fits_then_climbs_again() -> None:
     record = SizeRecord(fits=100, fails=200)
     record.hold(3)  # what model= does while it measures a placement at one size

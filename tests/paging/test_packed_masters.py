@@ -163,3 +163,28 @@ def test_gpu_a_tied_weight_is_not_packed_with_its_unit() -> None:
         assert embed.weight.untyped_storage().data_ptr() not in norm
         for _ in range(2):
             _check(model(x).cpu(), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.simulated_cuda(total_memory="40MiB")
+def test_a_trace_through_resident_units_does_not_count_a_unit_per_weight() -> None:
+    # Under the trace an op on a resident weight gives a fake view with a storage of its
+    # own, counted at that storage's bytes: had the weight been a view of its unit's
+    # block, a whole unit (here the whole model) would have counted as fixed memory.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(256, 1024), nn.GELU(),
+                                          nn.Linear(1024, 256)) for _ in range(4)]).eval()
+    weights = module_sizes(model).total_bytes  # 8 MiB
+    data = torch.randn(256, 256)
+    with adaptive.page(model, "cuda") as pager:  # it fits: resident
+
+        @adaptive.batch(initial_batchsize="auto", device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c.cuda()).cpu() for c in data.split(batchsize)])
+
+        run(data)
+        prediction = run.prediction
+        resident = {u.placement for u in pager.plan.units}
+    assert resident == {"resident"}
+    assert prediction is not None and prediction.fixed_bytes < weights // 8
