@@ -13,11 +13,16 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakTracker", "PeakPrediction", "NotPredictable", "fake_mode", "fit"]
+__all__ = ["PeakTracker", "PeakPrediction", "NotPredictable", "NotYet", "fake_mode", "fit"]
 
 
 class NotPredictable(Exception):
     """The call could not be traced on the meta device; the message says why."""
+
+
+class NotYet(NotPredictable):
+    """The trace reached a decorated function that gets ready at its own first real call
+    (places its models, predicts its own size): a later call can be traced."""
 
 
 class PeakTracker(TorchDispatchMode):

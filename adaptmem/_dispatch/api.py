@@ -14,7 +14,7 @@ from typing import Any
 from .._common.devices import free_memory
 from .._common.errors import OutOfMemoryError, Phase
 from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
-from .._common.peak import NotPredictable, fake_mode
+from .._common.peak import NotYet, fake_mode
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from .explore import Explorer
@@ -29,10 +29,13 @@ __all__ = ["Dispatched", "batch", "range", "chunked"]
 # model=). Placing models there would pin memory and copy weights under the fake mode, and
 # leave fake tensors in the models (the inner model then had "tensors on the meta device"
 # at its first real call, and the call failed). So inside a trace a decorated function
-# neither places nor moves its models: before its first real call it ends the trace (the
-# outer function gets no prediction and runs from its initial size, placing the inner
-# models at the first real call), and once placed it runs as placed, its pagers making fake
-# copies as they do under any trace.
+# neither places nor moves its models: before its first real call it ends the trace with
+# ``NotYet`` (that call of the outer function runs from its initial size, placing the inner
+# models, and its next call is traced again), and once placed it runs as placed, its
+# pagers making fake copies as they do under any trace. Whatever it learns from real calls
+# (sizes that fit, the host time that chooses paging or chunking, its own first size) is
+# not learned from fake ones: see ``SizeRecord.after_success``, ``HostClock`` and
+# ``AutoStart.decide``.
 
 
 class Dispatched:
@@ -61,7 +64,7 @@ class Dispatched:
         placed, inner, explorer = self.placed, self.inner, self.explorer
         if fake_mode() is not None:  # See [Note: called inside another decorator's trace]
             if not placed.placed:
-                raise NotPredictable(
+                raise NotYet(
                     f"{placed.name} (model=) was called for the first time inside the "
                     f"trace: its models are placed at its first real call")
             return target.call_from(caller, args, kwargs)

@@ -55,7 +55,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._common.devices import default_device, format_bytes, free_memory
-from .._common.peak import NotPredictable, PeakPrediction, PeakTracker, fake_mode, fit
+from .._common.peak import (
+    NotPredictable,
+    NotYet,
+    PeakPrediction,
+    PeakTracker,
+    fake_mode,
+    fit,
+)
 
 __all__ = ["AUTO", "DEFAULT_MAX_BATCHSIZE", "AutoStart", "has_fakes"]
 
@@ -167,6 +174,7 @@ class AutoStart:
         self.free = 0  # bytes free on the device when the prediction was made
         self.initial: int | None = None
         self._flat = 0  # calls whose traces did not grow with the size
+        self._early = 0  # calls whose traces reached a decorated function not ready yet
         # Reentrant: a recursive function's traces call it again on this thread.
         self._lock = threading.RLock()
         self._deciding = False
@@ -182,9 +190,8 @@ class AutoStart:
                     raise NotPredictable("it calls itself while its traces run (recursion), "
                                          "so they cannot tell its own share")
                 if fake_mode() is not None:  # another decorated function's trace calls it
-                    raise NotPredictable("a decorated function it calls predicts its own "
-                                         "first size at its own first real call, not "
-                                         "inside this trace")
+                    raise NotYet("a decorated function it calls predicts its own first size "
+                                 "at its own first real call, not inside this trace")
                 self._deciding = True
                 try:
                     self.initial = self._decide(call)
@@ -262,6 +269,17 @@ class AutoStart:
             logger.info("%s: %s saw no memory grow with the size in %d calls (%s); the "
                         "search starts at %s",
                         self.name, self.asked, self._flat, exc, self.largest)
+            return self.ceiling
+        except NotYet as exc:
+            self._early += 1
+            if self._early < FLAT_CALLS:
+                logger.info("%s: %s cannot trace the function yet (%s); this call starts "
+                            "at %s, the next is traced again",
+                            self.name, self.asked, exc, self.largest)
+                return None
+            logger.info("%s: %s could not trace the function on fake tensors in %d calls "
+                        "(%s); the search starts at %s",
+                        self.name, self.asked, self._early, exc, self.largest)
             return self.ceiling
         except NotPredictable as exc:
             logger.info("%s: %s could not trace the function on fake tensors (%s); the "
