@@ -26,11 +26,12 @@ class Transfer:
 
     ``start`` begins copies and returns them with a ticket; ``runs`` (``hoststore.
     packed_runs``) name host tensors that lie back to back in one pinned buffer, which a
-    transfer may copy in one piece (see [Note: packed masters] in ``hoststore.py``). ``wait`` makes compute wait for
-    some tickets' copies and marks the copies as used by compute; it returns whether compute
-    had to wait (always for a ``demand`` fetch, started just now), or None when that is only
-    known later, from ``settle()``, which returns the ``(hits, misses)`` decided since its
-    last call (``block=False``: only those known without waiting). ``synchronous``: every
+    transfer may copy in one piece (see [Note: packed masters] in ``hoststore.py``).
+    ``wait`` makes compute wait for some tickets' copies and marks the copies as used by
+    compute; it returns whether compute had to wait (always for a ``demand`` fetch, started
+    just now), or None when that is only known later, from ``settle()``, which returns the
+    ``(hits, misses)`` decided since its last call (``block=False``: only those known
+    without waiting). ``synchronous``: every
     copy is complete when ``start`` returns, so a prefetched copy is always a hit and the
     pager need not call ``wait`` for it.
     """
@@ -63,8 +64,9 @@ class SyncTransfer(Transfer):
 
     def start(self, hosts: Sequence[torch.Tensor], runs: Sequence[Run] = ()
               ) -> tuple[list[torch.Tensor], Any]:
-        # Tensor by tensor (packs are made for streams only). Both keep the master's strides (channels_last stays channels_last); on the CPU
-        # clone gives a distinct tensor, so the paging path is real there too.
+        # Tensor by tensor (packs are made for streams only). Both keep the master's strides
+        # (channels_last stays channels_last); on the CPU clone gives a distinct tensor, so
+        # the paging path is real there too.
         if self._on_cpu:
             return [h.clone() for h in hosts], None
         return [h.to(self.device, copy=True) for h in hosts], None
