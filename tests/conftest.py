@@ -7,6 +7,7 @@ changes that), so none is skipped for lack of a GPU.
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Iterator
 
@@ -54,3 +55,13 @@ def _gpu_on_the_simulation(request: pytest.FixtureRequest) -> Iterator[None]:
 def adaptmem_log(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
     caplog.set_level(logging.INFO, logger="adaptmem")
     return caplog
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    # Every out-of-memory retry runs a full garbage collection (free_caches), which walks
+    # every object the process holds: here torch, hypothesis and every collected test, about
+    # 100 ms a collection. What exists once collection is done lives until the run ends, so
+    # it is moved out of the collector's reach (gc.freeze); objects the tests make are
+    # collected as before. This took the retry-heavy tests' time down by about half.
+    gc.collect()
+    gc.freeze()
