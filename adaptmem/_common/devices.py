@@ -158,18 +158,24 @@ def parse_device(device: Any, name: str = "device") -> torch.device:
     return dev if dev.index is not None else torch.device(dev.type, 0)
 
 
+def _cuda_fraction(device: torch.device) -> float:
+    """The per-process memory fraction of CUDA ``device`` (1.0 where torch cannot say)."""
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is None:
+        return 1.0
+    return float(fraction(torch.cuda.current_device() if device.index is None
+                          else device.index))
+
+
 def memory_info(device: torch.device) -> tuple[int, int]:
     """``(free, total)`` bytes on ``device``: on CUDA within any per-process memory fraction,
     on the CPU under any adaptmem CPU limit."""
     if device.type == "cuda":
         free, total = (int(n) for n in torch.cuda.mem_get_info(device))
         reserved = int(torch.cuda.memory_reserved(device))
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        if fraction is not None:
-            # Under set_per_process_memory_fraction the allocator refuses to reserve past
-            # fraction * total, however much the card has free.
-            index = torch.cuda.current_device() if device.index is None else device.index
-            free = min(free, max(0, int(fraction(index) * total) - reserved))
+        # Under set_per_process_memory_fraction the allocator refuses to reserve past
+        # fraction * total, however much the card has free.
+        free = min(free, max(0, int(_cuda_fraction(device) * total) - reserved))
         # Blocks torch's caching allocator holds but does not use are free to this process.
         cached = reserved - int(torch.cuda.memory_allocated(device))
         return free + max(0, cached), total
@@ -190,10 +196,8 @@ def capacity(device: torch.device) -> int:
     watermark ratio the allocator allows past its recommended maximum (1.7 unless
     ``PYTORCH_MPS_HIGH_WATERMARK_RATIO`` says otherwise; 0 means no limit)."""
     total = memory_info(device)[1]
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if device.type == "cuda" and fraction is not None:
-        index = torch.cuda.current_device() if device.index is None else device.index
-        return int(fraction(index) * total)
+    if device.type == "cuda":
+        return int(_cuda_fraction(device) * total)
     if device.type == "mps":
         try:
             ratio = float(os.environ.get("PYTORCH_MPS_HIGH_WATERMARK_RATIO", "1.7"))

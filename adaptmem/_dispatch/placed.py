@@ -20,10 +20,10 @@ does (``transfer_errors_shrink`` in ``_common/oom.py``, by the pager's identity 
 error): the decorator holds both, and the activations are what left it no room; at the
 smallest batch, residency is given back, and then the pager's error ends the call. Another
 pager's error passes through (our residency frees nothing it lacks). Not for generator or
-async functions: their bodies run after the call returns, outside that scope. Memory given back is taken again, doubling,
-when free memory has grown by a quarter since it was given, checked every
-``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures items per
-second and moves residency to what runs fastest (see [Note: exploring residency] in
+async functions: their bodies run after the call returns, outside that scope. Memory given
+back is taken again, doubling, when free memory has grown by a quarter since it was given,
+checked every ``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures
+items per second and moves residency to what runs fastest (see [Note: exploring residency] in
 explore.py). The placement is part of the cache key (the decorator's ``context``), so a
 call site returns to the batch size it learned for the placement in force. A model that
 does not fit whole may be chunked instead of paged (its non-resident units computed on the

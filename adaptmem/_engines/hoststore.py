@@ -180,18 +180,19 @@ def _packs(tensors: dict[str, torch.Tensor], groups: Sequence[Sequence[str]],
             stride = torch.empty_like(data, device="meta").stride()
             extent = 1 + sum((size - 1) * st for size, st in zip(data.shape, stride, strict=True))
             end = total + extent * data.element_size()
-            layout.append((n, data, stride, total, end))
-            total = -(-end // PACK_ALIGN) * PACK_ALIGN
+            aligned = -(-end // PACK_ALIGN) * PACK_ALIGN  # where the next one may start
+            layout.append((n, data, stride, total, end, aligned))
+            total = aligned
         try:
             pack = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         except RuntimeError as exc:  # pinned memory is a scarce resource; pageable works
             logger.debug("adaptmem page: %d bytes of pinned memory refused (%s); the group's "
                          "tensors are pinned one by one", total, exc)
             continue
-        for n, data, stride, offset, end in layout:
+        for n, data, stride, offset, end, aligned in layout:
             view = pack[offset:end].view(data.dtype).as_strided(data.shape, stride)
             view.copy_(data)
-            out[n] = (view, pack, offset, -(-end // PACK_ALIGN) * PACK_ALIGN)
+            out[n] = (view, pack, offset, aligned)
     return out
 
 

@@ -31,9 +31,8 @@ class Transfer:
     compute; it returns whether compute had to wait (always for a ``demand`` fetch, started
     just now), or None when that is only known later, from ``settle()``, which returns the
     ``(hits, misses)`` decided since its last call (``block=False``: only those known
-    without waiting). ``synchronous``: every
-    copy is complete when ``start`` returns, so a prefetched copy is always a hit and the
-    pager need not call ``wait`` for it.
+    without waiting). ``synchronous``: every copy is complete when ``start`` returns, so a
+    prefetched copy is always a hit and the pager need not call ``wait`` for it.
     """
 
     synchronous = False
