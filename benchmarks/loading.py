@@ -7,6 +7,7 @@ the source allows (page-cache copy bandwidth, cold sequential disk read).
     python benchmarks/loading.py --models tiny --rounds 1 # a seconds-long smoke run
     python benchmarks/loading.py --page-probe 0.5,3       # 4 KiB vs huge pages, fresh memory
     python benchmarks/loading.py --first-build-probe --rounds 5  # empty_model's first call
+    python benchmarks/loading.py --cache warm --threads 4,16   # the loader's pool: 4 vs 16
 
 Each model (transformers' GPT2LMHeadModel from a config when installed, else an equivalent
 built here; random weights, fp32) is saved as ``.pt`` and ``.safetensors``. Then, for each
@@ -197,6 +198,23 @@ def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
     raise SystemExit(f"unknown method {method!r}")
 
 
+def _threads_of(method: str) -> int | None:
+    """N of a method named "..., N threads" (``--threads``), else None."""
+    head, sep, tail = method.rpartition(", ")
+    return int(tail.split()[0]) if sep and tail.endswith(" threads") else None
+
+
+def _with_threads(methods: list[tuple[str, str]], counts: list[int]) -> list[tuple[str, str]]:
+    """Every copying adaptmem method once per thread count of ``counts``."""
+    out = []
+    for name, kind in methods:
+        if name.startswith("adaptmem") and "copy=False" not in name:
+            out.extend((f"{name}, {n} threads", kind) for n in counts)
+        else:
+            out.append((name, kind))
+    return out
+
+
 def _touch(model: nn.Module) -> None:
     """Read every distinct weight once."""
     seen: set[int] = set()
@@ -216,6 +234,12 @@ def worker(method: str, model_name: str, work: Path, device_name: str) -> None:
     if method.startswith("adaptmem"):
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         import adaptmem  # noqa: F401  (imported at the top of a user's script, like torch)
+
+        threads = _threads_of(method)
+        if threads:  # --threads: the loader's worker count, for comparing counts in one run
+            from adaptmem._loading import checkpoints
+
+            checkpoints._WORKERS = threads
     if device.type == "cuda":
         torch.cuda.init()
     gc.collect()
@@ -598,6 +622,9 @@ def main() -> None:
                     help="instead of the table: the adaptmem methods of this checkout against "
                     "those of another checkout at PATH, in fresh processes, alternating which "
                     "runs first, --rounds pairs per cell (back to back: new memory is reused)")
+    ap.add_argument("--threads", default=None, metavar="N,...",
+                    help="run each copying adaptmem method once per count of worker threads "
+                    "the loader reads and fills with (default: the loader's own choice)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--page-probe", default=None, metavar="GIB,...",
                     help="instead of loading: copy a cached file of each size (GiB) into new "
@@ -636,6 +663,8 @@ def main() -> None:
     methods = CORE_METHODS + (MORE_METHODS if args.all_methods else [])
     if args.only:
         methods = [m for m in methods if args.only in m[0] or m[0] == RECIPE]
+    if args.threads:
+        methods = _with_threads(methods, [int(n) for n in args.threads.split(",")])
     caches = [c.strip() for c in args.cache.split(",") if c.strip()]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; machine: "
           f"{platform.machine()}, {os.cpu_count()} CPUs, "
