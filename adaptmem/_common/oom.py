@@ -16,8 +16,8 @@ import torch
 from .devices import empty_cache
 from .errors import OutOfMemoryError, Phase
 
-__all__ = ["is_oom", "oom_phase", "shrinks_size", "transfer_errors_shrink", "raised_by",
-           "drop_frames", "free_caches", "OOM_MESSAGES"]
+__all__ = ["is_oom", "oom_phase", "owned_engines", "shrinks_size", "transfer_errors_shrink",
+           "raised_by", "drop_frames", "free_caches", "OOM_MESSAGES"]
 
 # Matched against every string argument of a RuntimeError, case-sensitively, because these are
 # the exact words the backends print (checked against their sources and real failures).
@@ -93,13 +93,21 @@ def raised_by(exc: BaseException, engines: Iterable[object]) -> bool:
     return getattr(exc, "engine_id", None) in {id(e) for e in engines}
 
 
-def shrinks_size(exc: BaseException) -> bool:
+def owned_engines() -> frozenset[int]:
+    """The engines whose transfer errors shrink the batch here (``transfer_errors_shrink``),
+    for work that runs after the scope has ended (a generator's or a coroutine's body)."""
+    return _owned.get()
+
+
+def shrinks_size(exc: BaseException, owned: frozenset[int] | None = None) -> bool:
     """True for an out-of-memory error that a smaller batch or step can help: one raised in
     compute, not one a pager raised while moving weights (unless that pager's decorator holds
-    the batch too: ``transfer_errors_shrink``, and its weights are not more than the device
-    can ever hold: ``OutOfMemoryError.beyond_device``)."""
+    the batch too: ``transfer_errors_shrink``, or ``owned`` taken from it earlier with
+    ``owned_engines``; and its weights are not more than the device can ever hold:
+    ``OutOfMemoryError.beyond_device``)."""
     return is_oom(exc) and (oom_phase(exc) is not Phase.TRANSFER
-                            or (getattr(exc, "engine_id", None) in _owned.get()
+                            or (getattr(exc, "engine_id", None)
+                                in (_owned.get() if owned is None else owned)
                                 and not getattr(exc, "beyond_device", False)))
 
 

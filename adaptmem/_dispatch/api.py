@@ -17,6 +17,7 @@ from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
 from .._common.peak import NotYet, fake_mode
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
+from .._execution.retry import LAZY_TYPES
 from .explore import Explorer
 from .placed import PAGE, PlacedModels, check_models, fakes_put_back
 
@@ -49,6 +50,11 @@ class Dispatched:
         self.placed = placed
         self.user_context = context
         self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
+        # A generator's or coroutine's work runs after the call returns, where no call can be
+        # timed: such functions do not explore residency (see [Note: exploring residency]).
+        func = inspect.unwrap(inner)
+        self.lazy = (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
+                     or inspect.isasyncgenfunction(func))
         # The size that last ran paged and the smallest known to fail there, to carry over.
         self.paged_size: int | None = None
         self.paged_fails: int | None = None
@@ -87,7 +93,7 @@ class Dispatched:
                 if self.paged_size is not None:
                     _carry_size(self.paged_size, self.paged_fails if inner.probes else None,
                                 target.size_record(caller))
-            watching = explorer.watching  # see [Note: exploring residency]
+            watching = explorer.watching and not self.lazy  # [Note: exploring residency]
             if watching:
                 failed, mark = inner.stats.failed_attempts, explorer.mark()
             try:
@@ -119,9 +125,9 @@ class Dispatched:
                 continue
             if first:
                 placed.check_no_fakes()
-            if watching:
+            if watching and result.__class__ not in LAZY_TYPES:
                 self._measured(caller, target, mark, inner.stats.failed_attempts == failed)
-            else:
+            else:  # not measuring, or a lazy result: its work is not done yet
                 explorer.tick(placed.changes.placements)
             return result
 

@@ -33,6 +33,9 @@ and keeps the faster:
   climbs as usual, measuring nothing (no clock read, no hook, one counter per call), until
   ``EPOCH`` calls have passed or the placement changed for memory (taken again), when
   everything is forgotten and exploring starts again.
+- Generator and async functions are not explored: their work runs after the call returns,
+  so no call can be timed (measuring them held their size record at every call, and they
+  never probed a larger batch again).
 - A trial up is made only when the bytes it adds are at most half of the memory free
   between calls, and never to a residency at or above one that had to be given back to
   activations (compute out of memory at the smallest size) in the same epoch. Weights that

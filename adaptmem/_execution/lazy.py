@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .._common.errors import Phase, oom_error_for
-from .._common.oom import shrinks_size
+from .._common.oom import owned_engines, shrinks_size
 from .cache import BatchsizeCache, SizeRecord
 from .retry import logger, shrink
 from .stats import Watch
@@ -35,7 +35,7 @@ class _Run:
     """What a lazy run needs to retry: how to start again at a size, and where to record."""
 
     __slots__ = ("restart", "record", "floor", "name", "device", "cache", "tried", "watch",
-                 "first")
+                 "first", "owned")
 
     def __init__(self, restart: Callable[[int], Any], record: SizeRecord, floor: int,
                  name: str, device: torch.device | None, cache: BatchsizeCache,
@@ -49,6 +49,13 @@ class _Run:
         self.tried: list[int] = []
         self.watch = watch
         self.first = first
+        # Made inside the call, run after it: the pagers of a decorator with ``model=``
+        # whose transfer errors shrink the batch are those of the call that made it.
+        self.owned = owned_engines()
+
+    def shrinks(self, exc: BaseException) -> bool:
+        """Whether a smaller batch can help ``exc`` (``shrinks_size`` as in the call)."""
+        return shrinks_size(exc, self.owned)
 
     def shrink(self, failure: BaseException, size: int) -> int:
         watch = self.watch
@@ -99,7 +106,7 @@ def retry_generator(gen: Generator[Any, Any, Any], size: int, run: _Run
             run.succeeded(size)
             return stop.value
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             failure = exc
         else:
@@ -111,7 +118,7 @@ def retry_generator(gen: Generator[Any, Any, Any], size: int, run: _Run
         try:
             gen = run.restart(size)
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             gen = _raising(exc)
     items = 1
@@ -136,7 +143,7 @@ def retry_generator(gen: Generator[Any, Any, Any], size: int, run: _Run
             run.succeeded(size)
             return stop.value
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             raise run.failed_after_items(exc, size, items) from exc
         items += 1
@@ -159,7 +166,7 @@ async def retry_async_generator(agen: AsyncGenerator[Any, Any], size: int, run: 
             run.succeeded(size)
             return
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             failure = exc
         else:
@@ -170,7 +177,7 @@ async def retry_async_generator(agen: AsyncGenerator[Any, Any], size: int, run: 
         try:
             agen = run.restart(size)
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             agen = _araising(exc)
     items = 1
@@ -195,7 +202,7 @@ async def retry_async_generator(agen: AsyncGenerator[Any, Any], size: int, run: 
             run.succeeded(size)
             return
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             raise run.failed_after_items(exc, size, items) from exc
         items += 1
@@ -212,7 +219,7 @@ async def retry_coroutine(coro: Coroutine[Any, Any, Any], size: int, run: _Run) 
         try:
             result = await coro
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             failure = exc
         else:
@@ -224,7 +231,7 @@ async def retry_coroutine(coro: Coroutine[Any, Any, Any], size: int, run: _Run) 
         try:
             coro = run.restart(size)
         except Exception as exc:
-            if not shrinks_size(exc):
+            if not run.shrinks(exc):
                 raise
             coro = _coraising(exc)
 

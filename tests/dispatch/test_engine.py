@@ -4,7 +4,9 @@ on the simulated CUDA device, whose link takes ``bytes / bandwidth``."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -192,6 +194,54 @@ def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_the_batch() -> None
             return torch.cat(out)
 
         got = run(data)
+        size, failed = run.stats.last_size, run.stats.failed_attempts
+        run.remove()
+    torch.testing.assert_close(got, want)
+    assert size < 512 and failed >= 1
+
+
+@pytest.mark.parametrize("kind", ["coroutine", "generator", "async generator"])
+def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_lazy_functions_too(
+        kind: str) -> None:
+    # As above, for functions whose body runs after the decorated call has returned: the
+    # pager's transfer error comes while the coroutine is awaited or before the generator's
+    # first item, and shrinks the batch there too (it used to end the call with the error).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8192, 512), nn.ReLU(), nn.Linear(512, 512)).eval()
+    data = torch.randn(512, 8192)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="24MiB", bandwidth=100):
+        decorate = adaptive.batch(initial_batchsize=512, model=model, device="cuda")
+        if kind == "coroutine":
+
+            @decorate
+            async def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+                with torch.no_grad():
+                    return torch.cat([model(c) for c in data.split(batchsize)])
+
+            got = asyncio.run(run(data))
+        elif kind == "generator":
+
+            @decorate
+            def run(batchsize: int, data: torch.Tensor) -> Iterator[torch.Tensor]:
+                with torch.no_grad():
+                    for chunk in data.split(batchsize):
+                        yield model(chunk)
+
+            got = torch.cat(list(run(data)))
+        else:
+
+            @decorate
+            async def run(batchsize: int, data: torch.Tensor) -> AsyncIterator[torch.Tensor]:
+                with torch.no_grad():
+                    for chunk in data.split(batchsize):
+                        yield model(chunk)
+
+            async def gather() -> torch.Tensor:
+                return torch.cat([c async for c in run(data)])
+
+            got = asyncio.run(gather())
         size, failed = run.stats.last_size, run.stats.failed_attempts
         run.remove()
     torch.testing.assert_close(got, want)

@@ -6,6 +6,7 @@ count events, never wall time."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -193,3 +194,33 @@ def test_exploring_starts_again_after_an_epoch(clock: Clock,
         run(data)  # the eighth call since: all is forgotten, measured again
         assert run.explorer.watching
         run.remove()
+
+
+def test_a_coroutine_is_not_explored_and_still_climbs_after_a_failure() -> None:
+    # A coroutine's work runs after the decorated call returns, where no call can be timed.
+    # Before, such a function stayed "measuring" forever, its size held at every call: after
+    # the first call's failure it never probed a larger batch again. Now it climbs as a
+    # plain function does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).eval()
+    data = torch.randn(1024, 256)
+    sizes: list[int] = []
+    with simulated_cuda(total_memory="8MiB", bandwidth=100):
+
+        @adaptive.batch(initial_batchsize=1024, model=model, device="cuda",
+                        cache=adaptive.StacktraceMemoryBatchsizeCache())
+        async def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                out = torch.cat([model(c) for c in data.split(batchsize)])
+                torch.empty(batchsize * 4096, device="cuda")  # 16 KiB an item
+                return out
+
+        for _ in range(40):
+            got = asyncio.run(run(data))
+            sizes.append(run.stats.last_size)
+        failed = run.stats.failed_attempts
+        run.remove()
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(data))
+    assert failed >= 1 and sizes[0] < 1024  # the first call ran out and shrank
+    assert max(sizes) > sizes[0]  # then a probe above the first size that fitted
