@@ -8,6 +8,7 @@ the source allows (page-cache copy bandwidth, cold sequential disk read).
     python benchmarks/loading.py --page-probe 0.5,3       # 4 KiB vs huge pages, fresh memory
     python benchmarks/loading.py --first-build-probe --rounds 5  # empty_model's first call
     python benchmarks/loading.py --cache warm --threads 4,16   # the loader's pool: 4 vs 16
+    python benchmarks/loading.py --limits first           # bandwidth limits in round 1 only
 
 Each model (transformers' GPT2LMHeadModel from a config when installed, else an equivalent
 built here; random weights, fp32) is saved as ``.pt`` and ``.safetensors``. Then, for each
@@ -622,6 +623,10 @@ def main() -> None:
                     help="instead of the table: the adaptmem methods of this checkout against "
                     "those of another checkout at PATH, in fresh processes, alternating which "
                     "runs first, --rounds pairs per cell (back to back: new memory is reused)")
+    ap.add_argument("--limits", default="every", choices=["every", "first", "none"],
+                    help="when to measure the bandwidth limits (each in fresh processes): "
+                    "every round (default), the first round only, or never (load / floor "
+                    "is then left out; for short runs on a machine slow to start processes)")
     ap.add_argument("--threads", default=None, metavar="N,...",
                     help="run each copying adaptmem method once per count of worker threads "
                     "the loader reads and fills with (default: the loader's own choice)")
@@ -678,10 +683,13 @@ def main() -> None:
             files = {"pt": work / "model.pt", "safetensors": work / "model.safetensors",
                      "dir": work / "per-tensor"}
             rows: dict[tuple[str, str], list[dict[str, object]]] = {}
-            limits: dict[str, list[dict[str, float]]] = {"pt": [], "safetensors": []}
+            # The limits of the files the methods read, every round or the first only.
+            probed = sorted({"pt" if k == "dir" else k for _, k in methods})
+            limits: dict[str, list[dict[str, float]]] = {k: [] for k in probed}
             for rnd in range(args.rounds):
-                for kind in ("pt", "safetensors"):
-                    limits[kind].append(bandwidths(files[kind]))
+                if args.limits == "every" or (args.limits == "first" and rnd == 0):
+                    for kind in probed:
+                        limits[kind].append(bandwidths(files[kind]))
                 # Each round starts one method later: on a virtual disk whose host caches
                 # what was read recently, the first cold read after a pause pays more, and
                 # that must not always be the same method's.
@@ -746,6 +754,8 @@ def _report(model: str, info: dict[str, object], methods: list[tuple[str, str]],
           f"{int(info['largest']) / 2**20:.0f} MiB; .pt {int(info['pt_bytes']) / gib:.2f} GiB, "  # type: ignore[call-overload]
           f".safetensors {int(info['st_bytes']) / gib:.2f} GiB")  # type: ignore[call-overload]
     for kind, key in (("pt", "pt_bytes"), ("safetensors", "st_bytes")):
+        if not limits.get(kind):
+            continue
         size = int(info[key])  # type: ignore[call-overload]
         warm = [x["page_cache_bytes_s"] for x in limits[kind]]
         cold = [x["disk_bytes_s"] for x in limits[kind]]
@@ -786,9 +796,11 @@ def _report(model: str, info: dict[str, object], methods: list[tuple[str, str]],
             # load s against the round's floor for this file: the cold sequential read when
             # cold; when warm, the fastest way to new memory measured here (the page-cache
             # copy into new memory of a fresh process, faulted in ahead or filled).
-            lim = limits[kind if kind != "dir" else "pt"]
+            # (the latest round's limits when they were measured in the first round only)
+            lim = limits.get(kind if kind != "dir" else "pt", [])
             disk = [float(r["load_s"]) / (size / _floor_bandwidth(  # type: ignore[arg-type]
-                lim[int(r["round"])], cache)) for r in runs]  # type: ignore[call-overload]
+                lim[min(int(r["round"]), len(lim) - 1)], cache))  # type: ignore[call-overload]
+                for r in runs] if lim else []
             wrong = any(r["wrong_tensors"] for r in runs)
             print(f"| {method}{' (WRONG VALUES)' if wrong else ''} | "
                   + " | ".join(_spread([float(r[k]) for r in runs])  # type: ignore[arg-type]

@@ -16,7 +16,9 @@
 # paging.py --gpu-only, chunking is chunking.py at batches 1, 4 and 16, loading is
 # loading.py for the GPT-2 small shape, one round; 'loading-cpu' is loading.py on that host's
 # CPU (issue 16's warm target, on a second and larger machine), GPT-2 small and
-# large, two rounds. A step that would get under 20 seconds is
+# large, two rounds; 'loading-threads' is the warm copying load there with the loader's
+# pool at 4 and 16 threads, the bandwidth limits measured in the first round only. A step
+# that would get under 20 seconds is
 # skipped, and says so. Every step writes its log to $OUT; keep to at most 8 files there
 # (install.log, gpu.txt, one log per step, RESULTS.md) where only 8 come back.
 set -uo pipefail
@@ -77,6 +79,7 @@ case $step in
                 chunking) within chunking.log 120 python3 benchmarks/chunking.py --batches 1,4,16 --write ;;
                 loading) within loading.log 150 python3 benchmarks/loading.py --models small --rounds 1 --timeout 60 ;;
                 loading-cpu) within loading-cpu.log 300 python3 benchmarks/loading.py --device cpu --models small,large --rounds 2 --timeout 120 ;;
+                loading-threads) within loading-threads.log 300 python3 benchmarks/loading.py --device cpu --models small,large --cache warm --rounds 3 --only "(.pt)" --threads 4,16 --limits first --timeout 60 ;;
                 suite) within all-tests.log 600 "${suite[@]}" ;;
                 *) echo "unknown lease part '$part'" | tee -a "$out/gpu.txt" ;;
             esac
