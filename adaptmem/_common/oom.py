@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 import types
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextvars import ContextVar
 
 import torch
@@ -73,15 +73,18 @@ def oom_phase(exc: BaseException) -> Phase:
 
 # The engines of the decorator with ``model=`` whose function runs (see [Note: batch size and
 # residency together] in ``_dispatch/placed.py``).
-_owned: ContextVar[frozenset[int]] = ContextVar("adaptmem_owned_engines", default=frozenset())
+_owned: ContextVar[Callable[[], Iterable[object]]] = ContextVar("adaptmem_owned_engines",
+                                                              default=tuple)
 
 
 @contextlib.contextmanager
-def transfer_errors_shrink(engines: Iterable[object]) -> Iterator[None]:
-    """Inside, an error one of ``engines`` (pagers) raised while moving weights shrinks the
+def transfer_errors_shrink(engines: Callable[[], Iterable[object]]) -> Iterator[None]:
+    """Inside, an error one of ``engines()`` (pagers) raised while moving weights shrinks the
     batch or step too: the decorator that placed them holds both, and a smaller batch leaves
-    the weights the room its activations held. Other pagers' errors do not."""
-    token = _owned.set(frozenset(id(e) for e in engines))
+    the weights the room its activations held. Other pagers' errors do not. ``engines`` is
+    asked when an error comes: the decorator's placement may have changed since (new
+    pagers), and work made inside the scope may run after it (``owned_engines``)."""
+    token = _owned.set(engines)
     try:
         yield
     finally:
@@ -93,22 +96,25 @@ def raised_by(exc: BaseException, engines: Iterable[object]) -> bool:
     return getattr(exc, "engine_id", None) in {id(e) for e in engines}
 
 
-def owned_engines() -> frozenset[int]:
-    """The engines whose transfer errors shrink the batch here (``transfer_errors_shrink``),
-    for work that runs after the scope has ended (a generator's or a coroutine's body)."""
+def owned_engines() -> Callable[[], Iterable[object]]:
+    """What ``transfer_errors_shrink`` says here, for work that runs after the scope has
+    ended (a generator's or a coroutine's body): pass it to ``shrinks_size`` then."""
     return _owned.get()
 
 
-def shrinks_size(exc: BaseException, owned: frozenset[int] | None = None) -> bool:
+def shrinks_size(exc: BaseException,
+                 owned: Callable[[], Iterable[object]] | None = None) -> bool:
     """True for an out-of-memory error that a smaller batch or step can help: one raised in
     compute, not one a pager raised while moving weights (unless that pager's decorator holds
     the batch too: ``transfer_errors_shrink``, or ``owned`` taken from it earlier with
     ``owned_engines``; and its weights are not more than the device can ever hold:
     ``OutOfMemoryError.beyond_device``)."""
-    return is_oom(exc) and (oom_phase(exc) is not Phase.TRANSFER
-                            or (getattr(exc, "engine_id", None)
-                                in (_owned.get() if owned is None else owned)
-                                and not getattr(exc, "beyond_device", False)))
+    if not is_oom(exc):
+        return False
+    if oom_phase(exc) is not Phase.TRANSFER:
+        return True
+    return (raised_by(exc, (_owned.get() if owned is None else owned)())
+            and not getattr(exc, "beyond_device", False))
 
 
 def drop_frames(exc: BaseException) -> None:

@@ -51,10 +51,9 @@ class Dispatched:
         self.user_context = context
         self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
         # A generator's or coroutine's work runs after the call returns, where no call can be
-        # timed: such functions do not explore residency (see [Note: exploring residency]).
-        func = inspect.unwrap(inner)
-        self.lazy = (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
-                     or inspect.isasyncgenfunction(func))
+        # timed: a function that returned one is not explored (see [Note: exploring
+        # residency]).
+        self.lazy = False
         # The size that last ran paged and the smallest known to fail there, to carry over.
         self.paged_size: int | None = None
         self.paged_fails: int | None = None
@@ -97,7 +96,7 @@ class Dispatched:
             if watching:
                 failed, mark = inner.stats.failed_attempts, explorer.mark()
             try:
-                with transfer_errors_shrink(placed.handles):
+                with transfer_errors_shrink(lambda: placed.handles):
                     result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
                 # Memory ran out at the smallest size, in compute or while one of our pagers
@@ -125,9 +124,13 @@ class Dispatched:
                 continue
             if first:
                 placed.check_no_fakes()
-            if watching and result.__class__ not in LAZY_TYPES:
+            if watching and result.__class__ in LAZY_TYPES:  # its work is not done yet
+                self.lazy = True
+                explorer.stop()  # its item counter
+                watching = False
+            if watching:
                 self._measured(caller, target, mark, inner.stats.failed_attempts == failed)
-            else:  # not measuring, or a lazy result: its work is not done yet
+            else:
                 explorer.tick(placed.changes.placements)
             return result
 
@@ -315,8 +318,9 @@ MODEL_DOC = """
     that host compute per forward costs less than moving the rest over the link, timed
     once. Then it measures items per second at the placement in force, tries twice (else
     half) the resident bytes, and keeps whichever runs faster; it does so again every 1024
-    calls and after memory changed, never with a residency it had to give back. The
-    decorated function then has ``.placement`` (its ``"engine"``: resident, page or
+    calls and after memory changed, never with a residency it had to give back. Generator
+    and async functions, whose work runs after the call returns, shrink as others do but
+    neither give residency back nor explore it. The decorated function then has ``.placement`` (its ``"engine"``: resident, page or
     chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
     in ``adaptmem/_dispatch/placed.py``, [Note: paging or chunking] in ``engine.py`` and
     [Note: exploring residency] in ``explore.py``.

@@ -50,7 +50,8 @@ class _Run:
         self.watch = watch
         self.first = first
         # Made inside the call, run after it: the pagers of a decorator with ``model=``
-        # whose transfer errors shrink the batch are those of the call that made it.
+        # whose transfer errors shrink the batch are that decorator's, as placed when an
+        # error comes (a later call may have placed its models anew meanwhile).
         self.owned = owned_engines()
 
     def shrinks(self, exc: BaseException) -> bool:

@@ -248,6 +248,32 @@ def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_lazy_functions_too(
     assert size < 512 and failed >= 1
 
 
+def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> None:
+    # Three calls made first (as asyncio.gather would), then awaited: the decorator places
+    # its model anew between calls (chunked at the second, paged again at the third), so
+    # the pager that fails a coroutine's weight is not the one in place when that coroutine
+    # was made. It is still the decorator's, and the batch shrinks.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8192, 512), nn.ReLU(), nn.Linear(512, 512)).eval()
+    data = torch.randn(512, 8192)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="24MiB", bandwidth=100):
+
+        @adaptive.batch(initial_batchsize=512, model=model, device="cuda")
+        async def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        made = [run(data) for _ in range(3)]
+        got = [asyncio.run(coroutine) for coroutine in made]
+        size, failed = run.stats.last_size, run.stats.failed_attempts
+        run.remove()
+    for result in got:
+        torch.testing.assert_close(result, want)
+    assert size < 512 and failed >= 1
+
+
 @pytest.mark.parametrize(("total", "fraction"), [("20MiB", None), ("80MiB", 0.5),
                                                   ("64MiB", None)],
                          ids=["device", "memory-fraction", "exactly-the-device"])
