@@ -20,9 +20,10 @@ does (``transfer_errors_shrink`` in ``_common/oom.py``, by the pager's identity 
 error): the decorator holds both, and the activations are what left it no room; at the
 smallest batch, residency is given back, and then the pager's error ends the call. Another
 pager's error passes through (our residency frees nothing it lacks). Generator and async
-functions run their bodies after the call returns: their retry wrappers keep the call's
-pagers (``owned_engines``), so a transfer error shrinks their batch too, but residency is
-not given back for them at the smallest batch (the call has returned). Memory given
+functions run their bodies after the call returns: their retry wrappers keep the scope's
+way of finding the decorator's pagers (``owned_engines``), asked when an error comes, so a
+transfer error shrinks their batch too; but residency is not given back for them at the
+smallest batch (the call has returned). Memory given
 back is taken again, doubling, when free memory has grown by a quarter since it was given,
 checked every ``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures
 items per second and moves residency to what runs fastest (see [Note: exploring residency] in
