@@ -172,15 +172,21 @@ def test_two_models_in_one_function_are_paged_then_chunked_and_timed_together() 
                    for k in state)
 
 
-def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_the_batch() -> None:
-    # The first layer's 16 MiB weight is brought in while the batch's 16 MiB input is on the
-    # device: the pager cannot split it, and the call is searched from its initial size (a
-    # data-dependent branch cannot be traced). The batch shrinks, as it would in compute.
+def _wide_first_layer() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """A model whose first weight (16 MiB) does not fit on a 24 MiB device beside a batch of
+    512 of its inputs (16 MiB), the batch, and the model's output for it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8192, 512), nn.ReLU(), nn.Linear(512, 512)).eval()
     data = torch.randn(512, 8192)
     with torch.no_grad():
-        want = model(data)
+        return model, data, model(data)
+
+
+def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_the_batch() -> None:
+    # The first layer's 16 MiB weight is brought in while the batch's 16 MiB input is on the
+    # device: the pager cannot split it, and the call is searched from its initial size (a
+    # data-dependent branch cannot be traced). The batch shrinks, as it would in compute.
+    model, data, want = _wide_first_layer()
     with simulated_cuda(total_memory="24MiB", bandwidth=100):
 
         @adaptive.batch(initial_batchsize=512, model=model, device="cuda")
@@ -206,11 +212,7 @@ def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_lazy_functions_too(
     # As above, for functions whose body runs after the decorated call has returned: the
     # pager's transfer error comes while the coroutine is awaited or before the generator's
     # first item, and shrinks the batch there too (it used to end the call with the error).
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8192, 512), nn.ReLU(), nn.Linear(512, 512)).eval()
-    data = torch.randn(512, 8192)
-    with torch.no_grad():
-        want = model(data)
+    model, data, want = _wide_first_layer()
     with simulated_cuda(total_memory="24MiB", bandwidth=100):
         decorate = adaptive.batch(initial_batchsize=512, model=model, device="cuda")
         if kind == "coroutine":
@@ -253,11 +255,7 @@ def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> 
     # its model anew between calls (chunked at the second, paged again at the third), so
     # the pager that fails a coroutine's weight is not the one in place when that coroutine
     # was made. It is still the decorator's, and the batch shrinks.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8192, 512), nn.ReLU(), nn.Linear(512, 512)).eval()
-    data = torch.randn(512, 8192)
-    with torch.no_grad():
-        want = model(data)
+    model, data, want = _wide_first_layer()
     with simulated_cuda(total_memory="24MiB", bandwidth=100):
 
         @adaptive.batch(initial_batchsize=512, model=model, device="cuda")
