@@ -8,7 +8,8 @@ import functools
 import gc
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from types import CoroutineType
 from typing import Any
 
 from .._common.devices import free_memory
@@ -62,10 +63,10 @@ class Dispatched:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
 
     def run(self, caller: Any, target: Any, args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> Any:
+            kwargs: dict[str, Any], again: bool = False) -> Any:
         """Call ``target`` (the decorated function, or it bound to an instance) as if from
         ``caller``, placing the models first and giving residency back when compute runs
-        out at the smallest size."""
+        out at the smallest size (``again``: this call runs again after that)."""
         placed, inner, explorer = self.placed, self.inner, self.explorer
         if fake_mode() is not None:  # See [Note: called inside another decorator's trace]
             if not placed.placed:
@@ -74,7 +75,6 @@ class Dispatched:
                     f"trace: its models are placed at its first real call")
             return target.call_from(caller, args, kwargs)
         first = not placed.placed
-        again = False  # the call runs again after giving residency back
         while True:
             engine = placed.engine
             if engine == PAGE and placed.may_switch and not again:
@@ -99,31 +99,19 @@ class Dispatched:
                 with transfer_errors_shrink(lambda: placed.handles):
                     result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
-                # Memory ran out at the smallest size, in compute or while one of our pagers
-                # moved a weight (which shrinks the batch here too): give residency back.
-                # Another pager's weight gains nothing from ours, nor weights larger than
-                # the device.
-                resident = tuple(placed.resident)
-                if not any(resident) or (exc.phase is Phase.TRANSFER and (
-                        exc.beyond_device or not raised_by(exc, placed.handles))):
+                if not self._gives_back(exc):
                     raise
                 # The failed attempt's memory goes before giving back: free memory is read
                 # then, and what it held is not held by anything now.
                 drop_frames(exc)
                 del exc
-                gc.collect()
-                placed.give_back()
-                explorer.gave_back(resident)
-                explorer.moved(placed.changes.placements)
-                record = self._record(caller, target, moved=True)
-                if record.fits is None and record.fails is None:
-                    # The smallest size failed with more resident: start there, not from the
-                    # top (see [Note: batch size and residency together]).
-                    record.after_failure(min(inner.initial, 2 * inner.floor), inner.floor)
+                self._give_back(caller, target)
                 again = True
                 continue
             if first:
                 placed.check_no_fakes()
+            if result.__class__ is CoroutineType:
+                result = self._awaited(result, caller, target, args, kwargs)
             if watching and result.__class__ in LAZY_TYPES:  # its work is not done yet
                 self.lazy = True
                 explorer.stop()  # its item counter
@@ -133,6 +121,44 @@ class Dispatched:
             else:
                 explorer.tick(placed.changes.placements)
             return result
+
+    def _gives_back(self, exc: OutOfMemoryError) -> bool:
+        """Whether giving residency back can help ``exc``, memory that ran out at the smallest
+        size, in compute or while one of our pagers moved a weight (which shrinks the batch
+        here too). Another pager's weight gains nothing from ours, nor weights larger than the
+        device."""
+        return any(self.placed.resident) and not (exc.phase is Phase.TRANSFER and (
+            exc.beyond_device or not raised_by(exc, self.placed.handles)))
+
+    def _give_back(self, caller: Any, target: Any) -> None:
+        """Give residency back to activations (the failed attempt is gone: collected here)."""
+        placed, explorer, inner = self.placed, self.explorer, self.inner
+        resident = tuple(placed.resident)
+        gc.collect()
+        placed.give_back()
+        explorer.gave_back(resident)
+        explorer.moved(placed.changes.placements)
+        record = self._record(caller, target, moved=True)
+        if record.fits is None and record.fails is None:
+            # The smallest size failed with more resident: start there, not from the top
+            # (see [Note: batch size and residency together]).
+            record.after_failure(min(inner.initial, 2 * inner.floor), inner.floor)
+
+    async def _awaited(self, coroutine: Coroutine[Any, Any, Any], caller: Any, target: Any,
+                       args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Await a coroutine function's call; where it runs out of memory at the smallest
+        size, give residency back and await the call again, as ``run`` does for a plain
+        function (the call had returned before its work began)."""
+        try:
+            return await coroutine
+        except OutOfMemoryError as exc:
+            if not self._gives_back(exc):
+                raise
+            drop_frames(exc)
+        del coroutine
+        self._give_back(caller, target)
+        # Awaited the same way: a further failure gives back again, down to nothing.
+        return await self.run(caller, target, args, kwargs, again=True)
 
     def _record(self, caller: Any, target: Any, moved: bool = False) -> Any:
         """The size record of the placement in force, for a call from ``caller``; after the
@@ -319,8 +345,9 @@ MODEL_DOC = """
     once. Then it measures items per second at the placement in force, tries twice (else
     half) the resident bytes, and keeps whichever runs faster; it does so again every 1024
     calls and after memory changed, never with a residency it had to give back. Generator
-    and async functions, whose work runs after the call returns, shrink as others do but
-    neither give residency back nor explore it. The decorated function then has ``.placement`` (its ``"engine"``: resident, page or
+    and async functions, whose work runs after the call returns, shrink as others do; an
+    async function gives residency back when it is awaited, a generator does not; neither
+    explores it. The decorated function then has ``.placement`` (its ``"engine"``: resident, page or
     chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
     in ``adaptmem/_dispatch/placed.py``, [Note: paging or chunking] in ``engine.py`` and
     [Note: exploring residency] in ``explore.py``.

@@ -22,9 +22,10 @@ smallest batch, residency is given back, and then the pager's error ends the cal
 pager's error passes through (our residency frees nothing it lacks). Generator and async
 functions run their bodies after the call returns: their retry wrappers keep the scope's
 way of finding the decorator's pagers (``owned_engines``), asked when an error comes, so a
-transfer error shrinks their batch too; but residency is not given back for them at the
-smallest batch (the call has returned). Memory given
-back is taken again, doubling, when free memory has grown by a quarter since it was given,
+transfer error shrinks their batch too. An async function's call is awaited by a wrapper
+that gives residency back where the awaited work ran out at the smallest size
+(``Dispatched._awaited``); a generator's is not (its items may have been used). Memory
+given back is taken again, doubling, when free memory has grown by a quarter since it was given,
 checked every ``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures
 items per second and moves residency to what runs fastest (see [Note: exploring residency] in
 explore.py). The placement is part of the cache key (the decorator's ``context``), so a

@@ -5,6 +5,7 @@ raises CUDA's out-of-memory error past its total."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 from typing import Any
@@ -92,6 +93,29 @@ def test_compute_out_of_memory_at_the_smallest_batch_gives_residency_to_activati
     # The same call site does not give residency back again once it found what fits.
     given = [r for r in caplog.records if "keeps" in r.getMessage()]
     assert len(given) == placement["residency_given_back"]
+
+
+def test_a_coroutine_that_runs_out_at_the_smallest_batch_gives_residency_back_too() -> None:
+    # As above for an async function: its work runs when it is awaited, after the decorated
+    # call returned, and the residency is given back there and the call awaited again.
+    model = _model()
+    data = torch.randn(1024, 1024)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="48MiB"):
+
+        @adaptive.batch(initial_batchsize=1024, min_batchsize=512, model=model, device="cuda")
+        async def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        results = [asyncio.run(run(data)) for _ in range(3)]
+        placement = run.placement
+        run.remove()
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert placement["residency_given_back"] >= 1
+    assert placement["resident_bytes"][0] < placement["weight_bytes"][0] // 2
 
 
 def test_residency_is_taken_again_when_memory_frees_up(monkeypatch: pytest.MonkeyPatch) -> None:
