@@ -40,6 +40,22 @@ __all__ = ["Dispatched", "batch", "range", "chunked"]
 # ``AutoStart.decide``.
 
 
+class _CallSite:
+    """What the size cache reads of a call's frames (code object, instruction offset and line
+    of the four innermost), without the frames. A coroutine runs after its call returned;
+    holding the caller's frame until then would hold that frame's locals (tensors) too, and
+    re-reading it then would see it paused elsewhere, a call site of its own."""
+
+    __slots__ = ("f_code", "f_lasti", "f_lineno", "f_back")
+
+    def __init__(self, frame: Any, depth: int = 4) -> None:
+        self.f_code = frame.f_code
+        self.f_lasti = frame.f_lasti
+        self.f_lineno = frame.f_lineno
+        back = frame.f_back
+        self.f_back = _CallSite(back, depth - 1) if back is not None and depth > 1 else None
+
+
 class Dispatched:
     """A decorated function whose decorator also places its models: call it as the plain
     decorated function; ``placement`` says where the models are, ``remove()`` gives them
@@ -111,7 +127,7 @@ class Dispatched:
             if first:
                 placed.check_no_fakes()
             if result.__class__ is CoroutineType:
-                result = self._awaited(result, caller, target, args, kwargs)
+                result = self._awaited(result, _CallSite(caller), target, args, kwargs)
             if watching and result.__class__ in LAZY_TYPES:  # its work is not done yet
                 self.lazy = True
                 explorer.stop()  # its item counter
@@ -148,7 +164,8 @@ class Dispatched:
                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Await a coroutine function's call; where it runs out of memory at the smallest
         size, give residency back and await the call again, as ``run`` does for a plain
-        function (the call had returned before its work began)."""
+        function (the call had returned before its work began). ``caller`` is the call's
+        ``_CallSite``: the same call site, and so the same size record, as the call's."""
         try:
             return await coroutine
         except OutOfMemoryError as exc:
@@ -346,8 +363,8 @@ MODEL_DOC = """
     half) the resident bytes, and keeps whichever runs faster; it does so again every 1024
     calls and after memory changed, never with a residency it had to give back. Generator
     and async functions, whose work runs after the call returns, shrink as others do; an
-    async function gives residency back when it is awaited, a generator does not; neither
-    explores it. The decorated function then has ``.placement`` (its ``"engine"``: resident, page or
+    ``async def`` coroutine function gives residency back when it is awaited, a generator
+    (or async generator) does not; neither explores it. The decorated function then has ``.placement`` (its ``"engine"``: resident, page or
     chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
     in ``adaptmem/_dispatch/placed.py``, [Note: paging or chunking] in ``engine.py`` and
     [Note: exploring residency] in ``explore.py``.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -98,24 +99,63 @@ def test_compute_out_of_memory_at_the_smallest_batch_gives_residency_to_activati
 def test_a_coroutine_that_runs_out_at_the_smallest_batch_gives_residency_back_too() -> None:
     # As above for an async function: its work runs when it is awaited, after the decorated
     # call returned, and the residency is given back there and the call awaited again.
-    model = _model()
+    model = _model(layers=4)  # 16 MiB of weights: 8 MiB resident leaves too little for 512
     data = torch.randn(1024, 1024)
     with torch.no_grad():
         want = model(data)
-    with simulated_cuda(total_memory="48MiB"):
+    with simulated_cuda(total_memory="52MiB"):
 
         @adaptive.batch(initial_batchsize=1024, min_batchsize=512, model=model, device="cuda")
+        async def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            sizes.append(batchsize)
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        async def calls() -> list[tuple[torch.Tensor, list[int]]]:
+            out = []
+            for _ in range(3):  # one call site, as in a serving loop
+                sizes.clear()
+                out.append((await run(data), list(sizes)))
+            return out
+
+        sizes: list[int] = []
+        results = asyncio.run(calls())
+        placement = run.placement
+        run.remove()
+    for got, _ in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert placement["residency_given_back"] >= 1
+    assert placement["resident_bytes"][0] <= placement["weight_bytes"][0] // 2
+    # The call awaited again after giving back learns for the call's own site: the next
+    # calls do not start from the top again.
+    assert results[0][1][0] == 1024
+    assert all(1024 not in tried for _, tried in results[1:]), [t for _, t in results]
+
+
+def test_a_coroutine_not_yet_awaited_does_not_hold_its_callers_locals() -> None:
+    # The coroutine keeps where it was called from (its call site, for the size cache), not
+    # the caller's frame: a device tensor local to the function that made it is freed when
+    # that function returns.
+    model = _model(layers=2)
+    data = torch.randn(64, 1024)
+    with simulated_cuda(total_memory="48MiB"):
+
+        @adaptive.batch(initial_batchsize=64, model=model, device="cuda")
         async def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
                 return torch.cat([model(c) for c in data.split(batchsize)])
 
-        results = [asyncio.run(run(data)) for _ in range(3)]
-        placement = run.placement
+        def make() -> Any:
+            scratch = torch.empty(16 * 2**20, dtype=torch.uint8, device="cuda")
+            made.append(weakref.ref(scratch))
+            return run(data)
+
+        made: list[weakref.ref[torch.Tensor]] = []
+        coroutine = make()
+        freed = made[0]() is None
+        asyncio.run(coroutine)
         run.remove()
-    for got in results:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert placement["residency_given_back"] >= 1
-    assert placement["resident_bytes"][0] < placement["weight_bytes"][0] // 2
+    assert freed
 
 
 def test_residency_is_taken_again_when_memory_frees_up(monkeypatch: pytest.MonkeyPatch) -> None:
