@@ -364,9 +364,10 @@ MODEL_DOC = """
     calls and after memory changed, never with a residency it had to give back. Generator
     and async functions, whose work runs after the call returns, shrink as others do; an
     ``async def`` coroutine function gives residency back when it is awaited, a generator
-    (or async generator) does not; neither explores it. The decorated function then has ``.placement`` (its ``"engine"``: resident, page or
-    chunk), ``.pagers`` and ``.remove()``. See [Note: batch size and residency together]
-    in ``adaptmem/_dispatch/placed.py``, [Note: paging or chunking] in ``engine.py`` and
+    (or async generator) does not; neither explores it. The decorated function then has
+    ``.placement`` (its ``"engine"``: resident, page or chunk), ``.pagers`` and
+    ``.remove()``. See [Note: batch size and residency together] in
+    ``adaptmem/_dispatch/placed.py``, [Note: paging or chunking] in ``engine.py`` and
     [Note: exploring residency] in ``explore.py``.
 """
 

@@ -25,8 +25,8 @@ way of finding the decorator's pagers (``owned_engines``), asked when an error c
 transfer error shrinks their batch too. An async function's call is awaited by a wrapper
 that gives residency back where the awaited work ran out at the smallest size
 (``Dispatched._awaited``); a generator's is not (its items may have been used). Memory
-given back is taken again, doubling, when free memory has grown by a quarter since it was given,
-checked every ``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures
+given back is taken again, doubling, when free memory has grown by a quarter since it was
+given, checked every ``RESTORE_EVERY`` calls. What fits is only where it starts: it then measures
 items per second and moves residency to what runs fastest (see [Note: exploring residency] in
 explore.py). The placement is part of the cache key (the decorator's ``context``), so a
 call site returns to the batch size it learned for the placement in force. A model that
