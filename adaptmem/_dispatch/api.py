@@ -18,6 +18,7 @@ from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
 from .._common.peak import NotYet, fake_mode
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
+from .._execution.lazy import named_as
 from .._execution.retry import LAZY_TYPES
 from .explore import Explorer
 from .placed import PAGE, PlacedModels, check_models, fakes_put_back
@@ -127,7 +128,8 @@ class Dispatched:
             if first:
                 placed.check_no_fakes()
             if result.__class__ is CoroutineType:
-                result = self._awaited(result, _CallSite(caller), target, args, kwargs)
+                result = named_as(self._awaited(result, _CallSite(caller), target, args,
+                                                kwargs), result)
             if watching and result.__class__ in LAZY_TYPES:  # its work is not done yet
                 self.lazy = True
                 explorer.stop()  # its item counter

@@ -28,7 +28,8 @@ from .cache import BatchsizeCache, SizeRecord
 from .retry import logger, shrink
 from .stats import Watch
 
-__all__ = ["retry_lazy", "retry_generator", "retry_async_generator", "retry_coroutine"]
+__all__ = ["retry_lazy", "retry_generator", "retry_async_generator", "retry_coroutine",
+           "named_as"]
 
 
 class _Run:
@@ -244,10 +245,20 @@ async def _coraising(exc: BaseException) -> Any:
 def retry_lazy(result: Any, size: int, restart: Callable[[int], Any], record: SizeRecord,
                floor: int, name: str, device: torch.device | None, cache: BatchsizeCache,
                watch: Watch | None = None) -> Any:
-    """The wrapper of ``result``'s kind (a generator, async generator or coroutine)."""
+    """The wrapper of ``result``'s kind (a generator, async generator or coroutine), named as
+    ``result`` (its repr, and Python's "never awaited" warning, name the user's function)."""
     run = _Run(restart, record, floor, name, device, cache, watch, size)
     if isinstance(result, Generator):
-        return retry_generator(result, size, run)
-    if isinstance(result, AsyncGenerator):
-        return retry_async_generator(result, size, run)
-    return retry_coroutine(result, size, run)
+        wrapper: Any = retry_generator(result, size, run)
+    elif isinstance(result, AsyncGenerator):
+        wrapper = retry_async_generator(result, size, run)
+    else:
+        wrapper = retry_coroutine(result, size, run)
+    return named_as(wrapper, result)
+
+
+def named_as(wrapper: Any, result: Any) -> Any:
+    """``wrapper`` (a generator or coroutine object) with ``result``'s name and qualified
+    name."""
+    wrapper.__name__, wrapper.__qualname__ = result.__name__, result.__qualname__
+    return wrapper

@@ -153,6 +153,7 @@ def test_a_coroutine_not_yet_awaited_does_not_hold_its_callers_locals() -> None:
         made: list[weakref.ref[torch.Tensor]] = []
         coroutine = make()
         freed = made[0]() is None
+        assert coroutine.__qualname__.endswith("<locals>.run")  # named as the function
         asyncio.run(coroutine)
         run.remove()
     assert freed

@@ -747,6 +747,28 @@ def test_an_async_function_is_awaited_and_retried_whole() -> None:
     assert (record.fits, record.fails) == (8, 16)
 
 
+def test_lazy_results_are_named_as_the_decorated_function() -> None:
+    # Their repr, and so Python's warning for a coroutine dropped without being awaited
+    # (which prints the coroutine's __qualname__), name the user's function, not adaptmem's
+    # retry wrappers.
+    import asyncio
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    async def infer(batchsize: int) -> int:
+        return batchsize
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def numbers(batchsize: int):
+        yield batchsize
+
+    gen = numbers()
+    assert gen.__qualname__.endswith("<locals>.numbers") and "retry" not in repr(gen)
+    assert list(gen) == [8]
+    pending = infer()
+    assert pending.__qualname__.endswith("<locals>.infer") and "retry" not in repr(pending)
+    assert asyncio.run(pending) == 8
+
+
 def test_an_async_generator_is_retried_before_its_first_item() -> None:
     import asyncio
 
