@@ -87,7 +87,7 @@ class _AliasTransfer(SyncTransfer):
     (``detach()``: a new tensor object, no copy). Timing the pager with it leaves its hooks
     and bookkeeping alone, so the gap to the real run is what the copies cost."""
 
-    def start(self, hosts: Any) -> tuple[list[torch.Tensor], None]:
+    def start(self, hosts: Any, runs: Any = ()) -> tuple[list[torch.Tensor], None]:
         return [h.detach() for h in hosts], None
 
 

@@ -94,15 +94,11 @@ class StreamTransfer(Transfer):
               ) -> tuple[list[torch.Tensor], Any]:
         device = self.device
         with self.module.stream(self.stream):
-            if runs:
-                copies = _run_copies(hosts, runs, device)
-                for k, c in enumerate(copies):
-                    if c is None:
-                        h = hosts[k]
-                        copies[k] = torch.empty_like(h, device=device).copy_(h, non_blocking=True)
-            else:
-                copies = [torch.empty_like(h, device=device).copy_(h, non_blocking=True)
-                          for h in hosts]
+            copies = _run_copies(hosts, runs, device)
+            for k, c in enumerate(copies):  # those in no run: tensor by tensor
+                if c is None:
+                    h = hosts[k]
+                    copies[k] = torch.empty_like(h, device=device).copy_(h, non_blocking=True)
             event = self.module.Event(enable_timing=True)
             event.record(self.stream)
         return copies, event  # type: ignore[return-value]

@@ -91,8 +91,8 @@ class Refiner:
             f"It cannot be split further: raise device_budget, lower resident_bytes, or free "
             f"device memory."
         )
-        err = oom_error_for(cause.oom)(message) if cause.oom is not None \
-            else OutOfMemoryError(message)
+        err = (oom_error_for(cause.oom)(message) if cause.oom is not None
+               else OutOfMemoryError(message))
         err.phase = Phase.TRANSFER
         err.engine_id = self.owner
         # As large as the device: nothing else (the inputs) could be there beside it.

@@ -335,8 +335,8 @@ class SlotTable:
             # A copy made under inference_mode is an inference tensor, which a forward with
             # autograd on could not use; resident copies outlive the mode they were made in.
             with torch.inference_mode(False):
-                return self.transfer.start(hosts, runs) if runs else self.transfer.start(hosts)
-        return self.transfer.start(hosts, runs) if runs else self.transfer.start(hosts)
+                return self.transfer.start(hosts, runs)
+        return self.transfer.start(hosts, runs)
 
     def _add(self, nbytes: int) -> None:
         self.held += nbytes

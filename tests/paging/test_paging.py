@@ -779,13 +779,13 @@ class OutOfRoomTransfer(SyncTransfer):
         self.limit = limit
         self.failures = 0
 
-    def start(self, hosts: Any) -> Any:
+    def start(self, hosts: Any, runs: Any = ()) -> Any:
         need = sum(h.numel() * h.element_size() for h in hosts)
         held = 0 if self.pager is None else self.pager._table.held
         if held + need > self.limit:
             self.failures += 1
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate (test double)")
-        return super().start(hosts)
+        return super().start(hosts, runs)
 
 
 def page_out_of_room(model: nn.Module, limit: float,
@@ -1259,9 +1259,9 @@ class RecordingTransfer(SyncTransfer):
         super().__init__(device)
         self.log = log
 
-    def start(self, hosts: Any) -> Any:
+    def start(self, hosts: Any, runs: Any = ()) -> Any:
         self.log.append(("copy", [id(h) for h in hosts]))
-        return super().start(hosts)
+        return super().start(hosts, runs)
 
 
 def test_prefetch_depth_counts_large_units_so_a_tiny_one_between_does_not_idle_the_link() -> None:
