@@ -184,6 +184,10 @@ def _open_index(index: Path) -> Checkpoint:
         weight_map = json.loads(index.read_text())["weight_map"]
         if not isinstance(weight_map, Mapping):
             raise TypeError("weight_map is not a mapping")
+        odd = [f"{k!r}: {v!r}" for k, v in weight_map.items() if not isinstance(v, str)]
+        if odd:
+            raise TypeError(f"weight_map maps tensors to things that are not shard file "
+                            f"names: {', '.join(odd[:3])}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise LoadError(
             f"index {str(index)!r} is not a sharded-checkpoint index (a JSON object with a "

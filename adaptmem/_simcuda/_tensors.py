@@ -162,10 +162,21 @@ class Tensors:
     # -- the table -----------------------------------------------------------------------
 
     def wrap(self, backing: torch.Tensor, record: Record) -> torch.Tensor:
-        w = torch.Tensor._make_wrapper_subclass(
-            SimTensor, backing.shape, strides=backing.stride(),
-            storage_offset=backing.storage_offset(), dtype=backing.dtype,
-            device=self.devices[record.index], requires_grad=False)
+        """A simulated tensor over ``backing``, an inference tensor when ``backing`` is one
+        (See [Note: views and inference tensors])."""
+        device = self.devices[record.index]
+        inference = backing.is_inference()
+        if inference is torch.is_inference_mode_enabled():
+            w = torch.Tensor._make_wrapper_subclass(
+                SimTensor, backing.shape, strides=backing.stride(),
+                storage_offset=backing.storage_offset(), dtype=backing.dtype, device=device,
+                requires_grad=False)
+        else:
+            with torch._C._InferenceMode(inference):
+                w = torch.Tensor._make_wrapper_subclass(
+                    SimTensor, backing.shape, strides=backing.stride(),
+                    storage_offset=backing.storage_offset(), dtype=backing.dtype,
+                    device=device, requires_grad=False)
         with _no_subclass_function():  # a binding: no need for SimTensor.__torch_function__
             storage = w.untyped_storage()
         key = storage._cdata
@@ -295,7 +306,9 @@ class Tensors:
         pinned = t.clone(memory_format=torch.preserve_format) if t.dim() else t.clone()
         ptr = pinned.untyped_storage().data_ptr()
         table = self.state.pinned
-        table[ptr] = weakref.finalize(pinned, table.pop, ptr, None)
+        # Pinning belongs to the storage, as CUDA's does: nn.Parameter(pinned) is another
+        # tensor object over it, and it stays pinned after ``pinned`` itself is gone.
+        table[ptr] = weakref.finalize(pinned.untyped_storage(), table.pop, ptr, None)
         return pinned
 
     def is_pinned(self, t: torch.Tensor) -> bool:
@@ -846,7 +859,7 @@ class Functions(TorchFunctionMode):
                         raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
                     index = record.index
                     sim.use(record, sim.state.current_streams[index], x, func.__name__)
-                    backings[_storage_key(b)] = (x, record)
+                    backings.setdefault(_storage_key(b), (x, record))
                     flat[i] = b
                 elif x.dim():
                     cpu_arg = True
@@ -862,6 +875,8 @@ class Functions(TorchFunctionMode):
                 out = func(*cargs, **ckwargs)
         finally:
             state.drawing_for = previous
+        if func is torch.Tensor.__setitem__:
+            _increment_version((args[0],))  # its backing was written: See [Note: views ...]
         first = cargs[0] if cargs else None
 
         def wrap(o: Any) -> Any:
@@ -870,9 +885,14 @@ class Functions(TorchFunctionMode):
             if o is first and isinstance(args[0], torch.Tensor):
                 return args[0]  # in place
             owner = backings.get(_storage_key(o))
-            if owner is not None:
+            if owner is None:
+                return sim.adopt(o, index)
+            base = owner[0]
+            if o.dtype != base.dtype:
                 return sim.wrap(o, owner[1])
-            return sim.adopt(o, index)
+            # A view of ``base``, made by a view op so that torch records it as one.
+            with _no_torch_function():
+                return aten.as_strided.default(base, o.shape, o.stride(), o.storage_offset())
 
         return tree_map(wrap, out)
 

@@ -1,0 +1,162 @@
+"""adaptive.load: where each tensor ends up, in which dtype and memory format, what the
+statistics count, and that a load failing while it makes tensors changes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from adaptmem import LoadError, adaptive
+from adaptmem.testing import simulated_cuda
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+class _WithMask(nn.Module):
+    """A 1 MiB linear layer and a 4 MiB non-persistent buffer the constructor computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(512, 512)
+        self.register_buffer("mask", torch.ones(1024, 1024), persistent=False)
+
+
+def _devices(model: nn.Module) -> dict[str, str]:
+    return {n: str(t.device) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize("into", ["built", "factory"])
+def test_running_out_of_device_memory_late_in_a_load_leaves_the_model_as_it_was(
+    into: str, tmp_path: Path,
+) -> None:
+    # The parameters fit the 3 MiB device; the buffer moved after them does not.
+    torch.save(_WithMask().state_dict(), tmp_path / "m.pt")
+    with simulated_cuda(devices=1, total_memory="3MiB"):
+        model = _WithMask() if into == "built" else adaptive.empty_model(_WithMask)
+        before = _devices(model)
+        with pytest.raises(torch.OutOfMemoryError):
+            adaptive.load(model, tmp_path / "m.pt", device="cuda")
+        assert _devices(model) == before  # not parameters on the GPU and the buffer on CPU
+        assert torch.cuda.memory_allocated() == 0
+
+
+def test_non_persistent_buffers_moved_by_the_load_count_in_bytes_by_device(
+    tmp_path: Path,
+) -> None:
+    torch.save(_WithMask().state_dict(), tmp_path / "m.pt")
+    with simulated_cuda(devices=1):
+        model, stats = adaptive.load(_WithMask, tmp_path / "m.pt", device="cuda",
+                                     return_stats=True)
+        on_device = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+        assert stats.bytes_by_device == {"cuda:0": on_device}
+
+
+def _stack() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+
+
+def test_a_plan_made_with_a_dtype_loads_each_tensor_in_the_dtype_it_was_sized_in(
+    tmp_path: Path,
+) -> None:
+    torch.save(_stack().state_dict(), tmp_path / "m.pt")
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        plan = adaptive.plan(adaptive.empty_model(_stack),
+                             devices={"cuda:0": "600KiB", "cpu": None}, dtype=torch.float16)
+        model, stats = adaptive.load(_stack, tmp_path / "m.pt", device=plan, return_stats=True)
+        assert {p.dtype for p in model.parameters()} == {torch.float16}
+        assert stats.bytes_by_device["cuda:0"] <= 600 * 2**10  # the budget the plan kept
+        with pytest.raises(ValueError, match="conflicts with the plan"):
+            adaptive.load(_stack, tmp_path / "m.pt", device=plan, dtype=torch.float32)
+
+
+def test_a_plan_with_a_dtype_per_device_converts_only_that_devices_tensors(
+    tmp_path: Path,
+) -> None:
+    source = _stack()
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    plan = adaptive.plan(adaptive.empty_model(_stack),
+                         devices={"cpu@float16": "600KiB", "cpu": None})
+    model = adaptive.load(_stack, tmp_path / "m.pt", device=plan)
+    half = {t for u in plan.units if u.placement == "cpu@float16" for t in u.tensors}
+    assert half and len(half) < len(model.state_dict())
+    for name, t in model.state_dict().items():
+        assert t.dtype == (torch.float16 if name in half else torch.float32), name
+        assert torch.equal(t, source.state_dict()[name].to(t.dtype)), name
+
+
+def _channels_last_conv() -> nn.Module:
+    return nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("how", ["built, converted", "factory", "factory, copy=False"])
+def test_the_models_memory_format_is_kept(how: str, tmp_path: Path) -> None:
+    source = _channels_last_conv()
+    torch.save(source.state_dict(), tmp_path / "m.pt")  # saved as it is, channels last
+    if how == "built, converted":
+        model = adaptive.load(_channels_last_conv(), tmp_path / "m.pt", dtype=torch.float16)
+    else:
+        model = adaptive.load(_channels_last_conv, tmp_path / "m.pt", device="cpu",
+                              copy=not how.endswith("copy=False"))
+    assert _channels_last(model.weight)
+    assert torch.equal(model.weight.float(), source.weight.to(model.weight.dtype).float())
+
+
+def test_a_batch_counter_missing_from_the_checkpoint_of_a_meta_model_starts_at_zero(
+    tmp_path: Path,
+) -> None:
+    state = {k: v for k, v in nn.BatchNorm1d(8).state_dict().items()
+             if k != "num_batches_tracked"}
+    torch.save(state, tmp_path / "v1.pt")
+    with torch.device("meta"):
+        model = nn.BatchNorm1d(8)
+    model = adaptive.load(model, tmp_path / "v1.pt", device="cpu", strict=True)
+    assert model.num_batches_tracked.item() == 0  # as load_state_dict(assign=True) gives
+
+
+@pytest.mark.parametrize("value", [None, 3, ["a.safetensors"]])
+def test_an_index_naming_no_shard_file_is_a_load_error(value: object, tmp_path: Path) -> None:
+    safetensors_torch.save_file(nn.Linear(4, 4).state_dict(), tmp_path / "a.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"weight": "a.safetensors", "bias": value}}))
+    with pytest.raises(LoadError, match="not shard file names: 'bias'"):
+        adaptive.load(nn.Linear(4, 4), tmp_path)
+
+
+def test_copy_false_maps_a_built_models_cpu_tensors_too(tmp_path: Path) -> None:
+    source = nn.Linear(1024, 1024)
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    model = nn.Linear(1024, 1024)
+    weight = model.weight
+    model, stats = adaptive.load(model, tmp_path / "m.pt", copy=False, return_stats=True)
+    assert model.weight is weight  # the Parameter stays; its .data is the file's mapping
+    assert stats.bytes_read == 0
+    assert stats.bytes_mapped == sum(p.nbytes for p in source.parameters())
+    assert torch.equal(model.weight, source.weight)
+    with torch.no_grad():
+        model.weight.add_(1)  # copy-on-write: the file keeps its values
+    assert torch.equal(torch.load(tmp_path / "m.pt")["weight"], source.weight)
+
+
+def test_flags_must_be_booleans(tmp_path: Path) -> None:
+    torch.save(nn.Linear(2, 2).state_dict(), tmp_path / "m.pt")
+    for flag, value in (("strict", "False"), ("strict", None), ("copy", "no"),
+                        ("return_stats", 1)):
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got {value!r}"):
+            adaptive.load(nn.Linear(2, 2), tmp_path / "m.pt", **{flag: value})
+
+
+def test_paged_plan_tensors_stay_pinned_on_the_simulated_device(tmp_path: Path) -> None:
+    torch.save(_stack().state_dict(), tmp_path / "m.pt")
+    with simulated_cuda(devices=1):
+        plan = adaptive.plan(adaptive.empty_model(_stack), unit_bytes="1KiB")
+        model, stats = adaptive.load(_stack, tmp_path / "m.pt", device=plan, return_stats=True)
+        assert list(stats.bytes_by_device) == ["cpu (pinned)"]
+        assert all(p.is_pinned() for p in model.parameters())  # pinning is the storage's
