@@ -84,6 +84,11 @@ def page(
     units = None if unit_bytes is None else _size_option(unit_bytes, "unit_bytes")
     resident = _size_option(resident_bytes, "resident_bytes")
     budget = None if device_budget is None else parse_size(device_budget, "device_budget")
+    if budget == 0:
+        raise ValueError("device_budget=0 leaves no device memory for weights, so no forward "
+                         "could run; give bytes (int or '6GiB'), or None for free memory")
+    if not isinstance(pin_memory, bool):
+        raise TypeError(f"pin_memory must be True or False, got {pin_memory!r}")
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
         raise TypeError(f"prefetch must be an int number of units, got {prefetch!r}")
     if prefetch < 0:

@@ -13,7 +13,14 @@ from torch import nn
 
 from .._common.claims import check_placeable
 from .._common.devices import format_bytes, parse_size, resolve_device
-from .._planning import Target, auto_capacity, parse_dtype, qualify_labels, targets_from_devices
+from .._planning import (
+    Target,
+    auto_capacity,
+    check_capacity,
+    parse_dtype,
+    qualify_labels,
+    targets_from_devices,
+)
 from .splitter import Chunker, Splitter
 
 __all__ = ["split", "chunk", "chunk_targets"]
@@ -172,6 +179,7 @@ def chunk(
         if capacity is None:
             raise TypeError("capacity must be bytes (int or '6GiB') or 'auto', got None")
         cap = parse_size(capacity, "capacity")
+        check_capacity(dev, cap, "capacity")
     targets = chunk_targets(dev, cap, dt)
     handle = Chunker(model, targets, output_device=out_dev,
                      options={"capacity": cap, "reserve": reserve})

@@ -5,11 +5,17 @@ keys and module classes never change. Where a unit's dtype differs from a tensor
 original is kept for ``remove()``; see [Note: writes to a converted copy].
 
 [Note: writes to a converted copy] A placed tensor may be written by the forward (a step
-counter, a running statistic). When it is a converted copy, the write is carried into the
-kept original before the next move or ``remove()``, so the model keeps it as an unconverted
-tensor would (in the original dtype, so rounded by the trip through the placed one). Writes
-are seen by the version counter of the parameter or buffer itself; the loader writes through
-``.data`` aliases (``load_targets``), which leave it alone, and fills the original too.
+counter, a running statistic) or by the user between calls (``p.data.fill_(0.5)``,
+``p.data = new``, an optimizer step). When it is a converted copy, the write is carried into
+the kept original before the next move or ``remove()``, so the model keeps it as an
+unconverted tensor would (in the original dtype, so rounded by the trip through the placed
+one). Writes through ``.data`` move no version counter, so a write is found by comparing:
+the placed copy against the original converted as it was at placement, bit by bit, and only
+the elements that differ are written back (the others keep their unrounded values). That
+costs one conversion and one copy to the original's device per converted tensor, at each
+re-placement and at ``remove()``, which moves every unconverted tensor back anyway. The
+loader (``load_targets``) writes both the placed copy and the original, so its writes
+compare equal and are not carried twice.
 """
 
 from __future__ import annotations
@@ -34,9 +40,6 @@ class PlacedTensors:
         self.original = {n: (t.device, t.dtype) for n, t in self.tensors.items()}
         self._targets = targets
         self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
-        # (placed tensor's version, kept original's version) when placed:
-        # see [Note: writes to a converted copy].
-        self._versions: dict[str, tuple[int, int]] = {}
         self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
 
     def apply(self, units: Sequence[Unit]) -> None:
@@ -99,30 +102,40 @@ class PlacedTensors:
         else:
             self._kept.pop(name, None)
         set_data(t, placed)
-        kept = self._kept.get(name)
-        self._versions[name] = (t._version, -1 if kept is None else kept._version)
 
     def _sync_back(self, name: str) -> None:
-        """See [Note: writes to a converted copy]."""
+        """Carry writes to the placed copy into the kept original: see [Note: writes to a
+        converted copy]."""
         kept = self._kept.get(name)
-        versions = self._versions.get(name)
-        if kept is None or kept.is_meta or versions is None:
+        placed = self.tensors[name].data
+        if kept is None or kept.is_meta or placed.is_meta or placed.shape != kept.shape:
             return
-        t = self.tensors[name]
-        if t._version != versions[0] and kept._version == versions[1]:
-            kept.copy_(t.data)
-            self._versions[name] = (t._version, kept._version)
+        placed = placed.to(kept.device)
+        changed = _bits(placed) != _bits(kept.to(placed.dtype))
+        if changed.any():
+            kept[changed] = placed[changed].to(kept.dtype)
 
     def _restore(self, name: str) -> None:
         t = self.tensors[name]
         self._sync_back(name)
-        self._versions.pop(name, None)
         kept = self._kept.pop(name, None)
         if kept is not None:
             set_data(t, kept)
         device, dtype = self.original[name]
         if t.device != device or t.dtype != dtype:
             set_data(t, t.data.to(device=device, dtype=dtype))
+        grad = t.grad
+        if grad is not None and (grad.dtype != t.dtype or grad.device != t.device):
+            t.grad = grad.to(device=t.device, dtype=t.dtype)  # a backward ran while placed
+
+
+_INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same width, so that equal means bitwise equal
+    (NaN included)."""
+    return t.view(_INTEGERS[t.element_size()]) if t.element_size() in _INTEGERS else t
 
 
 def set_data(t: torch.Tensor, data: torch.Tensor) -> None:

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
-from .._common.devices import parse_device, parse_size, resolve_device
+from .._common.devices import capacity as device_capacity
+from .._common.devices import format_bytes, parse_device, parse_size, resolve_device
 from .._common.headroom import weight_room
 
 __all__ = [
     "Target", "parse_dtype", "dtype_name", "make_label", "split_label", "qualify_labels",
-    "capacity_of", "auto_capacity", "targets_from_devices"
+    "capacity_of", "check_capacity", "auto_capacity", "targets_from_devices"
 ]
 
 
@@ -80,6 +81,19 @@ def capacity_of(value: Any, name: str) -> int | None:
     return None if value is None else parse_size(value, name)
 
 
+def check_capacity(device: torch.device, cap: int | None, name: str) -> None:
+    """Refuse a capacity on an accelerator larger than this process can ever hold there:
+    the first forward would run out of memory, and so would every call after it."""
+    if cap is None or device.type == "cpu":
+        return
+    most = device_capacity(device)
+    if cap > most:
+        raise ValueError(
+            f"{name}={format_bytes(cap)} is more than {device} can hold ({format_bytes(most)} "
+            f"in all for this process); give at most what is free there, or 'auto' for free "
+            f"memory minus a reserve")
+
+
 def auto_capacity(device: torch.device, reserve: Any = "auto") -> tuple[int, int]:
     """``(capacity, reserve)`` in bytes for ``capacity="auto"``: free memory minus the reserve
     every engine keeps back (see [Note: headroom] in ``_common/headroom.py``); pass bytes
@@ -134,6 +148,8 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
             cap, _ = auto_capacity(dev, reserve)
         else:
             cap = capacity_of(capacity, f"devices[{key!r}]")
+            if probe:
+                check_capacity(dev, cap, f"devices[{key!r}]")
         resolved.append((dev, cap, key_dtype))
     if isinstance(dtype, Mapping):
         unknown = [k for k in dtype if k not in matched]

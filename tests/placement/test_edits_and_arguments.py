@@ -1,0 +1,96 @@
+"""chunk / split with a dtype: edits made to the converted copies between calls (through
+``.data``, which moves no version counter) are kept by ``remove()``; gradients come back in
+the parameter's dtype. And capacities and budgets no forward could run under are refused
+at the call that received them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from adaptmem import adaptive
+from adaptmem.testing import simulated_cuda
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).eval()
+
+
+PLACERS: dict[str, Callable[[nn.Module], object]] = {
+    "chunk bf16": lambda m: adaptive.chunk(m, "cpu", capacity=10**6, dtype=torch.bfloat16),
+    "split float64": lambda m: adaptive.split(m, {"cpu@float64": None, "cpu": None}),
+}
+
+
+def _fill(w: nn.Parameter) -> None:
+    w.data.fill_(0.5)
+
+
+def _assign(w: nn.Parameter) -> None:
+    w.data = torch.full_like(w.data, 0.5)
+
+
+@pytest.mark.parametrize("placer", list(PLACERS))
+@pytest.mark.parametrize("edit", [_fill, _assign], ids=["data.fill_", "data ="])
+def test_an_edit_through_data_between_calls_is_kept_by_remove(
+    placer: str, edit: Callable[[nn.Parameter], None],
+) -> None:
+    model, x = _model(), torch.randn(3, 8)
+    handle = PLACERS[placer](model)
+    with torch.no_grad():
+        model(x)
+        edit(model[0].weight)
+        edited = model(x)  # the forward uses the edit
+    handle.remove()  # type: ignore[attr-defined]
+    assert model[0].weight.dtype == torch.float32
+    assert bool((model[0].weight == 0.5).all())
+    with torch.no_grad():
+        assert torch.allclose(model(x), edited, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("placer", list(PLACERS))
+def test_an_edit_of_one_element_leaves_the_others_unrounded(placer: str) -> None:
+    model = _model()
+    before = model[0].weight.detach().clone()
+    handle = PLACERS[placer](model)
+    with torch.no_grad():
+        model(torch.randn(3, 8))
+    model[0].weight.data[0, 0] = 0.5
+    handle.remove()  # type: ignore[attr-defined]
+    after = model[0].weight.detach()
+    assert after[0, 0].item() == 0.5
+    assert torch.equal(after.flatten()[1:], before.flatten()[1:])  # bitwise, not rounded
+    assert torch.equal(model[1].weight, _model()[1].weight)
+
+
+def test_gradients_made_while_placed_come_back_in_the_parameters_dtype() -> None:
+    model = _model()
+    handle = adaptive.chunk(model, "cpu", capacity=10**6, dtype=torch.bfloat16)
+    model(torch.randn(3, 8)).sum().backward()
+    assert model[0].weight.grad is not None
+    handle.remove()
+    for p in model.parameters():
+        assert p.grad is not None and p.grad.dtype == p.dtype == torch.float32
+    model(torch.randn(3, 8)).sum().backward()  # accumulates into the fp32 gradients
+
+
+def test_capacities_and_budgets_no_forward_could_run_under_are_refused() -> None:
+    model = _model()
+    with simulated_cuda(devices=1, total_memory="4MiB"):
+        with pytest.raises(ValueError, match=r"capacity=100.0 MiB is more than cuda:0 can hold"):
+            adaptive.chunk(model, "cuda", capacity="100MiB")
+        with pytest.raises(ValueError, match=r"devices\['cuda:0'\]=100.0 MiB is more than"):
+            adaptive.split(model, {"cuda:0": "100MiB", "cpu": None})
+        with pytest.raises(ValueError, match="device_budget=0"):
+            adaptive.page(model, "cuda", device_budget=0)
+        with pytest.raises(TypeError, match="pin_memory must be True or False, got 'no'"):
+            adaptive.page(model, "cuda", pin_memory="no")  # type: ignore[arg-type]
+        # Nothing was applied: the model runs on the CPU as before, with no hooks left.
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks
+    # A plan is for any machine: its capacities are not checked against this one.
+    adaptive.plan(model, devices={"cuda:0": "100GiB", "cpu": None})
