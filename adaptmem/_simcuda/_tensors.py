@@ -36,6 +36,22 @@ builds its message only on a race; and an allocation's death is reported by a we
 reference, not a ``weakref.finalize``. Benchmarks built on the simulation report this cost
 beside their figures (benchmarks/paging.py).
 
+[Note: views and inference tensors]
+A view of a simulated tensor must be a view to torch too: it shares its base's version
+counter (``adaptive.page`` and ``adaptive.chunk`` copy a buffer back when its version moved,
+and ``cache[:n] = x`` moves the cache's only through the slice) and has a ``_base``. An aten
+view op reaches the dispatch mode below autograd's ``ADInplaceOrView`` kernel, which makes
+the wrapper returned a view of the input (``as_view``). The indexing bindings run on the
+backing instead (``Functions._on_backing``: they take the real device guard), so there a
+result sharing an input's storage is remade from that input with ``aten.as_strided``, which
+``ADInplaceOrView`` sees, and ``__setitem__``, whose write landed on the backing, bumps the
+target's version itself. Inference mode decides what ``as_view`` may do: a view of a normal
+tensor made in it is a normal tensor sharing the version counter, so the wrapper must be a
+normal tensor too, where ``_make_wrapper_subclass`` in inference mode makes an inference
+tensor (which refuses a version counter). Each wrapper therefore takes its backing's kind:
+the backing is what the op gave on the CPU (views of a normal backing are normal, results
+made in inference mode are inference tensors, in the mode or out of it), as real CUDA gives.
+
 [Note: simulated random state]
 Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
 which ``torch.cuda.default_generators``, ``get_rng_state``/``set_rng_state``,
@@ -48,6 +64,7 @@ the CPU's stream is left as it was. An op given an explicit ``generator=`` uses 
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 import weakref
@@ -164,19 +181,13 @@ class Tensors:
     def wrap(self, backing: torch.Tensor, record: Record) -> torch.Tensor:
         """A simulated tensor over ``backing``, an inference tensor when ``backing`` is one
         (See [Note: views and inference tensors])."""
-        device = self.devices[record.index]
         inference = backing.is_inference()
-        if inference is torch.is_inference_mode_enabled():
+        with (contextlib.nullcontext() if inference is torch.is_inference_mode_enabled()
+              else torch._C._InferenceMode(inference)):
             w = torch.Tensor._make_wrapper_subclass(
                 SimTensor, backing.shape, strides=backing.stride(),
-                storage_offset=backing.storage_offset(), dtype=backing.dtype, device=device,
-                requires_grad=False)
-        else:
-            with torch._C._InferenceMode(inference):
-                w = torch.Tensor._make_wrapper_subclass(
-                    SimTensor, backing.shape, strides=backing.stride(),
-                    storage_offset=backing.storage_offset(), dtype=backing.dtype,
-                    device=device, requires_grad=False)
+                storage_offset=backing.storage_offset(), dtype=backing.dtype,
+                device=self.devices[record.index], requires_grad=False)
         with _no_subclass_function():  # a binding: no need for SimTensor.__torch_function__
             storage = w.untyped_storage()
         key = storage._cdata
@@ -875,8 +886,9 @@ class Functions(TorchFunctionMode):
                 out = func(*cargs, **ckwargs)
         finally:
             state.drawing_for = previous
-        if func is torch.Tensor.__setitem__:
-            _increment_version((args[0],))  # its backing was written: See [Note: views ...]
+        if func is torch.Tensor.__setitem__ and args[0].is_cuda:
+            # Its backing was written: See [Note: views and inference tensors].
+            _increment_version((args[0],))
         first = cargs[0] if cargs else None
 
         def wrap(o: Any) -> Any:
@@ -890,7 +902,8 @@ class Functions(TorchFunctionMode):
             base = owner[0]
             if o.dtype != base.dtype:
                 return sim.wrap(o, owner[1])
-            # A view of ``base``, made by a view op so that torch records it as one.
+            # A view of ``base``, made by a view op so that torch records it as one (See
+            # [Note: views and inference tensors]); a view as another dtype stays apart.
             with _no_torch_function():
                 return aten.as_strided.default(base, o.shape, o.stride(), o.storage_offset())
 

@@ -56,6 +56,52 @@ def test_gpu_paged_forward_under_inference_mode_matches_resident(on_device: bool
     assert all(p.device.type == ("cuda" if on_device else "cpu") for p in model.parameters())
 
 
+class _Cached(nn.Module):
+    """A layer whose forward writes its output into a slice of a buffer (a KV cache)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(4, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear(x)
+        self.cache[: x.shape[0]] = out
+        return out
+
+
+def _cached() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """Two cached layers, an input, and the caches a forward on the CPU leaves."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Cached(), _Cached()).eval()
+    x = torch.randn(3, 16)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        reference(x)
+    return model, x, torch.stack([m.cache for m in reference])
+
+
+@pytest.mark.gpu
+def test_gpu_a_paged_model_keeps_what_its_forward_wrote_into_a_buffer_slice() -> None:
+    model, x, expected = _cached()
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        model(x)
+    caches = torch.stack([m.cache for m in model])
+    assert caches.device.type == "cpu" and caches.abs().sum() > 0
+    torch.testing.assert_close(caches, expected)
+
+
+@pytest.mark.gpu
+def test_gpu_a_chunked_model_in_float16_keeps_what_its_forward_wrote_into_a_buffer_slice(
+) -> None:
+    model, x, expected = _cached()
+    with adaptive.chunk(model, "cuda", capacity="1MiB", dtype=torch.float16), torch.no_grad():
+        model(x.cuda())
+    caches = torch.stack([m.cache for m in model])
+    assert caches.dtype == torch.float32 and caches.abs().sum() > 0
+    torch.testing.assert_close(caches, expected, atol=1e-2, rtol=1e-2)
+
+
 @run_if(cuda=True, min_gpus=2)  # the simulation has two; a one-GPU machine skips it
 def test_gpu_split_over_two_cuda_devices_and_the_cpu_matches() -> None:
     model, x, expected = _linears()

@@ -214,6 +214,100 @@ def test_copy_into_a_device_tensor_bumps_its_version_as_torch_does(non_blocking:
         assert back._version == 1 and back.tolist() == host.tolist()
 
 
+def _writes_through_views(device: str) -> list[int]:
+    """The version of a tensor after each of three writes through a view of it."""
+    base = torch.zeros(4, 3, device=device)
+    versions = [base._version]
+    base[:2] = 1.0
+    versions.append(base._version)
+    base[:2].copy_(torch.full((2, 3), 2.0, device=device))
+    versions.append(base._version)
+    base.view(-1)[0] = 3.0
+    versions.append(base._version)
+    return versions
+
+
+def test_a_write_through_a_view_bumps_the_base_version_as_torch_does() -> None:
+    expected = _writes_through_views("cpu")
+    assert expected == [0, 1, 2, 3]
+    with simulated_cuda():
+        assert _writes_through_views("cuda") == expected
+
+
+def _writes_into_views(device: str) -> tuple[list[list[float]], list[int]]:
+    """A tensor's values and version, and its view's, after writes through views of it."""
+    with torch.no_grad():
+        base = torch.zeros(4, 3, device=device)
+        view = base[1:3]
+        assert view._base is base and view.device == base.device
+        view.add_(1)
+        base.t()[0].mul_(5)
+        base[None, ..., 2].sub_(1)
+        base[torch.tensor([0, 3], device=device)] = 9.0  # advanced indexing writes in place
+        picked = base[[1, 2]]  # and reads into a copy
+        picked.add_(100)
+        assert not picked._is_view()
+        return base.cpu().tolist(), [base._version, view._version]
+
+
+def test_writes_through_views_reach_the_base_values_and_version() -> None:
+    expected = _writes_into_views("cpu")
+    assert expected == ([[9.0, 9.0, 9.0], [5.0, 1.0, 0.0], [5.0, 1.0, 0.0], [9.0, 9.0, 9.0]],
+                        [4, 4])
+    with simulated_cuda():
+        assert _writes_into_views("cuda") == expected
+
+
+def _inference_mode_views(device: str) -> list[Any]:
+    """What torch says of views and in-place writes in and out of inference mode."""
+    seen: list[Any] = []
+    normal = torch.ones(2, 4, device=device)
+    with torch.inference_mode():
+        for view in (normal.t(), normal.view(-1), normal[:1], normal.expand(3, 2, 4)):
+            seen.append((view.is_inference(), view._is_view(), view._base is normal))
+        seen.append((normal + 1).is_inference())
+        normal[:1] = 2.0
+        seen.append(normal._version)
+        made = torch.ones(2, 4, device=device)
+        for view in (made.t(), made[:1]):
+            seen.append((view.is_inference(), view._is_view()))
+        made[0] = 3.0
+        made.t().add_(1)
+        seen.append(made.sum().item())
+    seen += [made.t().is_inference(), (made + 1).is_inference()]
+    for write in (lambda: made.add_(1), lambda: made.__setitem__(0, 1.0),
+                  lambda: made[:1].copy_(torch.ones(1, 4, device=device))):
+        with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+            write()
+    return seen
+
+
+def test_views_in_inference_mode_are_what_torch_makes_on_the_cpu() -> None:
+    # A view of a normal tensor is a normal tensor sharing its version, a view of an
+    # inference tensor an inference tensor, in inference mode or out of it.
+    expected = _inference_mode_views("cpu")
+    with simulated_cuda():
+        assert _inference_mode_views("cuda") == expected
+
+
+def test_a_vision_transformer_runs_in_inference_mode_and_matches_the_cpu() -> None:
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+        mlp_dim=64).eval()
+    x = torch.randn(2, 3, 32, 32)
+    with torch.inference_mode():
+        expected = model(x)
+    with simulated_cuda():
+        model.cuda()  # normal tensors, viewed and expanded in the forward
+        with torch.inference_mode():
+            out = model(x.cuda())
+        assert out.device.type == "cuda" and out.is_inference()
+        out = out.cpu()
+        model.cpu()
+    torch.testing.assert_close(out, expected)
+
+
 def test_a_read_on_a_stream_that_did_not_wait_for_the_copy_raises() -> None:
     with simulated_cuda(bandwidth=1):
         host = torch.ones(MiB // 4).pin_memory()
