@@ -73,7 +73,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import fake_mode
 from ._state import SimState
@@ -119,9 +119,14 @@ class SimTensor(torch.Tensor):
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            if _current is None:
+            if _current is not None and not _current.closed:
+                return _current.function_mode.handle(func, args, kwargs)
+            try:
                 return func(*args, **kwargs)
-            return _current.function_mode.handle(func, args, kwargs)
+            except RuntimeError as exc:  # the real device was reached for ("no driver")
+                if any(isinstance(x, SimTensor) and x.is_cuda for x in tree_leaves(args)):
+                    raise _after_the_block(func) from exc
+                raise
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (),  # type: ignore[override]
@@ -135,10 +140,19 @@ class SimTensor(torch.Tensor):
                     [_host_view(x) if isinstance(x, SimTensor) and not x.is_cuda else x
                      for x in flat], spec)
                 return func(*cargs, **ckwargs)
-        raise RuntimeError(
-            f"{func}: a tensor of the simulated CUDA device was used after its "
-            f"`with adaptmem.testing.simulated_cuda():` block ended; move it to the CPU "
-            f"(.cpu()) inside the block")
+            # The simulation is on, but its mode was popped (``torch._tensor_str`` prints
+            # under ``_disable_current_modes``): the op runs as the mode would run it.
+            return _current.dispatch_mode.__torch_dispatch__(func, types, args, kwargs)
+        raise _after_the_block(func)
+
+
+def _after_the_block(func: Any) -> RuntimeError:
+    name = str(func) if isinstance(func, torch._ops.OpOverload) else getattr(
+        func, "__qualname__", str(func))
+    return RuntimeError(
+        f"{name}: a tensor of the simulated CUDA device was used after its "
+        f"`with adaptmem.testing.simulated_cuda():` block ended; move it to the CPU "
+        f"(.cpu()) inside the block")
 
 
 class Record:
@@ -421,6 +435,31 @@ def _has_generator(args: Any, kwargs: dict[str, Any]) -> bool:
             or any(isinstance(x, torch.Generator) for x in args))
 
 
+def _repr(func: Any, args: Any, kwargs: dict[str, Any]) -> str:
+    """``repr`` of a simulated tensor: its host copy's, with what CUDA's adds (the device,
+    autograd's marks)."""
+    t = args[0]
+    if not t.is_cuda:
+        return repr(_host_view(t))
+    text = torch._tensor_str._str(t.detach().cpu(), **kwargs)
+    device = f"device='{t.device}'"
+    at = text.rfind(", dtype=")
+    text = f"{text[:at]}, {device}{text[at:]}" if at >= 0 else f"{text[:-1]}, {device})"
+    if t.grad_fn is not None:
+        return f"{text[:-1]}, grad_fn=<{type(t.grad_fn).__name__}>)"
+    return f"{text[:-1]}, requires_grad=True)" if t.requires_grad else text
+
+
+def _tolist(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    t = args[0]
+    return (t.cpu() if t.is_cuda else _host_view(t)).tolist()  # as CUDA: via the host
+
+
+def _format(func: Any, args: Any, kwargs: dict[str, Any]) -> str:
+    t, spec = args
+    return format(_tolist(func, (t,), {}) if t.dim() == 0 else _repr(func, (t,), {}), spec)
+
+
 def _host_view(t: torch.Tensor) -> torch.Tensor:
     """A plain tensor over the host storage a simulated tensor's wrapper was given."""
     return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(),
@@ -696,6 +735,11 @@ class Functions(TorchFunctionMode):
             torch.Tensor.__getitem__: self._on_backing,
             torch.Tensor.__setitem__: self._on_backing,
             torch.Tensor.__invert__: self._on_backing,
+            # torch prints with every mode popped, and refuses tolist() for subclasses and
+            # formats a 0-dim one by value only when its type is exactly Tensor.
+            torch.Tensor.__repr__: _repr,
+            torch.Tensor.tolist: _tolist,
+            torch.Tensor.__format__: _format,
         }
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -79,6 +79,27 @@ def test_tensors_moved_or_made_on_cuda_hold_real_values() -> None:
         assert xs[0][1:3].sum().item() == pytest.approx(x[1:3].sum().item(), rel=1e-5)
 
 
+def test_tensors_print_and_convert_to_python_as_cuda_tensors_do() -> None:
+    torch.manual_seed(0)
+    small, half, big = torch.arange(4.0), torch.randn(2, 3).half(), torch.zeros(2000)
+    layer = nn.Linear(2, 2)
+    with simulated_cuda():
+        assert repr(small.cuda()) == "tensor([0., 1., 2., 3.], device='cuda:0')"
+        assert str(half.cuda()) == repr(half)[:-len(", dtype=torch.float16)")] + (
+            ", device='cuda:0', dtype=torch.float16)")
+        assert repr(big.cuda()) == "tensor([0., 0., 0.,  ..., 0., 0., 0.], device='cuda:0')"
+        assert repr(layer.cuda().weight).endswith("device='cuda:0', requires_grad=True)")
+        assert repr(torch.tensor(3, device="cuda")) == "tensor(3, device='cuda:0')"
+        assert f"{small.cuda()[1]:.2f}" == "1.00"
+        assert small.cuda().tolist() == [0.0, 1.0, 2.0, 3.0] and small.cuda()[2].tolist() == 2.0
+        on_device = small.cuda()
+        with torch.utils._python_dispatch._disable_current_modes():  # as printing runs
+            assert (on_device + 1).device.type == "cuda"
+        assert torch.equal((on_device + 1).cpu(), small + 1)
+    with pytest.raises(RuntimeError, match="after its `with adaptmem.testing.simulated_cuda"):
+        repr(on_device)  # after the block: a clear error, not CUDA's "no driver"
+
+
 def test_mixing_devices_raises_cudas_error_but_cpu_scalars_are_allowed() -> None:
     with simulated_cuda(devices=2):
         a = torch.ones(3, device="cuda:0")
