@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import time
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._common.devices import format_bytes, resolve_device
 from ._common.oom import drop_frames, is_oom
@@ -64,17 +66,39 @@ def _attempt(label: str, run: Any) -> bool:
     return True
 
 
+def _classifies(model: nn.Module) -> bool:
+    """Whether torchvision ``model`` is an image classifier (not detection, segmentation,
+    video or optical flow): the modules its builders come from."""
+    return type(model).__module__.startswith("torchvision.models.") and not any(
+        part in type(model).__module__ for part in
+        (".detection.", ".segmentation.", ".video.", ".optical_flow.", ".quantization."))
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     import torchvision
 
     from .cpu_memory import set_cpu_memory_limit
 
+    if args.batch < 2:  # a training step of these models normalises over the batch
+        raise SystemExit(f"adaptmem example train: --batch must be 2 or more images (batch "
+                         f"norm needs more than one value per channel), got {args.batch}")
+    if args.image_size < 1:
+        raise SystemExit(f"adaptmem example train: --image-size must be a positive number of "
+                         f"pixels, got {args.image_size}")
     try:
         device = resolve_device(args.device, "--device")
         handle = spill(args.threshold, args.limit, args.to)
-        model = torchvision.models.get_model(args.model, weights=None)
+        builder = torchvision.models.get_model_builder(args.model)
+        # Detection and segmentation builders download a pretrained backbone unless told
+        # not to: every weights argument is None, so nothing is downloaded.
+        model = builder(**{name: None for name in inspect.signature(builder).parameters
+                           if name.startswith("weights")})
     except (TypeError, ValueError) as exc:
         raise SystemExit(f"adaptmem example train: {exc}") from None
+    if not _classifies(model):
+        raise SystemExit(f"adaptmem example train: {args.model!r} is not an image classifier "
+                         f"(its step takes images and class labels); try resnet50 or "
+                         f"efficientnet_b0")
     if args.cap is not None and device.type != "cpu":
         raise SystemExit("adaptmem example train: --cap is for the CPU; on a GPU the step "
                          "runs against the device's own memory")

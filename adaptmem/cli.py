@@ -213,7 +213,10 @@ def _device_spec(spec: str, dtype: torch.dtype | None
     from ._common.devices import parse_device
     from ._planning import parse_dtype
 
-    name, _, capacity = spec.partition("=")
+    name, equals, capacity = spec.partition("=")
+    if equals and not capacity.strip():
+        raise _UsageError(f"--device {spec!r}: the capacity after '=' is empty; give a size "
+                          f"such as {name}=20GiB, or leave out '=' for no limit")
     name, at, dtype_name = name.partition("@")
     try:
         device = parse_device(name, f"--device {spec!r}:")
@@ -333,12 +336,15 @@ def _report_activations(result: Any, model: nn.Module, args: argparse.Namespace)
     room = None
     if capacity is not None:
         room = max(0, capacity - result.options.get("placed_bytes", {}).get(str(first), 0))
-    result.options["activations"] = activation_report(model, *inputs, room)
+    result.options["activations"] = activation_report(
+        model, *inputs, room, result.dtype_of(first) if first else None)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
+    if not args.seconds > 0:
+        raise _UsageError(f"--seconds must be a positive number of seconds, got {args.seconds}")
     return run_demo(seconds=args.seconds, simulate_gpu=args.simulate_gpu)
 
 

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,9 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
              "give a size such as 20GiB")]),
         (["plan", "resnet18", "--mode", "chunk", "--device", "cpu@float16", "--dtype",
           "bfloat16", "--budget", "1MiB"], "give the dtype once"),
+        # An empty capacity once meant "no limit" silently.
+        (["plan", "resnet18", "--mode", "split", "--device", "cuda:0=", "--device", "cpu"],
+         "the capacity after '=' is empty"),
     ],
 )
 def test_plan_errors_are_one_line_with_exit_status_2(
@@ -213,3 +218,39 @@ def test_plan_piped_into_head_ends_quietly() -> None:
         shell=True, capture_output=True, text=True, env=env, timeout=120)
     assert run.stdout.strip() == "{"
     assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr
+
+
+def test_the_demo_refuses_a_time_it_cannot_run_in(capsys: pytest.CaptureFixture[str]) -> None:
+    for seconds in ("0", "-1"):
+        with pytest.raises(SystemExit) as info:
+            main(["demo", "--seconds", seconds])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert "--seconds must be a positive number of seconds" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch", "-1"], "--batch must be 2 or more images"),
+        (["--batch", "1"], "--batch must be 2 or more images"),  # batch norm refuses 1
+        (["--batch", "0"], "--batch must be 2 or more images"),  # once "done ... loss nan"
+        (["--image-size", "0"], "--image-size must be a positive number of pixels"),
+        (["--model", "fasterrcnn_mobilenet_v3_large_fpn"], "is not an image classifier"),
+    ],
+)
+def test_example_train_refuses_what_its_step_cannot_run(
+    argv: list[str], message: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # a download would fail, not be waited on
+    with pytest.raises(SystemExit) as info:
+        main(["example", "train", "--model", "resnet18", "--image-size", "32", *argv])
+    assert message in str(info.value.code)
+    assert "Downloading" not in capsys.readouterr().err
+
+
+def test_python_dash_m_adaptmem_runs_the_command_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "adaptmem", "plan", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage: adaptmem plan" in done.stdout

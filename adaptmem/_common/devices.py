@@ -48,11 +48,14 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 def parse_size(value: Any, name: str = "size") -> int:
     """Bytes from a number or a string such as ``"1.5GiB"``, ``"512MB"`` or ``"4096"``;
-    a fraction of a byte is rounded down. NumPy integers and floats are numbers too.
+    a fraction of a byte is rounded down (``0.8 * free`` is a size). NumPy integers and
+    floats are numbers too.
 
     Raises:
         TypeError: ``value`` is neither a number nor a string (``bool`` is refused too).
-        ValueError: the string cannot be parsed, or the size is negative or not finite.
+        ValueError: the string cannot be parsed, or the size is negative or not finite, or
+            a number with a fraction is under 1 KiB (``2.5`` meant as GiB, which would be 2
+            bytes).
     """
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise TypeError(
@@ -70,6 +73,9 @@ def parse_size(value: Any, name: str = "size") -> int:
         number = float(match.group(1)) * _UNITS[unit]
     else:
         number = float(value)
+        if 0 < number < 1024 and not number.is_integer():
+            raise ValueError(f"{name}={value!r}: sizes are bytes, and {value!r} bytes is a "
+                             f"fraction of one KiB; write a unit, e.g. '{value}GiB'")
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"{name} must be a finite number of bytes, zero or more, got {value!r}")
     return int(number)

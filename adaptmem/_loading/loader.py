@@ -37,7 +37,7 @@ from .._common.oom import is_oom
 from .._common.reporting import report
 from .._engines.base import LoadTargets
 from .._engines.stats import LoadStats
-from .._planning import ModuleSizes, Plan, module_sizes, parse_dtype, split_label
+from .._planning import ModuleSizes, Plan, module_sizes, split_label
 from .checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
 
 __all__ = ["load", "empty_model"]
@@ -258,14 +258,7 @@ def _plan_target(plan: Plan, label: str) -> tuple[torch.device, bool, torch.dtyp
     """(device, pinned, dtype) of a plan's placement ``label`` (``"cuda:0"``,
     ``"cpu@bfloat16"``): the dtype is the one the plan sized that device's units in."""
     name, _ = split_label(label)
-    return resolve_device(name, f"plan placement {label!r}"), False, _plan_dtype(plan, label)
-
-
-def _plan_dtype(plan: Plan, label: str) -> torch.dtype | None:
-    """The dtype floating weights take on a plan's placement ``label``, or None."""
-    stored = plan.options.get("dtypes", {}).get(label)
-    return split_label(label)[1] or (
-        parse_dtype(stored, f"the plan's dtype for {label!r}") if stored else None)
+    return resolve_device(name, f"plan placement {label!r}"), False, plan.dtype_of(label)
 
 
 def load(
@@ -374,7 +367,7 @@ def load(
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be True or False, got {value!r}")
     if isinstance(device, Plan) and dtype is not None:
-        planned = {_plan_dtype(device, u.placement) for u in device.units
+        planned = {device.dtype_of(u.placement) for u in device.units
                    if u.placement != "paged"} - {None}
         if planned - {dtype}:
             raise ValueError(

@@ -53,9 +53,11 @@ def predict_per_item(call: Callable[..., Any], *args: Any, sizes: tuple[int, int
 
 
 def predict_model(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  sizes: tuple[int, int] = (2, 4)) -> PeakPrediction:
+                  sizes: tuple[int, int] = (2, 4),
+                  dtype: torch.dtype | None = None) -> PeakPrediction:
     """``predict_per_item`` for ``model(*args, **kwargs)``: every input tensor whose first
     dimension is the batch (the first input tensor's first dimension) is traced at each size.
+    With ``dtype``, floating weights and inputs are in it, as a placement in that dtype runs.
 
     Raises:
         NotPredictable: no input tensor has a batch dimension, or the forward fails on meta.
@@ -66,9 +68,15 @@ def predict_model(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[st
     batch = tensors[0].shape[0]
 
     def at(size: int, t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
-            return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=t.device)
-        return t
+        if not isinstance(t, torch.Tensor):
+            return t
+        want = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        if t.dim() > 0 and t.shape[0] == batch:
+            return torch.empty((size, *t.shape[1:]), dtype=want, device=t.device)
+        return t.to(want)
+
+    if dtype is not None:  # converted before the trace, whose peak counts activations only
+        model = meta_copy(model).to(dtype)
 
     def forward(size: int, m: torch.nn.Module, a: tuple[Any, ...], k: dict[str, Any]) -> Any:
         return m(*[_map(at, size, x) for x in a], **{n: _map(at, size, x) for n, x in k.items()})
@@ -85,13 +93,13 @@ def _map(fn: Callable[[int, Any], Any], size: int, obj: Any) -> Any:
 
 
 def activation_report(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                      room: int | None) -> dict[str, Any]:
+                      room: int | None, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """What a plan reports about activations: bytes per item and fixed (see
-    ``predict_model``), and the largest batch whose predicted peak fits 80% of ``room``
-    (the first device's capacity left after its weights; omitted when unknown), or why
-    there is no prediction."""
+    ``predict_model``; in ``dtype``, the first device's, when the plan converts there), and
+    the largest batch whose predicted peak fits 80% of ``room`` (the first device's capacity
+    left after its weights; omitted when unknown), or why there is no prediction."""
     try:
-        p = predict_model(model, args, kwargs)
+        p = predict_model(model, args, kwargs, dtype=dtype)
     except NotPredictable as exc:
         return {"predicted": False, "reason": str(exc)}
     report: dict[str, Any] = {"predicted": True, "per_item_bytes": int(p.per_item_bytes),

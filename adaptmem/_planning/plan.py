@@ -9,8 +9,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from .._common.devices import format_bytes
 from .._common.tree import join_name
+from .targets import parse_dtype, split_label
 from .units import Unit
 
 __all__ = ["Plan"]
@@ -29,6 +32,13 @@ class Plan:
     total_bytes: int
     options: dict[str, Any] = field(default_factory=dict)
     refinements: list[dict[str, Any]] = field(default_factory=list)
+
+    def dtype_of(self, placement: str) -> torch.dtype | None:
+        """The dtype floating weights take on ``placement`` (a unit's label: ``"cuda:0"``,
+        ``"cpu@bfloat16"``), as the plan sized them; None: they keep their own."""
+        stored = self.options.get("dtypes", {}).get(placement)
+        return split_label(placement)[1] or (
+            parse_dtype(stored, f"the plan's dtype for {placement!r}") if stored else None)
 
     def bytes_by_placement(self) -> dict[str, int]:
         out: dict[str, int] = {}

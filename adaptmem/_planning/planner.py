@@ -109,8 +109,9 @@ def plan(
             capacity = result.options.get("devices", {}).get(str(first))
             if capacity is not None:
                 room = max(0, capacity - result.options.get("placed_bytes", {}).get(first, 0))
-        result.options["activations"] = activation_report(model, *split_inputs(example_inputs),
-                                                          room)
+        result.options["activations"] = activation_report(
+            model, *split_inputs(example_inputs), room,
+            result.dtype_of(result.units[0].placement) if result.units else None)
     return result
 
 

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem._common.devices import memory_info
+from adaptmem._common.devices import memory_info, parse_size
 
 GIB = 2**30
 
@@ -87,3 +87,17 @@ def test_retries_empty_the_cache_of_an_mps_device_also_when_the_device_is_not_na
 
     assert run() == 4
     assert calls == ["mps"]
+
+
+@pytest.mark.parametrize("value", [2.5, 0.5, 1023.9])
+def test_a_size_of_a_fraction_of_a_kib_is_refused_as_a_missing_unit(value: float) -> None:
+    with pytest.raises(ValueError, match=rf"capacity={value}: sizes are bytes.*'{value}GiB'"):
+        parse_size(value, "capacity")
+    with pytest.raises(ValueError, match="sizes are bytes"):
+        adaptive.plan(torch.nn.Linear(4, 4), devices={"cuda:0": value, "cpu": None})
+
+
+def test_whole_and_computed_byte_counts_are_sizes() -> None:
+    assert parse_size(2.0) == 2 and parse_size(2e9) == 2_000_000_000
+    assert parse_size(0.8 * 3_000_000) == 2_400_000  # 0.8 * free, rounded down
+    assert parse_size("2.5GiB") == int(2.5 * 2**30) and parse_size(0) == 0

@@ -98,6 +98,27 @@ def test_plan_and_the_cli_report_activations_and_the_largest_batch(
     assert cli == act
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_activations_are_predicted_in_the_dtype_of_the_first_device(
+    dtype: torch.dtype, capsys: pytest.CaptureFixture[str],
+) -> None:
+    model = torchvision.models.resnet18().eval()
+    x = torch.randn(1, 3, 64, 64)
+    full = adaptive.plan(model, devices={"cuda:0": "100MiB", "cpu": None}, example_inputs=x)
+    half = adaptive.plan(model, devices={"cuda:0": "100MiB", "cpu": None}, example_inputs=x,
+                         dtype=dtype)
+    per_item = full.options["activations"]["per_item_bytes"]
+    # About half (max pooling's int64 indices keep their size); it used to be all of it.
+    assert 0.4 * per_item < half.options["activations"]["per_item_bytes"] < 0.6 * per_item
+    assert half.options["activations"]["largest_batch"] > full.options["activations"][
+        "largest_batch"]
+    name = str(dtype).removeprefix("torch.")
+    assert main(["plan", "resnet18", "--image-size", "64", "--mode", "split", "--device",
+                 f"cuda:0@{name}=100MiB", "--device", "cpu", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)["options"]["activations"]
+    assert cli == half.options["activations"]
+
+
 def test_plan_says_when_a_model_cannot_be_predicted() -> None:
     class NeedsValues(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

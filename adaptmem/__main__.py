@@ -1,0 +1,5 @@
+"""``python -m adaptmem``: the same command line as the ``adaptmem`` script."""
+
+from .cli import main
+
+raise SystemExit(main())
