@@ -17,7 +17,7 @@ from .._common.errors import OutOfMemoryError, Phase
 from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
 from .._common.peak import NotYet, fake_mode
 from .._execution import decorators
-from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
+from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache, user_frame
 from .._execution.lazy import named_as
 from .._execution.retry import LAZY_TYPES
 from .explore import Explorer
@@ -43,17 +43,19 @@ __all__ = ["Dispatched", "batch", "range", "chunked"]
 
 class _CallSite:
     """What the size cache reads of a call's frames (code object, instruction offset and line
-    of the four innermost), without the frames. A coroutine runs after its call returned;
-    holding the caller's frame until then would hold that frame's locals (tensors) too, and
-    re-reading it then would see it paused elsewhere, a call site of its own."""
+    of the four innermost outside adaptmem: see [Note: call sites] in cache.py), without the
+    frames. A coroutine runs after its call returned; holding the caller's frame until then
+    would hold that frame's locals (tensors) too, and re-reading it then would see it paused
+    elsewhere, a call site of its own."""
 
     __slots__ = ("f_code", "f_lasti", "f_lineno", "f_back")
 
     def __init__(self, frame: Any, depth: int = 4) -> None:
+        frame = user_frame(frame)
         self.f_code = frame.f_code
         self.f_lasti = frame.f_lasti
         self.f_lineno = frame.f_lineno
-        back = frame.f_back
+        back = user_frame(frame.f_back)
         self.f_back = _CallSite(back, depth - 1) if back is not None and depth > 1 else None
 
 
@@ -256,6 +258,14 @@ class Dispatched:
             if fails is not None and fails > size and inner.probes:
                 record.fails = fails
 
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.inner.__set_name__(owner, name)  # see [Note: methods] in decorators.py
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """The signature callers see (read now: a method learns it is one late)."""
+        return getattr(self.inner, "__signature__", None)
+
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         bound = self.inner.__get__(obj, objtype)
         return self if bound is self.inner else _BoundDispatched(self, bound)
@@ -326,6 +336,11 @@ class _BoundDispatched:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dispatched, name)
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """The bound method's signature, without its instance."""
+        return getattr(self._bound, "__signature__", None)
 
 
 def _dispatched(decorate: Callable[..., Any], name: str, func: Any, model: Any,

@@ -14,6 +14,7 @@ One cache instance can serve many functions: records are keyed by the function's
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
@@ -35,6 +36,8 @@ __all__ = [
     "shared_cache",
     "resolve_cache",
     "check_cache",
+    "device_in_use",
+    "user_frame",
 ]
 
 # Repeated calls stop probing once the size in use is within this fraction of the ceiling.
@@ -286,6 +289,16 @@ class SizeRecord:
         if self.site is not None:
             self.site.share_fit(size, self.bucket)
 
+    def after_short_success(self, size: int) -> None:
+        """Record that ``size`` ran to completion where a larger size was asked for and the
+        work ended first (a range's last step): it shows a size fits only above the largest
+        known to fit, so it never lowers where the next call starts. Counted either way."""
+        fits = self.fits
+        if fits is not None and size > fits:
+            self.after_success(size)
+        else:
+            self.successes += 1  # racy as on the settled path: a lost count delays a probe
+
     def _own_site(self) -> CallSite:
         if self.site is None:
             self.site = CallSite()
@@ -393,12 +406,48 @@ class _FreeMemoryBuckets:
         self.cached.clear()
 
 
+# [Note: call sites] The default cache tells calls apart by the frames of the code that
+# called the decorated function. adaptmem's own frames between them (an outer decorated
+# function's first attempt calls its function from ``_run``, a retry from ``run_sized``,
+# model= from ``Dispatched.run``) say nothing about where the call comes from, and would
+# give an attempt and its retry different sizes: they are skipped. Only the caller's own
+# frames count, the four innermost of them (so the levels of a recursion four deep or more
+# share one record).
+_OWN_FILES = os.path.dirname(os.path.dirname(__file__)) + os.sep  # adaptmem/
+
+
+def user_frame(frame: Any) -> Any:
+    """``frame``, or the nearest frame below it that is not adaptmem's own (None if none):
+    see [Note: call sites]."""
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_FILES):
+        frame = frame.f_back
+    return frame
+
+
+_cuda_devices: dict[int, torch.device] = {}
+
+
+def device_in_use() -> torch.device | None:
+    """The device a call of a function decorated with ``device=None`` runs on: the current
+    CUDA device when CUDA is available, else None (``default_device()``'s answer, which
+    does not change while the process runs)."""
+    if not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device()
+    device = _cuda_devices.get(index)
+    if device is None:  # made once: a torch.device costs as much as the rest of a key
+        device = _cuda_devices[index] = torch.device("cuda", index)
+    return device
+
+
 class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     """Default: one record per call site and free-memory bucket.
 
     The call site is the code objects and instruction offsets of the four innermost frames
-    above the decorated function (``sys._getframe``; no ``inspect.stack``, no line numbers).
-    Free memory is bucketed in quarter-octaves of the device in use and re-read at most
+    of the caller's own code above the decorated function (``sys._getframe``; no
+    ``inspect.stack``, no line numbers; see [Note: call sites]). Free memory is bucketed in
+    quarter-octaves of the device in use (for a function decorated with ``device=None``, the
+    current CUDA device at each call: each device learns its own sizes) and re-read at most
     every ``refresh_seconds``. The buckets of one call site share what they learn: a size
     that failed with more free memory is not tried with less, one that fitted with less is
     known to fit with more, and a failure makes the site's next probe wait (see [Note: a
@@ -413,15 +462,17 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         self._sites: dict[Any, CallSite] = {}
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
-        f = caller if caller is not None else sys._getframe(2)
+        f = user_frame(caller if caller is not None else sys._getframe(2))
+        if device is None:
+            device = device_in_use()
         # Ids, not code objects: hashing a code object hashes its contents on every call.
         # The code objects of every recorded site are kept alive, so an id is never reused.
         # Unrolled: this runs on every call, and a loop costs twice as much.
-        b = f.f_back
-        c = b.f_back if b is not None else None
-        d = c.f_back if c is not None else None
+        b = f and user_frame(f.f_back)
+        c = b and user_frame(b.f_back)
+        d = c and user_frame(c.f_back)
         site = (
-            id(function), context, id(f.f_code), f.f_lasti,
+            id(function), context, device, id(f.f_code), f.f_lasti,
             b and id(b.f_code), b and b.f_lasti,
             c and id(c.f_code), c and c.f_lasti,
             d and id(d.f_code), d and d.f_lasti,
@@ -440,12 +491,12 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         record = self._records.get(key)
         if record is None:
             self._codes.add(function)
-            frame = caller
+            frame = user_frame(caller)
             for _ in range(4):
                 if frame is None:
                     break
                 self._codes.add(frame.f_code)
-                frame = frame.f_back
+                frame = user_frame(frame.f_back)
             with self._lock:
                 record = self._records.get(key)
                 if record is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import sys
 import time
 import types
@@ -41,6 +42,16 @@ def _check_size(value: Any, name: str, example: str) -> int:
     return value
 
 
+def _as_index(value: Any, name: str) -> int:
+    """``value`` as an int: anything with ``__index__`` (numpy and torch integers), no bool."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
 def _check_callable(func: Any, decorator: str) -> None:
     if not callable(func) and not isinstance(func, (staticmethod, classmethod)):
         raise TypeError(
@@ -62,17 +73,20 @@ def _function_key(func: Any) -> Any:
     # classes that inherit one __call__ (every nn.Module) stay apart.
     call = getattr(type(func), "__call__", None)  # noqa: B004 (the class's method)
     code = getattr(getattr(call, "__func__", call), "__code__", None)
-    return func if code is None else (type(func), code)
+    if code is None:
+        return func
+    key = (type(func), code)
+    return _class_keys.setdefault(key, key)  # see [Note: one key object per class]
 
 
-def _takes_instance(func: Callable[..., Any]) -> bool:
-    """True for a function written as a method: its first parameter is ``self`` or ``cls``."""
-    try:
-        params = list(inspect.signature(func).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    return bool(params) and params[0].name in ("self", "cls") and params[0].kind in (
-        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+# [Note: one key object per class] The default cache keys a call by the *identity* of its
+# function key (hashing a code object hashes its contents on every call), and keeps alive
+# only the keys of the sites it recorded. A (class, code) tuple made afresh for each
+# decoration (explicit.batch decorates at every call) dies with the decorated object, and
+# another class's tuple can then get its id: two classes would share sizes. So one tuple per
+# class lives here for good, as the class it names does in practice; equal keys are the
+# same object and different ones never collide.
+_class_keys: dict[tuple[type, Any], tuple[type, Any]] = {}
 
 
 def _is_lazy_function(func: Any) -> bool:
@@ -80,26 +94,44 @@ def _is_lazy_function(func: Any) -> bool:
             or inspect.isasyncgenfunction(func))
 
 
-def _positional_limit(func: Callable[..., Any], leading: int,
-                      takes_instance: bool) -> tuple[str, int | None]:
-    """The injected parameter's name, and how many positional arguments a caller may pass
-    (None when the function takes ``*args`` or has no readable signature)."""
+_INJECTED = {1: "batch size", 2: "start and end", 3: "chunk, start and end"}
+
+
+def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instance: bool,
+                ) -> tuple[tuple[str, ...], int | None, inspect.Signature | None]:
+    """How ``func``, decorated with ``kind``, is called: the names of the parameters the
+    decorator passes (the first ``leading`` after the instance), how many positional
+    arguments a caller may pass (None when the function takes ``*args``) and the signature
+    a caller sees. All empty or None when the function has no readable signature."""
     try:
-        params = list(inspect.signature(func).parameters.values())
+        signature = inspect.signature(func)
     except (TypeError, ValueError):
-        return "", None
-    if takes_instance:
-        params = params[1:]
+        return (), None, None
+    params = list(signature.parameters.values())
+    head, params = (params[:1], params[1:]) if takes_instance and params else ([], params)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return (positional[0].name if positional else ""), None
-    if len(positional) < leading:
+        names, limit = tuple(p.name for p in positional[:leading]), None
+    elif len(positional) < leading:
         raise TypeError(
             f"{getattr(func, '__qualname__', func)} must take the injected "
-            f"{'batch size' if leading == 1 else 'start and end'} as its first "
-            f"parameter{'s' if leading > 1 else ''}; its signature is {inspect.signature(func)}"
+            f"{_INJECTED[leading]} as its first parameter{'s' if leading > 1 else ''}"
+            f"{' after the instance' if takes_instance else ''}; its signature is {signature}"
         )
-    return positional[0].name, len(positional) - leading
+    else:
+        names, limit = tuple(p.name for p in positional[:leading]), len(positional) - leading
+    # What the caller passes in place of the injected parameters: the batch size nothing,
+    # range's start and end themselves, chunked's one tensor.
+    if kind == "batch":
+        params = params[len(names[:1]):]
+    elif kind == "chunked":
+        tensor = inspect.Parameter("tensor", inspect.Parameter.POSITIONAL_ONLY)
+        head = [p.replace(kind=p.POSITIONAL_ONLY) for p in head]
+        params = [tensor, *params[len(names):]]
+    try:
+        return names, limit, signature.replace(parameters=[*head, *params])
+    except ValueError:  # a parameter of its own named "tensor"
+        return names, limit, None
 
 
 class _Adaptive:
@@ -151,10 +183,10 @@ class _Adaptive:
         # Whether a settled call may try a size known to fail: see [Note: probing a failed
         # size] in cache.py (a generator's failure after its first item reaches the caller).
         self._probes = not (inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func))
-        # A method called through its class gets its instance as the first argument.
-        self._self_first = self._binding == "class" or (
-            not self._binding and _takes_instance(func))
-        self._injected, self._limit = _positional_limit(func, self.leading, self._self_first)
+        # A method called through its class gets its instance as the first argument: a
+        # classmethod always, a function once found in a class (see [Note: methods]).
+        self._self_first = False
+        self._read_call_shape(self._binding == "class")
         if inspect.iscoroutinefunction(func):
             _mark_coroutine_function(self)
         if group is not None and _is_lazy_function(func):
@@ -186,6 +218,23 @@ class _Adaptive:
         self._deciding = self._auto is not None
         self._starts_only = False  # the prediction seeds the first record (predict_start)
         self._trace_guard: Callable[[], Any] | None = None
+
+    def _read_call_shape(self, takes_instance: bool) -> None:
+        """Read how callers call the function (see ``_call_shape``), given whether it takes
+        an instance first."""
+        self._self_first = takes_instance
+        names, self._limit, signature = _call_shape(
+            self._func, self.kind, self.leading, takes_instance)
+        self._leading_names = names
+        self._injected = names[0] if names else ""
+        if signature is None:
+            self.__dict__.pop("__signature__", None)  # inspect follows __wrapped__
+        else:
+            self.__signature__ = signature
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        if not self._binding:
+            self._read_call_shape(True)  # see [Note: methods]
 
     def _ranks(self) -> Ranks:
         ranks = resolve_ranks(self.group, self.group_timeout, self._name)
@@ -294,11 +343,25 @@ class _Adaptive:
         # Pickled by name, like the function it replaces (for multiprocessing and spawn).
         return self.__qualname__  # type: ignore[no-any-return,attr-defined]
 
+    # [Note: methods] Whether a call through the class (``Model.infer(model, x)``) passes
+    # the instance first is decided by where the function lives, not by the name of its
+    # first parameter (``this`` is as good as ``self``, and a plain function may call its
+    # first parameter ``self``): a decorated function found in a class body
+    # (``__set_name__``) or bound as a class attribute (``__get__``) is a method. Above
+    # ``@staticmethod`` it is not; above ``@classmethod`` it always gets the class. Written
+    # under ``@staticmethod`` it is rightly none (that decorator hides it from both hooks);
+    # under ``@classmethod`` only Pythons before 3.13 bind it (through ``__get__``), so the
+    # adaptive decorator goes above ``@classmethod``.
+
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         binding = self._binding
         if binding == "class":
             return _BoundAdaptive(self, objtype if objtype is not None else type(obj))
-        if obj is None or binding == "static":
+        if binding == "static":
+            return self
+        if not self._self_first:  # a class attribute set after the class was made
+            self._read_call_shape(True)
+        if obj is None:
             return self  # through the class, a method gets its instance from the caller
         return _BoundAdaptive(self, obj)
 
@@ -476,11 +539,9 @@ class _Range(_Adaptive):
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> list[Any]:
         if len(args) < 2:
-            raise TypeError(f"{self._name}() needs start and end: call {self._name}(0, n, ...)")
-        start, end, *rest = args
-        for label, value in (("start", start), ("end", end)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
+            args, kwargs = self._bounds_from_keywords(args, kwargs)
+        start, end, rest = _as_index(args[0], "start"), _as_index(args[1], "end"), args[2:]
+        args = (start, end, *rest)
         if end < start:
             raise ValueError(f"end ({end}) is before start ({start}); the range is [start, end)")
         self._check_call(tuple(rest), kwargs)
@@ -494,6 +555,20 @@ class _Range(_Adaptive):
                 lambda: self._record(caller)[1])
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
+
+    def _bounds_from_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                              ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``fill(start=0, end=n)`` (or ``fill(0, end=n)``): the range's bounds given by the
+        names the function gives them, moved to the front of ``args``."""
+        names, name = self._leading_names, self._name
+        missing = names[len(args):]
+        if len(names) < 2 or not all(label in kwargs for label in missing):
+            by_name = f" or {name}({names[0]}=0, {names[1]}=n, ...)" if len(names) == 2 else ""
+            raise TypeError(
+                f"{name}() needs the range's start and end: call {name}(0, n, ...){by_name}; "
+                f"got {len(args)} positional argument(s) and keywords {sorted(kwargs)}")
+        kwargs = dict(kwargs)
+        return (*args, *(kwargs.pop(name) for name in missing)), kwargs
 
 
 class _Chunked(_Adaptive):
@@ -518,11 +593,20 @@ class _Chunked(_Adaptive):
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> torch.Tensor:
-        tensor = args[0] if args else None
-        rest = args[1:]
+        if not args:
+            raise TypeError(
+                f"{self._name}() takes the tensor to chunk as its first positional argument: "
+                f"call {self._name}(tensor, ...); got no positional argument"
+                f"{f' and keywords {sorted(kwargs)}' if kwargs else ''}")
+        tensor, rest = args[0], args[1:]
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"{self._name}() needs a tensor first, got {type(tensor).__name__}")
+            raise TypeError(f"{self._name}() takes the tensor to chunk as its first argument, "
+                            f"got {type(tensor).__name__}")
         dim = self.dimension
+        if tensor.dim() == 0:
+            raise ValueError(
+                f"{self._name}() got a 0-dim tensor, which has no dimension to chunk along; "
+                f"pass a tensor with at least one dimension (tensor.reshape(1), say)")
         if not -tensor.dim() <= dim < tensor.dim():
             raise ValueError(
                 f"dimension={dim} is out of range for a tensor of shape {tuple(tensor.shape)}; "
@@ -614,13 +698,40 @@ class _ResultWriter:
 
 
 class _BoundAdaptive:
-    """A decorated method bound to its instance (or class): the size goes after it."""
+    # A decorated method bound to its instance (or class): the size goes after it. Other
+    # attributes (__name__, __wrapped__, prediction, ...) are the decorated function's, as
+    # a bound method's are its function's; so is __doc__, hence no docstring here.
 
     __slots__ = ("_adaptive", "_obj")
 
     def __init__(self, adaptive: _Adaptive, obj: Any) -> None:
         self._adaptive = adaptive
         self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _BoundAdaptive.__slots__:  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self._adaptive, name)
+
+    @property  # type: ignore[misc]
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self._adaptive.__doc__
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        """The decorated method's signature without its instance, as callers see it."""
+        signature = getattr(self._adaptive, "__signature__", None)
+        if signature is None:
+            return None  # the function has none that inspect can read
+        params = list(signature.parameters.values())
+        if params and params[0].kind in (inspect.Parameter.POSITIONAL_ONLY,
+                                         inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            params = params[1:]
+        return signature.replace(parameters=params)
+
+    def __repr__(self) -> str:
+        return (f"<bound adaptive.{self._adaptive.kind} {self._adaptive._name} of "
+                f"{self._obj!r}>")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
@@ -636,15 +747,6 @@ class _BoundAdaptive:
     def stats(self) -> CallStats:
         """The decorated function's statistics (shared by every instance)."""
         return self._adaptive.stats
-
-    # What inspect.iscoroutinefunction (3.12+) and asyncio.iscoroutinefunction look for.
-    @property
-    def _is_coroutine_marker(self) -> Any:
-        return getattr(self._adaptive, "_is_coroutine_marker", None)
-
-    @property
-    def _is_coroutine(self) -> Any:
-        return getattr(self._adaptive, "_is_coroutine", None)
 
 
 def _mark_coroutine_function(adaptive: _Adaptive) -> None:
@@ -686,9 +788,10 @@ def _factory(
     initial = _check_size(initial, initial_name, example)
     floor = _check_size(floor, floor_name, example)
     if floor > initial:
+        largest = max_name if "auto_ceiling" in extra else initial_name  # what set it
         raise ValueError(
-            f"{floor_name} ({floor}) is larger than {initial_name} ({initial}); "
-            f"lower {floor_name} or raise {initial_name}"
+            f"{floor_name} ({floor}) is larger than {largest} ({initial}); "
+            f"lower {floor_name} or raise {largest}"
         )
     if cache is not None:
         check_cache(cache, "cache")

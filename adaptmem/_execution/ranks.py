@@ -234,8 +234,8 @@ def _settle(outcomes: list[tuple[int, int]], status: int, problem: BaseException
         error = OutOfMemoryError(
             f"{name}: rank {quitter} ran out of memory at its smallest {what}, "
             f"{outcomes[statuses.index(GAVE_UP)][1]}; every rank of the group stops with it "
-            f"(they run the same sizes together). Lower min_{what}, or free memory on rank "
-            f"{quitter}"
+            f"(they run the same sizes together). "
+            f"{f'Lower min_{what}, or free' if floor > 1 else 'Free'} memory on rank {quitter}"
         )
         error.phase = Phase.COMPUTE
         raise error
@@ -336,9 +336,11 @@ def run_range_grouped(
         outcomes = ranks.outcomes(status, span, name)
         if all(s == OK for s, _ in outcomes):
             if at < end:
-                record.after_success(span)
                 if span == agreed:  # not a last step shorter than the others
+                    record.after_success(span)
                     stats.saw(span)
+                else:  # the range ended: see SizeRecord.after_short_success
+                    record.after_short_success(span)
                 late = _keep(results, deliver, at, span, result)
                 if late is not None:  # the others hear of it at the next exchange
                     continue

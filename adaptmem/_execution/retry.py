@@ -60,6 +60,7 @@ def run_sized(
     watch: Watch | None = None,
     started: float | None = None,
     counts_size: bool = True,
+    short: bool = False,
 ) -> tuple[T, int]:
     """Call ``attempt(size)``; on an out-of-memory error in compute, shrink and call again.
 
@@ -71,7 +72,10 @@ def run_sized(
     ``failure`` is the OOM of a first attempt at ``size`` the caller already made, begun at
     ``time.perf_counter()`` ``started`` (None: not timed). ``watch`` counts attempts and
     reports adaptations (see [Note: cheap counting] in ``stats``); ``counts_size=False``
-    leaves the size out of its sizes (``run_range`` counts its own).
+    leaves the size out of its sizes (``run_range`` counts its own). ``short``: ``size`` is
+    less than was asked for because the work ends there (a range's last step), so a success
+    at it before any failure says nothing about what fits (see
+    ``SizeRecord.after_short_success``).
     """
     tried: list[int] = []
     first = size
@@ -90,7 +94,10 @@ def run_sized(
             else:
                 # A generator or coroutine has not run yet: its wrapper records the outcome.
                 if result.__class__ not in LAZY_TYPES:
-                    record.after_success(size)
+                    if short and not tried:
+                        record.after_short_success(size)
+                    else:
+                        record.after_success(size)
                 if stats is not None and counts_size and size != stats.last_size:
                     stats.saw(size)
                 if tried:
@@ -131,11 +138,11 @@ def shrink(
         if oom_phase(failure) is Phase.TRANSFER:  # shrunk for a pager (model=): its words
             raise failure
         # No retry follows: keep the original traceback for whoever debugs this.
+        lower = f"Lower min_{what} if smaller sizes make sense, or free" if floor > 1 else "Free"
         error = oom_error_for(failure)(
             f"{name} ran out of memory at the smallest {what}, {floor}; tried {what} "
-            f"{', '.join(map(str, tried))} ({_free_text(device)}). Lower min_{what} if "
-            f"smaller sizes make sense, or free memory (another process, a smaller model, "
-            f"adaptive.page for the weights)."
+            f"{', '.join(map(str, tried))} ({_free_text(device)}). {lower} memory (another "
+            f"process, a smaller model, adaptive.page for the weights)."
         )
         error.phase = Phase.COMPUTE
         raise error from failure
@@ -197,7 +204,7 @@ def run_range(
             result, used = run_sized(
                 attempt, span, record,
                 floor=min(floor, span), name=name, what="step", device=device, cache=cache,
-                watch=watch, counts_size=False,
+                watch=watch, counts_size=False, short=span < step,
             )
         except OutOfMemoryError as error:  # gave up: say where
             if at > start and error.args and isinstance(error.args[0], str):

@@ -284,6 +284,21 @@ def test_methods_bind_as_with_the_plain_decorator() -> None:
         method.remove()
 
 
+def test_a_method_with_model_shows_the_signature_callers_use() -> None:
+    import inspect
+
+    class Runner:
+        @adaptive.batch(initial_batchsize=8, model=_model(layers=1), device="cpu")
+        def forward(this, batchsize: int, data: torch.Tensor) -> int:
+            return batchsize
+
+    runner = Runner()
+    assert list(inspect.signature(Runner.forward).parameters) == ["this", "data"]
+    assert list(inspect.signature(runner.forward).parameters) == ["data"]
+    assert Runner.forward(runner, 1) == runner.forward(1) == 8  # the instance first
+    Runner.forward.remove()
+
+
 def test_a_failed_first_placement_leaves_every_model_as_it_was() -> None:
     free, held = _model(layers=1), _model(layers=1)
 

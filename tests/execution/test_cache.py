@@ -6,6 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
+from conftest import run_if
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import memory_schedules
@@ -217,3 +219,107 @@ def test_a_predicted_start_runs_first_then_climbs_towards_the_predicted_failure(
     high.start_at(100, 140)
     low.start_at(3, 10)
     assert high.next_size(60) == 60 and low.next_size(1000, floor=5) == 5
+
+
+@pytest.mark.parametrize("kind", ["range", "chunked"])
+def test_a_range_shorter_than_its_step_leaves_later_calls_full_steps(kind: str) -> None:
+    # A one-item range ran one item because the range ended, not because more did not fit:
+    # the calls after it at the same site still run full steps.
+    steps: list[int] = []
+
+    @adaptive.range(initial_step=8)
+    def fill(start: int, end: int) -> None:
+        steps.append(end - start)
+
+    @adaptive.chunked(initial_step=8)
+    def scale(chunk: torch.Tensor, start: int, end: int) -> None:
+        steps.append(end - start)
+
+    for n in (1, 20, 20):
+        steps.clear()
+        if kind == "range":
+            fill(0, n)
+        else:
+            scale(torch.ones(n))
+    assert steps == [8, 8, 4]
+
+
+def test_a_short_last_step_still_raises_what_is_known_to_fit() -> None:
+    record = SizeRecord(fits=4, fails=16)
+    record.after_short_success(2)  # below what fits: nothing learned, one success counted
+    assert (record.fits, record.fails, record.successes) == (4, 16, 1)
+    record.after_short_success(6)  # above it: 6 items ran, so 6 fit
+    assert (record.fits, record.fails) == (6, 16)
+    fresh = SizeRecord()
+    fresh.after_short_success(1)
+    assert fresh.next_size(64) == 64  # never "1 fits" for a record that knew nothing
+
+
+@run_if(cuda=True, min_gpus=2)
+@pytest.mark.simulated_cuda(devices=2, total_memory="256MiB")
+def test_each_cuda_device_keeps_its_own_sizes_with_the_default_device() -> None:
+    # device=None: the device in use is the current one at each call, so the larger device
+    # is not pinned to what fits on the smaller one (one call site, a GPU each in turn).
+    torch.cuda.set_per_process_memory_fraction(0.25, 1)  # cuda:1 has a quarter of the room
+    try:
+        @adaptive.batch(initial_batchsize=512)
+        def work(batchsize: int) -> int:
+            torch.empty(batchsize, 2**18, device="cuda")  # batchsize MiB on the current GPU
+            return batchsize
+
+        sizes: dict[int, list[int]] = {0: [], 1: []}
+        for _ in range(6):
+            for gpu in (0, 1):
+                with torch.cuda.device(gpu):
+                    sizes[gpu].append(work())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, 1)
+    assert all(size <= 64 for size in sizes[1])  # 64 MiB on cuda:1
+    assert sizes[0][-3:] == [256, 256, 256]  # cuda:0 keeps its own, 4x larger, size
+
+
+def test_callable_objects_decorated_anew_never_share_sizes() -> None:
+    # explicit.batch decorates at every call; the key of a callable object must stay one
+    # object per class, or a dead key's id is taken by another class's key.
+    from adaptmem._execution.decorators import _function_key
+
+    small, big = MemoryCeiling(4), MemoryCeiling(1000)
+
+    class Small:
+        def __call__(self, batchsize: int) -> int:
+            small.require(batchsize)
+            return batchsize
+
+    class Big:
+        def __call__(self, batchsize: int) -> int:
+            big.require(batchsize)
+            return batchsize
+
+    got = []
+    for _ in range(4):
+        for fn in (Small(), Big()):
+            got.append((type(fn).__name__, adaptive.explicit.batch(fn, 512)))
+    assert [size for name, size in got if name == "Big"] == [512] * 4
+    assert small.attempts.count(512) == 1  # Small learned once that 512 does not fit
+    assert _function_key(Small()) is _function_key(Small())  # one key object per class
+
+
+def test_a_retry_of_an_outer_function_shares_the_inner_call_site() -> None:
+    # The inner call's site is the outer function's line, whether the outer runs its first
+    # attempt or a retry (adaptmem's own frames in between do not count), so what the inner
+    # learned in the first attempt holds in the retry.
+    ceiling = MemoryCeiling(4)  # inner size * outer size must be 4 or less
+    tries: list[tuple[int, int]] = []
+
+    @adaptive.batch(initial_batchsize=64)
+    def inner(batchsize: int, outer_size: int) -> int:
+        tries.append((outer_size, batchsize))
+        ceiling.require(batchsize * outer_size)
+        return batchsize
+
+    @adaptive.batch(initial_batchsize=8)
+    def outer(batchsize: int) -> tuple[int, int]:
+        return batchsize, inner(batchsize)
+
+    assert outer() == (4, 1)
+    assert [t for t in tries if t[0] == 4] == [(4, 1)]  # no search from 64 again

@@ -910,11 +910,14 @@ def test_sizes_take_numpy_numbers_and_round_fractions_of_a_byte_down() -> None:
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
     layer = 4 * 4 * 4 + 4 * 4
-    with adaptive.page(model, "cpu", unit_bytes=np.int64(layer), resident_bytes=0.5,
-                       device_budget=np.float64(2 * layer + 0.7)) as pager:
+    with adaptive.page(model, "cpu", unit_bytes=np.int64(layer), resident_bytes=np.float64(0),
+                       device_budget=np.float64(40 * layer + 0.7)) as pager:  # 0.8 * free
         assert pager.plan.options["unit_bytes"] == layer
         assert pager.plan.options["resident_bytes"] == 0
-        assert pager.plan.options["device_budget"] == 2 * layer
+        assert pager.plan.options["device_budget"] == 40 * layer
+    # A fraction under 1 KiB is a unit left out ("0.5" meant as GiB), not half a byte.
+    with pytest.raises(ValueError, match=r"resident_bytes=0.5: sizes are bytes"):
+        adaptive.page(model, "cpu", resident_bytes=0.5)
 
 
 def test_meta_parameters_are_refused_with_a_pointer_to_load() -> None:

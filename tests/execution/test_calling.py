@@ -1,0 +1,135 @@
+"""How a decorated function is called and what it looks like: methods and their binding,
+signatures, the arguments range and chunked take, and the messages of wrong calls."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from adaptmem import OutOfMemoryError, adaptive
+from adaptmem.testing import make_oom
+
+
+class _Model:
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def infer(self, batchsize: int, x: int) -> tuple[int, int]:
+        """Run inference."""
+        return batchsize, x
+
+
+def test_a_method_read_through_an_instance_looks_like_its_function() -> None:
+    bound = _Model().infer
+    assert bound(3) == (8, 3)
+    assert bound.__name__ == "infer" and bound.__qualname__ == "_Model.infer"
+    assert bound.__doc__ == "Run inference." and inspect.getdoc(bound) == "Run inference."
+    assert bound.__wrapped__ is _Model.__dict__["infer"].__wrapped__
+    assert bound.prediction is None and bound.stats is _Model.infer.stats
+    assert "_Model.infer" in repr(bound) and "_Model object" in repr(bound)
+
+
+def test_a_method_called_through_its_class_gets_its_instance_whatever_it_is_called() -> None:
+    class Model:
+        @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+        def infer(this, batchsize: int, x: int) -> tuple[str, int, int]:
+            return type(this).__name__, batchsize, x
+
+    model = Model()
+    assert model.infer(1) == Model.infer(model, 1) == ("Model", 4, 1)
+    # Set on the class after it was made: a method too.
+    late = adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)(
+        lambda me, batchsize, x: (type(me).__name__, batchsize, x))
+    Model.late = late  # type: ignore[attr-defined]
+    assert model.late(1) == Model.late(model, 1) == ("Model", 4, 1)  # type: ignore[attr-defined]
+
+
+def test_a_method_without_room_for_the_size_fails_when_its_class_is_made() -> None:
+    with pytest.raises((TypeError, RuntimeError)) as error:  # RuntimeError before 3.12
+        class Model:
+            @adaptive.batch(initial_batchsize=4)
+            def infer(self) -> None: ...
+
+    assert "must take the injected batch size as its first parameter after the instance" in (
+        f"{error.value} {error.value.__cause__}")
+
+
+def test_a_plain_function_whose_first_parameter_is_self_gets_the_size_there() -> None:
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def scale(self: int, x: int) -> tuple[int, int]:  # a name, not a method
+        return self, x
+
+    assert scale(1) == (4, 1)
+
+
+def test_the_signature_leaves_out_what_the_decorator_passes() -> None:
+    @adaptive.batch(initial_batchsize=4)
+    def infer(batchsize: int, x: int, *, scale: int = 1) -> int:
+        return batchsize
+
+    @adaptive.range(initial_step=4)
+    def fill(start: int, end: int, out: list) -> None:
+        out.extend(range(start, end))
+
+    @adaptive.chunked(initial_step=4)
+    def work(chunk: torch.Tensor, start: int, end: int, factor: float) -> None:
+        chunk.mul_(factor)
+
+    assert str(inspect.signature(infer)) == "(x: 'int', *, scale: 'int' = 1) -> 'int'"
+    assert list(inspect.signature(fill).parameters) == ["start", "end", "out"]
+    assert list(inspect.signature(work).parameters) == ["tensor", "factor"]
+    inspect.signature(infer).bind(1)  # bound as it must be called
+    inspect.signature(fill).bind(0, 10, [])
+    inspect.signature(work).bind(torch.ones(3), 2.0)
+    assert list(inspect.signature(_Model.infer).parameters) == ["self", "x"]
+    assert list(inspect.signature(_Model().infer).parameters) == ["x"]
+
+
+def test_range_takes_its_bounds_as_keywords_and_any_integer() -> None:
+    @adaptive.range(initial_step=4)
+    def fill(start: int, end: int, scale: int = 1) -> tuple[int, int, int]:
+        return start, end, scale
+
+    want = [(0, 4, 1), (4, 8, 1), (8, 10, 1)]
+    assert fill(start=0, end=10) == fill(0, end=10) == want
+    assert fill(np.int64(0), np.int64(10)) == fill(0, torch.tensor(10)) == want
+    assert all(type(s) is int and type(e) is int for s, e, _ in fill(0, np.int64(10)))
+    with pytest.raises(TypeError, match=r"needs the range's start and end.*fill\(0, n"):
+        fill(0, scale=2)
+    with pytest.raises(TypeError, match="end must be an int, got float"):
+        fill(0, 10.0)
+
+
+def test_chunked_says_the_tensor_comes_first_and_positional() -> None:
+    @adaptive.chunked(initial_step=4)
+    def scale(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk.mul_(2)
+
+    with pytest.raises(TypeError, match=r"tensor to chunk as its first positional argument.*"
+                                        r"scale\(tensor, \.\.\.\).*keywords \['tensor'\]"):
+        scale(tensor=torch.ones(3))
+    with pytest.raises(ValueError, match="0-dim tensor, which has no dimension to chunk"):
+        scale(torch.tensor(1.0))
+
+
+def test_giving_up_at_a_smallest_size_of_one_does_not_advise_lowering_it() -> None:
+    def always_oom(batchsize: int) -> None:
+        raise make_oom("cpu")
+
+    with pytest.raises(OutOfMemoryError) as one:
+        adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)(always_oom)()
+    assert "min_batchsize" not in str(one.value) and "Free memory" in str(one.value)
+    with pytest.raises(OutOfMemoryError, match="Lower min_batchsize if smaller sizes"):
+        adaptive.batch(initial_batchsize=4, min_batchsize=2,
+                       cache=adaptive.NoBatchsizeCache)(always_oom)()
+
+
+def test_decoration_errors_name_the_argument_that_set_the_size_and_what_is_injected() -> None:
+    with pytest.raises(ValueError, match=r"min_batchsize \(8\) is larger than max_batchsize "
+                                         r"\(4\); lower min_batchsize or raise max_batchsize"):
+        adaptive.batch(initial_batchsize="auto", max_batchsize=4, min_batchsize=8)
+    with pytest.raises(TypeError, match="must take the injected chunk, start and end"):
+        adaptive.chunked(initial_step=4)(lambda chunk, start: None)
+    with pytest.raises(TypeError, match="must take the injected start and end"):
+        adaptive.range(initial_step=4)(lambda start: None)
