@@ -75,7 +75,12 @@ def _classifies(model: nn.Module) -> bool:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import torchvision
+    try:
+        import torchvision
+    except ImportError:
+        raise SystemExit("adaptmem example train: it trains a torchvision model, but "
+                         "torchvision is not installed; install it (pip install torchvision, "
+                         "the build that matches your torch)") from None
 
     from .cpu_memory import set_cpu_memory_limit
 

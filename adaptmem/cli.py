@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -345,6 +346,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     if not args.seconds > 0:
         raise _UsageError(f"--seconds must be a positive number of seconds, got {args.seconds}")
+    if importlib.util.find_spec("torchvision") is None:
+        raise _UsageError("the demo runs a torchvision model, but torchvision is not "
+                          "installed; install it (pip install torchvision, the build that "
+                          "matches your torch)")
     return run_demo(seconds=args.seconds, simulate_gpu=args.simulate_gpu)
 
 

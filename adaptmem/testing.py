@@ -5,7 +5,7 @@ simulated CUDA device.
 ``MemoryCeiling`` makes any function behave as if the device held only so much, so code
 decorated with ``adaptive.batch`` can be tested on a machine without an accelerator.
 ``simulated_cuda()`` runs code written for CUDA unchanged on the CPU (see its docstring);
-``adaptmem.testing_plugin`` is a pytest plugin with a ``simulated_cuda`` fixture.
+``adaptmem.testing_plugin`` is a pytest plugin with a ``simulated_cuda_device`` fixture.
 
 Example:
     >>> from adaptmem import adaptive
@@ -23,7 +23,9 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 import threading
+from typing import Any
 
 import torch
 
@@ -108,6 +110,10 @@ class MemoryCeiling:
 
     def __init__(self, capacity: int, kind: str = "cuda") -> None:
         make_oom(kind)  # fail early on an unknown kind
+        given: Any = capacity  # annotated int; NumPy numbers and floats are numbers too
+        if isinstance(given, bool) or not isinstance(given, numbers.Real):
+            raise TypeError(f"capacity must be a number of units (items, bytes, ...), got "
+                            f"{type(capacity).__name__} {capacity!r}")
         self.capacity = capacity
         self.kind = kind
         self.attempts: list[int] = []

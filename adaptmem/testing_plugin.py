@@ -36,6 +36,6 @@ def pytest_configure(config: pytest.Config) -> None:
 def simulated_cuda_device(request: pytest.FixtureRequest) -> Iterator[SimulatedCuda]:
     """The test runs on a simulated CUDA device (see ``adaptmem.testing.simulated_cuda``)."""
     marker = request.node.get_closest_marker("simulated_cuda")
-    options = dict(marker.kwargs) if marker is not None else {}
-    with simulated_cuda(**options) as sim:
+    args, options = (marker.args, dict(marker.kwargs)) if marker is not None else ((), {})
+    with simulated_cuda(*args, **options) as sim:  # simulated_cuda(2) as simulated_cuda(2)
         yield sim

@@ -254,3 +254,15 @@ def test_python_dash_m_adaptmem_runs_the_command_line() -> None:
     done = subprocess.run([sys.executable, "-m", "adaptmem", "plan", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage: adaptmem plan" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["demo", "--seconds", "1"],
+                                  ["example", "train", "--model", "resnet18"]])
+def test_commands_that_need_torchvision_say_so_without_it(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as if not installed
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    said = f"{info.value.code} {capsys.readouterr().err}"
+    assert "torchvision is not installed" in said and "Traceback" not in said

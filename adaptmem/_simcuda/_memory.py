@@ -83,6 +83,12 @@ class Allocator:
         self.peak_reserved = 0
         self.num_ooms = 0
         self.num_allocs = 0
+        self.num_frees = 0
+        self.peak_count = 0
+        self.allocated_total = 0  # bytes ever allocated and freed, for memory_stats()
+        self.freed_total = 0
+        self.reserved_total = 0  # bytes ever reserved and given back
+        self.released_total = 0
         self._lock = threading.Lock()
         # See [Note: the host memory of cached blocks]: storages by size, and their bytes.
         self._host: dict[int, list[Any]] = {}
@@ -103,26 +109,37 @@ class Allocator:
                 grow = _segment(block - cached)  # see [Note: emptying whole segments]
                 if self.reserved + grow > self.limit:
                     # Like the real allocator: give cached segments back, then try once more.
-                    self.reserved = _segments_in_use(self.allocated)
+                    self._release_cached()
                     self._drop_host()
                     grow = _segment(block - (self.reserved - self.allocated))
                 if self.reserved + grow > self.limit:
                     self.num_ooms += 1
                     raise torch.OutOfMemoryError(self._oom_message(block))
                 self.reserved += grow
+                self.reserved_total += grow
                 self.peak_reserved = max(self.peak_reserved, self.reserved)
             self.allocated += block
+            self.allocated_total += block
             self.num_allocs += 1
             self.peak_allocated = max(self.peak_allocated, self.allocated)
+            self.peak_count = max(self.peak_count, self.num_allocs - self.num_frees)
         return block
+
+    def _release_cached(self) -> None:
+        """Give back the segments no allocation uses (the lock is held)."""
+        kept = _segments_in_use(self.allocated)
+        self.released_total += self.reserved - kept
+        self.reserved = kept
 
     def free(self, block: int) -> None:
         with self._lock:
             self.allocated -= block
+            self.freed_total += block
+            self.num_frees += 1
 
     def empty_cache(self) -> None:
         with self._lock:
-            self.reserved = _segments_in_use(self.allocated)
+            self._release_cached()
             self._drop_host()
 
     def keep(self, nbytes: int, storage: Any) -> None:
@@ -173,15 +190,31 @@ class Allocator:
         )
 
     def stats(self) -> dict[str, int]:
+        """What ``torch.cuda.memory_stats`` gives, every key ``memory_summary`` reads: one
+        pool (the simulation does not tell small blocks from large, so the small pool stays
+        empty), nothing split or oversize; segments counted in 2 MiB."""
         with self._lock:
-            return {
-                "allocated_bytes.all.current": self.allocated,
-                "allocated_bytes.all.peak": self.peak_allocated,
-                "active_bytes.all.current": self.allocated,
-                "active_bytes.all.peak": self.peak_allocated,
-                "reserved_bytes.all.current": self.reserved,
-                "reserved_bytes.all.peak": self.peak_reserved,
-                "num_ooms": self.num_ooms,
-                "num_alloc_retries": 0,
-                "allocation.all.allocated": self.num_allocs,
-            }
+            count = self.num_allocs - self.num_frees
+            reserved = (self.reserved, self.peak_reserved, self.reserved_total,
+                        self.released_total)
+            allocated = (self.allocated, self.peak_allocated, self.allocated_total,
+                         self.freed_total)
+            allocations = (count, self.peak_count, self.num_allocs, self.num_frees)
+            segments = tuple(-(-n // _SEGMENT) for n in reserved)
+            pooled = {"allocated_bytes": allocated, "active_bytes": allocated,
+                      "requested_bytes": allocated, "reserved_bytes": reserved,
+                      "inactive_split_bytes": (0, 0, 0, 0), "allocation": allocations,
+                      "active": allocations, "segment": segments,
+                      "inactive_split": (0, 0, 0, 0)}
+            fields = ("current", "peak", "allocated", "freed")
+            out: dict[str, int] = {}
+            for name, values in pooled.items():
+                for pool, scale in (("all", 1), ("large_pool", 1), ("small_pool", 0)):
+                    out.update({f"{name}.{pool}.{f}": v * scale
+                                for f, v in zip(fields, values, strict=True)})
+            for name in ("oversize_allocations", "oversize_segments"):
+                out.update({f"{name}.{f}": 0 for f in fields})
+            out.update(num_ooms=self.num_ooms, num_alloc_retries=0, num_sync_all_streams=0,
+                       num_device_alloc=segments[2], num_device_free=segments[3],
+                       max_split_size=-1)
+            return out

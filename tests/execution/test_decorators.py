@@ -1115,3 +1115,9 @@ def test_callable_objects_of_different_classes_keep_sizes_apart() -> None:
     a, b, c = torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(3, 3)
     assert _function_key(a) != _function_key(b)
     assert _function_key(a) == _function_key(c)  # one class: one record, like closures
+
+
+@pytest.mark.parametrize("capacity", ["100", None, True])
+def test_a_memory_ceiling_refuses_a_capacity_that_is_not_a_number(capacity: object) -> None:
+    with pytest.raises(TypeError, match="capacity must be a number of units"):
+        MemoryCeiling(capacity)  # type: ignore[arg-type]

@@ -728,10 +728,30 @@ def test_the_pytest_fixture_runs_a_test_on_the_simulated_device(pytester: pytest
             assert torch.cuda.device_count() == 2
             assert torch.cuda.get_device_properties(0).total_memory == 1024**3
 
+        @pytest.mark.simulated_cuda(2)  # positional, as simulated_cuda(2): once ignored
+        def test_positional(simulated_cuda_device):
+            assert torch.cuda.device_count() == 2
+
         def test_without():
             assert not torch.cuda.is_available()
     """)
-    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=2)
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)
+
+
+def test_memory_summary_and_stats_read_as_cudas_do() -> None:
+    with simulated_cuda(total_memory="64MiB"):
+        a = torch.empty(3 * 2**20, dtype=torch.uint8, device="cuda")
+        b = torch.empty(128, device="cuda")
+        del a
+        stats = torch.cuda.memory_stats()
+        assert stats["allocated_bytes.all.current"] == torch.cuda.memory_allocated() == 512
+        assert stats["allocated_bytes.all.peak"] == torch.cuda.max_memory_allocated()
+        assert stats["allocation.all.current"] == 1 and stats["allocation.all.allocated"] == 2
+        assert stats["reserved_bytes.all.current"] == torch.cuda.memory_reserved()
+        summary = torch.cuda.memory_summary()  # once a KeyError
+        assert "PyTorch CUDA memory summary, device ID 0" in summary
+        assert "Allocated memory" in summary and "CUDA OOMs: 0" in summary
+        del b
 
 
 def test_what_fitted_still_fits_after_an_out_of_memory_error_emptied_the_cache() -> None:
