@@ -564,12 +564,17 @@ def _read_all(
     pending: dict[str, torch.Tensor] = {}
     targets: dict[str, list[torch.Tensor]] = {}
     for name in order:  # every destination first, so that their pages can be faulted ahead
-        entry = sources[name]
-        new, into = _guarded(_targets, reader, entry, dests[name], copy or name in shared)
+        new, into = _guarded(_targets, reader, sources[name], dests[name],
+                             copy or name in shared)
         if new is not None:
             pending[name] = new
         targets[name] = into
-        # Counted before any read starts: see [Note: the reading threads and the GIL].
+    # Only tensors made here: a built model's tensors were written by its constructor.
+    reader.fault_ahead([t for name in order if not dests[name].into for t in targets[name]])
+    for name in order:
+        entry, into = sources[name], targets[name]
+        if into:
+            _guarded(_read_one, reader, entry, dests[name], into)
         for t in into or [pending[name]]:
             _count(stats, t)
         stats.tensors += 1
@@ -577,11 +582,6 @@ def _read_all(
             stats.bytes_read += entry.nbytes
         else:
             stats.bytes_mapped += entry.nbytes
-    # Only tensors made here: a built model's tensors were written by its constructor.
-    reader.fault_ahead([t for name in order if not dests[name].into for t in targets[name]])
-    for name in order:
-        if targets[name]:
-            _guarded(_read_one, reader, sources[name], dests[name], targets[name])
     reader.wait()
     stats.bytes_direct = reader.bytes_direct
     return pending
@@ -672,13 +672,6 @@ def _read_one(reader: Reader, entry: Entry, dest: _Dest, into: list[torch.Tensor
             copy_to(t, direct.reshape(t.shape) if direct.shape != t.shape else direct)
 
 
-# [Note: the reading threads and the GIL]
-# Once reads are submitted, the reader threads copy with the GIL released but take it back
-# between pieces; a torch call on this thread that releases the GIL (``is_pinned``, say)
-# then waits for it behind them. Measured in a fresh process (GPT-2 small, 148 tensors,
-# 2-core VM): counting each tensor's bytes there, after its read was submitted, took 30 ms
-# of the load in ``is_pinned`` alone. So everything per tensor that is not a read is done
-# before the first read starts, and the loop that submits reads does nothing else.
 def _count(stats: LoadStats, t: torch.Tensor) -> None:
     key = "cpu (pinned)" if t.device.type == "cpu" and t.is_pinned() else str(t.device)
     stats.bytes_by_device[key] = stats.bytes_by_device.get(key, 0) + t.numel() * t.element_size()
