@@ -45,8 +45,11 @@ def _gpu_on_the_simulation(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
         return
     marker = request.node.get_closest_marker("simulated_cuda")
+    args, kwargs = (marker.args, marker.kwargs) if marker is not None else ((), {})
+    # Positional options (devices, total_memory) as simulated_cuda takes them.
     options = {"devices": SIMULATED_DEVICES, "total_memory": "16GiB",
-               **(marker.kwargs if marker is not None else {})}
+               **dict(zip(("devices", "total_memory", "bandwidth"), args, strict=False)),
+               **kwargs}
     with simulated_cuda(**options):
         yield
 

@@ -101,6 +101,8 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         # An empty capacity once meant "no limit" silently.
         (["plan", "resnet18", "--mode", "split", "--device", "cuda:0=", "--device", "cpu"],
          "the capacity after '=' is empty"),
+        (["plan", "resnet18", "--mode", "split", "--device", "cuda:0=2.5", "--device", "cpu"],
+         "write a unit, e.g. '2.5GiB'"),
     ],
 )
 def test_plan_errors_are_one_line_with_exit_status_2(

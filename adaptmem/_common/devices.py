@@ -54,8 +54,8 @@ def parse_size(value: Any, name: str = "size") -> int:
     Raises:
         TypeError: ``value`` is neither a number nor a string (``bool`` is refused too).
         ValueError: the string cannot be parsed, or the size is negative or not finite, or
-            a number with a fraction is under 1 KiB (``2.5`` meant as GiB, which would be 2
-            bytes).
+            a number of bytes with a fraction is under 1 KiB (``2.5`` or ``"2.5"`` meant as
+            GiB, which would be 2 bytes).
     """
     if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
         raise TypeError(
@@ -71,11 +71,13 @@ def parse_size(value: Any, name: str = "size") -> int:
                 f"'512MiB', '1.5GiB' or '20GB' (units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
             )
         number = float(match.group(1)) * _UNITS[unit]
+        plain, shown = unit in ("", "b"), match.group(1)
     else:
         number = float(value)
-        if 0 < number < 1024 and not number.is_integer():
-            raise ValueError(f"{name}={value!r}: sizes are bytes, and {value!r} bytes is a "
-                             f"fraction of one KiB; write a unit, e.g. '{value}GiB'")
+        plain, shown = True, str(value)
+    if plain and 0 < number < 1024 and not number.is_integer():  # "2.5" meant as GiB
+        raise ValueError(f"{name}={value!r}: sizes are bytes, and this is under 1 KiB with a "
+                         f"fraction of a byte; write a unit, e.g. '{shown}GiB'")
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"{name} must be a finite number of bytes, zero or more, got {value!r}")
     return int(number)

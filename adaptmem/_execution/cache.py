@@ -425,15 +425,24 @@ def user_frame(frame: Any) -> Any:
 
 
 _cuda_devices: dict[int, torch.device] = {}
+# (torch.cuda.is_available as it is now, its answer, the device count): asked once, not at
+# every call (1 us of the 2 a call costs); asked again when the function is another one
+# (a simulated device patches it).
+_cuda_seen: tuple[Any, bool, int] = (None, False, 0)
 
 
 def device_in_use() -> torch.device | None:
     """The device a call of a function decorated with ``device=None`` runs on: the current
     CUDA device when CUDA is available, else None (``default_device()``'s answer, which
     does not change while the process runs)."""
-    if not torch.cuda.is_available():
+    global _cuda_seen
+    available = torch.cuda.is_available
+    if _cuda_seen[0] is not available:
+        yes = available()
+        _cuda_seen = (available, yes, torch.cuda.device_count() if yes else 0)
+    if not _cuda_seen[1]:
         return None
-    index = torch.cuda.current_device()
+    index = torch.cuda.current_device() if _cuda_seen[2] > 1 else 0
     device = _cuda_devices.get(index)
     if device is None:  # made once: a torch.device costs as much as the rest of a key
         device = _cuda_devices[index] = torch.device("cuda", index)

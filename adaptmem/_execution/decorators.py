@@ -233,8 +233,11 @@ class _Adaptive:
             self.__signature__ = signature
 
     def __set_name__(self, owner: type, name: str) -> None:
-        if not self._binding:
-            self._read_call_shape(True)  # see [Note: methods]
+        # Defined in the class body (not a function made elsewhere that the class only
+        # names, ``fn = infer``): a method. See [Note: methods].
+        qualname = getattr(self._func, "__qualname__", "")
+        if not self._binding and qualname.startswith(f"{owner.__qualname__}."):
+            self._read_call_shape(True)
 
     def _ranks(self) -> Ranks:
         ranks = resolve_ranks(self.group, self.group_timeout, self._name)
@@ -344,14 +347,18 @@ class _Adaptive:
         return self.__qualname__  # type: ignore[no-any-return,attr-defined]
 
     # [Note: methods] Whether a call through the class (``Model.infer(model, x)``) passes
-    # the instance first is decided by where the function lives, not by the name of its
-    # first parameter (``this`` is as good as ``self``, and a plain function may call its
-    # first parameter ``self``): a decorated function found in a class body
-    # (``__set_name__``) or bound as a class attribute (``__get__``) is a method. Above
-    # ``@staticmethod`` it is not; above ``@classmethod`` it always gets the class. Written
-    # under ``@staticmethod`` it is rightly none (that decorator hides it from both hooks);
-    # under ``@classmethod`` only Pythons before 3.13 bind it (through ``__get__``), so the
-    # adaptive decorator goes above ``@classmethod``.
+    # the instance first is decided by where the function is defined, not by the name of
+    # its first parameter (``this`` is as good as ``self``, and a plain function may call
+    # its first parameter ``self``): a decorated function defined in a class body (its
+    # qualified name starts with the class's, seen by ``__set_name__``) is a method. One
+    # defined elsewhere that a class only names (``fn = infer``) stays a function for
+    # direct calls and calls through the class; read through an instance it is bound to it,
+    # as any function is. Nothing here changes when the function is read (``__get__``):
+    # the decorated object is shared. Above ``@staticmethod`` it is not a method; above
+    # ``@classmethod`` it always gets the class. Written under ``@staticmethod`` it is
+    # rightly none (that decorator hides it); under ``@classmethod`` only Pythons before
+    # 3.13 bind it (through ``__get__``), so the adaptive decorator goes above
+    # ``@classmethod``.
 
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         binding = self._binding
@@ -359,8 +366,6 @@ class _Adaptive:
             return _BoundAdaptive(self, objtype if objtype is not None else type(obj))
         if binding == "static":
             return self
-        if not self._self_first:  # a class attribute set after the class was made
-            self._read_call_shape(True)
         if obj is None:
             return self  # through the class, a method gets its instance from the caller
         return _BoundAdaptive(self, obj)

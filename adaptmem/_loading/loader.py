@@ -301,7 +301,8 @@ def load(
     instant, pages are read on first use and are shared with the page cache, writes stay in
     this process, and the file must not be truncated or replaced while the model lives. A
     built model's own CPU tensors are mapped too: their ``.data`` is swapped (the
-    ``Parameter`` objects stay) and the memory they held is freed.
+    ``Parameter`` objects stay) and the memory they held is freed; those sharing a
+    storage, pinned ones and inference tensors are filled in place instead.
     Checkpoint tensors whose bytes overlap (saved tied, or as views of one storage) that the
     model keeps apart are read instead, so that they do not share memory. The default
     ``copy=True`` reads them into ordinary memory.
@@ -393,12 +394,13 @@ def load(
     # ordinary ones even when the caller is in inference mode (placement refuses inference
     # tensors, which track no versions); an inference tensor is written in inference mode.
     with torch.inference_mode(False), torch.no_grad():
+        # Everything new is made before the model changes (tensors filled in place are
+        # written by the reads): an allocation that fails (out of memory on the device)
+        # leaves the model as it was.
+        unloaded = _unloaded(model, dests, sources, stats)
         with Reader(files=len(ckpt.files)) as reader:
             pending = _read_all(reader, ckpt, dests, sources, copy, stats)
-        # Everything new is made before the model changes: an allocation that fails (out of
-        # memory on the device) leaves the model as it was.
-        pending.update(_unloaded(model, dests, sources, stats))
-        _commit(model, sizes, pending)
+        _commit(model, sizes, {**pending, **unloaded})
     stats.seconds = time.perf_counter() - start
     # Shown while the model lives, returned or not: see [Note: one place for statistics].
     report(model, f"load ({_label(stats.files)})", stats)
@@ -644,14 +646,23 @@ def _targets(reader: Reader, entry: Entry, dest: _Dest,
     return new, [new]
 
 
+def _whole_and_plain(t: torch.Tensor) -> bool:
+    """Whether a built model's own tensor may have its ``.data`` swapped for a mapping: it
+    is the whole of its storage (no other tensor of the model shares it, a flattened
+    parameter's views say), contiguous, not pinned, and not an inference tensor (one whose
+    ``.data`` is swapped outside inference mode loses its version counter)."""
+    return bool(t.is_contiguous() and t.storage_offset() == 0 and not t.is_inference()
+                and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                and not t.is_pinned())
+
+
 def _mappable(reader: Reader, entry: Entry, dest: _Dest) -> bool:
     """Whether ``entry`` can back ``dest`` as it is stored: ordinary CPU memory, no dtype
     or memory-format conversion, bytes the file holds as the tensor lays them out."""
     own = dest.current if dest.own else None
     device = own.device if own is not None else dest.device
     return (device is not None and device.type == "cpu" and not dest.pinned
-            and not (own is not None and (own.is_pinned() or not own.is_contiguous()))
-            and dest.dtype == entry.dtype
+            and (own is None or _whole_and_plain(own)) and dest.dtype == entry.dtype
             and _memory_format(dest.current) is torch.contiguous_format
             and reader.can_map(entry))
 

@@ -442,9 +442,10 @@ def _repr(func: Any, args: Any, kwargs: dict[str, Any]) -> str:
     if not t.is_cuda:
         return repr(_host_view(t))
     text = torch._tensor_str._str(t.detach().cpu(), **kwargs)
-    device = f"device='{t.device}'"
-    at = text.rfind(", dtype=")
-    text = f"{text[:at]}, {device}{text[at:]}" if at >= 0 else f"{text[:-1]}, {device})"
+    # CUDA's device comes first of the suffixes, before an empty tensor's size and a dtype.
+    at = min((i for i in (text.rfind(", size="), text.rfind(", dtype=")) if i >= 0),
+             default=len(text) - 1)
+    text = f"{text[:at]}, device='{t.device}'{text[at:]}"
     if t.grad_fn is not None:
         return f"{text[:-1]}, grad_fn=<{type(t.grad_fn).__name__}>)"
     return f"{text[:-1]}, requires_grad=True)" if t.requires_grad else text
@@ -457,7 +458,11 @@ def _tolist(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
 
 def _format(func: Any, args: Any, kwargs: dict[str, Any]) -> str:
     t, spec = args
-    return format(_tolist(func, (t,), {}) if t.dim() == 0 else _repr(func, (t,), {}), spec)
+    if t.dim() == 0:
+        return format(_tolist(func, (t,), {}), spec)
+    if spec:
+        raise TypeError("unsupported format string passed to Tensor.__format__")  # as CUDA
+    return _repr(func, (t,), {})
 
 
 def _host_view(t: torch.Tensor) -> torch.Tensor:

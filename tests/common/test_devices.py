@@ -89,9 +89,10 @@ def test_retries_empty_the_cache_of_an_mps_device_also_when_the_device_is_not_na
     assert calls == ["mps"]
 
 
-@pytest.mark.parametrize("value", [2.5, 0.5, 1023.9])
-def test_a_size_of_a_fraction_of_a_kib_is_refused_as_a_missing_unit(value: float) -> None:
-    with pytest.raises(ValueError, match=rf"capacity={value}: sizes are bytes.*'{value}GiB'"):
+@pytest.mark.parametrize("value", [2.5, 0.5, 1023.9, "2.5", "0.5B"])
+def test_a_size_of_a_fraction_of_a_kib_is_refused_as_a_missing_unit(value: object) -> None:
+    shown = str(value).removesuffix("B")
+    with pytest.raises(ValueError, match=rf"capacity={value!r}: sizes are bytes.*'{shown}GiB'"):
         parse_size(value, "capacity")
     with pytest.raises(ValueError, match="sizes are bytes"):
         adaptive.plan(torch.nn.Linear(4, 4), devices={"cuda:0": value, "cpu": None})
@@ -101,3 +102,4 @@ def test_whole_and_computed_byte_counts_are_sizes() -> None:
     assert parse_size(2.0) == 2 and parse_size(2e9) == 2_000_000_000
     assert parse_size(0.8 * 3_000_000) == 2_400_000  # 0.8 * free, rounded down
     assert parse_size("2.5GiB") == int(2.5 * 2**30) and parse_size(0) == 0
+    assert parse_size("0.5KiB") == 512 and parse_size("1500.5") == 1500

@@ -38,11 +38,30 @@ def test_a_method_called_through_its_class_gets_its_instance_whatever_it_is_call
 
     model = Model()
     assert model.infer(1) == Model.infer(model, 1) == ("Model", 4, 1)
-    # Set on the class after it was made: a method too.
+    # Set on the class after it was made: bound when read through an instance.
     late = adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)(
         lambda me, batchsize, x: (type(me).__name__, batchsize, x))
     Model.late = late  # type: ignore[attr-defined]
-    assert model.late(1) == Model.late(model, 1) == ("Model", 4, 1)  # type: ignore[attr-defined]
+    assert model.late(1) == ("Model", 4, 1)  # type: ignore[attr-defined]
+
+
+def test_a_function_a_class_only_names_keeps_its_direct_calls_and_signature() -> None:
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def infer(batchsize: int, data: str) -> tuple[int, str]:
+        return batchsize, data
+
+    signature = inspect.signature(infer)
+
+    class Holder:
+        fn = infer  # names it; defined elsewhere
+
+    class Later:
+        pass
+
+    Later.fn = infer  # type: ignore[attr-defined]
+    assert Holder.fn is infer and Later.fn is infer  # type: ignore[attr-defined]
+    assert infer("x") == (8, "x")  # once ("x", 8): the class had made it a method
+    assert inspect.signature(infer) == signature
 
 
 def test_a_method_without_room_for_the_size_fails_when_its_class_is_made() -> None:

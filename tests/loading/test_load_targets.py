@@ -160,3 +160,56 @@ def test_paged_plan_tensors_stay_pinned_on_the_simulated_device(tmp_path: Path) 
         model, stats = adaptive.load(_stack, tmp_path / "m.pt", device=plan, return_stats=True)
         assert list(stats.bytes_by_device) == ["cpu (pinned)"]
         assert all(p.is_pinned() for p in model.parameters())  # pinning is the storage's
+
+
+def test_copy_false_leaves_a_model_built_under_inference_mode_usable(tmp_path: Path) -> None:
+    source = nn.Linear(2, 2)
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    with torch.inference_mode():
+        model = nn.Linear(2, 2)
+    adaptive.load(model, tmp_path / "m.pt", copy=False)
+    assert model.weight.is_inference()  # filled in place, not given a mapping
+    assert torch.equal(model.weight, source.weight)
+    with torch.inference_mode():
+        assert torch.equal(model(torch.ones(1, 2)), source(torch.ones(1, 2)))
+    model.weight.t()  # once: "Inference tensors do not track version counter"
+
+
+class _Flat(nn.Module):
+    """Two parameters over one flat storage, as flattened-parameter wrappers keep them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        flat = torch.zeros(8)
+        self.a = nn.Parameter(flat[:4])
+        self.b = nn.Parameter(flat[4:])
+
+
+def test_copy_false_keeps_a_storage_the_models_own_tensors_share(tmp_path: Path) -> None:
+    safetensors_torch.save_file({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)},
+                                tmp_path / "m.safetensors")
+    model = adaptive.load(_Flat(), tmp_path / "m.safetensors", copy=False)
+    assert model.a.tolist() == [1.0] * 4 and model.b.tolist() == [2.0] * 4
+    assert model.a.untyped_storage().data_ptr() == model.b.untyped_storage().data_ptr()
+
+
+class _OnDeviceWithBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("big", torch.zeros(64, 1024, 1024), persistent=False)  # 256 MiB
+
+
+def test_running_out_while_moving_buffers_leaves_tensors_filled_in_place_unwritten(
+    tmp_path: Path,
+) -> None:
+    torch.save({"lin.weight": torch.full((4, 4), 7.0), "lin.bias": torch.full((4,), 7.0)},
+               tmp_path / "m.pt")
+    with simulated_cuda(total_memory="200MiB"):
+        model = _OnDeviceWithBuffer()
+        model.lin.to("cuda")  # already in place: filled by the reads themselves
+        before = model.lin.weight.detach().cpu().clone()
+        with pytest.raises(torch.OutOfMemoryError):
+            adaptive.load(model, tmp_path / "m.pt", device="cuda")
+        assert torch.equal(model.lin.weight.detach().cpu(), before)
+        assert model.big.device.type == "cpu"

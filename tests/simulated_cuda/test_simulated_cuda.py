@@ -90,6 +90,10 @@ def test_tensors_print_and_convert_to_python_as_cuda_tensors_do() -> None:
         assert repr(big.cuda()) == "tensor([0., 0., 0.,  ..., 0., 0., 0.], device='cuda:0')"
         assert repr(layer.cuda().weight).endswith("device='cuda:0', requires_grad=True)")
         assert repr(torch.tensor(3, device="cuda")) == "tensor(3, device='cuda:0')"
+        assert repr(torch.zeros(0, 3, dtype=torch.int64, device="cuda")) == (
+            "tensor([], device='cuda:0', size=(0, 3), dtype=torch.int64)")  # device first
+        with pytest.raises(TypeError, match="unsupported format string"):
+            f"{small.cuda():.2f}"  # as torch: only a 0-dim tensor formats by value
         assert f"{small.cuda()[1]:.2f}" == "1.00"
         assert small.cuda().tolist() == [0.0, 1.0, 2.0, 3.0] and small.cuda()[2].tolist() == 2.0
         on_device = small.cuda()
