@@ -13,11 +13,9 @@ one). Writes through ``.data`` move no version counter, so a write is found by c
 the placed copy against the original converted as it was at placement, bit by bit, and only
 the elements that differ are written back (the others keep their unrounded values). That
 costs one conversion and one copy to the original's device per converted tensor, at each
-re-placement and at ``remove()``. A copy placed on another device (a GPU) first has its
-fingerprint compared with the one taken at placement, on that device (two sums over its
-bits, one weighted by position): only a copy whose fingerprint moved is copied back and
-compared. The loader (``load_targets``) writes both the placed copy and the original, so
-its writes compare equal and are not carried twice.
+re-placement and at ``remove()``, which moves every unconverted tensor back anyway. The
+loader (``load_targets``) writes both the placed copy and the original, so its writes
+compare equal and are not carried twice.
 """
 
 from __future__ import annotations
@@ -42,9 +40,6 @@ class PlacedTensors:
         self.original = {n: (t.device, t.dtype) for n, t in self.tensors.items()}
         self._targets = targets
         self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
-        # Fingerprints of converted copies placed on another device than their original,
-        # taken at placement: see [Note: writes to a converted copy].
-        self._prints: dict[str, torch.Tensor] = {}
         self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
 
     def apply(self, units: Sequence[Unit]) -> None:
@@ -107,22 +102,18 @@ class PlacedTensors:
         else:
             self._kept.pop(name, None)
         set_data(t, placed)
-        kept = self._kept.get(name)
-        if kept is not None and not kept.is_meta and placed.device != kept.device:
-            self._prints[name] = _fingerprint(placed)
 
     def _sync_back(self, name: str) -> None:
         """Carry writes to the placed copy into the kept original: see [Note: writes to a
         converted copy]."""
         kept = self._kept.get(name)
         placed = self.tensors[name].data
-        printed = self._prints.pop(name, None)
         if kept is None or kept.is_meta or placed.is_meta or placed.shape != kept.shape:
             return
-        if (printed is not None and printed.device == placed.device
-                and torch.equal(printed, _fingerprint(placed))):
-            return  # unchanged on its device: nothing to copy back to compare
-        _carry_changes(placed, kept)
+        placed = placed.to(kept.device)
+        changed = _bits(placed) != _bits(kept.to(placed.dtype))
+        if changed.any():
+            kept[changed] = placed[changed].to(kept.dtype)
 
     def _restore(self, name: str) -> None:
         t = self.tensors[name]
@@ -136,33 +127,6 @@ class PlacedTensors:
         grad = t.grad
         if grad is not None and (grad.dtype != t.dtype or grad.device != t.device):
             t.grad = grad.to(device=t.device, dtype=t.dtype)  # a backward ran while placed
-
-
-def _carry_changes(placed: torch.Tensor, kept: torch.Tensor) -> None:
-    """Write into ``kept`` the elements of ``placed`` (its converted copy) that differ, bit
-    for bit, from ``kept`` converted as it was at placement."""
-    placed = placed.to(kept.device)
-    changed = _bits(placed) != _bits(kept.to(placed.dtype))
-    if changed.any():
-        kept[changed] = placed[changed].to(kept.dtype)
-
-
-_PIECE = 1 << 22  # elements fingerprinted at a time (32 MiB of int64 temporaries)
-
-
-def _fingerprint(t: torch.Tensor) -> torch.Tensor:
-    """Two int64 sums over ``t``'s bits, on its device: plain, and weighted by a
-    pseudo-random number per position (so that moving values around changes it too). Equal
-    fingerprints say, with overwhelming odds, that nothing was written."""
-    bits = _bits(t).reshape(-1)
-    total = torch.zeros(2, dtype=torch.int64, device=t.device)
-    for start in range(0, bits.numel(), _PIECE):
-        piece = bits[start:start + _PIECE].to(torch.int64)
-        weights = torch.arange(start, start + piece.numel(), dtype=torch.int64, device=t.device)
-        weights.mul_(2654435761).remainder_(2**31).add_(1)
-        total[0] += piece.sum()
-        total[1] += piece.mul_(weights).sum()
-    return total
 
 
 _INTEGERS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
