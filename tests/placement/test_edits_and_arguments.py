@@ -94,3 +94,29 @@ def test_capacities_and_budgets_no_forward_could_run_under_are_refused() -> None
         assert not model._forward_pre_hooks and not model[0]._forward_pre_hooks
     # A plan is for any machine: its capacities are not checked against this one.
     adaptive.plan(model, devices={"cuda:0": "100GiB", "cpu": None})
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_converted_copies_on_the_simulated_gpu_come_back_exact_or_with_their_edits(
+    dtype: torch.dtype,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randn(3, 64)
+    with simulated_cuda(total_memory="64MiB"):
+        handle = adaptive.chunk(model, "cuda", capacity="1MiB", dtype=dtype)
+        with torch.no_grad():
+            out = model(x.cuda()).cpu()
+        model[0].weight.data[1, 2] = 0.5  # one element of one converted copy
+        handle.remove()
+    reference = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).eval().to(dtype)
+    reference.load_state_dict({n: t.to(dtype) for n, t in before.items()})
+    with torch.no_grad():
+        assert torch.equal(out, reference(x.to(dtype)).to(out.dtype))  # copies untouched
+    for name, p in model.named_parameters():
+        expected = before[name].clone()
+        if name == "0.weight":
+            expected[1, 2] = 0.5
+        assert p.device.type == "cpu" and p.dtype == torch.float32
+        assert torch.equal(p.detach(), expected), name  # bitwise, but for the edit
