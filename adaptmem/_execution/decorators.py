@@ -20,7 +20,7 @@ from .._common.oom import shrinks_size
 from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
-from .cache import BatchsizeCache, check_cache, resolve_cache
+from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
 from .lazy import retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
@@ -187,6 +187,10 @@ class _Adaptive:
         # classmethod always, a function once found in a class (see [Note: methods]).
         self._self_first = False
         self._read_call_shape(self._binding == "class")
+        # The class body the decorator was applied in, if any (see [Note: methods]).
+        here = user_frame(sys._getframe(1))
+        scope = here.f_locals if here is not None else {}
+        self._class_body = scope.get("__qualname__") if "__module__" in scope else None
         if inspect.iscoroutinefunction(func):
             _mark_coroutine_function(self)
         if group is not None and _is_lazy_function(func):
@@ -236,7 +240,8 @@ class _Adaptive:
         # Defined in the class body (not a function made elsewhere that the class only
         # names, ``fn = infer``): a method. See [Note: methods].
         qualname = getattr(self._func, "__qualname__", "")
-        if not self._binding and qualname.startswith(f"{owner.__qualname__}."):
+        if not self._binding and (self._class_body == owner.__qualname__
+                                  or qualname.startswith(f"{owner.__qualname__}.")):
             self._read_call_shape(True)
 
     def _ranks(self) -> Ranks:
@@ -349,8 +354,10 @@ class _Adaptive:
     # [Note: methods] Whether a call through the class (``Model.infer(model, x)``) passes
     # the instance first is decided by where the function is defined, not by the name of
     # its first parameter (``this`` is as good as ``self``, and a plain function may call
-    # its first parameter ``self``): a decorated function defined in a class body (its
-    # qualified name starts with the class's, seen by ``__set_name__``) is a method. One
+    # its first parameter ``self``): a decorated function defined in a class body (the
+    # decorator was applied there, or its qualified name starts with the class's, seen by
+    # ``__set_name__``; a wrapper another decorator made without ``functools.wraps`` has a
+    # name of its own) is a method. One
     # defined elsewhere that a class only names (``fn = infer``) stays a function for
     # direct calls and calls through the class; read through an instance it is bound to it,
     # as any function is. Nothing here changes when the function is read (``__get__``):

@@ -185,7 +185,8 @@ def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
 class _Dest:
     """Where one distinct model tensor goes: copied into ``into``, or a new tensor made on
     ``device`` (pinned host memory when ``pinned``) with ``dtype``. ``own``: ``into`` is the
-    model's own tensor, already in place (not a handle's copies)."""
+    model's own CPU tensor, already in place and alone on its storage (not a handle's
+    copies), which ``copy=False`` may map instead."""
 
     name: str
     current: torch.Tensor
@@ -488,6 +489,7 @@ def _plan_load(
 
     place = _placements(sizes, device, any(t.device.type == "meta" for t in tensors.values()))
     handle = isinstance(device, LoadTargets)
+    shared = _shared_storages(tensors.values())
     dests: dict[str, _Dest] = {}
     for name, current in tensors.items():
         want = dtype if dtype is not None and current.is_floating_point() else current.dtype
@@ -507,7 +509,9 @@ def _plan_load(
                 target or default_device())
             if (current.device == target and current.dtype == want
                     and (not pinned or current.is_pinned())):
-                dest.into, dest.own = [current], True
+                # A storage another model tensor uses too stays: it is filled in place.
+                dest.into = [current]
+                dest.own = current.device.type == "cpu" and _storage_key(current) not in shared
             else:
                 dest.device, dest.pinned = target, pinned
         for t in dest.into:
@@ -646,11 +650,28 @@ def _targets(reader: Reader, entry: Entry, dest: _Dest,
     return new, [new]
 
 
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()
+
+
+def _shared_storages(tensors: Any) -> set[tuple[str, int]]:
+    """The CPU storages (the only ones mapped) that more than one distinct model tensor
+    uses: views of one flattened parameter, a buffer that is a view of a weight."""
+    seen: set[tuple[str, int]] = set()
+    shared: set[tuple[str, int]] = set()
+    for t in tensors:
+        if t.device.type != "cpu" or not t.untyped_storage().nbytes():
+            continue
+        key = _storage_key(t)
+        (shared if key in seen else seen).add(key)
+    return shared
+
+
 def _whole_and_plain(t: torch.Tensor) -> bool:
-    """Whether a built model's own tensor may have its ``.data`` swapped for a mapping: it
-    is the whole of its storage (no other tensor of the model shares it, a flattened
-    parameter's views say), contiguous, not pinned, and not an inference tensor (one whose
-    ``.data`` is swapped outside inference mode loses its version counter)."""
+    """Whether a built model's own tensor (one no other model tensor shares a storage with:
+    ``_shared_storages``) may have its ``.data`` swapped for a mapping: it is the whole of
+    its storage, contiguous, not pinned, and not an inference tensor (one whose ``.data``
+    is swapped outside inference mode loses its version counter)."""
     return bool(t.is_contiguous() and t.storage_offset() == 0 and not t.is_inference()
                 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
                 and not t.is_pinned())

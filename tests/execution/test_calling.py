@@ -4,6 +4,7 @@ signatures, the arguments range and chunked take, and the messages of wrong call
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import numpy as np
 import pytest
@@ -152,3 +153,19 @@ def test_decoration_errors_name_the_argument_that_set_the_size_and_what_is_injec
         adaptive.chunked(initial_step=4)(lambda chunk, start: None)
     with pytest.raises(TypeError, match="must take the injected start and end"):
         adaptive.range(initial_step=4)(lambda start: None)
+
+
+def test_a_method_wrapped_without_functools_wraps_is_still_a_method() -> None:
+    def timed(f: Any) -> Any:  # names its wrapper itself: timed.<locals>.wrapper
+        def wrapper(self: Any, batchsize: int, x: int) -> Any:
+            return f(self, batchsize, x)
+        return wrapper
+
+    class Model:
+        @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+        @timed
+        def infer(self, batchsize: int, x: int) -> tuple[str, int, int]:
+            return type(self).__name__, batchsize, x
+
+    model = Model()
+    assert model.infer(1) == Model.infer(model, 1) == ("Model", 4, 1)

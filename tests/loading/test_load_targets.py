@@ -185,12 +185,26 @@ class _Flat(nn.Module):
         self.b = nn.Parameter(flat[4:])
 
 
+class _FlatView(nn.Module):
+    """A weight and a non-persistent buffer that views all of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(4, 4))
+        self.register_buffer("flat", self.weight.data.view(-1), persistent=False)
+
+
 def test_copy_false_keeps_a_storage_the_models_own_tensors_share(tmp_path: Path) -> None:
     safetensors_torch.save_file({"a": torch.full((4,), 1.0), "b": torch.full((4,), 2.0)},
                                 tmp_path / "m.safetensors")
     model = adaptive.load(_Flat(), tmp_path / "m.safetensors", copy=False)
     assert model.a.tolist() == [1.0] * 4 and model.b.tolist() == [2.0] * 4
     assert model.a.untyped_storage().data_ptr() == model.b.untyped_storage().data_ptr()
+    # Each covering the whole storage: still one memory, the buffer sees the weight.
+    safetensors_torch.save_file({"weight": torch.full((4, 4), 3.0)}, tmp_path / "w.safetensors")
+    viewed = adaptive.load(_FlatView(), tmp_path / "w.safetensors", copy=False)
+    assert viewed.flat.tolist() == [3.0] * 16
+    assert viewed.flat.untyped_storage().data_ptr() == viewed.weight.untyped_storage().data_ptr()
 
 
 class _OnDeviceWithBuffer(nn.Module):
