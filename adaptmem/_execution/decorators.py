@@ -187,9 +187,12 @@ class _Adaptive:
         # classmethod always, a function once found in a class (see [Note: methods]).
         self._self_first = False
         self._read_call_shape(self._binding == "class")
-        # The class body the decorator was applied in, if any (see [Note: methods]).
+        # The class body the decorator was applied in, if any (see [Note: methods]). Only a
+        # namespace frame's locals are read: a function frame's would be snapshotted into a
+        # dict the frame keeps, holding the caller's locals (models, tensors) alive.
         here = user_frame(sys._getframe(1))
-        scope = here.f_locals if here is not None else {}
+        scope = (here.f_locals if here is not None
+                 and not here.f_code.co_flags & inspect.CO_OPTIMIZED else {})
         self._class_body = scope.get("__qualname__") if "__module__" in scope else None
         if inspect.iscoroutinefunction(func):
             _mark_coroutine_function(self)
