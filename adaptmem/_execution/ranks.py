@@ -165,8 +165,18 @@ def resolve_ranks(group: Any, timeout: float, name: str) -> Ranks:
         made = _made.get(key)
         if made is None:
             # Only the members take part (use_local_synchronization), as only they call.
-            cpu = dist.new_group(members, timeout=timedelta(seconds=timeout), backend="gloo",
-                                 use_local_synchronization=True)
+            # Making it waits for every member's first call: a rank that died or is late
+            # says so as later exchanges do.
+            try:
+                cpu = dist.new_group(members, timeout=timedelta(seconds=timeout),
+                                     backend="gloo", use_local_synchronization=True)
+            except Exception as exc:
+                raise RankError(
+                    f"{name} on rank {dist.get_rank()}: the ranks {members} did not all make "
+                    f"their first grouped call within group_timeout={timeout:g} s "
+                    f"({type(exc).__name__}: {exc}). A rank died, is late, or does not call "
+                    f"{name}; every rank must call it the same number of times"
+                ) from exc
             made = _made[key] = Ranks(source, members, cpu, float(timeout))
     return made
 

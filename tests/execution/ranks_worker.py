@@ -168,6 +168,19 @@ def dies(rank: int, seen: dict[str, Any], out: str) -> None:
         seen["dies"] = {"type": None}
     seen["dies"]["seconds"] = time.monotonic() - started
 
+    # A function whose first call makes a group of its own (another group_timeout): the
+    # rank that left never makes it; once a bare "Wait timeout" from torch.
+    @adaptive.batch(initial_batchsize=8, group="world", group_timeout=3)
+    def first(batchsize: int) -> int:
+        return batchsize
+
+    try:
+        first()
+    except adaptive.RankError as exc:
+        seen["dies"]["first"] = {"type": "RankError", "message": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - recorded for the test to show
+        seen["dies"]["first"] = {"type": type(exc).__name__, "message": str(exc)}
+
 
 def _write(seen: dict[str, Any], out: str, rank: int) -> None:
     with open(f"{out}.{rank}.json", "w") as f:

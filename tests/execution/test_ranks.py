@@ -144,6 +144,9 @@ def test_a_rank_that_left_is_a_clear_error_not_a_hang(two_ranks: list[dict[str, 
     assert waiting["type"] == "RankError"
     assert "did not all answer" in waiting["message"] and "rank 0" in waiting["message"]
     assert waiting["seconds"] < 60  # group_timeout=5, or sooner when the connection closes
+    # The first call of a function that needs a group of its own: RankError too.
+    assert waiting["first"]["type"] == "RankError", waiting["first"]
+    assert "did not all make their first grouped call" in waiting["first"]["message"]
 
 
 def test_group_must_be_world_or_a_process_group() -> None:
