@@ -511,7 +511,8 @@ def _plan_load(
                     and (not pinned or current.is_pinned())):
                 # A storage another model tensor uses too stays: it is filled in place.
                 dest.into = [current]
-                dest.own = current.device.type == "cpu" and _storage_key(current) not in shared
+                dest.own = (current.device.type == "cpu"
+                            and current.untyped_storage().data_ptr() not in shared)
             else:
                 dest.device, dest.pinned = target, pinned
         for t in dest.into:
@@ -635,8 +636,6 @@ def _targets(reader: Reader, entry: Entry, dest: _Dest,
     """(the new tensor to swap in or None, the tensors to write ``entry`` into); a mapped
     tensor needs no writing. With ``copy=False`` a built model's own CPU tensor is mapped
     too (its ``.data`` is swapped at the commit) where no conversion is needed."""
-    if dest.into and (copy or not dest.own):
-        return None, dest.into
     if not copy and _mappable(reader, entry, dest):
         return reader.mapped(entry), []
     if dest.into:
@@ -650,20 +649,15 @@ def _targets(reader: Reader, entry: Entry, dest: _Dest,
     return new, [new]
 
 
-def _storage_key(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
-
-
-def _shared_storages(tensors: Any) -> set[tuple[str, int]]:
-    """The CPU storages (the only ones mapped) that more than one distinct model tensor
-    uses: views of one flattened parameter, a buffer that is a view of a weight."""
-    seen: set[tuple[str, int]] = set()
-    shared: set[tuple[str, int]] = set()
+def _shared_storages(tensors: Any) -> set[int]:
+    """The addresses of the CPU storages (the only ones mapped) that more than one distinct
+    model tensor uses: views of one flattened parameter, a buffer that views a weight."""
+    seen: set[int] = set()
+    shared: set[int] = set()
     for t in tensors:
-        if t.device.type != "cpu" or not t.untyped_storage().nbytes():
-            continue
-        key = _storage_key(t)
-        (shared if key in seen else seen).add(key)
+        if t.device.type == "cpu" and t.untyped_storage().nbytes():
+            address = t.untyped_storage().data_ptr()
+            (shared if address in seen else seen).add(address)
     return shared
 
 
@@ -679,11 +673,12 @@ def _whole_and_plain(t: torch.Tensor) -> bool:
 
 def _mappable(reader: Reader, entry: Entry, dest: _Dest) -> bool:
     """Whether ``entry`` can back ``dest`` as it is stored: ordinary CPU memory, no dtype
-    or memory-format conversion, bytes the file holds as the tensor lays them out."""
-    own = dest.current if dest.own else None
-    device = own.device if own is not None else dest.device
+    or memory-format conversion, bytes the file holds as the tensor lays them out. Tensors
+    to write into (``dest.into``) are mapped only when they are the model's own (a handle's
+    copies have no ``device``)."""
+    device = dest.current.device if dest.own else dest.device
     return (device is not None and device.type == "cpu" and not dest.pinned
-            and (own is None or _whole_and_plain(own)) and dest.dtype == entry.dtype
+            and (not dest.own or _whole_and_plain(dest.current)) and dest.dtype == entry.dtype
             and _memory_format(dest.current) is torch.contiguous_format
             and reader.can_map(entry))
 
