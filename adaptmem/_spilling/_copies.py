@@ -237,6 +237,11 @@ class Copies:
             else:
                 self.disk.empty()
 
+    def free(self, offset: int, nbytes: int) -> None:
+        """An entry's region of the scratch file is needed no more: later entries reuse it."""
+        if self.disk is not None and offset >= 0:
+            self.disk.free(offset, nbytes)
+
     def close(self) -> None:
         if self.disk is not None:
             self.disk.close()

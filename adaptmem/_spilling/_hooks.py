@@ -18,7 +18,12 @@ entry only when its bytes are the ones the entry copied: the same base tensor (s
 version counter) at the same version. Otherwise it gets an entry of its own. Pieces of one
 storage with counters of their own (``unsafe_chunk``'s, which GRU and LSTM cells fill one
 after another) and a buffer refilled in place and saved again would otherwise be restored
-with bytes copied before they were written.
+with bytes copied before they were written. A ``detach()`` alias (``x * f(x).detach()``,
+BYOL and SimSiam's stop-gradient) is a tensor of its own with no base, yet it shares its
+original's version counter: a base-less tensor with the entry root's exact geometry (dtype,
+offset, sizes, strides) over the same storage counts as the same root. (``.data`` makes the
+same geometry with a counter of its own; a write through it between the two saves is the
+one case this misses, and autograd does not see such a write either.)
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from ._copies import Copier, Copies
 from ._limits import Limits
 from ._saved import Entry, EntryState, Kept, Packed, keep
 from ._settings import StepSettings
-from ._stats import SpillStats
+from ._stats import SpillStats, track_step
 
 __all__ = ["Step"]
 
@@ -49,6 +54,14 @@ _STORED = EntryState.STORED
 
 def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
+
+
+def _same_root(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are one tensor, or aliases made by ``detach`` (one geometry
+    over one storage): see [Note: sharing an entry]."""
+    return a is b or bool(a is not None and b._base is None and a._base is None
+                      and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()
+                      and a.size() == b.size() and a.stride() == b.stride())
 
 
 class Step:
@@ -67,7 +80,13 @@ class Step:
         self.copies = Copies(settings, stats, self.lock)
         self.error_raised = False
         self.exited = False
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        track_step(self, stats)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks to enter for this step. Made here rather than kept: a step
+        holding hooks bound to itself would be a cycle, and each step would wait for the
+        garbage collector (forever under ``gc.disable()``) to let go of its state."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     # -- forward: saving -------------------------------------------------------------------
 
@@ -102,8 +121,8 @@ class Step:
             entry = self.by_storage.get(key)
             if entry is not None and (
                     entry.storage_ref() is not storage  # the address was freed and reused
-                    or entry.root_ref() is not root
-                    or entry.version != version):  # See [Note: sharing an entry]
+                    or entry.version != version
+                    or not _same_root(entry.root_ref(), root)):  # [Note: sharing an entry]
                 entry = None
         if entry is not None:
             stats.tensors_shared += 1
@@ -154,9 +173,7 @@ class Step:
             if restored is None and entry.restored_ref is not None:
                 restored = entry.restored_ref()
             if restored is not None:
-                entry.uses_left -= 1
-                if entry.uses_left <= 0:
-                    entry.restored = None
+                self._used(entry, restored)
                 return restored
             future, entry.read = entry.read, None
             if future is None:
@@ -172,8 +189,7 @@ class Step:
         storage = data.untyped_storage()
         with self.lock:
             entry.restored_ref = weakref.ref(storage)
-            entry.uses_left -= 1
-            entry.restored = storage if entry.uses_left > 0 else None
+            self._used(entry, storage)
         stats = self.stats
         stats.prefetch_hits += ready
         stats.prefetch_misses += not ready
@@ -182,6 +198,16 @@ class Step:
         stats.bytes_in += entry.nbytes
         self.limits.in_use(entry.device)
         return storage
+
+    @staticmethod
+    def _used(entry: Entry, restored: torch.UntypedStorage) -> None:
+        """One saved tensor over ``entry`` was unpacked: its restored copy is held until each
+        was, then only weakly. Unpacking again after that is a new backward pass through a
+        retained graph, which holds it again: one read per storage per pass."""
+        if entry.uses_left <= 0:
+            entry.uses_left = entry.uses
+        entry.uses_left -= 1
+        entry.restored = restored if entry.uses_left > 0 else None
 
     def _prefetch_before(self, seq: int) -> None:
         """Start restoring the next entries backward will want: those saved just before."""
@@ -203,12 +229,15 @@ class Step:
 
     # -- lifetime --------------------------------------------------------------------------
 
-    def release(self) -> None:
-        """An entry died: nothing needs its bytes any more."""
+    def release(self, offset: int, nbytes: int) -> None:
+        """An entry died: nothing needs its bytes any more (``offset`` -1: it has no region
+        of the scratch file)."""
         with self.lock:
             self.live -= 1
             if self.live == 0:
                 self.copies.idle(step_ended=self.exited)
+            else:
+                self.copies.free(offset, nbytes)
 
     def finish(self) -> None:
         """The block ended normally: the scratch file lives on while saved tensors need it."""

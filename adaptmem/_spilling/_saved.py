@@ -41,7 +41,7 @@ class EntryState(enum.Enum):
 class Owner(Protocol):
     """The step an entry belongs to."""
 
-    def release(self) -> None: ...
+    def release(self, offset: int, nbytes: int) -> None: ...
 
     def restore(self, entry: Entry) -> torch.UntypedStorage: ...
 
@@ -50,7 +50,7 @@ class Entry:
     """One spilled storage: where its bytes are, and its restored copy while one lives."""
 
     __slots__ = ("step", "seq", "device", "nbytes", "state", "source", "host", "offset",
-                 "event", "storage_ref", "restored", "restored_ref", "read", "uses_left",
+                 "event", "storage_ref", "restored", "restored_ref", "read", "uses", "uses_left",
                  "handed_back", "root_ref", "version", "__weakref__")
 
     def __init__(self, step: Owner, seq: int, device: torch.device, nbytes: int,
@@ -73,13 +73,14 @@ class Entry:
         # (backward's last use of it), then only weakly (for a retain_graph second pass).
         self.restored: torch.UntypedStorage | None = None
         self.restored_ref: Callable[[], torch.UntypedStorage | None] | None = None
-        self.uses_left = 0
+        self.uses = 0  # saved tensors over this entry
+        self.uses_left = 0  # of them, not yet unpacked in this backward pass
         self.handed_back = False  # counted in tensors_restored
         self.read: concurrent.futures.Future[Any] | None = None  # a restore under way
 
     def __del__(self) -> None:
         try:
-            self.step.release()
+            self.step.release(self.offset, self.nbytes)
         except Exception:  # noqa: BLE001 - interpreter shutdown; nothing left to tidy
             pass
 
@@ -92,6 +93,7 @@ class Packed:
 
     def __init__(self, entry: Entry, t: torch.Tensor) -> None:
         self.entry = entry
+        entry.uses += 1
         entry.uses_left += 1
         self.dtype = t.dtype
         self.size = t.size()

@@ -5,7 +5,9 @@ prefetched in reverse save order, during backward. The handle; each ``with`` blo
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
+import operator
 import os
 import threading
 from collections.abc import Callable
@@ -53,13 +55,16 @@ class Spill:
                 f"to must be 'host', a directory path, or None (the default tier), got "
                 f"{type(to).__name__} {to!r}"
             )
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise ValueError(f"prefetch must be a whole number of tensors, 0 or more, "
-                             f"got {prefetch!r}")
-        self.prefetch = prefetch
+        self.prefetch = _count(prefetch)
         self.keep_free = 0.5  # limit="auto": the share of free memory kept for backward
-        self.max_pending: int | str = "auto" if max_pending == "auto" else max(
-            1, parse_size(max_pending, "max_pending"))
+        if isinstance(max_pending, str) and max_pending.strip().lower() == "auto":
+            self.max_pending: int | str = "auto"
+        else:
+            try:
+                self.max_pending = max(1, parse_size(max_pending, "max_pending"))
+            except ValueError as exc:
+                raise ValueError(f"{exc}; or max_pending='auto' for an eighth of the free host "
+                                 f"memory, at most 128 MiB") from None
         self.mmap_threshold = check_mmap_threshold(mmap_threshold)
         self.link = HostLink() if link is None else link
         self._stats = SpillStats()
@@ -82,14 +87,15 @@ class Spill:
         step = Step(StepSettings(self.threshold, self.limit, self.keep_free, self.max_pending,
                                  self.prefetch, self.to, self.mmap_threshold, self.link),
                     self._stats)
-        step.hooks.__enter__()
-        steps.append(step)
+        hooks = step.hooks()
+        hooks.__enter__()
+        steps.append((step, hooks))
         self._stats.steps += 1
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        step = self._local.steps.pop()
-        step.hooks.__exit__(exc_type, exc, tb)
+        step, hooks = self._local.steps.pop()
+        hooks.__exit__(exc_type, exc, tb)
         if exc_type is None:
             step.finish()
             return
@@ -102,12 +108,36 @@ class Spill:
                         if self.keep_free >= 1.0 else "")
 
     def __call__(self, fn: F) -> F:
+        if (inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn)
+                or inspect.isasyncgenfunction(fn)):
+            raise TypeError(
+                f"@adaptive.spill() spills what the decorated call saves while it runs, but "
+                f"{getattr(fn, '__qualname__', fn)!r} is a generator or async function: "
+                f"calling it only makes the generator or coroutine, and its forward runs "
+                f"after the call, outside the spill. Put `with handle:` around the forward "
+                f"and backward inside it instead (one handle = adaptive.spill(...))"
+            )
+
         @functools.wraps(fn)
         def step(*args: Any, **kwargs: Any) -> Any:
             with self:
                 return fn(*args, **kwargs)
 
         return step  # type: ignore[return-value]
+
+
+def _count(prefetch: Any) -> int:
+    """``prefetch`` as a whole number, 0 or more (NumPy integers too), else ValueError."""
+    if not isinstance(prefetch, bool):
+        try:
+            n = operator.index(prefetch)
+        except TypeError:
+            n = -1
+        if n >= 0:
+            return n
+    raise ValueError(f"prefetch must be a whole number of tensors, 0 or more, got "
+                     f"{prefetch!r}: pass e.g. prefetch=2 (0 restores each tensor only when "
+                     f"backward asks for it)")
 
 
 def spill(threshold: int | str = "1MiB", limit: int | str = "auto",

@@ -15,7 +15,7 @@ from .._common.reporting import live_reports
 from .._engines.stats import Stats
 from ..cpu_memory import cpu_memory_info, held_bytes
 
-__all__ = ["SpillStats", "MemoryStats", "memory_stats", "track", "in_use_bytes"]
+__all__ = ["SpillStats", "MemoryStats", "memory_stats", "track", "track_step", "in_use_bytes"]
 
 
 @dataclass
@@ -55,14 +55,38 @@ class SpillStats(Stats):
 
 
 _lock = threading.Lock()
-_live: dict[int, SpillStats] = {}  # the stats of live handles, by id
+_live: dict[int, SpillStats] = {}  # the stats of live handles (or their live steps), by id
 _retired = SpillStats()  # totals of handles already collected
+_steps: dict[int, int] = {}  # live steps by id of their stats
+_orphans: set[int] = set()  # stats whose handle was collected while steps still update them
+
+
+def _handle_gone(stats: SpillStats) -> None:
+    # Backward may run after the handle is gone (``with adaptive.spill():`` around forward
+    # only): its step keeps counting restores into ``stats``, which is added to the
+    # retired totals only once its last step is gone too.
+    with _lock:
+        if _steps.get(id(stats)):
+            _orphans.add(id(stats))
+        else:
+            _retire(stats)
+
+
+def _step_gone(stats: SpillStats) -> None:
+    with _lock:
+        key = id(stats)
+        _steps[key] -= 1
+        if _steps[key]:
+            return
+        del _steps[key]
+        if key in _orphans:
+            _orphans.discard(key)
+            _retire(stats)
 
 
 def _retire(stats: SpillStats) -> None:
-    with _lock:
-        _live.pop(id(stats), None)
-        _add(_retired, stats)
+    _live.pop(id(stats), None)
+    _add(_retired, stats)
 
 
 def _add(into: SpillStats, other: SpillStats) -> None:
@@ -79,7 +103,14 @@ def track(owner: object, stats: SpillStats) -> None:
     """Count ``stats`` in the process totals, now and after ``owner`` is collected."""
     with _lock:
         _live[id(stats)] = stats
-    weakref.finalize(owner, _retire, stats)
+    weakref.finalize(owner, _handle_gone, stats)
+
+
+def track_step(step: object, stats: SpillStats) -> None:
+    """``step`` updates ``stats`` for as long as it lives (after its handle, maybe)."""
+    with _lock:
+        _steps[id(stats)] = _steps.get(id(stats), 0) + 1
+    weakref.finalize(step, _step_gone, stats)
 
 
 def _totals() -> SpillStats:

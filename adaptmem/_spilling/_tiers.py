@@ -11,6 +11,7 @@ when the descriptor closes.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -61,13 +62,15 @@ def _huge_pages(t: torch.Tensor) -> None:
 
 
 def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """``nbytes`` of CPU memory, page-locked when ``pin`` and the platform allows it."""
+    """``nbytes`` of CPU memory, page-locked when ``pin`` and the platform allows it. Always
+    on the CPU, whatever ``torch.set_default_device`` says (a training script that makes
+    ``cuda`` the default would otherwise get a second device copy, not a host one)."""
     if pin:
         try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=True)
         except RuntimeError:  # pinned memory is scarce; pageable still works, only slower
             pass
-    return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device="cpu")
 
 
 def check_directory(path: str | os.PathLike[str]) -> str:
@@ -92,23 +95,56 @@ def check_directory(path: str | os.PathLike[str]) -> str:
     return directory
 
 
+def _pages(nbytes: int) -> int:
+    return (nbytes + 4095) // 4096 * 4096
+
+
 class DiskFile:
-    """One unlinked scratch file (see [Note: scratch files]); bytes go at bump offsets and
-    the file is emptied whenever nothing in it is needed any more."""
+    """One unlinked scratch file (see [Note: scratch files]). A region freed by the entry
+    that used it is reused by later ones (best fit, neighbours merged), so a step that
+    keeps one graph alive while others come and go holds the file at what is alive at
+    once, not at all it ever spilled; the file is emptied whenever nothing in it is needed."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self._file = tempfile.TemporaryFile(dir=directory, buffering=0)
         self.fd = self._file.fileno()
         self._end = 0
+        self._free: list[tuple[int, int]] = []  # (offset, bytes), by offset, never adjacent
         self._lock = threading.Lock()
 
     def reserve(self, nbytes: int) -> int:
-        """The offset of a fresh region of ``nbytes`` (aligned to 4 KiB for the page cache)."""
+        """The offset of a region of ``nbytes`` (aligned to 4 KiB for the page cache)."""
+        size = _pages(nbytes)
         with self._lock:
-            offset = self._end
-            self._end += (nbytes + 4095) // 4096 * 4096
+            fits = [(n, i) for i, (_, n) in enumerate(self._free) if n >= size]
+            if not fits:
+                offset = self._end
+                self._end += size
+                return offset
+            n, i = min(fits)
+            offset = self._free[i][0]
+            if n == size:
+                del self._free[i]
+            else:
+                self._free[i] = (offset + size, n - size)
             return offset
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """The region ``reserve`` gave at ``offset`` is needed no more."""
+        size = _pages(nbytes)
+        with self._lock:
+            i = bisect.bisect(self._free, (offset, 0))
+            if i < len(self._free) and self._free[i][0] == offset + size:  # merge the next
+                size += self._free.pop(i)[1]
+            if i and sum(self._free[i - 1]) == offset:  # and the previous
+                offset, before = self._free.pop(i - 1)
+                size += before
+                i -= 1
+            if offset + size == self._end:
+                self._end = offset
+            else:
+                self._free.insert(i, (offset, size))
 
     def write(self, data: torch.Tensor, offset: int) -> None:
         """Write the CPU bytes ``data`` at ``offset``; OSError (a full disk) says so."""
@@ -151,6 +187,7 @@ class DiskFile:
         """Give the disk space back; later regions start at offset 0 again."""
         with self._lock:
             self._end = 0
+            self._free.clear()
             os.ftruncate(self.fd, 0)
 
     def close(self) -> None:

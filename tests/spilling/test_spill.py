@@ -254,6 +254,25 @@ def test_a_storage_saved_twice_or_through_views_is_spilled_once(tmp_path: Path) 
     assert torch.equal(x.grad, want)
 
 
+def test_a_detached_alias_shares_its_originals_copy(tmp_path: Path) -> None:
+    # Stop-gradient (x * f(x).detach(), BYOL, SimSiam): the alias has no base but shares
+    # the original's storage and version counter, so one copy serves both, and a save of
+    # the original after the alias still finds it.
+    x = torch.randn(512, 512, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x.exp()  # saves h
+        return (h * h.detach()).sum() + h.sin().sum()  # saves the alias, then h again
+
+    f(x).backward()
+    want, x.grad = x.grad, None
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        f(x).backward()
+    assert torch.equal(x.grad, want)
+    assert handle.stats.tensors_spilled == 1 and handle.stats.tensors_shared == 2
+    assert handle.stats.bytes_out == 512 * 512 * 4
+
+
 @pytest.mark.parametrize("threshold", [0, "1GiB"], ids=["spilled", "kept"])
 def test_a_saved_tensor_changed_in_place_raises_autograds_error(threshold: int | str,
                                                                 tmp_path: Path) -> None:
@@ -381,6 +400,105 @@ def test_the_decorator_spills_each_call_and_the_handle_counts_them(tmp_path: Pat
     assert handle.stats.steps == 2
     assert handle.stats.tensors_spilled == handle.stats.tensors_restored > 0
     assert handle.stats.bytes_out >= handle.stats.bytes_in
+
+
+def test_the_decorator_refuses_generator_and_async_steps_whose_forward_runs_later() -> None:
+    handle = adaptive.spill(threshold=0, limit=0)
+
+    def generator_step(x: torch.Tensor) -> Any:
+        yield _exp_chain(x).sum()
+
+    async def async_step(x: torch.Tensor) -> Any:
+        return _exp_chain(x).sum()
+
+    for step in (generator_step, async_step):
+        with pytest.raises(TypeError, match=f"{step.__name__}.*generator or async.*with handle"):
+            handle(step)
+    assert handle.stats.steps == 0
+
+
+def test_numpy_counts_and_any_case_auto_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    handle = adaptive.spill(prefetch=np.int64(4), max_pending=" AUTO ")
+    assert handle.prefetch == 4 and type(handle.prefetch) is int
+    assert handle.max_pending == "auto"
+    with pytest.raises(ValueError, match="max_pending='auto'"):
+        adaptive.spill(max_pending="lots")
+
+
+def test_a_step_leaves_no_cycle_for_the_garbage_collector(tmp_path: Path) -> None:
+    # Training loops often run with gc disabled or frozen: each step's state must go when
+    # its last saved tensor does, by reference counting alone.
+    from adaptmem._spilling._hooks import Step
+
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
+    x = torch.randn(64, 64, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(20):
+            with handle:
+                _exp_chain(x).sum().backward()
+        alive = sum(type(o) is Step for o in gc.get_objects())
+    finally:
+        gc.enable()
+    assert alive == 0
+    assert handle.stats.steps == 20 and handle.stats.tensors_spilled > 0
+
+
+def test_a_scratch_file_reuses_the_space_of_graphs_already_freed(tmp_path: Path) -> None:
+    # One graph kept alive for the whole block (a loss kept for later) must not make the
+    # file grow by every step that ran since.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU())
+    sizes = []
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        kept = model(torch.randn(256, 256)).sum()
+        for _ in range(8):
+            model(torch.randn(256, 256)).sum().backward()
+            fds = [int(p.name) for p in Path("/proc/self/fd").iterdir()
+                   if os.path.realpath(p).startswith(str(tmp_path))]
+            sizes.append(max(os.fstat(fd).st_size for fd in fds))
+    per_step = handle.stats.bytes_out / 9
+    # Room for the kept graph and one step at a time (with page rounding), however many ran.
+    assert sizes[-1] <= 2.5 * per_step, (sizes, per_step)
+    assert sizes[-1] == sizes[2], sizes
+    del kept
+
+
+def test_spill_statistics_count_a_backward_after_the_handle_is_gone() -> None:
+    # The docs allow the block around forward only; backward then runs after an unnamed
+    # handle was collected, and the process totals must still count what it read back.
+    before = adaptive.memory_stats()["spill"]
+    x = torch.randn(512, 512, requires_grad=True)
+    with adaptive.spill(threshold=0, limit=0):
+        loss = _exp_chain(x, 2).sum()
+    gc.collect()
+    loss.backward()
+    del loss
+    gc.collect()
+    after = adaptive.memory_stats()["spill"]
+    spilled = after["tensors_spilled"] - before["tensors_spilled"]
+    assert spilled > 0
+    assert after["tensors_restored"] - before["tensors_restored"] == spilled
+    assert after["bytes_in"] - before["bytes_in"] == after["bytes_out"] - before["bytes_out"]
+
+
+@pytest.mark.gpu
+def test_the_host_tier_stays_on_the_host_when_cuda_is_the_default_device() -> None:
+    # Autograd does not run on the simulated device, so the tier's mover is driven directly.
+    src = torch.full((4 << 20,), 7, dtype=torch.uint8, device="cuda")  # a saved activation
+    mover = _tiers.Mover(torch.device("cuda"))
+    torch.set_default_device("cuda")
+    try:
+        before = torch.cuda.memory_allocated()
+        host, done = mover.to_host(src)
+        grew = torch.cuda.memory_allocated() - before
+    finally:
+        torch.set_default_device(None)
+    done.synchronize()
+    assert host.device.type == "cpu" and grew == 0
+    assert bool((host == 7).all())
 
 
 def test_the_default_tier_for_cpu_tensors_is_a_file_in_the_temporary_directory() -> None:
@@ -761,6 +879,21 @@ def test_a_retained_graph_restores_again_for_a_second_backward(tmp_path: Path) -
     assert handle.stats.tensors_restored == handle.stats.tensors_spilled == 6
     del loss
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+def test_each_backward_through_a_retained_graph_reads_a_storage_once(tmp_path: Path) -> None:
+    # Views of one storage share one restored copy in every pass, not only the first.
+    x = torch.randn(256, 256, requires_grad=True)
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        a = x.exp()
+        loss = sum((a[i:] * a[:256 - i]).sum() for i in range(1, 9))
+    assert handle.stats.tensors_spilled == 1 and handle.stats.tensors_shared == 16
+    reads = []
+    for n in range(3):
+        before = handle.stats.bytes_in
+        loss.backward(retain_graph=n < 2)
+        reads.append(handle.stats.bytes_in - before)
+    assert reads[1:] == [256 * 256 * 4] * 2, reads
 
 
 
