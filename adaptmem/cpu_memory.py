@@ -73,6 +73,8 @@ def set_cpu_memory_limit(gib: float | None) -> None:
     Allocations beyond the cap fail with the allocator's real error (torch's
     ``DefaultCPUAllocator: can't allocate memory``, Python's ``MemoryError``), which is what
     adaptmem's decorators adapt to. Memory the process already holds counts toward the cap.
+    torch's thread pool is started first (OpenMP ends the process when a thread it starts
+    later cannot map its stack): raise ``torch.set_num_threads`` before the cap, not after.
     Address space reserved but never touched (torch reserves much at import) does not, nor
     do checkpoints mapped by ``adaptive.load(..., copy=False)``, before or after the cap was
     set (see [Note: file mappings and the cap]).
@@ -106,6 +108,7 @@ def set_cpu_memory_limit(gib: float | None) -> None:
         raise ValueError(f"gib must be a positive, finite number of GiB (e.g. 8 or 1.5), "
                          f"got {gib!r}")
     gib = float(gib)
+    _start_thread_pool()
     held = held_bytes()
     cap = int(gib * _GIB)
     if cap <= held:
@@ -122,6 +125,18 @@ def set_cpu_memory_limit(gib: float | None) -> None:
         raise ValueError(f"gib={gib} is above this process's hard data limit of {top}")
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     _limit_bytes, _cap_bytes = soft, cap
+
+
+def _start_thread_pool() -> None:
+    """Start torch's intra-op threads (OpenMP's, which BLAS and oneDNN share) before a cap:
+    each new thread maps a stack that the cap counts, and OpenMP ends the whole process
+    when it cannot make one ("libgomp: Thread creation failed") instead of raising an error
+    the decorators could adapt to. One elementwise op over more than torch's grain size
+    (32768 elements) runs on every thread once, so they exist from then on."""
+    import torch
+
+    if torch.get_num_threads() > 1:
+        torch.ones(1 << 18).add_(1)
 
 
 def map_file(fileno: int) -> mmap.mmap:

@@ -72,6 +72,12 @@ OOM_KINDS: dict[str, tuple[type[BaseException], tuple[str, ...]]] = {
         "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
         "non-contiguous input.",)),
     "cudnn-alloc": (RuntimeError, ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED",)),
+    "cufft": (RuntimeError, ("cuFFT error: CUFFT_ALLOC_FAILED",)),
+    "cusolver": (RuntimeError, (
+        "cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling "
+        "`cusolverDnCreate(handle)`. ",)),
+    "cusparse": (RuntimeError, (
+        "CUDA error: resource allocation failed when calling `cusparseCreate(&handle)`",)),
     "cpu": (RuntimeError, (
         "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
         "memory: you tried to allocate {n} bytes. Error code 12 (Cannot allocate memory)",)),
@@ -85,7 +91,7 @@ def make_oom(kind: str = "cuda", nbytes: int = 2 * 1024**3) -> BaseException:
     """The exception a backend of ``kind`` raises when ``nbytes`` could not be allocated.
 
     ``kind`` is one of ``OOM_KINDS``: cuda, cuda-runtime, cuda-driver, hip, mps, xpu, cublas,
-    cudnn, cudnn-alloc, cpu, python, two-args.
+    cudnn, cudnn-alloc, cufft, cusolver, cusparse, cpu, python, two-args.
     """
     try:
         exc_type, templates = OOM_KINDS[kind]

@@ -89,8 +89,11 @@ def _oom_type(base: type[BaseException]) -> type[OutOfMemoryError]:
             try:
                 cls = type(f"OutOfMemoryError[{base.__name__}]", (OutOfMemoryError, base),
                            {"__reduce__": _reduce_oom, "_base": base})
-                # Constructed with one message argument whatever the original took.
+                # Constructed with one message argument whatever the original took, and
+                # printed as that message (NumPy's _ArrayMemoryError.__str__ reads
+                # attributes only its own constructor sets).
                 cls.__init__ = RuntimeError.__init__  # type: ignore[assignment,misc]
+                cls.__str__ = BaseException.__str__  # type: ignore[assignment,method-assign]
             except TypeError:  # an incompatible layout (an OSError subclass, say)
                 cls = OutOfMemoryError
             cls.__module__ = __name__

@@ -34,6 +34,7 @@ snapshot's reach.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -102,15 +103,29 @@ class Accumulation:
         self.params = params
 
     def refuse_lazy(self, func: Any) -> None:
-        """A generator or async function runs after the call returns: out of reach."""
-        if (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
-                or inspect.isasyncgenfunction(func)):
-            raise TypeError(
-                f"adaptive.batch(accumulate=...) puts gradients back when an attempt fails, "
-                f"which it can do only while the step runs inside the call; "
-                f"{getattr(func, '__qualname__', func)!r} is a generator or async function, "
-                f"whose work runs later. Write the training step as a plain function"
-            )
+        """A generator or async function runs after the call returns: out of reach. Seen
+        through ``staticmethod``/``classmethod`` and a callable object's ``__call__``; what
+        only shows when called is refused then (``refuse_lazy_result``)."""
+        inner = getattr(func, "__func__", func)  # staticmethod, classmethod
+        if not inspect.isroutine(inner) and callable(inner):
+            inner = type(inner).__call__
+        if (inspect.isgeneratorfunction(inner) or inspect.iscoroutinefunction(inner)
+                or inspect.isasyncgenfunction(inner)):
+            raise TypeError(self._lazy_message(getattr(func, "__qualname__", None)
+                                               or getattr(inner, "__qualname__", func)))
+
+    def refuse_lazy_result(self, result: Any, name: str) -> None:
+        """The call gave a generator or coroutine (a wrapper hid it at decoration): none of
+        its work ran, so nothing is put back; it is closed and refused."""
+        result.close()
+        raise TypeError(self._lazy_message(name))
+
+    @staticmethod
+    def _lazy_message(name: Any) -> str:
+        return (f"adaptive.batch(accumulate=...) puts gradients back when an attempt fails, "
+                f"which it can do only while the step runs inside the call; {name!r} is a "
+                f"generator or async function, whose work runs later. Write the training "
+                f"step as a plain function")
 
     def guard(self, func: Callable[..., Any]) -> Callable[..., Any]:
         """``func`` for one call: the first attempt takes the snapshot, a failed attempt puts
@@ -216,6 +231,7 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
     if not tensors:
         raise TypeError("microbatches needs one or more tensors to split: "
                         "microbatches(batchsize, inputs, targets)")
+    dim = _dimension(dim)
     lengths: dict[str, int] = {}
     for i, arg in enumerate(tensors):
         where = f"argument {i + 1}"
@@ -240,6 +256,17 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
             f"dimension), got {', '.join(f'{n}: {k}' for n, k in lengths.items())}"
         )
     return _split(batchsize, tensors, dim, next(iter(lengths.values())))
+
+
+def _dimension(dim: Any) -> int:
+    """``dim`` as an int (NumPy integers too); TypeError for anything else, bools included."""
+    if not isinstance(dim, bool):
+        try:
+            return operator.index(dim)
+        except TypeError:
+            pass
+    raise TypeError(f"microbatches takes dim= as an int (the batch dimension, 0 unless the "
+                    f"batch is along another), got {type(dim).__name__} {dim!r:.80}")
 
 
 def _split(batchsize: int, args: tuple[Any, ...], dim: int,

@@ -10,7 +10,9 @@ sizes, while the peak tracker counts the bytes each trace allocates. The two pea
 ``_planning/peak.py``), and the largest batch whose predicted peak stays within 80% of the
 memory free at that moment is traced in turn: a peak that is not linear in the batch (the
 outputs a function gathers dominate at small sizes) shows there, and the line is drawn again
-through the largest size known to fit and the one that did not, at most three times. The
+through the largest size known to fit and the one that did not, at most three times. Two sizes whose
+traces allocate the same (the outputs gathered whole outweigh one batch's work there) or
+that run too many ops are traced again at 8 and then 64 times those sizes. The
 largest size whose own trace fits becomes the function's initial (and largest) size. What fake
 tensors cannot see (allocator rounding, workspaces, kernels that allocate outside torch) is
 what the margin is for; an out-of-memory error still has the last word and the usual search
@@ -116,11 +118,52 @@ class _Guard(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_tracing = threading.local()  # .on: this thread runs a trace
+_apply_lock = threading.Lock()
+
+
+def _guard_module_changes() -> None:
+    """Make ``nn.Module._apply`` (behind ``.to``, ``.double``, ``.cuda``, ...) refuse, in a
+    thread that traces, to change any tensor of a module: under the fake mode the module's
+    real parameters would become fakes for good. A call that changes nothing (a model moved
+    where it already is) goes through. Installed at the first trace of the process."""
+    original = torch.nn.Module._apply
+    if getattr(original, "_adaptmem_guard", False):
+        return
+    with _apply_lock:
+        original = torch.nn.Module._apply
+        if getattr(original, "_adaptmem_guard", False):
+            return
+
+        def _apply(self: torch.nn.Module, fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> Any:
+            if not getattr(_tracing, "on", False):
+                return original(self, fn, *args, **kwargs)
+
+            def unchanged(t: torch.Tensor) -> torch.Tensor:
+                out = fn(t)
+                if out is not t:
+                    raise NotPredictable(
+                        f"it moves or casts a module ({type(self).__name__}: a "
+                        f"{t.dtype} tensor on {t.device} would become {out.dtype} on "
+                        f"{out.device}), which a trace on fake tensors must not do to the "
+                        f"real module")
+                return out
+
+            return original(self, unchanged, *args, **kwargs)
+
+        _apply._adaptmem_guard = True  # type: ignore[attr-defined]
+        torch.nn.Module._apply = _apply  # type: ignore[method-assign]
+
+
 def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
     """Bytes ``call(size)`` allocates on ``device`` at its peak, run on fake tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    _guard_module_changes()
     tracker = PeakTracker(device)  # see [Note: counting the device's bytes only]
+    outer = getattr(_tracing, "on", False)
+    _tracing.on = True
     try:
         # No gradients: a backward would set real parameters' .grad to fakes (autograd
         # assigns a missing .grad without an op the guard could see); it fails instead.
@@ -134,6 +177,8 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure on fake tensors: no prediction
         raise NotPredictable(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        _tracing.on = outer
     return tracker.peak
 
 
@@ -213,7 +258,9 @@ class AutoStart:
             try:
                 peaks, prediction = _fit(call, small, large, device)
                 break
-            except TooLong:
+            except (TooLong, Flat):
+                # Flat: what the call gathers (its outputs, kept whole) may outweigh what one
+                # batch needs at small sizes; larger ones show the growth, if there is any.
                 scale *= 8
                 if scale >= 8**LEVELS or large >= self.ceiling:
                     raise

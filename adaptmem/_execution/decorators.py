@@ -24,6 +24,7 @@ from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
 from .lazy import retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
+from .replay import Replay
 from .retry import LAZY_TYPES, log_probe, run_range, run_sized
 from .stats import Adaptation, CallStats, Watch
 
@@ -478,6 +479,7 @@ class _Batch(_Adaptive):
                 log_probe(record, size, self._name, "batchsize", self._watch)
             started = _clock()
         # The success path: one attempt, no closure, no gc, no probing.
+        replay = Replay(self, self._name, args, kwargs)
         try:
             result = func(*bound, size, *args, **kwargs)
         except Exception as exc:
@@ -492,7 +494,8 @@ class _Batch(_Adaptive):
                 stats.saw(size)
             return result
         result, size = run_sized(
-            lambda s: func(*bound, s, *args, **kwargs), size, record, floor=self.floor,
+            replay.wrap(lambda s: func(*bound, s, *args, **kwargs), True), size, record,
+            floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
             watch=self._watch, started=started,
         )
@@ -510,6 +513,8 @@ class _Batch(_Adaptive):
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # See [Note: lazy results] in lazy.py.
+        if self._accumulation is not None:
+            self._accumulation.refuse_lazy_result(result, self._name)
         if result.__class__ is not types.CoroutineType:
             self._probes = False  # see [Note: probing a failed size] in cache.py
         func = self._func
@@ -530,8 +535,10 @@ class _Batch(_Adaptive):
         size = record.next_size(self.initial, self.floor, self._probes)
         log_probe(record, size, self._name, "batchsize", self._watch)
         self.stats.calls += 1
+        replay = Replay(self, self._name, args, kwargs)
         result, _ = run_sized_grouped(
-            lambda s: func(*bound, s, *args, **kwargs), size, record, ranks, floor=self.floor,
+            replay.wrap(lambda s: func(*bound, s, *args, **kwargs), False), size, record, ranks,
+            floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache,
             watch=self._watch,
         )
@@ -1068,28 +1075,55 @@ def chunked(
                      "progress": progress}, max_step)
 
 
+# [Note: "auto" in the decorate-and-run forms] ``execute.*`` decorates anew at every call,
+# so an "auto" initial size would be predicted (the function traced) at every call. The
+# size decided is kept per function code, call site and options, and a later call there
+# starts from it, as a decorated function does from its first decision; the call site's
+# size record carries what was learnt since. Only sizes are kept, never the function.
+_decided: dict[Any, int] = {}
+
+
+def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any],
+             caller: Any, args: tuple[Any, ...]) -> Callable[[Callable[..., Any]], Any]:
+    def run(func: Callable[..., Any]) -> Any:
+        decorated = decorator(func)
+        key = None
+        if isinstance(initial, str) and initial == AUTO and "model" not in options:
+            key = (decorated.kind, getattr(func, "__code__", None) or type(func), caller.f_code,
+                   caller.f_lineno, tuple(sorted((k, repr(v)) for k, v in options.items())))
+            known = _decided.get(key)
+            if known is not None and decorated._auto is not None:
+                decorated._auto.initial = decorated.initial = known
+                decorated._deciding = False
+        try:
+            return decorated._run(caller, args, {}, ())
+        finally:
+            auto = decorated._auto
+            if key is not None and auto is not None and auto.initial is not None:
+                _decided[key] = auto.initial
+
+    return run
+
+
 def _execute_batch(*, initial_batchsize: int | None = None, **options: Any) -> Any:
     """Decorate and run at once: ``execute.batch(initial_batchsize=128)(fn)`` calls
     ``fn(batchsize)`` and returns its result."""
     decorate = batch(initial_batchsize=initial_batchsize, **options)
-    caller = sys._getframe(1)
-    return lambda func: decorate(func)._run(caller, (), {}, ())
+    return _run_now(decorate, initial_batchsize, options, sys._getframe(1), ())
 
 
 def _execute_range(start: int, end: int, *, initial_step: int | None = None,
                    **options: Any) -> Any:
     """``execute.range(0, n, initial_step=64)(fn)`` runs ``fn(s, e)`` over ``[0, n)`` now."""
     decorate = range(initial_step=initial_step, **options)
-    caller = sys._getframe(1)
-    return lambda func: decorate(func)._run(caller, (start, end), {}, ())
+    return _run_now(decorate, initial_step, options, sys._getframe(1), (start, end))
 
 
 def _execute_chunked(tensor: torch.Tensor, *, initial_step: int | None = None,
                      **options: Any) -> Any:
     """``execute.chunked(t, initial_step=64, dimension=1)(fn)`` runs ``fn(chunk, s, e)`` now."""
     decorate = chunked(initial_step=initial_step, **options)
-    caller = sys._getframe(1)
-    return lambda func: decorate(func)._run(caller, (tensor,), {}, ())
+    return _run_now(decorate, initial_step, options, sys._getframe(1), (tensor,))
 
 
 def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, *args: Any,

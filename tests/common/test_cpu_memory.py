@@ -47,6 +47,32 @@ def test_a_real_cpu_oom_under_the_cap_adapts_and_gives_the_right_answer() -> Non
     assert any("ran out of memory at batchsize=4096" in line for line in lines), result.stdout
 
 
+def test_a_tight_cap_set_before_any_parallel_op_still_adapts() -> None:
+    # Each thread OpenMP starts maps a stack the cap counts; one started after the cap, once
+    # an attempt has used the room, ended the whole process ("libgomp: Thread creation
+    # failed") instead of raising an error the decorator adapts to.
+    result = _run(
+        """
+        import logging, sys, torch
+        from adaptmem import adaptive
+        from adaptmem.cpu_memory import held_bytes, set_cpu_memory_limit
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+        torch.set_num_threads(2)
+        set_cpu_memory_limit(held_bytes() / 2**30 + 0.25)
+        w = torch.randn(64, 8000)
+
+        @adaptive.batch(initial_batchsize=16384)
+        def f(batchsize):
+            return (torch.randn(batchsize, 64) @ w).shape[0]
+
+        print("RESULT", f())
+        """
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "ran out of memory at batchsize=16384" in result.stdout, result.stdout
+    assert "RESULT" in result.stdout
+
+
 def test_the_cap_fails_real_allocations_and_reports_what_is_left() -> None:
     result = _run(
         """

@@ -67,3 +67,17 @@ def test_adaptmem_oom_crosses_processes_as_the_same_kind_of_error(kind: str) -> 
     assert isinstance(back, type(original)) and isinstance(back, OutOfMemoryError)
     assert str(back) == str(error) and back.phase == Phase.TRANSFER
     assert is_oom(back)
+
+
+def test_a_numpy_allocation_failure_at_the_smallest_size_prints_its_message() -> None:
+    np = pytest.importorskip("numpy")
+    from adaptmem import adaptive
+
+    @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
+    def prepare(batchsize: int) -> object:
+        return np.empty((batchsize, 2**46), dtype=np.uint8)  # NumPy's _ArrayMemoryError
+
+    with pytest.raises(MemoryError) as info:
+        prepare()
+    assert isinstance(info.value, OutOfMemoryError)
+    assert "prepare ran out of memory at the smallest batchsize, 1" in str(info.value)

@@ -481,3 +481,40 @@ def test_an_interrupted_step_leaves_the_gradients_as_they_were() -> None:
     with pytest.raises(KeyboardInterrupt):
         step(torch.ones(8, 2))
     assert model.weight.grad is None  # the partial sum is gone: a rerun counts nothing twice
+
+
+def test_a_generator_step_is_refused_through_staticmethod_or_a_hiding_wrapper() -> None:
+    # Retries of a generator step run after the call, out of the guard's reach: the
+    # failed attempts' gradients would count again.
+    model = nn.Linear(3, 1)
+    with pytest.raises(TypeError, match="Trainer.step.*generator or async"):
+        class Trainer:
+            @adaptive.batch(initial_batchsize=8, accumulate=model)
+            @staticmethod
+            def step(batchsize: int, x: torch.Tensor) -> Iterator[int]:
+                yield batchsize
+
+    def generator_step(batchsize: int, x: torch.Tensor) -> Iterator[int]:
+        for xb, w in adaptive.microbatches(batchsize, x):
+            (model(xb).sum() * w).backward()
+            yield batchsize
+
+    def hiding(*args: Any) -> Any:  # a wrapper without functools.wraps hides what it calls
+        return generator_step(*args)
+
+    step = adaptive.batch(hiding, initial_batchsize=8, accumulate=model)
+    with pytest.raises(TypeError, match="generator or async"):
+        step(torch.randn(8, 3))
+    assert model.weight.grad is None  # none of its work ran
+
+
+@pytest.mark.parametrize("dim", [True, 1.0, "0"])
+def test_microbatches_refuses_a_dim_that_is_not_an_int(dim: Any) -> None:
+    with pytest.raises(TypeError, match="dim= as an int"):
+        adaptive.microbatches(2, torch.randn(6, 4), dim=dim)
+
+
+def test_microbatches_takes_a_numpy_dim() -> None:
+    np = pytest.importorskip("numpy")
+    pieces = list(adaptive.microbatches(2, torch.randn(3, 4), dim=np.int64(1)))
+    assert [p[0].shape for p in pieces] == [(3, 2), (3, 2)]

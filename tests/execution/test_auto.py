@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 
 from adaptmem import adaptive
 
@@ -233,16 +234,19 @@ def test_calls_too_small_to_tell_leave_the_decision_to_a_later_call() -> None:
 
 
 def test_a_long_loop_is_traced_at_larger_sizes_instead_of_op_by_op() -> None:
-    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(6)]).eval()
+    # A wide layer inside: its activation, alive for one chunk at a time, grows with the
+    # size; each chunk keeps only its sums.
+    model = torch.nn.Sequential(*[m for _ in range(3)
+                                  for m in (torch.nn.Linear(8, 64), torch.nn.Linear(64, 8))]).eval()
 
     @adaptive.batch(initial_batchsize="auto", max_batchsize=8192)
     def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return torch.cat([model(c) for c in data.split(batchsize)])
+            return torch.cat([model(c).sum(1) for c in data.split(batchsize)])
 
     data = torch.randn(8192, 8)
     with torch.no_grad():
-        want = model(data)
+        want = model(data).sum(1)
     torch.testing.assert_close(run(data), want)
     assert run.prediction is not None and run.prediction.sizes[0] >= 64
 
@@ -297,3 +301,66 @@ def test_auto_traces_through_a_model_paged_on_the_cpu() -> None:
     torch.testing.assert_close(got, want[:len(got)])
     assert prediction is not None and prediction.per_item_bytes > 0
     assert torch.equal(model[0].weight, first) and model[0].weight.device.type == "cpu"
+
+
+def test_views_of_an_input_are_not_counted_as_new_memory() -> None:
+    # data.split(batchsize) slices the real input; the whole input counted as allocated at
+    # every trace pushed the prediction to size 1 for good under a large input.
+    data = torch.randn(256, 16384)  # 16 MiB, held before the call
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=256, device="cpu")
+    def row_norms(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        return torch.cat([(c * c).sum(1) for c in data.split(batchsize)])
+
+    torch.testing.assert_close(row_norms(data), (data * data).sum(1))
+    prediction = row_norms.prediction
+    assert prediction is not None
+    assert prediction.fixed_bytes < 2**20  # not the 16 MiB input
+    assert prediction.per_item_bytes == pytest.approx(16384 * 4, rel=0.05)  # c * c
+
+
+def test_a_function_that_casts_its_model_is_not_predicted_and_the_model_stays_real(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Linear(16, 16)
+    data = torch.randn(64, 16, dtype=torch.float64)
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=64, device="cpu")
+    def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        m = model.double()  # a real change of dtype: the traces must not make it
+        with torch.no_grad():
+            return torch.cat([m(c) for c in data.split(batchsize)])
+
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        out = infer(data)
+    from torch._subclasses.fake_tensor import FakeTensor
+    assert not any(isinstance(p, FakeTensor) for p in model.parameters())
+    assert model.weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(data))
+    assert infer.prediction is None
+    assert any("moves or casts a module" in r.getMessage() for r in caplog.records)
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=64, device="cpu")
+    def moved(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        m = model.to("cpu", torch.float64)  # already there: changes nothing, still traced
+        with torch.no_grad():
+            return torch.cat([m(c).sum(1) for c in data.split(batchsize)])
+
+    moved(data)
+    assert moved.prediction is not None
+
+
+def test_the_decorate_and_run_form_predicts_once_per_call_site() -> None:
+    runs: list[int] = []
+    data = torch.randn(128, 64)
+
+    def work(batchsize: int) -> torch.Tensor:
+        runs.append(batchsize)
+        return torch.cat([c.exp().sum(1) for c in data.split(batchsize)])
+
+    counts = []
+    for _ in range(3):
+        runs.clear()
+        adaptive.execute.batch(initial_batchsize="auto", max_batchsize=128, device="cpu")(work)
+        counts.append(len(runs))
+    assert counts[0] > 1 and counts[1:] == [1, 1], counts  # traced at the first call only

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import weakref
 from typing import Any
@@ -1121,3 +1122,37 @@ def test_callable_objects_of_different_classes_keep_sizes_apart() -> None:
 def test_a_memory_ceiling_refuses_a_capacity_that_is_not_a_number(capacity: object) -> None:
     with pytest.raises(TypeError, match="capacity must be a number of units"):
         MemoryCeiling(capacity)  # type: ignore[arg-type]
+
+
+def test_a_retry_refuses_an_iterator_the_failed_attempt_consumed() -> None:
+    ceiling = MemoryCeiling(4)
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def total(batchsize: int, items: Any) -> int:
+        out, buf = 0, []
+        for x in items:
+            buf.append(x)
+            if len(buf) == batchsize:
+                ceiling.require(batchsize)
+                out, buf = out + sum(buf), []
+        return out + sum(buf)
+
+    assert total(list(range(20))) == 190
+    with pytest.raises(TypeError, match="argument 1 is an iterator.*Pass a list"):
+        total(x for x in range(20))
+
+
+def test_a_retry_after_an_argument_changed_in_place_is_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    ceiling = MemoryCeiling(4)
+
+    @adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)
+    def normalised_sum(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        x.div_(2)
+        return sum(ceiling.require(len(c)) or c.sum() for c in x.split(batchsize))
+
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        normalised_sum(torch.ones(8))
+        normalised_sum(torch.ones(8))
+    warned = [r.getMessage() for r in caplog.records if "in place" in r.getMessage()]
+    assert len(warned) == 1 and "argument 1" in warned[0] and "clone" in warned[0]

@@ -1,0 +1,95 @@
+"""What a retried batch call passes again: the same arguments, which the failed attempt may
+have used up or changed.
+
+[Note: arguments a retry passes again] A retry calls the function again with the very
+arguments of the failed attempt. An iterator among them (a generator, a file) was partly
+consumed by that attempt, so the retry would see only what is left and return a wrong
+result without any error: it is refused, saying to pass a list or a tensor instead. A tensor
+argument the failed attempt changed in place (``x.div_(255)``) is seen changed by the retry:
+that is right for an output buffer the function fills, wrong for an input it reads after
+changing it, and nothing here can tell which, so it is logged once per function as a
+warning, naming the argument. Only arguments given to the call are looked at (not what they
+hold), and only tensor versions are read on the success path, a few hundred nanoseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["Replay"]
+
+logger = logging.getLogger("adaptmem")
+
+
+def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    for i, a in enumerate(args):
+        yield f"argument {i + 1}", a
+    for k, v in kwargs.items():
+        yield f"argument {k!r}", v
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
+
+class Replay:
+    """One batch call's arguments, checked before each retry passes them again (see
+    [Note: arguments a retry passes again])."""
+
+    __slots__ = ("owner", "name", "args", "kwargs", "versions")
+
+    def __init__(self, owner: Any, name: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> None:
+        self.owner = owner  # its ``replay_warned`` says whether the warning was logged
+        self.name = name
+        self.args = args
+        self.kwargs = kwargs
+        self.versions = [_version(a) if isinstance(a, torch.Tensor) else None for a in args]
+        if kwargs:
+            self.versions += [_version(v) if isinstance(v, torch.Tensor) else None
+                              for v in kwargs.values()]
+
+    def retrying(self, size: int) -> None:
+        """About to call again at ``size`` after an out-of-memory error."""
+        named = list(_named(self.args, self.kwargs))
+        for where, value in named:
+            if isinstance(value, Iterator):
+                raise TypeError(
+                    f"{self.name} ran out of memory and must be called again with "
+                    f"batchsize={size}, but its {where} is an iterator "
+                    f"({type(value).__name__}) that the failed attempt may have consumed in "
+                    f"part, so a retry would silently miss items. Pass a list, a tuple or a "
+                    f"tensor instead (list(...) of the iterator)"
+                )
+        if getattr(self.owner, "replay_warned", False):
+            return
+        for (where, value), before in zip(named, self.versions, strict=True):
+            if before is not None and _version(value) != before:
+                self.owner.replay_warned = True
+                logger.warning(
+                    "%s changed its %s in place in an attempt that ran out of memory; the "
+                    "retry at batchsize=%d sees the changed values. If the function reads "
+                    "what it changed (an input normalised in place), clone it first inside "
+                    "the function; an output buffer it fills is fine. (Logged once.)",
+                    self.name, where, size)
+                return
+
+    def wrap(self, attempt: Callable[[int], Any], first_done: bool) -> Callable[[int], Any]:
+        """``attempt`` checking the arguments before every call but the first (``first_done``:
+        the first was made already)."""
+        calls = [first_done]
+
+        def again(size: int) -> Any:
+            if calls[0]:
+                self.retrying(size)
+            calls[0] = True
+            return attempt(size)
+
+        return again
