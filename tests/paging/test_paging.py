@@ -130,6 +130,37 @@ def test_weight_read_without_calling_its_module_is_learned_and_loaded() -> None:
     assert probe.offenders == []
 
 
+class AsksWhereItsWeightsAre(nn.Module):
+    """Builds a helper tensor where its first parameter lives (Hugging Face's
+    ``self.device``), then asks a child's weight the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.linear = nn.Linear(16, 16)
+        self.seen: list[torch.device] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        device = next(self.parameters()).device
+        self.seen += [device, self.linear.weight.device]
+        pos = torch.arange(ids.shape[1], device=device)
+        return self.linear(self.emb(ids) + self.emb(pos))
+
+
+@pytest.mark.gpu
+def test_a_device_read_of_a_paged_weight_inside_a_forward_names_the_device() -> None:
+    torch.manual_seed(0)
+    model = AsksWhereItsWeightsAre().eval()
+    ids = torch.randint(0, 10, (2, 5))
+    with torch.no_grad():
+        expected = model(ids)
+    model.seen.clear()
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        outs = [model(ids) for _ in range(3)]  # learning, then the learned order
+    assert all(out.device.type == "cpu" and torch.equal(out, expected) for out in outs)
+    assert {d.type for d in model.seen} == {"cuda"}
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=module_trees(), unit_bytes=st.integers(0, 3000), prefetch=st.integers(0, 3))
 def test_random_module_trees_paged_at_random_unit_sizes_give_the_unpaged_output(
