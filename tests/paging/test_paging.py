@@ -760,6 +760,49 @@ def test_exception_in_forward_passes_through_and_releases_device_copies() -> Non
     assert torch.equal(out, model.b(model.a(x)))
 
 
+class CallsItself(nn.Module):
+    """A forward that calls its own model again (a recursive, two-pass model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        x = self.a(x)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        if depth > 0:
+            x = x + self(x, depth - 1)
+        return x * self.scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("unit_bytes", [0, None])
+def test_a_model_that_calls_itself_is_one_forward_with_outputs_on_the_input_device(
+        unit_bytes: int | None) -> None:
+    torch.manual_seed(0)
+    model = CallsItself().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with adaptive.page(model, "cuda", unit_bytes=unit_bytes, resident_bytes=0) as pager:
+        with torch.no_grad():
+            outs = [model(x) for _ in range(3)]
+            assert all(out.device.type == "cpu" and torch.equal(out, expected) for out in outs)
+            assert pager.stats.forwards == 3
+            # A forward interrupted past its hooks leaves its frames behind; the next call
+            # of the model is not taken for a call from inside it, and releases them.
+            model.interrupt = True
+            with pytest.raises(KeyboardInterrupt):
+                model(x)
+            assert pager._stack
+            model.interrupt = False
+            assert torch.equal(model(x), expected)
+            assert not pager._stack and pager._table.held == 0
+
+
 # -- granularity fallback ----------------------------------------------------------------------
 
 
