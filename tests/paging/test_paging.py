@@ -803,6 +803,25 @@ def test_a_model_that_calls_itself_is_one_forward_with_outputs_on_the_input_devi
             assert not pager._stack and pager._table.held == 0
 
 
+def test_forwards_after_the_learning_one_take_the_fused_attention_path_bitwise() -> None:
+    # Only the watched (learning) forward runs under the pager's mode, which turns PyTorch's
+    # fused attention path off; what docs/limitations.md says.
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        fused = model(x)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            unfused = model(x)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        first, *later = (model(x) for _ in range(3))
+    assert torch.equal(first, unfused)
+    assert all(torch.equal(y, fused) for y in later)
+
+
 # -- granularity fallback ----------------------------------------------------------------------
 
 
