@@ -298,9 +298,14 @@ class Pager(Engine):
                 return
             except NoRoom as cause:
                 self._refiner.refine(self._units, self._name(module), id(module) in
-                                     self._needs.alone, needs, cause)
+                                     self._needs.alone, needs, cause, self._running(frame))
             self._compute_needs()  # hooks the parts' modules too
             needs = self._needs.for_call(id(module), len(self._stack) == 1) or ()
+
+    def _running(self, frame: Frame) -> list[tuple[str, int]]:
+        """The modules running around ``frame``, with the paged bytes each holds."""
+        return [(self._name(f.module), sum(s.nbytes for s in f.slots if not s.resident))
+                for f in self._stack if f is not frame]
 
     def _touch(self, args: Any, kwargs: Any) -> None:
         """The probe saw an op: any weight among its arguments is loaded first (and, while
@@ -321,7 +326,8 @@ class Pager(Engine):
                     try:
                         self._table.acquire((s,))
                     except NoRoom as exc:
-                        self._refiner.give_up(self._name(frame.module), [s], exc)
+                        self._refiner.give_up(self._name(frame.module), [s], exc,
+                                              self._running(frame))
                     frame.slots = [*frame.slots, s]
 
     # -- public ----------------------------------------------------------------------------

@@ -890,6 +890,48 @@ def page_out_of_room(model: nn.Module, limit: float,
     return pager, double
 
 
+class TakesALayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, shared: nn.Module) -> torch.Tensor:
+        return self.b(shared(self.a(x)))
+
+
+class PassesASharedLayer(nn.Module):
+    """Each block calls a layer of the parent's, passed in, between two of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(TakesALayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.shared)
+        return x
+
+
+def test_a_transfer_error_names_the_running_unit_holding_memory_and_the_unit_bytes_to_use(
+        ) -> None:
+    torch.manual_seed(0)
+    model = PassesASharedLayer().eval()
+    layer = module_sizes(model).subtree_bytes["shared"]  # 1088 bytes
+    # Each block is a unit (2 layers); the shared layer does not fit beside the running one.
+    with adaptive.page(model, "cpu", unit_bytes=2 * layer, resident_bytes=0,
+                       device_budget=2 * layer + layer // 2), torch.no_grad():
+        with pytest.raises(OutOfMemoryError) as info:
+            model(torch.randn(2, 16))
+    message = str(info.value)
+    assert "running units hold 'blocks.0' 2.1 KiB" in message
+    assert "unit_bytes below 2.1 KiB splits 'blocks.0'" in message
+    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=0,
+                       device_budget=2 * layer + layer // 2), torch.no_grad():
+        model(torch.randn(2, 16))  # what the message says works
+
+
 def test_transfer_oom_refines_the_unit_and_the_same_forward_continues() -> None:
     model, x, expected, layer = _blocks()
     pager, double = page_out_of_room(model, 3 * layer, unit_bytes=None, resident_bytes=0)
