@@ -26,13 +26,24 @@ __all__ = ["Learner", "Probe", "Quiet", "is_metadata"]
 logger = logging.getLogger("adaptmem")
 
 # Reading these from a weight does not need its values, so the probe leaves it on the host.
+# Where a weight lives is not among them: see [Note: a device query is a use].
 _METADATA = frozenset({
-    "shape", "dtype", "device", "is_cuda", "is_cpu", "is_mps", "is_xpu", "is_meta",
-    "requires_grad", "ndim", "layout", "is_sparse", "is_quantized", "names", "size", "dim",
-    "numel", "nelement", "stride", "element_size", "itemsize", "nbytes", "is_floating_point",
-    "is_complex", "is_contiguous", "data_ptr", "get_device", "storage_offset", "grad_fn",
-    "is_leaf", "_version", "__len__",
+    "shape", "dtype", "is_meta", "requires_grad", "ndim", "layout", "is_sparse",
+    "is_quantized", "names", "size", "dim", "numel", "nelement", "stride", "element_size",
+    "itemsize", "nbytes", "is_floating_point", "is_complex", "is_contiguous", "data_ptr",
+    "storage_offset", "grad_fn", "is_leaf", "_version", "__len__",
 })
+
+
+# [Note: a device query is a use]
+# ``next(self.parameters()).device`` (Hugging Face's ``self.device``) or ``other.weight.device``
+# read inside a forward must name the device the forward computes on: the code builds its
+# helper tensors there (``torch.arange(n, device=...)``) and mixes them with the weights'
+# outputs. A paged weight at rest reports the host, so asking where a weight lives counts as
+# reading it: the probe loads it on the spot, and the learned forward has the module whose
+# code asked hold it for its whole call (its needs), as it would a weight read for values.
+# The price is that weight's bytes on the device while the asking module runs; reading the
+# input's device (``input_ids.device``) costs nothing.
 
 
 def is_metadata(func: Any) -> bool:
@@ -61,8 +72,9 @@ class Quiet:
 
 
 class Probe(TorchFunctionMode):
-    """Watches a forward: hands the arguments of every op that reads values (not metadata)
-    to ``on_op`` before the op runs, unless ``quiet`` is entered."""
+    """Watches a forward: hands the arguments of every op that reads values or asks where a
+    tensor lives (not other metadata; see [Note: a device query is a use]) to ``on_op``
+    before the op runs, unless ``quiet`` is entered."""
 
     def __init__(self, on_op: Callable[[Any, Any], None], quiet: Quiet) -> None:
         super().__init__()

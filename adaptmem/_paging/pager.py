@@ -43,6 +43,17 @@ from .slots import NoRoom, SlotTable, modes_on, room_for_weights
 
 __all__ = ["Pager"]
 
+# [Note: a model that calls itself]
+# A forward may call its own model again (a recursive or two-pass model: ``x + self(x,
+# depth - 1)``). That inner call is part of the outer one: it is not a new forward (not
+# counted in ``stats.forwards``), its inputs and outputs stay where the outer forward
+# computes, and the outer call's weights stay held. A call of the model that finds the
+# stack not empty is either that, or the next call after a forward interrupted past its
+# hooks (a ``KeyboardInterrupt``), whose frames are stale and released. Only the Python call
+# stack tells the two apart, so it is walked then, and only then: the model is running when
+# a second ``Module._call_impl`` of it is among the callers.
+_CALL_IMPL = nn.Module._call_impl.__code__
+
 
 def _pack_groups(units: list[Unit]) -> list[list[str]]:
     """The tensors whose masters share a pinned buffer, one group per unit: those it owns
@@ -151,8 +162,9 @@ class Pager(Engine):
     # -- hooks ----------------------------------------------------------------------------
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
-        root = module is self.model
         stack = self._stack
+        # See [Note: a model that calls itself]
+        root = module is self.model and not (stack and self._reentered())
         if root:
             self._begin_call()
             self._stats.forwards += 1
@@ -198,7 +210,8 @@ class Pager(Engine):
                 else:
                     with self._quiet:
                         self._table.release(slots)
-        if module is not self.model:
+        if module is not self.model or any(f.module is module for f in stack):
+            # (the model called from its own forward: See [Note: a model that calls itself])
             if not stack:  # a submodule called on its own (an encoder, say) has finished
                 self._end_call()
                 self._end_forward(failed=True)  # only a whole forward ends the learning
@@ -212,6 +225,20 @@ class Pager(Engine):
         if target is not None and target != self.device:
             output = to_device(output, target)
         return output
+
+    def _reentered(self) -> bool:
+        """The model, called while a forward is on the stack, is called from inside that
+        forward (the caller's frames include a call of the model besides this one), not after
+        a forward interrupted past its hooks. See [Note: a model that calls itself]."""
+        model, calls = self.model, 0
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is model:
+                calls += 1
+                if calls == 2:
+                    return True
+            frame = frame.f_back  # type: ignore[assignment]
+        return False
 
     def _begin_call(self) -> None:
         """An outermost call into the model begins: of the model, or of a submodule on its
@@ -271,9 +298,14 @@ class Pager(Engine):
                 return
             except NoRoom as cause:
                 self._refiner.refine(self._units, self._name(module), id(module) in
-                                     self._needs.alone, needs, cause)
+                                     self._needs.alone, needs, cause, self._running(frame))
             self._compute_needs()  # hooks the parts' modules too
             needs = self._needs.for_call(id(module), len(self._stack) == 1) or ()
+
+    def _running(self, frame: Frame) -> list[tuple[str, int]]:
+        """The modules running around ``frame``, with the paged bytes each holds."""
+        return [(self._name(f.module), sum(s.nbytes for s in f.slots if not s.resident))
+                for f in self._stack if f is not frame]
 
     def _touch(self, args: Any, kwargs: Any) -> None:
         """The probe saw an op: any weight among its arguments is loaded first (and, while
@@ -294,7 +326,8 @@ class Pager(Engine):
                     try:
                         self._table.acquire((s,))
                     except NoRoom as exc:
-                        self._refiner.give_up(self._name(frame.module), [s], exc)
+                        self._refiner.give_up(self._name(frame.module), [s], exc,
+                                              self._running(frame))
                     frame.slots = [*frame.slots, s]
 
     # -- public ----------------------------------------------------------------------------

@@ -40,16 +40,17 @@ class Refiner:
         self.owner = id(owner)  # the pager, named on its errors (see transfer_errors_shrink)
 
     def refine(self, units: list[Unit], module: str, inside: bool, needs: Sequence[Slot],
-               cause: NoRoom) -> None:
+               cause: NoRoom, running: Sequence[tuple[str, int]] = ()) -> None:
         """``module``'s ``needs`` did not fit (``cause``): split its unit in ``units``, in
         place, or when it has none to split and lies ``inside`` a unit (called where that
         unit is not running), that unit, which may make ``module`` a unit of its own.
-        Raises the transfer error when there is nothing to split."""
+        Raises the transfer error when there is nothing to split (``running``: the modules
+        running around it and the paged bytes each holds, named in the error)."""
         if self._split(units, module, cause):
             return
         outer = enclosing_unit(module, unit_heads(units)) if inside else None
         if outer is None or not self._split(units, outer, cause):
-            self.give_up(module, [s for s in needs if s.state is not LOADED], cause)
+            self.give_up(module, [s for s in needs if s.state is not LOADED], cause, running)
 
     def _split(self, units: list[Unit], module: str, cause: NoRoom) -> bool:
         """Split the paged unit of ``module`` in ``units``, in place. False when ``module``
@@ -76,9 +77,13 @@ class Refiner:
             return True
         return False
 
-    def give_up(self, module: str, missing: Sequence[Slot], cause: NoRoom) -> NoReturn:
+    def give_up(self, module: str, missing: Sequence[Slot], cause: NoRoom,
+                running: Sequence[tuple[str, int]] = ()) -> NoReturn:
         """Raise the transfer error: ``missing`` (``module``'s) does not fit and cannot be
-        split further. An instance of the original OOM's type when there was one."""
+        split further. An instance of the original OOM's type when there was one. The units
+        ``running`` around it (name, paged bytes held) are named: a unit that is running is
+        not split (its frames hold its weights), but a smaller ``unit_bytes`` splits it from
+        the start."""
         table = self.table
         largest = max(missing, key=lambda s: s.nbytes)
         limit = (f"device_budget={format_bytes(table.budget)}" if table.budget is not None
@@ -91,6 +96,14 @@ class Refiner:
             f"It cannot be split further: raise device_budget, lower resident_bytes, or free "
             f"device memory."
         )
+        holders = [(name, nbytes) for name, nbytes in running if nbytes]
+        if holders:
+            name, nbytes = max(holders, key=lambda h: h[1])
+            listed = ", ".join(f"{n or '<root>'!r} {format_bytes(b)}" for n, b in holders)
+            message += (
+                f" Of the bytes held, running units hold {listed}: a unit is not split while "
+                f"it runs, but unit_bytes below {format_bytes(nbytes)} splits "
+                f"{name or '<root>'!r} from the start, so that only its parts in use are held.")
         err = (oom_error_for(cause.oom)(message) if cause.oom is not None
                else OutOfMemoryError(message))
         err.phase = Phase.TRANSFER

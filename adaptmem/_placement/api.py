@@ -57,8 +57,9 @@ def split(
     memory and neither the model nor the inputs change): at the first call, or now when
     ``example_inputs`` is given. ``adaptive.plan(model, devices, example_inputs=...)`` shows
     the same placement in advance. Each unit moves what it receives (args and kwargs,
-    nested) to its device and floating dtype and hands outputs back where its caller has
-    them; outputs reach you on the device of your inputs.
+    nested) to its device, and to its floating dtype where its placement converts one, and
+    hands outputs back where its caller has them; outputs reach you on the device of your
+    inputs. Without a dtype conversion no activation changes dtype.
 
     Args:
         model: an ``nn.Module`` in eval mode with real (not meta) weights.

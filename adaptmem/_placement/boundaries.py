@@ -15,6 +15,16 @@ engine, not an object the engine holds: a hook's owner is how the recorder knows
 to leave off its copy of a model an engine holds (it drops the engine's bound methods), and
 a collaborator's methods would be copied and run on the copy; a delegating call instead
 would add to the cost of every hook, the path ``benchmarks/chunking.py`` measures.
+
+[Note: dtypes change only where a placement converts]
+A model may mix floating dtypes (bfloat16 layers beside float16 ones, a LayerNorm kept in
+float32) and convert between them in its own code. Where no target converts weights to a
+dtype (``dtype=`` not given), the hooks move activations between devices and never change a
+dtype: each module receives what the unplaced model would give it. Where a target does
+convert, a module placed there computes in that dtype (its inputs are converted on entry,
+its outputs handed back in the dtype it received), and a module placed where nothing is
+converted takes its inputs in its own weights' first floating dtype (else its unit's): an
+output that was not handed back (see above) may reach it in the converted dtype.
 """
 
 from __future__ import annotations
@@ -60,7 +70,9 @@ def module_specs(units: Sequence[Unit], sizes: ModuleSizes, modules: Mapping[str
                  tensors: Mapping[str, torch.Tensor]) -> dict[str, Spec]:
     """Where each module with weights computes; None device for a plain Sequential.
     ``original`` gives each tensor's own device and dtype (the dtype a target without one
-    computes in)."""
+    computes in, when another target converts; else no dtype: See [Note: dtypes change only
+    where a placement converts])."""
+    converting = any(t.dtype is not None for t in targets.values())
     by_module = {u.module: u for u in units}
     by_tensor = {t: u for u in units for t in u.tensors}
     specs: dict[str, Spec] = {}
@@ -80,8 +92,8 @@ def module_specs(units: Sequence[Unit], sizes: ModuleSizes, modules: Mapping[str
             continue
         target = targets[unit.placement]
         dtype = target.dtype
-        if dtype is None:
-            floats = [original[t][1] for t in (*unit.tensors, *unit.borrowed)
+        if dtype is None and converting:
+            floats = [original[t][1] for t in (*sizes.own[name], *unit.tensors, *unit.borrowed)
                       if tensors[t].is_floating_point()]
             dtype = floats[0] if floats else None
         specs[name] = Spec(target.device, dtype)
@@ -102,12 +114,14 @@ class BoundaryHooks:
         self._output_device = output_device
         self._specs: dict[str, Spec] = {}
         self._stays: frozenset[str] = frozenset()  # modules whose outputs need no hand-back
+        self._converts = False  # some module computes in a dtype: See [Note: dtypes change ...]
         self._frames = threading.local()  # .stack: the calls under way in this thread
 
     def _install_boundaries(self, modules: Mapping[str, nn.Module], hooks: HookSet,
                             specs: dict[str, Spec], stays: frozenset[str]) -> None:
         """Hook every module with a spec (the root's hooks are the engine's own)."""
         self._specs, self._stays = specs, stays
+        self._converts = any(spec.dtype is not None for spec in specs.values())
         for name in specs:
             if name == "":
                 continue
@@ -157,6 +171,8 @@ class BoundaryHooks:
             device, dtype = stack[-1].where[0] or device, stack[-1].where[1] or dtype
         if name == "" and self._output_device is not None:
             device = self._output_device
+        if not self._converts:  # See [Note: dtypes change only where a placement converts]
+            dtype = None
         if device is None or output is None:
             return None
         moved = self._convert(output, device, dtype)

@@ -130,6 +130,37 @@ def test_weight_read_without_calling_its_module_is_learned_and_loaded() -> None:
     assert probe.offenders == []
 
 
+class AsksWhereItsWeightsAre(nn.Module):
+    """Builds a helper tensor where its first parameter lives (Hugging Face's
+    ``self.device``), then asks a child's weight the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 16)
+        self.linear = nn.Linear(16, 16)
+        self.seen: list[torch.device] = []
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        device = next(self.parameters()).device
+        self.seen += [device, self.linear.weight.device]
+        pos = torch.arange(ids.shape[1], device=device)
+        return self.linear(self.emb(ids) + self.emb(pos))
+
+
+@pytest.mark.gpu
+def test_a_device_read_of_a_paged_weight_inside_a_forward_names_the_device() -> None:
+    torch.manual_seed(0)
+    model = AsksWhereItsWeightsAre().eval()
+    ids = torch.randint(0, 10, (2, 5))
+    with torch.no_grad():
+        expected = model(ids)
+    model.seen.clear()
+    with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        outs = [model(ids) for _ in range(3)]  # learning, then the learned order
+    assert all(out.device.type == "cpu" and torch.equal(out, expected) for out in outs)
+    assert {d.type for d in model.seen} == {"cuda"}
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tree=module_trees(), unit_bytes=st.integers(0, 3000), prefetch=st.integers(0, 3))
 def test_random_module_trees_paged_at_random_unit_sizes_give_the_unpaged_output(
@@ -729,6 +760,68 @@ def test_exception_in_forward_passes_through_and_releases_device_copies() -> Non
     assert torch.equal(out, model.b(model.a(x)))
 
 
+class CallsItself(nn.Module):
+    """A forward that calls its own model again (a recursive, two-pass model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        x = self.a(x)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        if depth > 0:
+            x = x + self(x, depth - 1)
+        return x * self.scale
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("unit_bytes", [0, None])
+def test_a_model_that_calls_itself_is_one_forward_with_outputs_on_the_input_device(
+        unit_bytes: int | None) -> None:
+    torch.manual_seed(0)
+    model = CallsItself().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    with adaptive.page(model, "cuda", unit_bytes=unit_bytes, resident_bytes=0) as pager:
+        with torch.no_grad():
+            outs = [model(x) for _ in range(3)]
+            assert all(out.device.type == "cpu" and torch.equal(out, expected) for out in outs)
+            assert pager.stats.forwards == 3
+            # A forward interrupted past its hooks leaves its frames behind; the next call
+            # of the model is not taken for a call from inside it, and releases them.
+            model.interrupt = True
+            with pytest.raises(KeyboardInterrupt):
+                model(x)
+            assert pager._stack
+            model.interrupt = False
+            assert torch.equal(model(x), expected)
+            assert not pager._stack and pager._table.held == 0
+
+
+def test_forwards_after_the_learning_one_take_the_fused_attention_path_bitwise() -> None:
+    # Only the watched (learning) forward runs under the pager's mode, which turns PyTorch's
+    # fused attention path off; what docs/limitations.md says.
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        fused = model(x)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            unfused = model(x)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        first, *later = (model(x) for _ in range(3))
+    assert torch.equal(first, unfused)
+    assert all(torch.equal(y, fused) for y in later)
+
+
 # -- granularity fallback ----------------------------------------------------------------------
 
 
@@ -795,6 +888,48 @@ def page_out_of_room(model: nn.Module, limit: float,
     pager = adaptive.page(model, "cpu", _transfer=double, **options)
     double.pager = pager
     return pager, double
+
+
+class TakesALayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, shared: nn.Module) -> torch.Tensor:
+        return self.b(shared(self.a(x)))
+
+
+class PassesASharedLayer(nn.Module):
+    """Each block calls a layer of the parent's, passed in, between two of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(TakesALayer() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, self.shared)
+        return x
+
+
+def test_a_transfer_error_names_the_running_unit_holding_memory_and_the_unit_bytes_to_use(
+        ) -> None:
+    torch.manual_seed(0)
+    model = PassesASharedLayer().eval()
+    layer = module_sizes(model).subtree_bytes["shared"]  # 1088 bytes
+    # Each block is a unit (2 layers); the shared layer does not fit beside the running one.
+    with adaptive.page(model, "cpu", unit_bytes=2 * layer, resident_bytes=0,
+                       device_budget=2 * layer + layer // 2), torch.no_grad():
+        with pytest.raises(OutOfMemoryError) as info:
+            model(torch.randn(2, 16))
+    message = str(info.value)
+    assert "running units hold 'blocks.0' 2.1 KiB" in message
+    assert "unit_bytes below 2.1 KiB splits 'blocks.0'" in message
+    with adaptive.page(model, "cpu", unit_bytes=layer, resident_bytes=0,
+                       device_budget=2 * layer + layer // 2), torch.no_grad():
+        model(torch.randn(2, 16))  # what the message says works
 
 
 def test_transfer_oom_refines_the_unit_and_the_same_forward_continues() -> None:

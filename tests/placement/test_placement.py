@@ -1179,3 +1179,34 @@ def test_a_tie_that_would_overflow_a_device_moves_on_to_the_next_instead_of_fail
     with adaptive.split(model, {"cpu@float64": 150, "cpu": None}, example_inputs=x) as s:
         assert s.device_map == plan.device_map
         torch.testing.assert_close(model(x), expected)
+
+
+class MixedFloats(nn.Module):
+    """bfloat16 layers, then float16 ones; the forward converts between them itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+        self.layers[:2].to(torch.bfloat16)
+        self.layers[2:].half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x.to(layer.weight.dtype))
+        return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("share", [0.0, 0.5, 2.0])
+def test_chunk_of_a_model_mixing_float_dtypes_gives_each_layer_its_own_dtype(
+        share: float) -> None:
+    torch.manual_seed(0)
+    model = MixedFloats().eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        expected = model(x)
+    capacity = int(module_sizes(model).total_bytes * share)
+    with adaptive.chunk(model, "cuda", capacity=capacity), torch.no_grad():
+        out = model(x)
+    assert out.device == x.device and out.dtype == torch.float16
+    assert torch.equal(out, expected)
