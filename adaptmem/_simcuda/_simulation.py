@@ -59,6 +59,7 @@ class SimulatedCuda:
         try:
             install(state, self._patches)
             _pin_in_loader_threads(tensors, self._patches)
+            _refuse_autocast(self._patches)
             tensors.function_mode.__enter__()
             try:
                 tensors.dispatch_mode.__enter__()
@@ -91,6 +92,27 @@ class SimulatedCuda:
         if state.problems and exc_type is None:
             raise SimulatedCudaError(
                 "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))
+
+
+def _refuse_autocast(patches: Patches) -> None:
+    """``torch.autocast("cuda")`` picks its kernels in C++ for a real device: with no driver
+    the process ends ("terminate called ... CUDA driver version is insufficient"). Under
+    the simulation it is refused with an error a test can see instead."""
+    from torch.amp import autocast_mode
+
+    cls = autocast_mode.autocast
+    original = cls.__init__
+
+    def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
+        if device_type == "cuda":
+            raise SimulatedCudaError(
+                "torch.autocast('cuda') is not simulated: its kernels are chosen in C++ for "
+                "a real CUDA device, and without one the process would end. Run code that "
+                "uses autocast on a real GPU, or leave autocast out under simulated_cuda "
+                "(cast the model with .to(dtype) to see another dtype's memory)")
+        original(self, device_type, *args, **kwargs)
+
+    patches.set(cls, "__init__", __init__)
 
 
 def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:

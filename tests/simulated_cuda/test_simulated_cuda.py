@@ -46,6 +46,17 @@ def test_nothing_of_torch_is_changed_after_the_block_even_when_it_raised() -> No
         torch.ones(1, device="cuda")
 
 
+def test_cuda_autocast_is_refused_with_an_error_instead_of_ending_the_process() -> None:
+    # Without a driver, autocast's C++ side ends the process (std::terminate).
+    with simulated_cuda():
+        with pytest.raises(SimulatedCudaError, match="autocast"):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                pass
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the CPU's is untouched
+            assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert torch.amp.autocast_mode.autocast.__init__.__qualname__ == "autocast.__init__"
+
+
 def test_bad_arguments_are_refused_at_the_call() -> None:
     with pytest.raises(ValueError, match="devices"):
         simulated_cuda(devices=0)
