@@ -24,7 +24,7 @@ from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
 from .lazy import retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
-from .replay import Replay
+from .replay import Replay, versions
 from .retry import LAZY_TYPES, log_probe, run_range, run_sized
 from .stats import Adaptation, CallStats, Watch
 
@@ -479,7 +479,7 @@ class _Batch(_Adaptive):
                 log_probe(record, size, self._name, "batchsize", self._watch)
             started = _clock()
         # The success path: one attempt, no closure, no gc, no probing.
-        replay = Replay(self, self._name, args, kwargs)
+        before = versions(args, kwargs)  # see [Note: arguments a retry passes again]
         try:
             result = func(*bound, size, *args, **kwargs)
         except Exception as exc:
@@ -494,7 +494,8 @@ class _Batch(_Adaptive):
                 stats.saw(size)
             return result
         result, size = run_sized(
-            replay.wrap(lambda s: func(*bound, s, *args, **kwargs), True), size, record,
+            Replay(self, self._name, args, kwargs, before, read=False).wrap(
+                lambda s: func(*bound, s, *args, **kwargs), True), size, record,
             floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
             watch=self._watch, started=started,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Replay"]
+__all__ = ["Replay", "versions"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -39,6 +39,24 @@ def _version(t: torch.Tensor) -> int | None:
         return None
 
 
+def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None] | None:
+    """The version of each tensor argument, None for the others; None when there is no
+    tensor argument (the success path reads this before every call: kept lean)."""
+    out: list[int | None] | None = None
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            if out is None:
+                out = [None for _ in range(len(args) + len(kwargs))]
+            out[i] = _version(a)
+    if kwargs:
+        for i, v in enumerate(kwargs.values(), len(args)):
+            if isinstance(v, torch.Tensor):
+                if out is None:
+                    out = [None for _ in range(len(args) + len(kwargs))]
+                out[i] = _version(v)
+    return out
+
+
 class Replay:
     """One batch call's arguments, checked before each retry passes them again (see
     [Note: arguments a retry passes again])."""
@@ -46,15 +64,14 @@ class Replay:
     __slots__ = ("owner", "name", "args", "kwargs", "versions")
 
     def __init__(self, owner: Any, name: str, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> None:
+                 kwargs: dict[str, Any], before: list[int | None] | None = None,
+                 read: bool = True) -> None:
         self.owner = owner  # its ``replay_warned`` says whether the warning was logged
         self.name = name
         self.args = args
         self.kwargs = kwargs
-        self.versions = [_version(a) if isinstance(a, torch.Tensor) else None for a in args]
-        if kwargs:
-            self.versions += [_version(v) if isinstance(v, torch.Tensor) else None
-                              for v in kwargs.values()]
+        # ``before``: read by the caller before the first attempt (``read=False``).
+        self.versions = versions(args, kwargs) if read else before
 
     def retrying(self, size: int) -> None:
         """About to call again at ``size`` after an out-of-memory error."""
@@ -68,7 +85,7 @@ class Replay:
                     f"part, so a retry would silently miss items. Pass a list, a tuple or a "
                     f"tensor instead (list(...) of the iterator)"
                 )
-        if getattr(self.owner, "replay_warned", False):
+        if self.versions is None or getattr(self.owner, "replay_warned", False):
             return
         for (where, value), before in zip(named, self.versions, strict=True):
             if before is not None and _version(value) != before:
