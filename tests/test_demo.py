@@ -9,14 +9,29 @@ import sys
 import pytest
 
 
+def _demo(*options: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "adaptmem.cli", "demo", *options],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.slow
-def test_the_demo_loads_adapts_and_pages() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "adaptmem.cli", "demo", "--seconds", "30"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+def test_the_demo_loads_adapts_and_pages_on_the_cpu_and_on_a_simulated_gpu() -> None:
+    # Both runs at once (each is one process): the suite waits for the slower only.
+    runs = {"cpu": _demo("--seconds", "30"),
+            "simulated": _demo("--simulate-gpu", "--seconds", "5")}
+    outs = {}
+    try:
+        for name, run in runs.items():
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0, (name, out + err)
+            outs[name] = out
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+
+    out = outs["cpu"]
     assert "adaptive.load" in out
     assert "ran out of memory at batchsize=384" in out  # the cap forced a real adaptation
     assert "outputs identical" in out
@@ -27,17 +42,9 @@ def test_the_demo_loads_adapts_and_pages() -> None:
     assert 1 in retries, out
     assert sum(k for n, k in retries.items() if n > 2) <= 1, out
 
-
-@pytest.mark.slow
-def test_the_demo_runs_its_gpu_branch_on_a_simulated_device() -> None:
     # No GPU here: the simulated one takes the CUDA branch (memory fraction, side-stream
     # paging from pinned masters), and the output says it is simulated.
-    result = subprocess.run(
-        [sys.executable, "-m", "adaptmem.cli", "demo", "--simulate-gpu", "--seconds", "5"],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    out = result.stdout
+    out = outs["simulated"]
     assert "adaptmem demo on cuda:0" in out
     assert "SIMULATED GPU" in out
     assert "1. adaptive.load" in out

@@ -67,22 +67,36 @@ CHILD = """
 """
 
 
-def _failed_attempts(model: str, mode: str) -> tuple[int, str]:
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), model, mode],
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "EQUAL True" in result.stdout, result.stdout
-    return result.stdout.count("ran out of memory at batchsize="), result.stdout
+def _failed_attempts(model: str, modes: tuple[str, ...]) -> dict[str, tuple[int, str]]:
+    """Failed attempts and log of one child per mode, run side by side (each on one thread,
+    under a cap of its own)."""
+    children = {mode: subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(CHILD), model, mode],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for mode in modes}
+    out = {}
+    try:
+        for mode, child in children.items():
+            stdout, stderr = child.communicate(timeout=300)
+            assert child.returncode == 0, stdout[-2000:] + stderr[-3000:]
+            assert "EQUAL True" in stdout, stdout
+            out[mode] = stdout.count("ran out of memory at batchsize="), stdout
+    finally:
+        for child in children.values():
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["resnet18", "transformer"])
 def test_auto_pays_at_most_one_failed_attempt_where_the_search_pays_several(model: str) -> None:
-    auto, log = _failed_attempts(model, "auto")
+    runs = _failed_attempts(model, ("auto", "plain"))
+    auto, log = runs["auto"]
     assert "initial_batchsize='auto' predicts" in log
     # Issue 14's bound: at most one failed attempt, where the search pays several.
     assert auto <= 1, log
-    plain, log = _failed_attempts(model, "plain")
+    plain, log = runs["plain"]
     assert plain >= 3 and plain > auto, log
 
 
