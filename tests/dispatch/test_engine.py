@@ -407,3 +407,44 @@ def test_timing_the_link_stays_under_free_memory_and_keeps_the_engine_when_nothi
 
         monkeypatch.setattr(engine, "_timed_copy", no_room)
         assert engine.link_bandwidth(device) is None
+
+
+def test_a_chunker_placed_at_a_call_that_is_traced_first_keeps_real_weights() -> None:
+    # A first call with too few items to predict from puts the prediction off to the
+    # second call, which is also the timed chunked one: the trace reaches the chunker
+    # before its first real forward. See [Note: no placement inside a trace] in mover.py.
+    model = _model()
+    before = _snapshot(model)
+    small, large = torch.randn(4, 512), torch.randn(64, 512)
+    with torch.no_grad():
+        want = [model(small), model(large)]
+    with simulated_cuda(total_memory=DEVICE, bandwidth=50):
+        run = _decorated(model, 64)
+        got = [run(small), run(large)]
+        engine = run.placement["engine"]
+        run.remove()
+    assert engine == "chunk"  # the call the trace reached ran chunked
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    after = _snapshot(model)
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
+               for k in before)
+
+
+def test_a_chunker_not_placed_yet_moves_nothing_under_a_fake_mode() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from adaptmem._common.peak import NotYet
+
+    model = _model()
+    before = _snapshot(model)
+    with simulated_cuda(total_memory=DEVICE):
+        chunker = adaptive.chunk(model, "cuda", capacity="4MiB")
+        with pytest.raises(NotYet, match="first real forward"), torch.no_grad(), \
+                FakeTensorMode(allow_non_fake_inputs=True):
+            model(torch.randn(2, 512))
+        assert chunker.plan is None
+        chunker.remove()
+    after = _snapshot(model)
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
+               for k in before)
