@@ -130,7 +130,7 @@ class PlacedModels:
         self.choice: Choice | None = None
         self._choosing: str | None = None
         self._clock: HostClock | None = None
-        self._paged_bytes = 0  # what paging moved per forward, when chunking was timed
+        self._paged_bytes: list[int] = []  # what paging moved per forward of each model
         self.weights = [module_sizes(m).total_bytes for m in models]
         self.resident = [0 for _ in models]
         self.changes = PlacementChanges()
@@ -228,8 +228,8 @@ class PlacedModels:
 
     def _time_chunking(self) -> None:
         """Run the next call chunked, with the resident bytes paging had, timing the host."""
-        self._paged_bytes = sum(u.nbytes for p in self.pagers for u in p.plan.units
-                                if u.placement == Placement.PAGED)
+        self._paged_bytes = [sum(u.nbytes for u in p.plan.units
+                                 if u.placement == Placement.PAGED) for p in self.pagers]
         self._choosing = TIMING
         self.engine = CHUNK
         self._place(list(self.resident))
@@ -249,11 +249,11 @@ class PlacedModels:
                         "the model chunked", self.name)
             self._choosing = MADE
             return
-        self.choice = Choice(paged, bandwidth, clock.seconds, clock.forwards)
+        self.choice = Choice(paged, bandwidth, clock.seconds, clock.counts)
         self._choosing = MADE
         logger.info("%s: %s of weights not resident would cross the link at %.3g GB/s in %.3g "
                     "ms per forward, or be computed on the host in %.3g ms (%d forwards "
-                    "timed): %s", self.name, format_bytes(paged),
+                    "timed): %s", self.name, format_bytes(self.choice.paged_bytes),
                     self.choice.bandwidth / 1e9, 1e3 * self.choice.page_seconds,
                     1e3 * self.choice.chunk_seconds, clock.forwards,
                     "chunked" if self.choice.engine == CHUNK else "paged")

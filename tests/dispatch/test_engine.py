@@ -448,3 +448,59 @@ def test_a_chunker_not_placed_yet_moves_nothing_under_a_fake_mode() -> None:
     after = _snapshot(model)
     assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
                for k in before)
+
+
+def test_a_model_with_nothing_resident_is_timed_whole_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunking looked free (0 s of host compute) when no unit was resident: the clock
+    # timed only units below the root, and the whole model is one unit on the host.
+    import itertools
+    import types
+
+    from adaptmem._dispatch import engine
+
+    ticks = itertools.count()
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(
+        perf_counter=lambda: float(next(ticks))))  # each read one second later
+    model = _model()
+    with simulated_cuda(total_memory=DEVICE):
+        chunker = adaptive.chunk(model, "cuda", capacity=0)
+        clock = engine.HostClock([model], [chunker])
+        with torch.no_grad():
+            for _ in range(2):
+                model(torch.randn(4, 512))
+        device_map = chunker.device_map
+        clock.remove()
+        chunker.remove()
+    assert device_map == {"": "cpu"}
+    assert clock.forwards == 2 and clock.seconds == 2.0
+
+
+def test_with_two_models_paging_and_chunking_are_compared_per_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # One batch runs enc then dec: the host time of both is weighed against paging both,
+    # not divided by the two root forwards while the paged bytes of both are summed.
+    import itertools
+    import types
+
+    from adaptmem._dispatch import engine
+
+    ticks = itertools.count()
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(
+        perf_counter=lambda: float(next(ticks))))  # each host pass costs one second
+    torch.manual_seed(0)
+    enc, dec = nn.Sequential(nn.Linear(64, 64)).eval(), nn.Sequential(nn.Linear(64, 64)).eval()
+    with simulated_cuda(total_memory=DEVICE):
+        handles = [adaptive.chunk(m, "cuda", capacity=0) for m in (enc, dec)]
+        clock = engine.HostClock([enc, dec], handles)
+        with torch.no_grad():
+            dec(enc(torch.randn(4, 64)))
+        clock.remove()
+        for h in handles:
+            h.remove()
+    assert clock.counts == [1, 1] and clock.forwards == 1 and clock.seconds == 2.0
+    # Paging would move 3 s of enc's weights and 0 s of dec's per batch: cheaper than 2 s?
+    choice = engine.Choice([3, 0], 1.0, clock.seconds, clock.counts)
+    assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (3.0, 2.0, "chunk")
+    choice = engine.Choice([1, 0], 1.0, clock.seconds, clock.counts)
+    assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (1.0, 2.0, "page")
