@@ -5,16 +5,36 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from .errors import PlacementError
 
-__all__ = ["claim", "release", "holder", "refuse_if_held", "check_placeable"]
+__all__ = ["Owner", "claim", "release", "holder", "held_for", "refuse_if_held",
+           "check_placeable"]
 
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+class Owner(Protocol):
+    """What a handle was made for, when not for the user directly (a decorated function
+    with ``model=``): it names itself in errors and may give its models back."""
+
+    def fix(self) -> str:
+        """Whom the handle works for and how to free the model, for an error message."""
+
+    def release_if_abandoned(self) -> bool:
+        """Give the models back now when their owner is gone; True when it did."""
+
+
+_OWNERS: weakref.WeakKeyDictionary[Any, Owner] = weakref.WeakKeyDictionary()
+
+
+def held_for(handle: Any, owner: Owner) -> None:
+    """Record that ``handle`` holds its model for ``owner``."""
+    _OWNERS[handle] = owner
 
 
 def claim(modules: Iterable[nn.Module], handle: Any) -> None:
@@ -39,11 +59,22 @@ def holder(model: nn.Module) -> Any:
     return None
 
 
-def refuse_if_held(model: nn.Module) -> None:
-    """Raise PlacementError if a Pager, Chunker or Splitter already holds part of ``model``."""
+def refuse_if_held(model: nn.Module, owned_ok: bool = False) -> None:
+    """Raise PlacementError if a Pager, Chunker or Splitter already holds part of ``model``
+    (one held for a decorated function that was collected is given back first). With
+    ``owned_ok``, one held for a decorated function still alive passes: a decorator checks
+    again at its first call, when a function it replaces may have been collected."""
     handle = holder(model)
     if handle is None:
         return
+    owner = _OWNERS.get(handle)
+    if owner is not None and owned_ok:
+        return
+    if owner is not None and owner.release_if_abandoned():
+        handle = holder(model)
+        if handle is None:
+            return
+        owner = _OWNERS.get(handle)
     kind = getattr(handle, "held_as", "placed")  # engines say what they hold a model as
     by = getattr(handle, "made_by", type(handle).__name__)
     held_model = getattr(handle, "model", None) or getattr(handle, "_model", None)
@@ -53,10 +84,9 @@ def refuse_if_held(model: nn.Module) -> None:
         what = f"this model is part of a {kind} model (already {kind} by {by})"
     else:
         what = f"a submodule of this model is already {kind} by {by}"
-    raise PlacementError(
-        f"{what}; call .remove() on that {type(handle).__name__} first "
-        f"(one engine holds a model at a time)"
-    )
+    fix = (f"call .remove() on that {type(handle).__name__} first" if owner is None
+           else owner.fix())
+    raise PlacementError(f"{what}; {fix} (one engine holds a model at a time)")
 
 
 def refuse_training(engine: str, modules: Iterable[tuple[str, nn.Module]], fix: str,
@@ -71,10 +101,11 @@ def refuse_training(engine: str, modules: Iterable[tuple[str, nn.Module]], fix: 
         )
 
 
-def check_placeable(model: Any, engine: str, allow_meta: bool = False) -> None:
+def check_placeable(model: Any, engine: str, allow_meta: bool = False,
+                    owned_ok: bool = False) -> None:
     """Refuse, before anything changes, a model ``engine`` (``"adaptive.page"``, ...) cannot
     take: not a module, in training mode, weights on meta, inference tensors, or already
-    held by adaptmem or dispatched by accelerate."""
+    held by adaptmem or dispatched by accelerate (``owned_ok``: see ``refuse_if_held``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_training(engine, model.named_modules(), "call model.eval() first")
@@ -95,7 +126,7 @@ def check_placeable(model: Any, engine: str, allow_meta: bool = False) -> None:
             f"inference_mode (running it inside is fine), or take a plain copy outside it: "
             f"model = copy.deepcopy(model)"
         )
-    refuse_if_held(model)
+    refuse_if_held(model, owned_ok)
     if any(hasattr(m, "_hf_hook") for m in model.modules()):
         raise PlacementError(
             "model is already dispatched by accelerate (it has _hf_hook hooks); call "

@@ -8,6 +8,7 @@ import functools
 import gc
 import inspect
 import sys
+import weakref
 from collections.abc import Callable, Coroutine
 from types import CoroutineType
 from typing import Any
@@ -77,6 +78,8 @@ class Dispatched:
         # The size that last ran paged and the smallest known to fail there, to carry over.
         self.paged_size: int | None = None
         self.paged_fails: int | None = None
+        # See [Note: a decorated function that is collected] in placed.py.
+        weakref.finalize(self, _collected, placed, self.explorer).atexit = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
@@ -308,6 +311,13 @@ class Dispatched:
         self.placed.remove()
 
 
+def _collected(placed: PlacedModels, explorer: Explorer) -> None:
+    """A decorated function was collected: its item counter off, its models given back
+    (see [Note: a decorated function that is collected] in placed.py)."""
+    explorer.stop()
+    placed.abandon()
+
+
 def _carry_size(size: int, fails: int | None, record: Any) -> None:
     """The engine changed at the same resident bytes (see [Note: paging or chunking]): a
     call site that knows nothing yet under the new one starts from the size that last ran
@@ -363,7 +373,8 @@ def _dispatched(decorate: Callable[..., Any], name: str, func: Any, model: Any,
 
 MODEL_DOC = """
 
-    With ``model=`` (a module, or a sequence of modules, in eval mode) the decorator also
+    With ``model=`` (a module, or a sequence or ``nn.ModuleList`` of modules that share no
+    submodule, in eval mode) the decorator also
     places the models the function runs: at the first call each is paged onto ``device``
     with as many units resident as fit half the free memory (all of them when the model
     fits), and the function is traced on fake tensors (as for ``"auto"``) to start at the
@@ -383,7 +394,7 @@ MODEL_DOC = """
     ``async def`` coroutine function gives residency back when it is awaited, a generator
     (or async generator) does not; neither explores it. The decorated function then has
     ``.placement`` (its ``"engine"``: resident, page or chunk), ``.pagers`` and
-    ``.remove()``. See [Note: batch size and residency together] in
+    ``.remove()`` (done for it when it is collected). See [Note: batch size and residency together] in
     ``adaptmem/_dispatch/placed.py``, [Note: paging or chunking] in ``engine.py`` and
     [Note: exploring residency] in ``explore.py``.
 """

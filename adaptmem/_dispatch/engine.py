@@ -15,10 +15,15 @@ the calls themselves, and keeps the cheaper per forward:
   force stays), at the call that needs it;
 - the host: the second call runs chunked with the same resident bytes, and ``HostClock``
   times the forwards of the units the chunker computes on the host (host compute is
-  synchronous, so wall time between a unit's hooks is its compute).
+  synchronous, so wall time between a unit's hooks is its compute); a model with nothing
+  resident is computed there whole, and timed between its root's hooks.
 
 Chunking is kept when its host seconds per forward are below the paged bytes over the
-measured bandwidth, else the model is paged again from the third call on. The device's own
+measured bandwidth, else the model is paged again from the third call on. With several
+models both sides are counted over what the timed call ran: each forward of a model would
+page that model's bytes, and the host time is that of all the models' host units; per
+forward means per batch (the forwards of the model that ran most), so a call running an
+encoder and a decoder once per batch weighs one host pass of both against moving both. The device's own
 compute of the non-resident units is not counted on either side: on an accelerator it is
 small beside the host's, and leaving it out favours paging, the default. Neither are the
 activations the chunker moves at its boundaries: for the batches in view they are small
@@ -111,15 +116,17 @@ def _timed_copy(host: torch.Tensor, device: torch.device) -> float:
 
 class HostClock:
     """Times the units that ``handles`` (Chunkers, one per model) compute on the host:
-    ``seconds`` of host compute over ``forwards`` forwards of the models' roots."""
+    ``seconds`` of host compute while ``counts[i]`` forwards of model ``i`` ran."""
 
     def __init__(self, models: Sequence[nn.Module], handles: Sequence[Any]) -> None:
         self.seconds = 0.0
-        self.forwards = 0
+        self.counts = [0 for _ in models]
+        self._index = {id(m): i for i, m in enumerate(models)}
         self._depth = 0
         self._started = 0.0
         self._hooks = HookSet()
         self._units: set[nn.Module] = set()
+        self._whole: set[nn.Module] = set()  # roots computed on the host whole
         for model, handle in zip(models, handles, strict=True):
             # Added after the chunker's own root hooks: they place the model at its first
             # forward, so the map of host units is known when this one runs.
@@ -129,26 +136,44 @@ class HostClock:
 
     def _root_pre(self, model: nn.Module, handle: Any) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            if model in self._units or handle.plan is None:
-                return  # hooked already, or a forward recording the order before placing
-            self._units.add(model)
-            modules = dict(model.named_modules())
-            for name, label in handle.device_map.items():
-                unit = modules.get(name)
-                if unit is None or unit is model or _device_of(label).type != "cpu":
-                    continue
-                if unit not in self._hooks:
-                    self._hooks.add(unit, unit.register_forward_pre_hook(self._unit_pre),
-                                    unit.register_forward_hook(self._unit_post,
-                                                               always_call=True))
+            if handle.plan is None:
+                return  # a forward recording the order before placing
+            if model not in self._units:
+                self._hook_units(model, handle)
+            if model in self._whole:
+                self._unit_pre(module, args)
         return hook
+
+    def _hook_units(self, model: nn.Module, handle: Any) -> None:
+        """Hook the units ``handle`` computes on the host; a model computed there whole
+        (nothing resident) is timed between its own root hooks instead: the hooks added
+        to it now would not run in the forward under way."""
+        self._units.add(model)
+        modules = dict(model.named_modules())
+        for name, label in handle.device_map.items():
+            unit = modules.get(name)
+            if unit is None or _device_of(label).type != "cpu":
+                continue
+            if unit is model:
+                self._whole.add(model)
+                continue
+            if unit not in self._hooks:
+                self._hooks.add(unit, unit.register_forward_pre_hook(self._unit_pre),
+                                unit.register_forward_hook(self._unit_post, always_call=True))
 
     # A forward on fake tensors (another decorated function's trace calling this one) is
     # neither counted nor timed: it computes nothing.
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if module in self._whole:
+            self._unit_post(module, args, output)
         if fake_mode() is None:
-            self.forwards += 1
+            self.counts[self._index[id(module)]] += 1
+
+    @property
+    def forwards(self) -> int:
+        """Forwards of the model that ran most: the batches timed."""
+        return max(self.counts, default=0)
 
     def _unit_pre(self, module: nn.Module, args: Any) -> None:
         if fake_mode() is not None:
@@ -158,8 +183,8 @@ class HostClock:
         self._depth += 1
 
     def _unit_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if fake_mode() is not None:
-            return
+        if fake_mode() is not None or self._depth == 0:
+            return  # (0: an engine's hook before this one's pre hook raised)
         self._depth -= 1
         if self._depth == 0:
             self.seconds += time.perf_counter() - self._started
@@ -176,13 +201,17 @@ class Choice:
     """The figures an engine was chosen by, and the choice (see [Note: paging or
     chunking])."""
 
-    def __init__(self, paged_bytes: int, bandwidth: float, host_seconds: float,
-                 forwards: int) -> None:
-        self.paged_bytes = paged_bytes
+    def __init__(self, paged_bytes: Sequence[int], bandwidth: float, host_seconds: float,
+                 counts: Sequence[int]) -> None:
+        # Both sides of what the timed calls ran: each forward of a model pages that
+        # model's bytes, and the host computed all the models' host units. "Per forward"
+        # is per batch: the forwards of the model that ran most.
+        self.paged_bytes = sum(paged_bytes)
         self.bandwidth = bandwidth
-        self.page_seconds = paged_bytes / bandwidth  # per forward
-        self.chunk_seconds = host_seconds / forwards if forwards else float("inf")
-        self.forwards = forwards
+        self.forwards = max(counts, default=0)
+        moved = sum(b * n for b, n in zip(paged_bytes, counts, strict=True))
+        self.page_seconds = moved / bandwidth / self.forwards if self.forwards else 0.0
+        self.chunk_seconds = host_seconds / self.forwards if self.forwards else float("inf")
 
     @property
     def engine(self) -> str:

@@ -33,12 +33,23 @@ call site returns to the batch size it learned for the placement in force. A mod
 does not fit whole may be chunked instead of paged (its non-resident units computed on the
 host): which engine is measured on the first calls, see [Note: paging or chunking] in
 engine.py; give-back, take-back and exploring then move the chosen engine's resident bytes.
+
+[Note: a decorated function that is collected] A decorated function dropped without
+``remove()`` (a notebook cell run again defines it anew) would leave its models placed for
+good, and the new definition could not place them. So when it is collected its models are
+given back, as ``remove()`` does, unless one of them is in a forward right then (the
+collection may run inside any allocation, on any thread: the models' root hooks count the
+forwards running). Then they are given back at the next attempt to place one of them
+(another decorated function's first call, ``adaptive.page``, ...). A decorated function
+still alive that holds a model is named, with how to free it, in the error of anything
+else that tries to place it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -48,9 +59,10 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
-from .._common.claims import check_placeable
+from .._common.claims import check_placeable, held_for
 from .._common.devices import default_device, format_bytes, free_memory, resolve_device
 from .._common.errors import PlacementError
+from .._engines.base import HookSet
 from .._paging.api import Pager, page
 from .._placement.api import chunk
 from .._placement.splitter import Chunker
@@ -89,8 +101,10 @@ _holders: weakref.WeakKeyDictionary[nn.Module, PlacedModels] = weakref.WeakKeyDi
 
 
 def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
-    """The models given as ``model=`` (one module or a sequence of them), checked now."""
-    models = tuple(model) if isinstance(model, Sequence) else (model,)
+    """The models given as ``model=`` (one module, a sequence of them or an
+    ``nn.ModuleList``, which has no forward of its own: a list of models), checked now."""
+    many = isinstance(model, (Sequence, nn.ModuleList)) and not isinstance(model, str)
+    models = tuple(model) if many else (model,)
     if not models:
         raise ValueError(f"{decorator}(model=...) got an empty sequence; pass the model(s) "
                          f"the function runs, or leave model out")
@@ -98,7 +112,9 @@ def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
         if not isinstance(m, nn.Module):
             raise TypeError(f"{decorator}(model=...) takes torch.nn.Module(s), got "
                             f"{type(m).__name__} {m!r}")
-        check_placeable(m, f"{decorator}(model=...)")
+        # Held for another decorated function: checked at the first call, which it may
+        # not outlive (a notebook cell defining the function again).
+        check_placeable(m, f"{decorator}(model=...)", owned_ok=True)
         lazy = [n for n, p in m.named_parameters() if isinstance(p, UninitializedParameter)]
         if lazy:
             raise PlacementError(
@@ -107,7 +123,35 @@ def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
             )
     if len({id(m) for m in models}) != len(models):
         raise ValueError(f"{decorator}(model=...) lists the same model twice")
+    _refuse_overlap(models, decorator)
     return models
+
+
+def _refuse_overlap(models: tuple[nn.Module, ...], decorator: str) -> None:
+    """Two models that share a module would each be placed by an engine of its own, and one
+    engine holds a module at a time: refused now, naming the module. (Tensors tied across
+    separate modules are fine: each is placed once.)"""
+    owner: dict[int, tuple[int, str]] = {}
+    for i, m in enumerate(models):
+        for path, sub in m.named_modules(remove_duplicate=True):
+            seen = owner.get(id(sub))
+            if seen is None:
+                owner[id(sub)] = (i, path)
+                continue
+            j, other = seen
+            if path == "":
+                what = (f"model {i} ({type(sub).__name__}) is part of model {j} "
+                        f"({type(models[j]).__name__}), as {other!r}")
+            elif other == "":
+                what = (f"model {j} ({type(sub).__name__}) is part of model {i} "
+                        f"({type(m).__name__}), as {path!r}")
+            else:
+                what = (f"models {j} and {i} share the module {type(sub).__name__} "
+                        f"({other!r} in model {j}, {path!r} in model {i})")
+            raise ValueError(
+                f"{decorator}(model=...) got models that overlap: {what}. Each module is "
+                f"placed by one model's engine: list only the outer model, or models that "
+                f"share no module")
 
 
 PAGE, CHUNK = "page", "chunk"
@@ -130,12 +174,17 @@ class PlacedModels:
         self.choice: Choice | None = None
         self._choosing: str | None = None
         self._clock: HostClock | None = None
-        self._paged_bytes = 0  # what paging moved per forward, when chunking was timed
+        self._paged_bytes: list[int] = []  # what paging moved per forward of each model
         self.weights = [module_sizes(m).total_bytes for m in models]
         self.resident = [0 for _ in models]
         self.changes = PlacementChanges()
         self._given_back_at: int | None = None  # free memory when residency was last given
         self._calls = 0
+        # See [Note: a decorated function that is collected].
+        self.abandoned = False
+        self._running = 0  # forwards of the models running now, on any thread
+        self._busy = threading.Lock()
+        self._counting = HookSet()
 
     @property
     def placed(self) -> bool:
@@ -228,8 +277,8 @@ class PlacedModels:
 
     def _time_chunking(self) -> None:
         """Run the next call chunked, with the resident bytes paging had, timing the host."""
-        self._paged_bytes = sum(u.nbytes for p in self.pagers for u in p.plan.units
-                                if u.placement == Placement.PAGED)
+        self._paged_bytes = [sum(u.nbytes for u in p.plan.units
+                                 if u.placement == Placement.PAGED) for p in self.pagers]
         self._choosing = TIMING
         self.engine = CHUNK
         self._place(list(self.resident))
@@ -249,11 +298,11 @@ class PlacedModels:
                         "the model chunked", self.name)
             self._choosing = MADE
             return
-        self.choice = Choice(paged, bandwidth, clock.seconds, clock.forwards)
+        self.choice = Choice(paged, bandwidth, clock.seconds, clock.counts)
         self._choosing = MADE
         logger.info("%s: %s of weights not resident would cross the link at %.3g GB/s in %.3g "
                     "ms per forward, or be computed on the host in %.3g ms (%d forwards "
-                    "timed): %s", self.name, format_bytes(paged),
+                    "timed): %s", self.name, format_bytes(self.choice.paged_bytes),
                     self.choice.bandwidth / 1e9, 1e3 * self.choice.page_seconds,
                     1e3 * self.choice.chunk_seconds, clock.forwards,
                     "chunked" if self.choice.engine == CHUNK else "paged")
@@ -262,14 +311,51 @@ class PlacedModels:
             self._place(list(self.resident))
             self.changes.engine_switches += 1
 
+    def fix(self) -> str:
+        """Whom the models are held for and how to free them (``claims.Owner``)."""
+        short = self.name.rsplit(".", 1)[-1]
+        return (f"it is held for the decorated function {self.name} (model=...): call "
+                f"{short}.remove() first, or drop every reference to that function (its "
+                f"models are given back when it is collected)")
+
+    def abandon(self) -> None:
+        """The decorated function was collected: give the models back now if that is safe,
+        else at the next attempt to place one (see [Note: a decorated function that is
+        collected])."""
+        self.abandoned = True
+        if self.release_if_abandoned():
+            logger.info("%s was collected without remove(): its models were given back",
+                        self.name)
+
+    def release_if_abandoned(self) -> bool:
+        """Give the models back when the decorated function was collected and none of them
+        is in a forward now (``claims.Owner``); True when they were given back."""
+        if not self.abandoned or not self._busy.acquire(blocking=False):
+            return False
+        try:
+            if self._running:
+                return False
+            self.remove()
+            return True
+        finally:
+            self._busy.release()
+
+    def _count_pre(self, module: nn.Module, args: Any) -> None:
+        with self._busy:
+            self._running += 1
+
+    def _count_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        with self._busy:
+            self._running -= 1
+
     def _place(self, resident: list[int]) -> None:
         self.remove(forget_choice=False)
         for i, model in enumerate(self.models):
             holder = _holders.get(model)
-            if holder is not None and holder is not self:
+            if holder is not None and holder is not self and not holder.release_if_abandoned():
                 raise PlacementError(
                     f"model {i} ({type(model).__name__}) is placed by another decorated "
-                    f"function, {holder.name} (model=...); call {holder.name}.remove() first, "
+                    f"function; {holder.fix()}, "
                     f"or let one decorated function run it"
                 )
         try:
@@ -278,7 +364,12 @@ class PlacedModels:
                     self.handles.append(chunk(model, self.device, capacity=nbytes))
                 else:
                     self.handles.append(page(model, self.device, resident_bytes=nbytes))
+                held_for(self.handles[-1], self)
                 _holders[model] = self
+                # First and last of the root's hooks: around the engine's own.
+                self._counting.add(
+                    model, model.register_forward_pre_hook(self._count_pre, prepend=True),
+                    model.register_forward_hook(self._count_post, always_call=True))
             if self._choosing == TIMING:
                 self._clock = HostClock(self.models, self.handles)
         except BaseException:
@@ -293,6 +384,7 @@ class PlacedModels:
         if self._clock is not None:
             self._clock.remove()
             self._clock = None
+        self._counting.clear()
         while self.handles:
             self.handles.pop().remove()
         for model in self.models:

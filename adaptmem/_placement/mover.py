@@ -16,6 +16,14 @@ costs one conversion and one copy to the original's device per converted tensor,
 re-placement and at ``remove()``, which moves every unconverted tensor back anyway. The
 loader (``load_targets``) writes both the placed copy and the original, so its writes
 compare equal and are not carried twice.
+
+[Note: no placement inside a trace] Under a ``FakeTensorMode`` (the traces that predict a
+decorated function's memory, see ``_execution/auto.py``) a copy of a weight is a fake
+tensor, and a placement made there would leave fakes (or meta tensors) in the model in
+place of its weights: every later forward computes garbage, and ``remove()`` has nothing
+to put back. So no tensor is moved while a fake mode is active: a Chunker or Splitter not
+placed yet ends the trace at its first forward with ``NotYet`` (the real call places it,
+a later call is traced again), and a re-placement asked for there is refused.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from .._common.errors import PlacementError
+from .._common.peak import fake_mode
 from .._planning import Target, Unit
 
 __all__ = ["PlacedTensors", "set_data"]
@@ -44,6 +54,11 @@ class PlacedTensors:
 
     def apply(self, units: Sequence[Unit]) -> None:
         """Move every tensor whose label changed; on any failure put back what moved."""
+        if fake_mode() is not None:  # See [Note: no placement inside a trace]
+            raise PlacementError(
+                "a model's weights cannot be placed while a FakeTensorMode is active: the "
+                "copies would be fake tensors standing in for real weights; place (or "
+                "re-place) the model outside the trace")
         wanted = {t: u.placement for u in units for t in u.tensors}
         before = dict(self._where)
         moved: list[str] = []

@@ -16,6 +16,7 @@ from torch import nn
 from .._common.devices import format_bytes
 from .._common.enums import TextEnum
 from .._common.errors import PlacementError
+from .._common.peak import NotYet, fake_mode
 from .._common.reporting import report
 from .._common.tree import canonical_tensors
 from .._engines.base import Engine, HookSet
@@ -200,6 +201,11 @@ class Splitter(BoundaryHooks, Engine):
         self._plan = Plan(self._mode.value, units, self._plan.total_bytes, options)
 
     def _place_first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if fake_mode() is not None:  # See [Note: no placement inside a trace]
+            raise NotYet(
+                f"{self.made_by} places its model at its first real forward, and this one "
+                f"runs on fake tensors (a trace predicting memory); run the model once "
+                f"outside the trace first")
         self._local.busy = True
         try:
             self._recording = record_forward(self._model, args, kwargs, keep=(self,))

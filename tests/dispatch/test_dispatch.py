@@ -648,3 +648,89 @@ def test_a_tensor_a_model_made_during_the_prediction_is_put_back_and_the_search_
     assert type(model.table) is torch.Tensor and prediction is None
     assert any("dropped its prediction" in r.getMessage() and "table" in r.getMessage()
                for r in caplog.records)
+
+
+def _defined(model: nn.Module) -> Any:
+    @adaptive.batch(initial_batchsize=16, model=model, device="cuda")
+    def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    return infer
+
+
+def test_a_decorated_function_collected_without_remove_gives_its_model_back() -> None:
+    # A notebook cell run again: the name is bound to a new definition of the function.
+    import gc
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).eval()
+    before = _snapshot(model)
+    data = torch.randn(16, 64)
+    with simulated_cuda(total_memory="1GiB"):
+        infer = _defined(model)
+        infer(data)
+        assert next(model.parameters()).device.type == "cuda"
+        infer = _defined(model)  # the first definition is collected here
+        gc.collect()
+        assert torch.cuda.memory_allocated() == 0
+        assert not model._forward_pre_hooks and not model._forward_hooks
+        after = _snapshot(model)
+        assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
+                   for k in before)
+        torch.testing.assert_close(infer(data), model(data).detach())
+        infer.remove()
+
+
+def test_a_model_held_by_a_live_decorated_function_names_it_and_the_fix() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64)).eval()
+    data = torch.randn(16, 64)
+    with simulated_cuda(total_memory="1GiB"):
+        first = _defined(model)
+        first(data)
+        second = _defined(model)
+        with pytest.raises(PlacementError, match=r"_defined\.<locals>\.infer.*infer\.remove\(\)"):
+            second(data)
+        with pytest.raises(PlacementError, match=r"decorated function .*infer\.remove\(\)"):
+            adaptive.page(model, "cuda")
+        first.remove()
+        second(data)
+        second.remove()
+
+
+def test_a_module_list_is_a_list_of_models() -> None:
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(64, 64), nn.ReLU()).eval()
+    dec = nn.Sequential(nn.Linear(64, 64)).eval()
+    data = torch.randn(16, 64)
+    with torch.no_grad():
+        want = dec(enc(data))
+    with simulated_cuda(total_memory="1GiB"):
+
+        @adaptive.batch(initial_batchsize=16, model=nn.ModuleList([enc, dec]), device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([dec(enc(c)) for c in data.split(batchsize)])
+
+        got = run(data)
+        placement = run.placement
+        run.remove()
+    torch.testing.assert_close(got, want)
+    assert len(placement["weight_bytes"]) == 2 and len(run.placed.models) == 2
+
+
+@pytest.mark.parametrize("case", ["inside", "around", "shared"])
+def test_overlapping_models_are_refused_at_decoration_naming_the_overlap(case: str) -> None:
+    inner = nn.Linear(8, 8)
+    outer = nn.Sequential(nn.Linear(8, 8), inner).eval()
+    other = nn.Sequential(inner, nn.ReLU()).eval()
+    models, match = {
+        "inside": ([outer, inner], r"model 1 \(Linear\) is part of model 0 .*'1'"),
+        "around": ([inner.eval(), outer], r"model 0 \(Linear\) is part of model 1 .*'1'"),
+        "shared": ([outer, other], r"models 0 and 1 share the module Linear \('1' in model 0, "
+                                   r"'0' in model 1\)"),
+    }[case]
+    with pytest.raises(ValueError, match="overlap: " + match):
+        adaptive.batch(initial_batchsize=8, model=models)(lambda batchsize, x: x)
+

@@ -407,3 +407,100 @@ def test_timing_the_link_stays_under_free_memory_and_keeps_the_engine_when_nothi
 
         monkeypatch.setattr(engine, "_timed_copy", no_room)
         assert engine.link_bandwidth(device) is None
+
+
+def test_a_chunker_placed_at_a_call_that_is_traced_first_keeps_real_weights() -> None:
+    # A first call with too few items to predict from puts the prediction off to the
+    # second call, which is also the timed chunked one: the trace reaches the chunker
+    # before its first real forward. See [Note: no placement inside a trace] in mover.py.
+    model = _model()
+    before = _snapshot(model)
+    small, large = torch.randn(4, 512), torch.randn(64, 512)
+    with torch.no_grad():
+        want = [model(small), model(large)]
+    with simulated_cuda(total_memory=DEVICE, bandwidth=50):
+        run = _decorated(model, 64)
+        got = [run(small), run(large)]
+        engine = run.placement["engine"]
+        run.remove()
+    assert engine == "chunk"  # the call the trace reached ran chunked
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    after = _snapshot(model)
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
+               for k in before)
+
+
+def test_a_chunker_not_placed_yet_moves_nothing_under_a_fake_mode() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from adaptmem._common.peak import NotYet
+
+    model = _model()
+    before = _snapshot(model)
+    with simulated_cuda(total_memory=DEVICE):
+        chunker = adaptive.chunk(model, "cuda", capacity="4MiB")
+        with pytest.raises(NotYet, match="first real forward"), torch.no_grad(), \
+                FakeTensorMode(allow_non_fake_inputs=True):
+            model(torch.randn(2, 512))
+        assert chunker.plan is None
+        chunker.remove()
+    after = _snapshot(model)
+    assert all(torch.equal(before[k], after[k]) and after[k].device.type == "cpu"
+               for k in before)
+
+
+def test_a_model_with_nothing_resident_is_timed_whole_on_the_host(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Chunking looked free (0 s of host compute) when no unit was resident: the clock
+    # timed only units below the root, and the whole model is one unit on the host.
+    import itertools
+    import types
+
+    from adaptmem._dispatch import engine
+
+    ticks = itertools.count()
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(
+        perf_counter=lambda: float(next(ticks))))  # each read one second later
+    model = _model()
+    with simulated_cuda(total_memory=DEVICE):
+        chunker = adaptive.chunk(model, "cuda", capacity=0)
+        clock = engine.HostClock([model], [chunker])
+        with torch.no_grad():
+            for _ in range(2):
+                model(torch.randn(4, 512))
+        device_map = chunker.device_map
+        clock.remove()
+        chunker.remove()
+    assert device_map == {"": "cpu"}
+    assert clock.forwards == 2 and clock.seconds == 2.0
+
+
+def test_with_two_models_paging_and_chunking_are_compared_per_batch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # One batch runs enc then dec: the host time of both is weighed against paging both,
+    # not divided by the two root forwards while the paged bytes of both are summed.
+    import itertools
+    import types
+
+    from adaptmem._dispatch import engine
+
+    ticks = itertools.count()
+    monkeypatch.setattr(engine, "time", types.SimpleNamespace(
+        perf_counter=lambda: float(next(ticks))))  # each host pass costs one second
+    torch.manual_seed(0)
+    enc, dec = nn.Sequential(nn.Linear(64, 64)).eval(), nn.Sequential(nn.Linear(64, 64)).eval()
+    with simulated_cuda(total_memory=DEVICE):
+        handles = [adaptive.chunk(m, "cuda", capacity=0) for m in (enc, dec)]
+        clock = engine.HostClock([enc, dec], handles)
+        with torch.no_grad():
+            dec(enc(torch.randn(4, 64)))
+        clock.remove()
+        for h in handles:
+            h.remove()
+    assert clock.counts == [1, 1] and clock.forwards == 1 and clock.seconds == 2.0
+    # Paging would move 3 s of enc's weights and 0 s of dec's per batch: cheaper than 2 s?
+    choice = engine.Choice([3, 0], 1.0, clock.seconds, clock.counts)
+    assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (3.0, 2.0, "chunk")
+    choice = engine.Choice([1, 0], 1.0, clock.seconds, clock.counts)
+    assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (1.0, 2.0, "page")
