@@ -128,6 +128,7 @@ class Dispatched:
                 drop_frames(exc)
                 del exc
                 self._give_back(caller, target)
+                self._runs_again()
                 again = True
                 continue
             if first:
@@ -181,8 +182,16 @@ class Dispatched:
             drop_frames(exc)
         del coroutine
         self._give_back(caller, target)
+        self._runs_again()
         # Awaited the same way: a further failure gives back again, down to nothing.
         return await self.run(caller, target, args, kwargs, again=True)
+
+    def _runs_again(self) -> None:
+        """The user's call is made again after giving residency back: one call still, its
+        next attempt a retry (the decorated function counts a call at each run)."""
+        stats = self.inner.stats
+        stats.calls -= 1
+        stats.retried()
 
     def _record(self, caller: Any, target: Any, moved: bool = False) -> Any:
         """The size record of the placement in force, for a call from ``caller``; after the

@@ -85,10 +85,14 @@ def test_compute_out_of_memory_at_the_smallest_batch_gives_residency_to_activati
         with caplog.at_level(logging.INFO, logger="adaptmem"):
             results = [run(data) for _ in range(3)]
         placement = run.placement
+        stats = run.stats
         run.remove()
     for got in results:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert placement["residency_given_back"] >= 1
+    # A call run again after giving residency back is one call, its new attempts retries.
+    assert stats.calls == 3 and stats.attempts == 3 + stats.retries
+    assert stats.retries >= stats.failed_attempts >= placement["residency_given_back"]
     assert placement["resident_bytes"][0] < placement["weight_bytes"][0] // 2
     assert any("gives" in r.getMessage() or "keeps" in r.getMessage() for r in caplog.records)
     # The same call site does not give residency back again once it found what fits.
