@@ -32,7 +32,7 @@ def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str,
         yield f"argument {k!r}", v
 
 
-def _version(t: torch.Tensor) -> int | None:
+def _version_or_none(t: torch.Tensor) -> int | None:
     try:
         return t._version
     except RuntimeError:  # an inference tensor keeps no version counter
@@ -47,13 +47,13 @@ def versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[int | None] 
         if isinstance(a, torch.Tensor):
             if out is None:
                 out = [None for _ in range(len(args) + len(kwargs))]
-            out[i] = _version(a)
+            out[i] = _version_or_none(a)
     if kwargs:
         for i, v in enumerate(kwargs.values(), len(args)):
             if isinstance(v, torch.Tensor):
                 if out is None:
                     out = [None for _ in range(len(args) + len(kwargs))]
-                out[i] = _version(v)
+                out[i] = _version_or_none(v)
     return out
 
 
@@ -88,7 +88,7 @@ class Replay:
         if self.versions is None or getattr(self.owner, "replay_warned", False):
             return
         for (where, value), before in zip(named, self.versions, strict=True):
-            if before is not None and _version(value) != before:
+            if before is not None and _version_or_none(value) != before:
                 self.owner.replay_warned = True
                 logger.warning(
                     "%s changed its %s in place in an attempt that ran out of memory; the "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,6 +61,39 @@ def _pack_groups(units: list[Unit]) -> list[list[str]]:
     that no unit borrows (see [Note: packed masters] in ``hoststore.py``)."""
     borrowed = {n for u in units for n in u.borrowed}
     return [[n for n in u.tensors if n not in borrowed] for u in units]
+
+
+def _called_within(model: nn.Module) -> bool:
+    """``model``, called while a forward is on the stack, is called from inside that forward
+    (the caller's frames include a call of the model besides this one), not after a forward
+    interrupted past its hooks. See [Note: a model that calls itself]."""
+    calls = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is model:
+            calls += 1
+            if calls == 2:
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+def _running(stack: list[Frame], frame: Frame,
+             name: Callable[[nn.Module], str]) -> list[tuple[str, int]]:
+    """The modules running around ``frame``, with the paged bytes each holds."""
+    return [(name(f.module), sum(s.nbytes for s in f.slots if not s.resident))
+            for f in stack if f is not frame]
+
+
+def _allowance(resident_bytes: int | None, device: torch.device, budget: int | None,
+               prefetch: int, units: list[Unit], total_bytes: int) -> int:
+    """The bytes of units kept resident: ``resident_bytes``, or for "auto" (None) what free
+    memory allows after room for the paged working set."""
+    if resident_bytes is not None:
+        return resident_bytes
+    room = room_for_weights(device, budget)
+    working = (prefetch + 2) * max((u.nbytes for u in units), default=0)
+    return room if total_bytes <= room else max(0, room - working)
 
 
 class Pager(Engine):
@@ -122,7 +156,9 @@ class Pager(Engine):
             for s in slots.values():
                 if s.original is None:
                     s.tensor.data = s.master
-            self._units = self._table.keep_resident(self._units, self._allowance(resident_bytes))
+            self._units = self._table.keep_resident(self._units, _allowance(
+                resident_bytes, self.device, self.budget, self.prefetch, self._units,
+                self._sizes.total_bytes))
             self.plan.units = list(self._units)
             self._guard.expect({n: s.copy if s.resident else s.master  # type: ignore[misc]
                                 for n, s in slots.items()})
@@ -134,15 +170,6 @@ class Pager(Engine):
             raise
         # See [Note: one place for statistics].
         report(self, f"pager ({type(model).__name__})", self._stats)
-
-    def _allowance(self, resident_bytes: int | None) -> int:
-        """The bytes of units kept resident: ``resident_bytes``, or for "auto" (None) what
-        free memory allows after room for the paged working set."""
-        if resident_bytes is not None:
-            return resident_bytes
-        room = room_for_weights(self.device, self.budget)
-        working = (self.prefetch + 2) * max((u.nbytes for u in self._units), default=0)
-        return room if self._sizes.total_bytes <= room else max(0, room - working)
 
     def _compute_needs(self) -> None:
         """What each module acquires; once a forward is learned, the prefetch schedule and
@@ -164,7 +191,7 @@ class Pager(Engine):
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         stack = self._stack
         # See [Note: a model that calls itself]
-        root = module is self.model and not (stack and self._reentered())
+        root = module is self.model and not (stack and _called_within(self.model))
         if root:
             self._begin_call()
             self._stats.forwards += 1
@@ -226,20 +253,6 @@ class Pager(Engine):
             output = to_device(output, target)
         return output
 
-    def _reentered(self) -> bool:
-        """The model, called while a forward is on the stack, is called from inside that
-        forward (the caller's frames include a call of the model besides this one), not after
-        a forward interrupted past its hooks. See [Note: a model that calls itself]."""
-        model, calls = self.model, 0
-        frame = sys._getframe(1)
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is model:
-                calls += 1
-                if calls == 2:
-                    return True
-            frame = frame.f_back  # type: ignore[assignment]
-        return False
-
     def _begin_call(self) -> None:
         """An outermost call into the model begins: of the model, or of a submodule on its
         own. Until a whole forward has been learned, every call is watched by the probe."""
@@ -298,14 +311,9 @@ class Pager(Engine):
                 return
             except NoRoom as cause:
                 self._refiner.refine(self._units, self._name(module), id(module) in
-                                     self._needs.alone, needs, cause, self._running(frame))
+                                     self._needs.alone, needs, cause, _running(self._stack, frame, self._name))
             self._compute_needs()  # hooks the parts' modules too
             needs = self._needs.for_call(id(module), len(self._stack) == 1) or ()
-
-    def _running(self, frame: Frame) -> list[tuple[str, int]]:
-        """The modules running around ``frame``, with the paged bytes each holds."""
-        return [(self._name(f.module), sum(s.nbytes for s in f.slots if not s.resident))
-                for f in self._stack if f is not frame]
 
     def _touch(self, args: Any, kwargs: Any) -> None:
         """The probe saw an op: any weight among its arguments is loaded first (and, while
@@ -327,7 +335,7 @@ class Pager(Engine):
                         self._table.acquire((s,))
                     except NoRoom as exc:
                         self._refiner.give_up(self._name(frame.module), [s], exc,
-                                              self._running(frame))
+                                              _running(self._stack, frame, self._name))
                     frame.slots = [*frame.slots, s]
 
     # -- public ----------------------------------------------------------------------------
