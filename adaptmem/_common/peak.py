@@ -55,24 +55,26 @@ class PeakTracker(TorchDispatchMode):
                 key = t.untyped_storage()._cdata  # one per storage, shared by its views
                 if key in self._owners:  # a view of a storage made while tracking
                     self._hold(t, key, 0)
-                elif not self._existing(key, inputs):  # new memory
+                elif not self._existing(key, t.untyped_storage().nbytes(), inputs):  # new
                     self._hold(t, key, t.untyped_storage().nbytes())
                 # else a view of (or in-place result in) memory that existed before: not counted
         return out
 
     @staticmethod
-    def _existing(key: int, inputs: list[torch.Tensor]) -> bool:
-        """Whether storage ``key`` is one of the inputs', or (under a fake mode) that of the
-        fake a real input became: a view of a real tensor the traced call was given (a
-        batch sliced from its data) is a view of that fake, not new memory."""
+    def _existing(key: int, nbytes: int, inputs: list[torch.Tensor]) -> bool:
+        """Whether storage ``key`` (of ``nbytes``) is one of the inputs', or (under a fake
+        mode) that of the fake a real input of that size became: a view of a real tensor the
+        traced call was given (a batch sliced from its data) is a view of that fake, not new
+        memory."""
         if any(i.untyped_storage()._cdata == key for i in inputs):
             return True
         mode = fake_mode()
         if mode is None:
             return False
-        # Plain tensors only: a tensor subclass (the simulated device's) is its own business.
-        return any(mode.from_tensor(i).untyped_storage()._cdata == key
-                   for i in inputs if i.__class__ in _PLAIN)
+        # Plain tensors only (a tensor subclass, the simulated device's, is its own
+        # business), and only of the same size: converting is the costly part.
+        return any(mode.from_tensor(i).untyped_storage()._cdata == key for i in inputs
+                   if i.__class__ in _PLAIN and i.untyped_storage().nbytes() == nbytes)
 
     def _counts(self, device: torch.device) -> bool:
         wanted = self.device
