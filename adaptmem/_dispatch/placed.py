@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -158,6 +159,23 @@ PAGE, CHUNK = "page", "chunk"
 # Where the choice between them stands: to be measured at the next call, being measured
 # (the call runs chunked under a HostClock), made.
 PENDING, TIMING, MADE = "pending", "timing", "made"
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _in_forward(models: Sequence[nn.Module]) -> bool:
+    """Whether any thread is inside a call of one of ``models`` now. The count the root
+    hooks keep misses a forward a ``KeyboardInterrupt`` ended (torch runs always-call hooks
+    for an ``Exception`` only), so a count above 0 is checked against the threads' stacks."""
+    for top in sys._current_frames().values():
+        frame: Any = top
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL and any(
+                    frame.f_locals.get("self") is m for m in models):
+                return True
+            frame = frame.f_back
+    return False
 
 
 class PlacedModels:
@@ -333,8 +351,9 @@ class PlacedModels:
         if not self.abandoned or not self._busy.acquire(blocking=False):
             return False
         try:
-            if self._running:
+            if self._running and _in_forward(self.models):
                 return False
+            self._running = 0  # a forward interrupted past its hooks counted none down
             self.remove()
             return True
         finally:

@@ -2,9 +2,11 @@
 have used up or changed.
 
 [Note: arguments a retry passes again] A retry calls the function again with the very
-arguments of the failed attempt. An iterator among them (a generator, a file) was partly
-consumed by that attempt, so the retry would see only what is left and return a wrong
-result without any error: it is refused, saying to pass a list or a tensor instead. A tensor
+arguments of the failed attempt. An iterator among them (a generator, ``iter(...)``) was
+partly consumed by that attempt, so the retry would see only what is left and return a wrong
+result without any error: it is refused, saying to pass a list or a tensor instead. Files
+(``io`` objects, ``sys.stdout``) are iterators too, but a function is given one to write a
+log or results into far more often than to read it, so they pass. A tensor
 argument the failed attempt changed in place (``x.div_(255)``) is seen changed by the retry:
 that is right for an output buffer the function fills, wrong for an input it reads after
 changing it, and nothing here can tell which, so it is logged once per function as a
@@ -14,6 +16,7 @@ hold), and only tensor versions are read on the success path, a few hundred nano
 
 from __future__ import annotations
 
+import io
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -77,7 +80,7 @@ class Replay:
         """About to call again at ``size`` after an out-of-memory error."""
         named = list(_named(self.args, self.kwargs))
         for where, value in named:
-            if isinstance(value, Iterator):
+            if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
                 raise TypeError(
                     f"{self.name} ran out of memory and must be called again with "
                     f"batchsize={size}, but its {where} is an iterator "

@@ -21,9 +21,10 @@ after another) and a buffer refilled in place and saved again would otherwise be
 with bytes copied before they were written. A ``detach()`` alias (``x * f(x).detach()``,
 BYOL and SimSiam's stop-gradient) is a tensor of its own with no base, yet it shares its
 original's version counter: a base-less tensor with the entry root's exact geometry (dtype,
-offset, sizes, strides) over the same storage counts as the same root. (``.data`` makes the
-same geometry with a counter of its own; a write through it between the two saves is the
-one case this misses, and autograd does not see such a write either.)
+offset, sizes, strides) over the same storage whose counter is the root's counts as the same
+root. Whether the counter is the same is asked by moving one and reading the other (then
+putting it back): ``.data`` makes the same geometry with a counter of its own, and a write
+through it between the two saves must not be missed.
 """
 
 from __future__ import annotations
@@ -56,12 +57,27 @@ def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
 def _same_root(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    """Whether ``a`` and ``b`` are one tensor, or aliases made by ``detach`` (one geometry
-    over one storage): see [Note: sharing an entry]."""
-    return a is b or bool(a is not None and b._base is None and a._base is None
-                      and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()
-                      and a.size() == b.size() and a.stride() == b.stride())
+    """Whether ``a`` and ``b`` are one tensor, or aliases made by ``detach``: one geometry
+    over one storage and one version counter (see [Note: sharing an entry])."""
+    if a is b:
+        return True
+    if (a is None or _set_version is None or b._base is not None or a._base is not None
+            or a.dtype != b.dtype or a.storage_offset() != b.storage_offset()
+            or a.size() != b.size() or a.stride() != b.stride()):
+        return False
+    version = b._version
+    if a._version != version:
+        return False
+    # One counter or two: move ``b``'s, look at ``a``'s, put it back. Nothing else runs
+    # in between (this is the forward's own thread, inside the step's lock).
+    _set_version((b,), (version + 1,))
+    shared = a._version == version + 1
+    _set_version((b,), (version,))
+    return shared
 
 
 class Step:

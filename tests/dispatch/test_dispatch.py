@@ -686,6 +686,35 @@ def test_a_decorated_function_collected_without_remove_gives_its_model_back() ->
         infer.remove()
 
 
+def test_a_function_interrupted_in_a_forward_and_then_collected_gives_its_model_back() -> None:
+    # torch runs always-call hooks for an Exception only: a KeyboardInterrupt in the
+    # forward left the running-forward count up, and the model was held for good.
+    import gc
+
+    class Interrupted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.stop = nn.Linear(64, 64), True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.stop:
+                self.stop = False
+                raise KeyboardInterrupt
+            return self.linear(x)
+
+    model = Interrupted().eval()
+    data = torch.randn(16, 64)
+    with simulated_cuda(total_memory="1GiB"):
+        infer = _defined(model)
+        with pytest.raises(KeyboardInterrupt):
+            infer(data)
+        infer = _defined(model)  # the first definition is collected here
+        gc.collect()
+        assert model.linear.weight.device.type == "cpu"
+        torch.testing.assert_close(infer(data), model(data).detach())
+        infer.remove()
+
+
 def test_a_model_held_by_a_live_decorated_function_names_it_and_the_fix() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64)).eval()

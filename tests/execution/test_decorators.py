@@ -1156,3 +1156,20 @@ def test_a_retry_after_an_argument_changed_in_place_is_logged_once(
         normalised_sum(torch.ones(8))
     warned = [r.getMessage() for r in caplog.records if "in place" in r.getMessage()]
     assert len(warned) == 1 and "argument 1" in warned[0] and "clone" in warned[0]
+
+
+def test_a_retry_passes_a_file_argument_on() -> None:
+    # Files are iterators too, but one given to write into is not consumed by an attempt.
+    import io
+
+    ceiling = MemoryCeiling(16)
+
+    @adaptive.batch(initial_batchsize=64, cache=adaptive.NoBatchsizeCache)
+    def process(batchsize: int, data: torch.Tensor, log: io.StringIO) -> torch.Tensor:
+        log.write(f"trying {batchsize}\n")
+        ceiling.require(batchsize)
+        return data * 2
+
+    log = io.StringIO()
+    assert torch.equal(process(torch.ones(4), log), torch.full((4,), 2.0))
+    assert log.getvalue().split("\n")[:3] == ["trying 64", "trying 32", "trying 16"]
