@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ __all__ = [
     "empty_cache",
     "synchronize",
     "parse_size",
+    "whole_number",
     "format_bytes",
     "to_device",
     "stream_module",
@@ -44,6 +46,17 @@ _UNITS = {
     "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def whole_number(value: Any) -> int | None:
+    """``value`` as an int: anything with ``__index__`` (NumPy and torch integers too); None
+    for a bool or anything else, for the caller's own error."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def parse_size(value: Any, name: str = "size") -> int:

@@ -12,7 +12,7 @@ names agree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "map_tensors",
     "tensors_in",
     "first_tensor_device",
+    "calls_in_progress",
 ]
 
 
@@ -118,3 +119,19 @@ def first_tensor_device(obj: Any) -> torch.device | None:
     for t in tensors_in(obj):
         return t.device
     return None
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def calls_in_progress(frame: Any, modules: Sequence[nn.Module], stop_at: int = 0) -> int:
+    """How many calls of any of ``modules`` (``Module._call_impl`` frames) are running in
+    ``frame`` and its callers; counting ends at ``stop_at`` when it is above 0."""
+    calls = 0
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL and any(frame.f_locals.get("self") is m for m in modules):
+            calls += 1
+            if calls == stop_at:
+                break
+        frame = frame.f_back
+    return calls

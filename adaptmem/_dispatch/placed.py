@@ -63,6 +63,7 @@ from torch.nn.parameter import UninitializedParameter
 from .._common.claims import check_placeable, held_for
 from .._common.devices import default_device, format_bytes, free_memory, resolve_device
 from .._common.errors import PlacementError
+from .._common.tree import calls_in_progress
 from .._engines.base import HookSet
 from .._paging.api import Pager, page
 from .._placement.api import chunk
@@ -161,21 +162,12 @@ PAGE, CHUNK = "page", "chunk"
 PENDING, TIMING, MADE = "pending", "timing", "made"
 
 
-_CALL_IMPL = nn.Module._call_impl.__code__
-
-
 def _in_forward(models: Sequence[nn.Module]) -> bool:
     """Whether any thread is inside a call of one of ``models`` now. The count the root
     hooks keep misses a forward a ``KeyboardInterrupt`` ended (torch runs always-call hooks
     for an ``Exception`` only), so a count above 0 is checked against the threads' stacks."""
-    for top in sys._current_frames().values():
-        frame: Any = top
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL and any(
-                    frame.f_locals.get("self") is m for m in models):
-                return True
-            frame = frame.f_back
-    return False
+    return any(calls_in_progress(top, models, stop_at=1)
+               for top in sys._current_frames().values())
 
 
 class PlacedModels:

@@ -34,12 +34,13 @@ snapshot's reach.
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+
+from .._common.devices import whole_number
 
 __all__ = ["Accumulation", "check_accumulate", "refuse_accumulate", "microbatches"]
 
@@ -260,11 +261,9 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
 
 def _dimension(dim: Any) -> int:
     """``dim`` as an int (NumPy integers too); TypeError for anything else, bools included."""
-    if not isinstance(dim, bool):
-        try:
-            return operator.index(dim)
-        except TypeError:
-            pass
+    index = whole_number(dim)
+    if index is not None:
+        return index
     raise TypeError(f"microbatches takes dim= as an int (the batch dimension, 0 unless the "
                     f"batch is along another), got {type(dim).__name__} {dim!r:.80}")
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import sys
 import time
 import types
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._common.devices import resolve_device
+from .._common.devices import resolve_device, whole_number
 from .._common.errors import AdaptmemError
 from .._common.oom import shrinks_size
 from .._common.reporting import report
@@ -44,13 +43,11 @@ def _check_size(value: Any, name: str, example: str) -> int:
 
 
 def _as_index(value: Any, name: str) -> int:
-    """``value`` as an int: anything with ``__index__`` (numpy and torch integers), no bool."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    """``value`` as an int (NumPy and torch integers too), else TypeError."""
+    index = whole_number(value)
+    if index is None:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return index
 
 
 def _check_callable(func: Any, decorator: str) -> None:
@@ -447,6 +444,7 @@ class _Batch(_Adaptive):
         if accumulation is not None:
             accumulation.refuse_lazy(func)
         self._accumulation = accumulation
+        self.replay_warned = False  # see [Note: arguments a retry passes again]
         super().__init__(func, initial, floor, cache, context, device, **options)
         if self.group is not None:  # the success path of _run need not ask
             self._run = self._run_grouped  # type: ignore[method-assign]
@@ -494,7 +492,7 @@ class _Batch(_Adaptive):
                 stats.saw(size)
             return result
         result, size = run_sized(
-            Replay(self, self._name, args, kwargs, before, read=False).wrap(
+            Replay(self, self._name, args, kwargs, before).wrap(
                 lambda s: func(*bound, s, *args, **kwargs), True), size, record,
             floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
@@ -536,7 +534,7 @@ class _Batch(_Adaptive):
         size = record.next_size(self.initial, self.floor, self._probes)
         log_probe(record, size, self._name, "batchsize", self._watch)
         self.stats.calls += 1
-        replay = Replay(self, self._name, args, kwargs)
+        replay = Replay(self, self._name, args, kwargs, versions(args, kwargs))
         result, _ = run_sized_grouped(
             replay.wrap(lambda s: func(*bound, s, *args, **kwargs), False), size, record, ranks,
             floor=self.floor,

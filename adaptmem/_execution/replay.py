@@ -67,14 +67,12 @@ class Replay:
     __slots__ = ("owner", "name", "args", "kwargs", "versions")
 
     def __init__(self, owner: Any, name: str, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], before: list[int | None] | None = None,
-                 read: bool = True) -> None:
+                 kwargs: dict[str, Any], before: list[int | None] | None) -> None:
         self.owner = owner  # its ``replay_warned`` says whether the warning was logged
         self.name = name
         self.args = args
         self.kwargs = kwargs
-        # ``before``: read by the caller before the first attempt (``read=False``).
-        self.versions = versions(args, kwargs) if read else before
+        self.versions = before  # ``versions(args, kwargs)`` before the first attempt
 
     def retrying(self, size: int) -> None:
         """About to call again at ``size`` after an out-of-memory error."""
@@ -88,7 +86,7 @@ class Replay:
                     f"part, so a retry would silently miss items. Pass a list, a tuple or a "
                     f"tensor instead (list(...) of the iterator)"
                 )
-        if self.versions is None or getattr(self.owner, "replay_warned", False):
+        if self.versions is None or self.owner.replay_warned:
             return
         for (where, value), before in zip(named, self.versions, strict=True):
             if before is not None and _version_or_none(value) != before:

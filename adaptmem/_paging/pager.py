@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 from .._common.devices import format_bytes, synchronize, to_device
 from .._common.errors import PlacementError
 from .._common.reporting import report
-from .._common.tree import first_tensor_device
+from .._common.tree import calls_in_progress, first_tensor_device
 from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
 from .._engines.hoststore import LOADED, Slot, make_slots
@@ -53,7 +53,6 @@ __all__ = ["Pager"]
 # hooks (a ``KeyboardInterrupt``), whose frames are stale and released. Only the Python call
 # stack tells the two apart, so it is walked then, and only then: the model is running when
 # a second ``Module._call_impl`` of it is among the callers.
-_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def _pack_groups(units: list[Unit]) -> list[list[str]]:
@@ -61,21 +60,6 @@ def _pack_groups(units: list[Unit]) -> list[list[str]]:
     that no unit borrows (see [Note: packed masters] in ``hoststore.py``)."""
     borrowed = {n for u in units for n in u.borrowed}
     return [[n for n in u.tensors if n not in borrowed] for u in units]
-
-
-def _called_within(model: nn.Module) -> bool:
-    """``model``, called while a forward is on the stack, is called from inside that forward
-    (the caller's frames include a call of the model besides this one), not after a forward
-    interrupted past its hooks. See [Note: a model that calls itself]."""
-    calls = 0
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is _CALL_IMPL and frame.f_locals.get("self") is model:
-            calls += 1
-            if calls == 2:
-                return True
-        frame = frame.f_back  # type: ignore[assignment]
-    return False
 
 
 def _running(stack: list[Frame], frame: Frame,
@@ -191,7 +175,8 @@ class Pager(Engine):
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         stack = self._stack
         # See [Note: a model that calls itself]
-        root = module is self.model and not (stack and _called_within(self.model))
+        root = module is self.model and not (
+            stack and calls_in_progress(sys._getframe(1), (module,), stop_at=2) == 2)
         if root:
             self._begin_call()
             self._stats.forwards += 1
@@ -311,7 +296,8 @@ class Pager(Engine):
                 return
             except NoRoom as cause:
                 self._refiner.refine(self._units, self._name(module), id(module) in
-                                     self._needs.alone, needs, cause, _running(self._stack, frame, self._name))
+                                     self._needs.alone, needs, cause,
+                                     _running(self._stack, frame, self._name))
             self._compute_needs()  # hooks the parts' modules too
             needs = self._needs.for_call(id(module), len(self._stack) == 1) or ()
 

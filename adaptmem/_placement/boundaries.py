@@ -171,8 +171,6 @@ class BoundaryHooks:
             device, dtype = stack[-1].where[0] or device, stack[-1].where[1] or dtype
         if name == "" and self._output_device is not None:
             device = self._output_device
-        if not self._converts:  # See [Note: dtypes change only where a placement converts]
-            dtype = None
         if device is None or output is None:
             return None
         moved = self._convert(output, device, dtype)
@@ -183,6 +181,8 @@ class BoundaryHooks:
         device, dtype = _first_device_and_float(obj)
         if enclosing is not None:
             device, dtype = device or enclosing.where[0], dtype or enclosing.where[1]
+        if not self._converts:  # See [Note: dtypes change only where a placement converts]
+            return device or self._home_device, None
         return device or self._home_device, dtype or self._home_dtype
 
     def _convert(self, obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:

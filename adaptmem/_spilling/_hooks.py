@@ -41,7 +41,7 @@ import torch
 from .._common.devices import format_bytes
 from ._copies import Copier, Copies
 from ._limits import Limits
-from ._saved import Entry, EntryState, Kept, Packed, keep
+from ._saved import Entry, EntryState, Kept, Packed, keep, share_version_counter
 from ._settings import StepSettings
 from ._stats import SpillStats, track_step
 
@@ -57,27 +57,15 @@ def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
-_set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
-
-
 def _same_root(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` are one tensor, or aliases made by ``detach``: one geometry
     over one storage and one version counter (see [Note: sharing an entry])."""
     if a is b:
         return True
-    if (a is None or _set_version is None or b._base is not None or a._base is not None
-            or a.dtype != b.dtype or a.storage_offset() != b.storage_offset()
-            or a.size() != b.size() or a.stride() != b.stride()):
-        return False
-    version = b._version
-    if a._version != version:
-        return False
-    # One counter or two: move ``b``'s, look at ``a``'s, put it back. Nothing else runs
-    # in between (this is the forward's own thread, inside the step's lock).
-    _set_version((b,), (version + 1,))
-    shared = a._version == version + 1
-    _set_version((b,), (version,))
-    return shared
+    return bool(a is not None and b._base is None and a._base is None
+                and a.dtype == b.dtype and a.storage_offset() == b.storage_offset()
+                and a.size() == b.size() and a.stride() == b.stride()
+                and share_version_counter(a, b))
 
 
 class Step:

@@ -25,9 +25,22 @@ import torch
 
 from ._stats import SpillStats
 
-__all__ = ["Entry", "EntryState", "Kept", "KeptLeaf", "Packed", "keep"]
+__all__ = ["Entry", "EntryState", "Kept", "KeptLeaf", "Packed", "keep", "share_version_counter"]
 
 _set_version = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+
+
+def share_version_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` have one version counter (``detach`` shares it, ``.data`` and
+    ``set_`` do not): move ``b``'s, read ``a``'s, put it back. False where torch cannot set
+    a counter. Call it where nothing else can write either tensor meanwhile."""
+    version = b._version
+    if _set_version is None or a._version != version:
+        return False
+    _set_version((b,), (version + 1,))
+    shared = a._version == version + 1
+    _set_version((b,), (version,))
+    return shared
 
 
 class EntryState(enum.Enum):

@@ -7,13 +7,12 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-import operator
 import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._common.devices import format_bytes, parse_size
+from .._common.devices import format_bytes, parse_size, whole_number
 from .._common.oom import is_oom
 from .._common.reporting import report
 from ._heap import check_mmap_threshold
@@ -128,13 +127,9 @@ class Spill:
 
 def _count(prefetch: Any) -> int:
     """``prefetch`` as a whole number, 0 or more (NumPy integers too), else ValueError."""
-    if not isinstance(prefetch, bool):
-        try:
-            n = operator.index(prefetch)
-        except TypeError:
-            n = -1
-        if n >= 0:
-            return n
+    n = whole_number(prefetch)
+    if n is not None and n >= 0:
+        return n
     raise ValueError(f"prefetch must be a whole number of tensors, 0 or more, got "
                      f"{prefetch!r}: pass e.g. prefetch=2 (0 restores each tensor only when "
                      f"backward asks for it)")
