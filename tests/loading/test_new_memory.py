@@ -91,6 +91,14 @@ def _loads_here(loads: list[tuple[str, bool]]) -> list[list[int]]:
             return stop
 
         new_memory._copy = copy
+        # Warm: this VM's proactive reclaim evicts file pages within a minute, and a loaded
+        # machine can take that long between saving the file and loading it. Read through
+        # a small buffer: memory freed here would be reused by the load, whose pages would
+        # then exist already and not be filled.
+        with open(path, "rb", buffering=0) as f:
+            buffer = bytearray(1 << 16)
+            while f.readinto(buffer):
+                pass
         kept.append(adaptive.load(OddOffsets, path))
         out.append(copied)
     new_memory._copy = real
