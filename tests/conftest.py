@@ -68,3 +68,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     # collected as before. This took the retry-heavy tests' time down by about half.
     gc.collect()
     gc.freeze()
+
+
+@pytest.fixture
+def larger_trace_sizes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first call's prediction traces at 64 and 128 items instead of the library's 8 and
+    16, for tests about what ``model=`` does with a prediction (places, pages, chunks,
+    explores, gives back), not about which sizes it traces.
+
+    Their functions loop over 1024-2048 items (``data.split(batchsize)``) through eight
+    ``Linear(512, 512)`` layers, so traces at 8 and 16 items run 128 and 64 forwards on fake
+    tensors: about 4,800 fake ops, 4-8 s on a 2-core VM, in each of about fifteen tests. At
+    64 and 128 they run a few hundred and predict the same bytes for such a loop (checked in
+    tests/dispatch/test_dispatch.py by the test marked ``default_trace_sizes``, which keeps
+    the library's sizes; tests/execution/test_auto.py checks the sizes themselves)."""
+    if request.node.get_closest_marker("default_trace_sizes") is None:
+        from adaptmem._execution import auto
+
+        monkeypatch.setattr(auto, "TRACE_SIZES", (64, 128))

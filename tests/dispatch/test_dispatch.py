@@ -16,7 +16,11 @@ import torch
 from torch import nn
 
 from adaptmem import PlacementError, adaptive
+from adaptmem._execution import auto
 from adaptmem.testing import simulated_cuda
+
+# The first call traces at 64 and 128 items: see the fixture in tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("larger_trace_sizes")
 
 
 class Widen(nn.Module):
@@ -357,7 +361,9 @@ def test_adaptive_batch_pickles_by_name() -> None:
     assert pickle.loads(pickle.dumps(adaptive.batch)) is adaptive.batch
 
 
-def test_auto_predicts_through_a_partly_resident_model_and_pays_at_most_one_failure() -> None:
+@pytest.mark.default_trace_sizes  # the prediction itself is checked
+def test_auto_predicts_through_a_partly_resident_model_and_pays_at_most_one_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # 8 MiB of weights on a 12 MiB device: half the free memory resident, the rest paged.
     # The function gathers its results on the host, 1.5 MiB whatever the batch size: the
     # prediction counts the device's bytes only ([Note: counting the device's bytes only]).
@@ -366,19 +372,31 @@ def test_auto_predicts_through_a_partly_resident_model_and_pays_at_most_one_fail
     data = torch.randn(768, 512)
     with torch.no_grad():
         want = model(data)
-    with simulated_cuda(total_memory="12MiB"):
 
-        @adaptive.batch(initial_batchsize="auto", model=model, device="cuda")
-        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                return torch.cat([model(c) for c in data.split(batchsize)])
+    def first_call() -> tuple[Any, ...]:
+        with simulated_cuda(total_memory="12MiB"):
 
-        got = run(data)
-        placement, prediction, initial = run.placement, run.prediction, run.initial
-        failed = run.stats.failed_attempts
-        paged_unit = max(p.numel() * p.element_size() for p in model.parameters())
-        run.remove()
+            @adaptive.batch(initial_batchsize="auto", model=model, device="cuda")
+            def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+                with torch.no_grad():
+                    return torch.cat([model(c) for c in data.split(batchsize)])
+
+            got = run(data)
+            try:
+                return got, run.placement, run.prediction, run.initial, run.stats.failed_attempts
+            finally:
+                run.remove()
+
+    got, placement, prediction, initial, failed = first_call()
+    paged_unit = max(p.numel() * p.element_size() for p in model.parameters())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # The other tests here trace at 64 and 128 items (tests/dispatch/conftest.py): for a loop
+    # like this one that predicts the same bytes as the library's own sizes.
+    monkeypatch.setattr(auto, "TRACE_SIZES", (64, 128))
+    larger = first_call()[2]
+    assert larger is not None and prediction is not None
+    assert (larger.fixed_bytes, larger.per_item_bytes) == (prediction.fixed_bytes,
+                                                           prediction.per_item_bytes)
     assert 0 < placement["resident_bytes"][0] < placement["weight_bytes"][0]
     assert prediction is not None  # predicted, not the fallback to max_batchsize
     assert prediction.fixed_bytes >= paged_unit  # the paged units' device copies counted

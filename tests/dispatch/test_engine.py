@@ -17,6 +17,9 @@ from adaptmem import adaptive
 from adaptmem._common.peak import fake_mode
 from adaptmem.testing import simulated_cuda
 
+# The first call traces at 64 and 128 items: see the fixture in tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("larger_trace_sizes")
+
 DEVICE = "12MiB"  # 8 MiB of weights: about 5 MiB of them resident, 3 MiB not
 
 

@@ -19,6 +19,9 @@ from adaptmem import adaptive
 from adaptmem._dispatch import explore
 from adaptmem.testing import simulated_cuda
 
+# The first call traces at 64 and 128 items: see the fixture in tests/conftest.py.
+pytestmark = pytest.mark.usefixtures("larger_trace_sizes")
+
 MiB = 1 << 20
 DEVICE = 12 * MiB  # weights of 8 MiB fit, but not with a large batch
 ITEMS = 1024
