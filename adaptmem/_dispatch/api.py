@@ -151,16 +151,18 @@ class Dispatched:
         size, in compute or while one of our pagers moved a weight (which shrinks the batch
         here too). Another pager's weight gains nothing from ours, nor weights larger than the
         device."""
-        return any(self.placed.resident) and not (exc.phase is Phase.TRANSFER and (
+        return any(self.placed.held()) and not (exc.phase is Phase.TRANSFER and (
             exc.beyond_device or not raised_by(exc, self.placed.handles)))
 
     def _give_back(self, caller: Any, target: Any) -> None:
         """Give residency back to activations (the failed attempt is gone: collected here)."""
         placed, explorer, inner = self.placed, self.explorer, self.inner
-        resident = tuple(placed.resident)
+        # What ran out is what was held: a residency asked that holds as much (units larger
+        # than the difference) is no better (see [Note: held, not asked]).
+        held = tuple(placed.held())
         gc.collect()
         placed.give_back()
-        explorer.gave_back(resident)
+        explorer.gave_back(held)
         explorer.moved(placed.changes.placements)
         record = self._record(caller, target, moved=True)
         if record.fits is None and record.fails is None:

@@ -13,8 +13,8 @@ failures the prediction foresees; a function that cannot be traced searches from
 initial size. From then on an out-of-memory error is routed by where it struck: while a
 weight moved, the pager splits its units (its own rule); in compute, the batch shrinks (the
 search's rule); and when compute runs out of memory at the smallest batch, residency is
-given back to activations: the resident bytes halve (the model holding most first) and the
-call runs again, down to nothing resident. A weight that one of these pagers cannot split
+given back to activations: the bytes held resident halve (the model holding most first) and
+the call runs again, down to nothing resident (see [Note: held, not asked]). A weight that one of these pagers cannot split
 further and that does not fit beside the batch's activations shrinks the batch as compute
 does (``transfer_errors_shrink`` in ``_common/oom.py``, by the pager's identity on its
 error): the decorator holds both, and the activations are what left it no room; at the
@@ -33,6 +33,16 @@ call site returns to the batch size it learned for the placement in force. A mod
 does not fit whole may be chunked instead of paged (its non-resident units computed on the
 host): which engine is measured on the first calls, see [Note: paging or chunking] in
 engine.py; give-back, take-back and exploring then move the chosen engine's resident bytes.
+
+[Note: held, not asked] The residency each model is given is a share of bytes; its engine
+keeps whole units resident within it, in execution order, so it may hold less: with an 8
+MiB share, a 1 MiB unit and then a 6 MiB one, 7 MiB; with 3.5 MiB, only the first. Giving
+residency back halves what is held (halving the share from 8 to 4 and to 2 MiB would hold
+the same 1 MiB each time, and each call would fail again), what ran out is remembered as
+the bytes held (a share that holds as much is no better: exploring does not try it in the
+same epoch), and ``placement["resident_bytes"]`` reports what is held, beside the share
+asked (``resident_asked``). The share stays the placement's name elsewhere (the size cache's
+key, what exploring measures and doubles or halves).
 
 [Note: a decorated function that is collected] A decorated function dropped without
 ``remove()`` (a notebook cell run again defines it anew) would leave its models placed for
@@ -156,6 +166,16 @@ def _refuse_overlap(models: tuple[nn.Module, ...], decorator: str) -> None:
                 f"share no module")
 
 
+def _held(handle: Pager | Chunker, asked: int) -> int:
+    if isinstance(handle, Pager):
+        return sum(u.nbytes for u in handle.plan.units if u.placement == Placement.RESIDENT)
+    plan = handle.plan
+    if plan is None:
+        return asked
+    return sum(n for label, n in plan.options["placed_bytes"].items()
+               if not label.startswith("cpu"))
+
+
 PAGE, CHUNK = "page", "chunk"
 # Where the choice between them stands: to be measured at the next call, being measured
 # (the call runs chunked under a HostClock), made.
@@ -244,22 +264,33 @@ class PlacedModels:
                 self._calls = 0
                 self._maybe_restore()
 
+    def held(self) -> list[int]:
+        """The bytes each model's engine keeps on the device between forwards: its resident
+        units when paged, its device part when chunked (the residency asked until a chunked
+        model's first forward places it). At most the residency asked, and less when a unit
+        is larger than what is left of it (see [Note: held, not asked])."""
+        if not self.handles:
+            return [0 for _ in self.models]
+        return [_held(h, asked) for h, asked in zip(self.handles, self.resident, strict=True)]
+
     def give_back(self) -> bool:
-        """Halve the resident bytes of the model holding most; False when none is left."""
-        if not any(self.resident):
+        """Halve the bytes held resident by the model holding most (so that something
+        moves); False when none holds any."""
+        held = self.held()
+        if not any(held):
             return False
-        i = max(range(len(self.resident)), key=lambda k: self.resident[k])
+        i = max(range(len(held)), key=lambda k: held[k])
         resident = list(self.resident)
-        resident[i] //= 2
+        resident[i] = held[i] // 2
         if resident[i] < 1 << 20:
             resident[i] = 0  # a sliver of residency helps nobody
-        old = self.resident[i]
+        old = held[i]
         self._place(resident)
         self.changes.residency_given_back += 1
         self._given_back_at = free_memory(self.device) if self.device is not None else None
         logger.info("%s ran out of memory at its smallest size; model %d keeps %s of its %s "
                     "resident (was %s), the rest is %s", self.name, i,
-                    format_bytes(resident[i]), format_bytes(self.weights[i]), format_bytes(old),
+                    format_bytes(self.held()[i]), format_bytes(self.weights[i]), format_bytes(old),
                     "computed on the host" if self.engine == CHUNK else "paged")
         return True
 
@@ -423,7 +454,7 @@ class PlacedModels:
     def as_dict(self) -> dict[str, Any]:
         all_resident = self.placed and self.resident == self.weights and self.engine == PAGE
         return {"device": str(self.device), "weight_bytes": list(self.weights),
-                "resident_bytes": list(self.resident),
+                "resident_bytes": self.held(), "resident_asked": list(self.resident),
                 "engine": "resident" if all_resident else self.engine,
                 "engine_choice": None if self.choice is None else self.choice.as_dict(),
                 **self.changes.as_dict()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 import weakref
 from typing import Any
@@ -102,6 +103,56 @@ def test_compute_out_of_memory_at_the_smallest_batch_gives_residency_to_activati
     # The same call site does not give residency back again once it found what fits.
     given = [r for r in caplog.records if "keeps" in r.getMessage()]
     assert len(given) == placement["residency_given_back"]
+
+
+def _uneven() -> nn.Module:
+    """Units of 1, 6 and 6 MiB: a share of a few MiB holds the first one only."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 3072), nn.ReLU(),
+                         nn.Linear(3072, 512)).eval()
+
+
+@pytest.mark.parametrize("items", [256, 768])
+def test_giving_residency_back_halves_what_is_held_so_each_give_back_moves_weights(
+        items: int, caplog: pytest.LogCaptureFixture) -> None:
+    # Half of 16 MiB free is a 7-8 MiB share: units 0 and 1 (7 MiB) resident. 768 items at
+    # once (the smallest size) do not fit even with nothing resident; 256 do beside 1 MiB.
+    # Halving the share (to 3.5, 1.75, 0.9 MiB) would hold the same 1 MiB unit at each step
+    # and fail again each time; halving what is held moves a unit at every give-back.
+    model = _uneven()
+    data = torch.randn(items, 512)
+    with torch.no_grad():
+        want = model(data)
+    with simulated_cuda(total_memory="16MiB"), torch.no_grad():
+
+        @adaptive.batch(initial_batchsize=items, min_batchsize=items, model=model,
+                        device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            try:
+                got: torch.Tensor | None = run(data)
+            except torch.OutOfMemoryError:
+                got = None
+        placement, failed = run.placement, run.stats.failed_attempts
+        run.remove()
+    kept = [[int(float(n) * 2**20) for n in re.findall(r"keeps ([\d.]+) (?:MiB|B) .*was ([\d.]+) MiB",
+                                                       r.getMessage())[0]]
+            for r in caplog.records if "keeps" in r.getMessage()]
+    assert kept and all(now < before for now, before in kept), kept  # each moved a unit
+    first_unit = sum(p.numel() * p.element_size() for p in model[0].parameters())
+    if items == 256:
+        assert got is not None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # What the pager holds (the first unit), not the share asked of it.
+        assert placement["resident_bytes"] == [first_unit]
+        assert placement["resident_asked"][0] > first_unit
+        assert placement["residency_given_back"] == 1 and failed == 1
+    else:
+        # 7 MiB held, then 1 MiB, then none: two give-backs, not four.
+        assert got is None and placement["residency_given_back"] == 2 and failed == 3
+        assert placement["resident_bytes"] == [0]
 
 
 def test_a_coroutine_that_runs_out_at_the_smallest_batch_gives_residency_back_too() -> None:
