@@ -140,9 +140,11 @@ def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
 
 
 def _refuse_overlap(models: tuple[nn.Module, ...], decorator: str) -> None:
-    """Two models that share a module would each be placed by an engine of its own, and one
-    engine holds a module at a time: refused now, naming the module. (Tensors tied across
-    separate modules are fine: each is placed once.)"""
+    """Two models that share a module, or a tensor (a weight tied across them: an encoder's
+    embedding reused by a separate decoder's head), would each be placed by an engine of
+    its own, and one engine holds a tensor at a time (each adopts the data the other gives
+    it, and a chunked one refuses it): refused now, naming what they share. Tensors tied
+    within one model are placed once by its engine."""
     owner: dict[int, tuple[int, str]] = {}
     for i, m in enumerate(models):
         for path, sub in m.named_modules(remove_duplicate=True):
@@ -164,6 +166,18 @@ def _refuse_overlap(models: tuple[nn.Module, ...], decorator: str) -> None:
                 f"{decorator}(model=...) got models that overlap: {what}. Each module is "
                 f"placed by one model's engine: list only the outer model, or models that "
                 f"share no module")
+    tensors: dict[int, tuple[int, str]] = {}
+    for i, m in enumerate(models):
+        for name, t in [*m.named_parameters(remove_duplicate=False),
+                        *m.named_buffers(remove_duplicate=False)]:
+            j, other = tensors.setdefault(id(t), (i, name))
+            if j != i:
+                raise ValueError(
+                    f"{decorator}(model=...) got models that share a tensor: {other!r} of "
+                    f"model {j} ({type(models[j]).__name__}) is {name!r} of model {i} "
+                    f"({type(m).__name__}). Each tensor is placed by one model's engine: "
+                    f"pass one module whose forward runs both (its engine places the tied "
+                    f"tensor once), or give each model its own copy of the tensor")
 
 
 def _held(handle: Pager | Chunker, asked: int) -> int:

@@ -836,3 +836,45 @@ def test_overlapping_models_are_refused_at_decoration_naming_the_overlap(case: s
     with pytest.raises(ValueError, match="overlap: " + match):
         adaptive.batch(initial_batchsize=8, model=models)(lambda batchsize, x: x)
 
+
+def test_models_that_share_a_tensor_are_refused_and_one_module_running_both_works() -> None:
+    # An encoder's embedding reused by a separate decoder's head: each model's engine would
+    # place the tied weight (a chunked one refused the other's copy at every call, a paged
+    # one adopted it, fake during the first call's traces). One module running both places
+    # it once.
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 1024, bias=False), nn.ReLU()).eval()
+    head = nn.Linear(512, 1024, bias=False)
+    head.weight = enc[1].weight
+    dec = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 512), head).eval()
+    with pytest.raises(ValueError, match=r"share a tensor: '1.weight' of model 0 \(Sequential\) "
+                                         r"is '2.weight' of model 1 .*one module whose forward"):
+        adaptive.batch(initial_batchsize=8, model=[enc, dec])(lambda batchsize, x: x)
+
+    class Both(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.dec = enc, dec
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dec(self.enc(x))
+
+    both = Both().eval()
+    data = torch.randn(256, 512)
+    with torch.no_grad():
+        want = both(data)
+    with simulated_cuda(total_memory="6MiB"):  # partly resident: the tied weight moves
+
+        @adaptive.batch(initial_batchsize=256, model=both, device="cuda")
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([both(c) for c in data.split(batchsize)])
+
+        results = [run(data) for _ in range(4)]
+        placement = run.placement
+        run.remove()
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert placement["weight_bytes"] == [sum(p.numel() * 4 for p in both.parameters())]
+    assert enc[1].weight is dec[2].weight and enc[1].weight.device.type == "cpu"
+
