@@ -25,6 +25,7 @@ test-gpu: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/trace_cost.py
 	$(PY) benchmarks/batch_search.py
 	$(PY) benchmarks/paging.py
 	$(PY) benchmarks/chunking.py
