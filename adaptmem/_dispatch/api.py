@@ -290,9 +290,10 @@ class Dispatched:
 
     @property
     def placement(self) -> dict[str, Any]:
-        """Device, weight and resident bytes per model, the engine (``"resident"``,
-        ``"page"``, ``"chunk"``) and the figures it was chosen by, and how often they
-        changed."""
+        """Device, weight bytes and resident bytes (held on the device, ``resident_bytes``,
+        and the share asked of the engine, ``resident_asked``) per model, the engine
+        (``"resident"``, ``"page"``, ``"chunk"``) and the figures it was chosen by, and how
+        often they changed."""
         return self.placed.as_dict()
 
     @property
