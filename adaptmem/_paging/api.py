@@ -47,7 +47,8 @@ def page(
         model: a model in eval mode with real (not meta) weights, anywhere.
         device: where compute runs; None means the current accelerator, else the CPU.
         unit_bytes: the largest group of weights paged together ("64MiB"); "auto" for
-            the coarsest units that fit the working budget; None for one unit.
+            the coarsest units that fit the working budget, no larger than a
+            ``resident_bytes`` that keeps part of the model; None for one unit.
         prefetch: how many units ahead are copied while one runs, within a forward
             (0 turns it off).
         resident_bytes: bytes of units kept on the device for good; "auto" keeps as many as
@@ -109,10 +110,15 @@ def page(
 
 def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,
                      resident: int | None, budget: int | None) -> int | None:
-    """The coarsest unit size whose working set (``prefetch + 2`` units) fits."""
+    """The coarsest unit size whose working set (``prefetch + 2`` units) fits, and no
+    larger than ``resident`` when that keeps only part of the model: a unit larger than
+    the bytes asked to stay resident would keep none of them there."""
     total = module_sizes(model).total_bytes
     room = room_for_weights(device, budget)
     if resident is None and total <= room:
         return None
     working = room - resident if resident is not None else room // 2
-    return max(0, working) // (prefetch + 2)
+    units = max(0, working) // (prefetch + 2)
+    if resident is not None and 0 < resident < total:
+        units = min(units, resident)
+    return units

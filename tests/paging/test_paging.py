@@ -1427,3 +1427,22 @@ def test_prefetch_depth_counts_large_units_so_a_tiny_one_between_does_not_idle_t
             started |= {masters[h].split(".")[0] for h in what}
         elif what % 2 == 1 and what + 2 < len(model):  # a Linear with another one after it
             assert str(what + 2) in started, f"Linear {what} runs, Linear {what + 2} not on its way"
+
+
+@pytest.mark.parametrize("resident_mib", [1.5, 5])
+def test_resident_bytes_below_the_model_keeps_units_resident_even_with_room_to_spare(
+        resident_mib: float) -> None:
+    # With memory to spare the automatic units are coarse (the whole model is one): a share
+    # smaller than that unit kept nothing resident. Units no larger than the share keep part.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 1024, bias=False), nn.ReLU(),
+                          nn.Linear(1024, 512)).eval()  # 1, 2 and 2 MiB
+    x = torch.randn(4, 512)
+    resident = int(resident_mib * 2**20)
+    with torch.no_grad():
+        want = model(x)
+        with adaptive.page(model, "cpu", resident_bytes=resident) as pager:
+            got = model(x)
+            held = sum(u.nbytes for u in pager.plan.units if u.placement == "resident")
+    assert torch.equal(got, want)
+    assert 0 < held <= resident
