@@ -386,7 +386,7 @@ def _dispatched(decorate: Callable[..., Any], name: str, func: Any, model: Any,
 MODEL_DOC = """
 
     With ``model=`` (a module, or a sequence or ``nn.ModuleList`` of modules that share no
-    submodule, in eval mode) the decorator also
+    submodule and no tensor, in eval mode) the decorator also
     places the models the function runs: at the first call each is paged onto ``device``
     with as many units resident as fit half the free memory (all of them when the model
     fits), and the function is traced on fake tensors (as for ``"auto"``) to start at the

@@ -10,7 +10,7 @@ from torch import nn
 from .._common.claims import check_placeable
 from .._common.devices import format_bytes, parse_size, resolve_device
 from .._engines.transfer import Transfer
-from .._planning import module_sizes
+from .._planning import module_sizes, paging_units
 from .pager import Pager
 from .slots import room_for_weights
 
@@ -112,13 +112,17 @@ def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,
                      resident: int | None, budget: int | None) -> int | None:
     """The coarsest unit size whose working set (``prefetch + 2`` units) fits, and no
     larger than ``resident`` when that keeps only part of the model: a unit larger than
-    the bytes asked to stay resident would keep none of them there."""
-    total = module_sizes(model).total_bytes
+    the bytes asked to stay resident would keep none of them there. (Not where no unit
+    fits in ``resident`` even then: finer units would keep nothing either, and page in more
+    transfers.)"""
+    sizes = module_sizes(model)
+    total = sizes.total_bytes
     room = room_for_weights(device, budget)
     if resident is None and total <= room:
         return None
     working = room - resident if resident is not None else room // 2
     units = max(0, working) // (prefetch + 2)
-    if resident is not None and 0 < resident < total:
-        units = min(units, resident)
+    if (resident is not None and 0 < resident < min(total, units)
+            and any(u.nbytes <= resident for u in paging_units(sizes, resident))):
+        units = resident
     return units

@@ -112,6 +112,11 @@ def _uneven() -> nn.Module:
                          nn.Linear(3072, 512)).eval()
 
 
+def _bytes(number: str, unit: str) -> float:
+    """Bytes of a figure the log gives as ``format_bytes`` writes it ("1.5 MiB")."""
+    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+
+
 @pytest.mark.parametrize("items", [256, 768])
 def test_giving_residency_back_halves_what_is_held_so_each_give_back_moves_weights(
         items: int, caplog: pytest.LogCaptureFixture) -> None:
@@ -137,9 +142,10 @@ def test_giving_residency_back_halves_what_is_held_so_each_give_back_moves_weigh
                 got = None
         placement, failed = run.placement, run.stats.failed_attempts
         run.remove()
-    kept = [[int(float(n) * 2**20) for n in re.findall(r"keeps ([\d.]+) (?:MiB|B) .*was ([\d.]+) MiB",
-                                                       r.getMessage())[0]]
-            for r in caplog.records if "keeps" in r.getMessage()]
+    moves = [re.search(r"keeps ([\d.]+) (\w+) .*was ([\d.]+) (\w+)", r.getMessage())
+             for r in caplog.records if "keeps" in r.getMessage()]
+    assert moves and all(m is not None for m in moves), moves
+    kept = [(_bytes(m[1], m[2]), _bytes(m[3], m[4])) for m in moves if m is not None]
     assert kept and all(now < before for now, before in kept), kept  # each moved a unit
     first_unit = sum(p.numel() * p.element_size() for p in model[0].parameters())
     if items == 256:
@@ -441,7 +447,7 @@ def test_auto_predicts_through_a_partly_resident_model_and_pays_at_most_one_fail
     got, placement, prediction, initial, failed = first_call()
     paged_unit = max(p.numel() * p.element_size() for p in model.parameters())
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # The other tests here trace at 64 and 128 items (tests/dispatch/conftest.py): for a loop
+    # The other tests here trace at 64 and 128 items (tests/conftest.py): for a loop
     # like this one that predicts the same bytes as the library's own sizes.
     monkeypatch.setattr(auto, "TRACE_SIZES", (64, 128))
     larger = first_call()[2]

@@ -1446,3 +1446,12 @@ def test_resident_bytes_below_the_model_keeps_units_resident_even_with_room_to_s
             held = sum(u.nbytes for u in pager.plan.units if u.placement == "resident")
     assert torch.equal(got, want)
     assert 0 < held <= resident
+
+
+def test_a_share_no_unit_fits_in_keeps_the_coarse_units() -> None:
+    # 4 MiB layers and a 2 MiB share: finer units would keep nothing resident either, and
+    # page each forward in three transfers instead of one.
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(3)]).eval()
+    with torch.no_grad(), adaptive.page(model, "cpu", resident_bytes=2 << 20) as pager:
+        model(torch.randn(2, 1024))
+        assert [u.placement for u in pager.plan.units] == ["paged"]
