@@ -23,20 +23,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
 from _report import header, markdown_table, write_section  # noqa: E402
+from dispatch import LAYERS, WIDTH, build  # noqa: E402  # the model= benchmark's model
 from torch import nn  # noqa: E402
 
 from adaptmem._execution import auto  # noqa: E402
 from adaptmem.testing import simulated_cuda  # noqa: E402
 
-ITEMS, WIDTH, LAYERS, SIZE = 1024, 512, 8, 8
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers).eval()
+ITEMS, SIZE = 1024, 8
 
 
 def _timed_trace(model: nn.Module, data: torch.Tensor, device: torch.device) -> tuple[float, int]:
@@ -61,7 +54,7 @@ def _timed_trace(model: nn.Module, data: torch.Tensor, device: torch.device) -> 
 def _measure(device: str, rounds: int) -> dict[str, tuple[float, int]]:
     keep = auto._keep_conversions
     best: dict[str, tuple[float, int]] = {}
-    model, data = _model(), torch.randn(ITEMS, WIDTH)
+    model, data = build(), torch.randn(ITEMS, WIDTH)
     if device == "cuda":
         model.cuda()
         data = data.cuda()
