@@ -490,9 +490,12 @@ def test_a_scratch_file_reuses_the_space_of_graphs_already_freed(tmp_path: Path)
                    if os.path.realpath(p).startswith(str(tmp_path))]
             sizes.append(max(os.fstat(fd).st_size for fd in fds))
     per_step = handle.stats.bytes_out / 9
-    # Room for the kept graph and one step at a time (with page rounding), however many ran.
-    assert sizes[-1] <= 2.5 * per_step, (sizes, per_step)
-    assert sizes[-1] == sizes[2], sizes
+    # Room for the kept graph, the graph running and the one before it (with page rounding),
+    # however many ran: a graph's regions are freed when the copy thread lets go of its
+    # entries, which can be a moment after its backward returned (seen in a CI run: the file
+    # grew to 3 graphs' worth and stayed there). Without reuse it holds all 9 graphs.
+    assert sizes[-1] <= 3.5 * per_step, (sizes, per_step)
+    assert len(set(sizes[2:])) <= 2, sizes  # grew once more at most, from the third graph on
     del kept
 
 
