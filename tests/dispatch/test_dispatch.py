@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from adaptmem import PlacementError, adaptive
+from adaptmem._common.devices import parse_size
 from adaptmem._execution import auto
 from adaptmem.testing import simulated_cuda
 
@@ -112,11 +113,6 @@ def _uneven() -> nn.Module:
                          nn.Linear(3072, 512)).eval()
 
 
-def _bytes(number: str, unit: str) -> float:
-    """Bytes of a figure the log gives as ``format_bytes`` writes it ("1.5 MiB")."""
-    return float(number) * {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
-
-
 @pytest.mark.parametrize("items", [256, 768])
 def test_giving_residency_back_halves_what_is_held_so_each_give_back_moves_weights(
         items: int, caplog: pytest.LogCaptureFixture) -> None:
@@ -142,10 +138,10 @@ def test_giving_residency_back_halves_what_is_held_so_each_give_back_moves_weigh
                 got = None
         placement, failed = run.placement, run.stats.failed_attempts
         run.remove()
-    moves = [re.search(r"keeps ([\d.]+) (\w+) .*was ([\d.]+) (\w+)", r.getMessage())
+    moves = [re.search(r"keeps ([\d.]+ \w+) .*was ([\d.]+ \w+)", r.getMessage())
              for r in caplog.records if "keeps" in r.getMessage()]
     assert moves and all(m is not None for m in moves), moves
-    kept = [(_bytes(m[1], m[2]), _bytes(m[3], m[4])) for m in moves if m is not None]
+    kept = [(parse_size(m[1]), parse_size(m[2])) for m in moves if m is not None]
     assert kept and all(now < before for now, before in kept), kept  # each moved a unit
     first_unit = sum(p.numel() * p.element_size() for p in model[0].parameters())
     if items == 256:
