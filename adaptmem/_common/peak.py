@@ -5,7 +5,9 @@ in ``_planning/peak.py``)."""
 from __future__ import annotations
 
 import math
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakTracker", "PeakPrediction", "NotPredictable", "NotYet", "fake_mode", "fit"]
+__all__ = ["PeakTracker", "PeakPrediction", "NotPredictable", "NotYet", "fake_mode", "fit",
+           "count_allocation", "register_allocations"]
 
 
 class NotPredictable(Exception):
@@ -26,6 +29,43 @@ class NotYet(NotPredictable):
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+# [Note: allocations a tensor subclass keeps apart from storages] A tensor subclass made with
+# ``_make_wrapper_subclass`` (the simulated device's) has a storage of its own for every
+# tensor, views included: a chunk of the data (``data.split(n)``) would look like new memory,
+# counted at its storage's size up to its offset, so the more, smaller chunks a loop made the
+# more a trace counted. Such a subclass says which allocation a tensor belongs to and how
+# large it is (``register_allocations``), and the memory it makes where no dispatch mode
+# sees it (a factory run with the modes off) it reports itself (``count_allocation``), as
+# torch's ops report theirs by returning it.
+_ALLOCATIONS: dict[type, Callable[[torch.Tensor], tuple[int, int] | None]] = {}
+_active = threading.local()  # .trackers: the trackers entered on this thread, innermost last
+
+
+def register_allocations(cls: type,
+                         allocation: Callable[[torch.Tensor], tuple[int, int] | None]) -> None:
+    """Tensors of ``cls`` belong to the allocation ``allocation(t)`` names, as (a key that
+    tells it apart while it lives, its bytes), or to their storage where it returns None."""
+    _ALLOCATIONS[cls] = allocation
+
+
+def count_allocation(t: torch.Tensor) -> None:
+    """``t`` is new memory made where no dispatch mode sees it: every tracker entered on this
+    thread counts it (while it lives), as if an op had returned it."""
+    for tracker in getattr(_active, "trackers", ()):
+        tracker.count(t)
+
+
+def _allocation(t: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of the memory ``t`` is part of (See [Note: allocations a tensor subclass
+    keeps apart from storages])."""
+    find = _ALLOCATIONS.get(type(t))
+    if find is not None:
+        found = find(t)
+        if found is not None:
+            return found
+    storage = t.untyped_storage()
+    return storage._cdata, storage.nbytes()
 
 
 class PeakTracker(TorchDispatchMode):
@@ -44,6 +84,18 @@ class PeakTracker(TorchDispatchMode):
         self._bytes: dict[int, int] = {}  # storage -> its bytes
         self._seen: set[int] = set()  # ids of the live tensors counted
 
+    def __enter__(self) -> PeakTracker:
+        entered = super().__enter__()
+        trackers = getattr(_active, "trackers", None)
+        if trackers is None:
+            trackers = _active.trackers = []
+        trackers.append(self)
+        return entered
+
+    def __exit__(self, *exc: Any) -> None:
+        _active.trackers.remove(self)
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -52,13 +104,21 @@ class PeakTracker(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or not self._counts(t.device):
                 continue
             if id(t) not in known and id(t) not in self._seen:
-                key = t.untyped_storage()._cdata  # one per storage, shared by its views
+                key, nbytes = _allocation(t)  # one per storage, shared by its views
                 if key in self._owners:  # a view of a storage made while tracking
                     self._hold(t, key, 0)
-                elif not self._existing(key, t.untyped_storage().nbytes(), inputs):  # new
-                    self._hold(t, key, t.untyped_storage().nbytes())
+                elif not self._existing(key, nbytes, inputs):  # new
+                    self._hold(t, key, nbytes)
                 # else a view of (or in-place result in) memory that existed before: not counted
         return out
+
+    def count(self, t: torch.Tensor) -> None:
+        """Count ``t`` as new memory (See ``count_allocation``), a view of memory counted
+        already as nothing more."""
+        if id(t) in self._seen or not self._counts(t.device):
+            return
+        key, nbytes = _allocation(t)
+        self._hold(t, key, 0 if key in self._owners else nbytes)
 
     @staticmethod
     def _existing(key: int, nbytes: int, inputs: list[torch.Tensor]) -> bool:
@@ -66,7 +126,7 @@ class PeakTracker(TorchDispatchMode):
         mode) that of the fake a real input of that size became: a view of a real tensor the
         traced call was given (a batch sliced from its data) is a view of that fake, not new
         memory."""
-        if any(i.untyped_storage()._cdata == key for i in inputs):
+        if any(_allocation(i)[0] == key for i in inputs):
             return True
         mode = fake_mode()
         if mode is None:

@@ -75,7 +75,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from .._common.peak import fake_mode
+from .._common.peak import count_allocation, fake_mode, register_allocations
 from ._state import SimState
 from ._streams import SimStream, check_access
 
@@ -146,6 +146,17 @@ class SimTensor(torch.Tensor):
         raise _after_the_block(func)
 
 
+def _allocation(t: torch.Tensor) -> tuple[int, int] | None:
+    """What a trace counts simulated tensor ``t`` as: its allocation, shared by its views."""
+    sim = _current
+    if sim is None or sim.closed:
+        return None
+    return sim.allocation(t)
+
+
+register_allocations(SimTensor, _allocation)
+
+
 def _after_the_block(func: Any) -> RuntimeError:
     name = str(func) if isinstance(func, torch._ops.OpOverload) else getattr(
         func, "__qualname__", str(func))
@@ -211,8 +222,21 @@ class Tensors:
         return w
 
     def adopt(self, backing: torch.Tensor, index: int) -> torch.Tensor:
-        """A new allocation on ``cuda:index`` holding ``backing`` (raises CUDA's OOM)."""
-        return self.wrap(backing, self.allocate(backing, index))
+        """A new allocation on ``cuda:index`` holding ``backing`` (raises CUDA's OOM), made
+        outside the dispatch modes: counted by the trackers of a trace (See [Note:
+        allocations a tensor subclass keeps apart from storages] in _common/peak.py)."""
+        out = self.wrap(backing, self.allocate(backing, index))
+        count_allocation(out)
+        return out
+
+    def allocation(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(key, bytes) of the allocation simulated tensor ``t`` is part of, or None for one
+        this simulation does not hold: what a trace counts it as."""
+        entry = self.entries.get(t.untyped_storage()._cdata)
+        if entry is None:
+            return None
+        backing, record, _ = entry
+        return id(record), backing.untyped_storage().nbytes()
 
     def allocate(self, backing: torch.Tensor, index: int) -> Record:
         return self.reserve(backing.untyped_storage().nbytes(), index)
@@ -537,7 +561,7 @@ class Dispatch(TorchDispatchMode):
         if u.cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
             raise _mixed(f"cuda:{index}", "cpu")
         stream = sim.state.current_streams[index]
-        for record, x in u.uses:
+        for record, x, _ in u.uses:
             sim.use(record, stream, x, func)
         if _SEEDED in func.tags and not _has_generator(args, kwargs):
             out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
@@ -551,6 +575,8 @@ class Dispatch(TorchDispatchMode):
                 ptr = _storage_key(o)
                 if ptr not in storages and ptr not in fresh:
                     fresh[ptr] = o
+        if fresh and fake_mode() is not None:
+            _views_of_fakes(u.uses, fresh, storages)
         if fresh:
             made: list[Record] = []
             try:
@@ -572,6 +598,24 @@ class Dispatch(TorchDispatchMode):
         return _map_tensors(wrap, out)
 
 
+def _views_of_fakes(uses: list[tuple[Record, torch.Tensor, torch.Tensor]],
+                    fresh: dict[int, torch.Tensor], storages: dict[int, Record]) -> None:
+    """Under a fake mode (a trace), an op on a real backing ran on the fake that backing
+    became: an output in that fake's storage is a view of the argument (a chunk of the data,
+    ``data.split(n)``), of its allocation, not a new one. Moves such outputs from ``fresh``
+    to the argument's allocation in ``storages``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = fake_mode()
+    for record, _, b in uses:
+        if isinstance(b, FakeTensor):
+            continue
+        ptr = _storage_key(mode.from_tensor(b))
+        if ptr in fresh:
+            del fresh[ptr]
+            storages[ptr] = record
+
+
 class _Unwrapping:
     """The arguments of one op with simulated tensors replaced by their backings, and what
     was seen on the way: the device, a CPU tensor among them, the allocations used."""
@@ -582,7 +626,8 @@ class _Unwrapping:
         self.sim = sim
         self.index: int | None = None
         self.cpu_arg: torch.Tensor | None = None
-        self.uses: list[tuple[Record, torch.Tensor]] = []
+        # (allocation, simulated tensor, its backing) of every simulated argument
+        self.uses: list[tuple[Record, torch.Tensor, torch.Tensor]] = []
         self.originals: dict[int, torch.Tensor] = {}  # id(backing) -> simulated tensor
         self.storages: dict[int, Record] = {}  # backing data_ptr -> its allocation
 
@@ -614,7 +659,7 @@ class _Unwrapping:
                     self.index = record.index
                 elif record.index != self.index:
                     raise _mixed(f"cuda:{self.index}", f"cuda:{record.index}")
-                self.uses.append((record, x))
+                self.uses.append((record, x, b))
                 self.originals[id(b)] = x
                 self.storages[_storage_key(b)] = record
                 return b
@@ -803,8 +848,13 @@ class Functions(TorchFunctionMode):
                 index))
             out = self._make_on_cpu(index, func, args, kwargs)
             wrap = self.sim.wrap
-            return tree_map(lambda o: wrap(o, next(records)) if isinstance(o, torch.Tensor)
-                            else o, out)
+
+            def made(o: torch.Tensor) -> torch.Tensor:
+                w = wrap(o, next(records))
+                count_allocation(w)
+                return w
+
+            return tree_map(lambda o: made(o) if isinstance(o, torch.Tensor) else o, out)
         out = self._make_on_cpu(index, func, args, kwargs)
         adopt = self.sim.adopt
         return tree_map(lambda o: adopt(o, index) if isinstance(o, torch.Tensor) else o, out)
@@ -835,7 +885,9 @@ class Functions(TorchFunctionMode):
             except BaseException:
                 self.sim.state.allocators[index].free(record.block)
                 raise
-        return self.sim.wrap(out, record)
+        made = self.sim.wrap(out, record)
+        count_allocation(made)  # made with the modes off: a trace would not see it
+        return made
 
     def _make_on_cpu(self, index: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         """``func`` run on the CPU for ``cuda:index``: its random draws come from that

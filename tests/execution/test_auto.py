@@ -378,3 +378,55 @@ def test_the_decorate_and_run_form_predicts_once_per_call_site() -> None:
         adaptive.execute.batch(initial_batchsize="auto", max_batchsize=128, device="cpu")(work)
         counts.append(len(runs))
     assert counts[0] > 1 and counts[1:] == [1, 1], counts  # traced at the first call only
+
+
+def test_auto_over_chunks_of_data_already_on_the_simulated_device_starts_where_it_fits() -> None:
+    # Each chunk (data.split) is a view of the data: the traces count what the loop makes,
+    # 8 KiB an item (``c * 2`` and ``exp``), not the chunks themselves. They used to count
+    # every chunk as new memory up to its offset, so the traced peak fell as the size grew
+    # and the first call started at the maximum, failing twice.
+    from adaptmem.testing import simulated_cuda
+
+    with simulated_cuda(total_memory="64MiB"):
+        data = torch.randn(8192, 1024, device="cuda")  # 32 MiB of the 64
+
+        @adaptive.batch(initial_batchsize="auto", max_batchsize=8192)
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.stack([(c * 2).exp().sum() for c in data.split(batchsize)])
+
+        got = run(data).cpu()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run(data)
+        used = torch.cuda.max_memory_allocated() - before
+        prediction, initial, failed = run.prediction, run.initial, run.stats.failed_attempts
+        want = torch.stack([(c * 2).exp().sum() for c in data.split(initial)]).cpu()
+    torch.testing.assert_close(got, want)
+    assert prediction is not None
+    assert prediction.per_item_bytes == pytest.approx(8192, rel=0.01)
+    assert prediction.fixed_bytes < 64 * 1024
+    assert failed == 0 and 2048 <= initial < 4096  # 80% of the 32 MiB free, not 8192
+    assert used == pytest.approx(prediction.peak(initial), rel=0.05)  # the real call's peak
+
+
+def test_memory_made_with_the_modes_off_is_counted_once_with_its_views() -> None:
+    # The simulated device makes a plain factory's tensor with the dispatch modes off (the
+    # pager's every copy): the tracker is told of it, and its views add nothing.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from adaptmem._common.peak import PeakTracker
+    from adaptmem.testing import simulated_cuda
+
+    with simulated_cuda(total_memory="64MiB"):
+        tracker = PeakTracker(torch.device("cuda", 0))
+        with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+            block = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+            halves = block.view(torch.float32).split(1 << 17)
+            assert len(halves) == 2 and tracker.live == 1 << 20
+            more = torch.zeros(1 << 18, device="cuda")  # made in the dispatcher: seen there
+            assert tracker.live == 2 << 20
+            del block, halves
+            assert tracker.live == 1 << 20
+            del more
+        assert tracker.peak == 2 << 20 and tracker.live == 0
