@@ -12,7 +12,7 @@ from torch import nn
 
 from .errors import PlacementError
 
-__all__ = ["Owner", "claim", "release", "holder", "held_for", "refuse_if_held",
+__all__ = ["Owner", "claim", "release", "holder", "held_for", "owner_of", "refuse_if_held",
            "check_placeable"]
 
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -35,6 +35,11 @@ _OWNERS: weakref.WeakKeyDictionary[Any, Owner] = weakref.WeakKeyDictionary()
 def held_for(handle: Any, owner: Owner) -> None:
     """Record that ``handle`` holds its model for ``owner``."""
     _OWNERS[handle] = owner
+
+
+def owner_of(handle: Any) -> Owner | None:
+    """What ``handle`` holds its model for (a decorated function), or None: the user's."""
+    return _OWNERS.get(handle)
 
 
 def claim(modules: Iterable[nn.Module], handle: Any) -> None:

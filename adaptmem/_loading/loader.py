@@ -31,11 +31,12 @@ from torch.autograd.graph import increment_version
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._common.claims import holder, owner_of
 from .._common.devices import default_device, format_bytes, resolve_device
 from .._common.errors import LoadError
 from .._common.oom import is_oom
 from .._common.reporting import report
-from .._engines.base import LoadTargets
+from .._engines.base import Engine, LoadTargets
 from .._engines.stats import LoadStats
 from .._planning import ModuleSizes, Plan, module_sizes, split_label
 from .checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
@@ -318,7 +319,9 @@ def load(
             is, each tensor on its device. Or a ``Plan`` from ``adaptive.plan``: each tensor goes to its unit's
             placement, paged units to pinned host memory (plain CPU memory without CUDA). Or
             a placement handle (``adaptive.page``/``chunk``/``split``): each checkpoint tensor
-            is copied in place into every copy the handle keeps (host and device).
+            is copied in place into every copy the handle keeps (host and device). A model
+            such a handle holds loads only through it (anything else is a ``LoadError``,
+            before any read), and a handle loads only the model it holds.
         strict: missing and unexpected keys are errors (shape mismatches always are). With
             ``strict=False`` a missing tensor keeps its value in a built model; in a model
             built on meta or from a factory it is left uninitialised (``empty_model`` skips
@@ -387,6 +390,7 @@ def load(
         raise TypeError(f"model_or_factory must be an nn.Module or a zero-argument factory, "
                         f"got {type(model_or_factory).__name__}")
 
+    _refuse_other_holder(model, device)
     ckpt = open_checkpoint(checkpoint)
     sizes = module_sizes(model)
     dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
@@ -412,6 +416,35 @@ def load(
         ", ".join(f"{d} {format_bytes(n)}" for d, n in stats.bytes_by_device.items()),
     )
     return (model, stats) if return_stats else model
+
+
+def _refuse_other_holder(model: nn.Module, device: Any) -> None:
+    """Refuse a load that would miss copies an engine keeps: into a model that a ``Pager``,
+    ``Chunker`` or ``Splitter`` holds unless through that handle (its masters, device copies
+    and dtype would not all get the values), or through a handle that holds another model
+    (whose copies would get them instead)."""
+    held = holder(model)
+    owner = owner_of(held) if held is not None and device is not held else None
+    if owner is not None and owner.release_if_abandoned():  # its function was collected
+        held, owner = holder(model), None
+    if owner is not None:
+        raise LoadError(f"this model's copies are kept by a {type(held).__name__} that a load "
+                        f"into the model alone would miss; {owner.fix()}, then load it")
+    if isinstance(device, Engine) and held is not device:
+        what = (f"this model is held by another {type(held).__name__}" if held is not None
+                else "this model is not held by it")
+        raise LoadError(
+            f"device={type(device).__name__} holds a different model ({what}), and loading "
+            f"through it would write this checkpoint into that model's copies; pass the model "
+            f"it was made for, or make a handle for this one")
+    if held is not None and device is not held:
+        name = getattr(held, "handle_name", "handle")
+        raise LoadError(
+            f"this model is held by {getattr(held, 'made_by', type(held).__name__)} (a "
+            f"{type(held).__name__}), which keeps copies of its tensors (host masters, device "
+            f"copies, their dtype) that a load into the model alone would miss or leave "
+            f"stale; pass device={name} (the {type(held).__name__} itself) to load into every "
+            f"copy it keeps, or call {name}.remove() first")
 
 
 def _plan_load(

@@ -227,3 +227,71 @@ def test_running_out_while_moving_buffers_leaves_tensors_filled_in_place_unwritt
             adaptive.load(model, tmp_path / "m.pt", device="cuda")
         assert torch.equal(model.lin.weight.detach().cpu(), before)
         assert model.big.device.type == "cpu"
+
+
+def _pair_and_checkpoint(tmp_path: Path) -> tuple[nn.Module, nn.Module, nn.Module, Path]:
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)).eval()
+
+    source = make()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1)
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    return make(), make(), source, tmp_path / "m.pt"
+
+
+def test_a_handle_loads_only_the_model_it_holds(tmp_path: Path) -> None:
+    # The same architecture twice: loading b through a's pager used to fill a with the
+    # checkpoint and return b untouched, with no error.
+    a, b, source, path = _pair_and_checkpoint(tmp_path)
+    before_a = [p.detach().clone() for p in a.parameters()]
+    x = torch.randn(2, 8)
+    with adaptive.page(a, "cpu", unit_bytes=0, resident_bytes=0) as pager:
+        with pytest.raises(LoadError, match="holds a different model"):
+            adaptive.load(b, path, device=pager)
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before_a, strict=True))
+        adaptive.load(a, path, device=pager)
+        with torch.no_grad():
+            torch.testing.assert_close(a(x), source(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"dtype": torch.float16}, {"copy": False},
+                                    {"device": "cpu"}])
+def test_a_placed_model_loads_only_through_its_handle(kwargs: dict[str, object],
+                                                      tmp_path: Path) -> None:
+    # Loading around the engine swapped or wrote tensors under it: with dtype= the next
+    # forward failed and remove() put the old weights back (the checkpoint lost); on a
+    # bfloat16 chunk the checkpoint survived at bfloat16 precision only.
+    a, _, source, path = _pair_and_checkpoint(tmp_path)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    x = torch.randn(2, 8)
+    chunker = adaptive.chunk(a, "cpu", capacity="1MiB", dtype=torch.bfloat16, example_inputs=x)
+    with pytest.raises(LoadError, match=r"held by adaptive.chunk .*pass device=chunker"):
+        adaptive.load(a, path, **kwargs)
+    with torch.no_grad():
+        a(x)  # still runs as placed
+    chunker.remove()
+    assert all(torch.equal(a.state_dict()[k], v) for k, v in before.items())
+    adaptive.load(a, path, **kwargs)  # once given back, it loads
+    want = torch.float16 if kwargs.get("dtype") else torch.float32
+    assert all(torch.equal(a.state_dict()[k], v.to(want)) for k, v in source.state_dict().items())
+
+
+def test_a_model_held_for_a_decorated_function_says_how_to_free_it(tmp_path: Path) -> None:
+    a, _, source, path = _pair_and_checkpoint(tmp_path)
+
+    @adaptive.batch(initial_batchsize=2, model=a, device="cpu")
+    def run(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([a(c) for c in x.split(batchsize)])
+
+    x = torch.randn(4, 8)
+    run(x)
+    with pytest.raises(LoadError, match=r"decorated function .*run.remove\(\) first"):
+        adaptive.load(a, path)
+    run.remove()
+    adaptive.load(a, path)
+    with torch.no_grad():
+        torch.testing.assert_close(a(x), source(x), rtol=0, atol=0)
