@@ -21,6 +21,7 @@ from .._planning import (
     qualify_labels,
     targets_from_devices,
 )
+from .device_map import map_label
 from .splitter import Chunker, Splitter
 
 __all__ = ["split", "chunk", "chunk_targets"]
@@ -107,7 +108,7 @@ def split(
         if not isinstance(device_map, Mapping) or not device_map:
             raise TypeError(f"device_map must be a non-empty dict {{module: device}}, got "
                             f"{device_map!r}")
-        devices = {v: None for v in dict.fromkeys(str(v) for v in device_map.values())}
+        devices = {v: None for v in dict.fromkeys(map_label(v) for v in device_map.values())}
     targets = targets_from_devices(devices, dtype, reserve)
     if device_map is not None and not isinstance(device_map, Mapping):
         raise TypeError(f"device_map must be a dict {{module: device}}, got {device_map!r}")

@@ -5,13 +5,31 @@ first forward, where a mistake would surface far from its cause)."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from typing import Any
 
 import torch
 
+from .._common.devices import resolve_device
 from .._common.errors import PlacementError
 from .._planning import Target, split_label
 
-__all__ = ["normalise_map", "map_before_placement"]
+__all__ = ["normalise_map", "map_before_placement", "map_label"]
+
+
+def map_label(value: Any) -> str:
+    """A ``device_map`` value as a label: accelerate's GPU index (``0``) is ``"cuda:0"``, a
+    device without its index (``"cuda"``) the current one, ``"cpu:0"`` is ``"cpu"``; a dtype
+    (``"@bfloat16"``) is kept. A value that names no usable device comes back as text, for
+    the caller to report."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = f"cuda:{value}"
+    text = str(value)
+    device, sep, dtype = text.partition("@")
+    try:
+        dev = resolve_device(device)
+    except (TypeError, ValueError):
+        return text
+    return f"{dev}{sep}{dtype}"
 
 
 def normalise_map(device_map: Mapping[str, str], targets: Mapping[str, Target],
@@ -24,10 +42,10 @@ def normalise_map(device_map: Mapping[str, str], targets: Mapping[str, Target],
             names a device that is not among ``targets``, or a tensor is left without one.
     """
     out = {}
-    for key, value in device_map.items():
-        value = str(value)
+    for key, given in device_map.items():
+        value = str(given)
         if value not in targets:
-            value = _label_for(value, targets)
+            value = _label_for(map_label(given), targets)
         out[str(key)] = value
     unknown = [k for k in out if k and k not in modules and k not in tensors]
     if unknown:
@@ -41,16 +59,39 @@ def normalise_map(device_map: Mapping[str, str], targets: Mapping[str, Target],
             f"device_map places modules on {bad}, which are not among this placement's "
             f"devices {sorted(targets)}; add them to devices= or change the map"
         )
-    uncovered = [
-        name for name in tensors
-        if not any(k == "" or name == k or name.startswith(k + ".") for k in out)
-    ]
+    deciding = {name: _most_specific(name, out) for name in tensors}
+    uncovered = [name for name, key in deciding.items() if key is None]
     if uncovered:
         raise PlacementError(
             f"device_map leaves {len(uncovered)} tensor(s) without a device (first: "
             f"{uncovered[0]!r}); name their module, a parent of it, or '' for everything"
         )
+    used = set(deciding.values())
+    shadowed = {k: sorted(deciding[n] for n in tensors if _under(n, k)) for k in out
+                if k and k not in used}
+    shadowed = {k: v for k, v in shadowed.items() if v}  # a key with no tensors: a bare module
+    if shadowed:
+        key, by = next(iter(shadowed.items()))
+        finer = sorted(set(by))
+        raise PlacementError(
+            f"device_map[{key!r}] places nothing: every tensor under it is placed by a more "
+            f"specific key ({', '.join(repr(k) for k in finer[:4])}"
+            f"{' ...' if len(finer) > 4 else ''}), which wins; to move all of {key!r}, "
+            f"drop those keys from the map")
     return out
+
+
+def _under(name: str, key: str) -> bool:
+    return key == "" or name == key or name.startswith(key + ".")
+
+
+def _most_specific(name: str, device_map: Mapping[str, str]) -> str | None:
+    """The key of ``device_map`` that places tensor ``name``: the longest one it is under."""
+    found = None
+    for key in device_map:
+        if _under(name, key) and (found is None or len(key) > len(found)):
+            found = key
+    return found
 
 
 def _label_for(value: str, targets: Mapping[str, Target]) -> str:

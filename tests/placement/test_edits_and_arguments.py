@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from adaptmem import adaptive
+from adaptmem import PlacementError, adaptive
 from adaptmem.testing import simulated_cuda
 
 
@@ -120,3 +120,54 @@ def test_converted_copies_on_the_simulated_gpu_come_back_exact_or_with_their_edi
             expected[1, 2] = 0.5
         assert p.device.type == "cpu" and p.dtype == torch.float32
         assert torch.equal(p.detach(), expected), name  # bitwise, but for the edit
+
+
+def _four() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)),
+                          nn.Linear(32, 8)).eval()
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        return model, x, model(x)
+
+
+@pytest.mark.parametrize("value", ["cpu:0", torch.device("cpu")])
+def test_a_device_map_alone_takes_any_spelling_of_a_device(value: object) -> None:
+    model, x, want = _four()
+    with adaptive.split(model, device_map={"": value, "1": "cpu"}, example_inputs=x) as s:
+        assert s.device_map == {"": "cpu"}
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want)
+
+
+def test_a_device_map_takes_a_gpu_index_and_a_device_without_its_index() -> None:
+    # accelerate's maps give GPUs as integers; "cuda" is the current device. Both used to be
+    # refused, with errors about a devices= argument the call never had.
+    model, x, want = _four()
+    with simulated_cuda(devices=2, total_memory="64MiB"):
+        torch.cuda.set_device(1)
+        with adaptive.split(model, device_map={"0": 0, "1": "cuda", "2": "cpu"},
+                            example_inputs=x) as s:
+            assert s.device_map == {"0": "cuda:0", "1": "cuda:1", "2": "cpu"}
+            with torch.no_grad():
+                got = model(x).cpu()
+            s.device_map = {"": 1}
+            assert {p.device for p in model.parameters()} == {torch.device("cuda", 1)}
+    torch.testing.assert_close(got, want)
+
+
+def test_a_device_map_key_that_more_specific_keys_overrule_everywhere_is_refused() -> None:
+    # Setting a parent in a map that lists its children moved nothing and said nothing.
+    model, x, want = _four()
+    with adaptive.split(model, {"cpu@bfloat16": "8KiB", "cpu": None}, example_inputs=x) as s:
+        edited = {"0": "cpu@bfloat16", "1.0": "cpu@bfloat16", "1.1": "cpu", "2": "cpu"}
+        s.device_map = edited
+        edited["1"] = "cpu"
+        with pytest.raises(PlacementError, match=r"device_map\['1'\] places nothing.*'1.0', "
+                                                 r"'1.1'"):
+            s.device_map = edited
+        assert s.device_map == {k: v for k, v in edited.items() if k != "1"}  # unchanged
+        s.device_map = {"": "cpu@bfloat16", "1": "cpu"}  # a default and an override: fine
+        assert s.device_map == {"0": "cpu@bfloat16", "1": "cpu", "2": "cpu@bfloat16"}
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
