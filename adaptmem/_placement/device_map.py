@@ -67,12 +67,12 @@ def normalise_map(device_map: Mapping[str, str], targets: Mapping[str, Target],
             f"{uncovered[0]!r}); name their module, a parent of it, or '' for everything"
         )
     used = set(deciding.values())
-    shadowed = {k: sorted(deciding[n] for n in tensors if _under(n, k)) for k in out
+    shadowed = {k: {deciding[n] or "" for n in tensors if _under(n, k)} for k in out
                 if k and k not in used}
     shadowed = {k: v for k, v in shadowed.items() if v}  # a key with no tensors: a bare module
     if shadowed:
         key, by = next(iter(shadowed.items()))
-        finer = sorted(set(by))
+        finer = sorted(by)
         raise PlacementError(
             f"device_map[{key!r}] places nothing: every tensor under it is placed by a more "
             f"specific key ({', '.join(repr(k) for k in finer[:4])}"
