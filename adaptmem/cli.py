@@ -178,8 +178,10 @@ def _example_from(spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
                           f"a tensor, a tuple or a dict of inputs, with no arguments") from None
 
 
-def _record(model: nn.Module, spec: str, size: int, example_spec: str | None) -> Any:
-    """The recorded forward on the example input, or None where there is none to run."""
+def _record(model: nn.Module, spec: str, size: int, example_spec: str | None
+            ) -> tuple[Any, bool]:
+    """The recorded forward on the example input, or None where there is none to run or
+    the model cannot run on meta; and whether there was an example input."""
     from ._planning import record_forward
 
     if example_spec is not None:
@@ -191,18 +193,18 @@ def _record(model: nn.Module, spec: str, size: int, example_spec: str | None) ->
             print(f"adaptmem plan: note: no example inputs for {spec}; units are in "
                   f"registration order (give --example package.module:function for the "
                   f"execution order)", file=sys.stderr)
-            return None
+            return None, False
         args, kwargs = example, {}
         shape = "x".join(str(n) for n in example[0].shape)
         what, fix = f"a {shape} example input", "give --image-size a size the model accepts"
     try:
-        return record_forward(model, args, kwargs)
+        return record_forward(model, args, kwargs), True
     except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
         if _cannot_run_on_meta(exc):
             print(f"adaptmem plan: note: {spec} cannot run on the meta device "
                   f"({_first_line(exc)}); units are in registration order, not execution "
                   f"order", file=sys.stderr)
-            return None
+            return None, True
         raise _UsageError(f"{spec} does not run on {what} ({_first_line(exc)}); "
                           f"{fix}") from None
 
@@ -301,14 +303,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             targets, options = _placement_targets(args)
         model = _build_model(args.model)
-        recording = _record(model, args.model, args.image_size, args.example)
+        recording, example = _record(model, args.model, args.image_size, args.example)
         if args.mode == "page":
             result = plan(model, unit_bytes=unit_bytes,
                           order=None if recording is None else recording.order)
         else:
             result = plan_placement(model, module_sizes(model), targets, recording,
                                     mode=args.mode, options=options)
-        if recording is not None and args.mode != "page":
+        if example and args.mode != "page":  # not predicted on meta: says why, as plan() does
             _report_activations(result, model, args)
     except (TypeError, ValueError, AdaptmemError) as exc:
         raise _UsageError(exc) from None

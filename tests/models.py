@@ -180,3 +180,24 @@ class OddOffsets(nn.Module):
         self.d = nn.Parameter(torch.empty(3 * 2**20 + 3, dtype=torch.float64),
                               requires_grad=False)
         self.e = nn.Parameter(torch.empty(300_001), requires_grad=False)
+
+
+class _Gated(nn.Module):
+    """Reads a value on the host in its forward (``.item()``): it cannot run on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.abs().sum().item() > 1e9:
+            x = x / 2
+        return self.b(self.a(x))
+
+
+def gated() -> nn.Module:
+    return _Gated().eval()
+
+
+def gated_example() -> torch.Tensor:
+    return torch.randn(2, 16)

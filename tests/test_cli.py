@@ -268,3 +268,20 @@ def test_commands_that_need_torchvision_say_so_without_it(
         main(argv)
     said = f"{info.value.code} {capsys.readouterr().err}"
     assert "torchvision is not installed" in said and "Traceback" not in said
+
+
+def test_plan_says_why_a_model_that_cannot_run_on_meta_has_no_activation_figures(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # As adaptive.plan(..., example_inputs=...) says it; the command line used to print
+    # no activations line and leave the key out of its JSON.
+    argv = ["plan", "models:gated", "--example", "models:gated_example", "--mode", "chunk",
+            "--device", "cpu", "--budget", "1MiB"]
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert out.out.splitlines()[-1] == ("activations: not predicted (RuntimeError: "
+                                        "Tensor.item() cannot be called on meta tensors)")
+    assert "cannot run on the meta device" in out.err
+    assert main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["options"]["activations"]["predicted"] is False
+    assert "item()" in data["options"]["activations"]["reason"]
