@@ -320,8 +320,9 @@ def load(
             placement, paged units to pinned host memory (plain CPU memory without CUDA). Or
             a placement handle (``adaptive.page``/``chunk``/``split``): each checkpoint tensor
             is copied in place into every copy the handle keeps (host and device). A model
-            such a handle holds loads only through it (anything else is a ``LoadError``,
-            before any read), and a handle loads only the model it holds.
+            such a handle holds (or one held for a ``model=`` function) loads through it
+            when no ``device``, ``dtype`` or ``copy=False`` is given; with them it is a
+            ``LoadError`` before any read. A handle loads only the model it holds.
         strict: missing and unexpected keys are errors (shape mismatches always are). With
             ``strict=False`` a missing tensor keeps its value in a built model; in a model
             built on meta or from a factory it is left uninitialised (``empty_model`` skips
@@ -390,7 +391,7 @@ def load(
         raise TypeError(f"model_or_factory must be an nn.Module or a zero-argument factory, "
                         f"got {type(model_or_factory).__name__}")
 
-    _refuse_other_holder(model, device)
+    device = _through_holder(model, device, dtype, copy)
     ckpt = open_checkpoint(checkpoint)
     sizes = module_sizes(model)
     dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
@@ -418,18 +419,18 @@ def load(
     return (model, stats) if return_stats else model
 
 
-def _refuse_other_holder(model: nn.Module, device: Any) -> None:
-    """Refuse a load that would miss copies an engine keeps: into a model that a ``Pager``,
-    ``Chunker`` or ``Splitter`` holds unless through that handle (its masters, device copies
-    and dtype would not all get the values), or through a handle that holds another model
-    (whose copies would get them instead)."""
+def _through_holder(model: nn.Module, device: Any, dtype: torch.dtype | None,
+                    copy: bool) -> Any:
+    """Where a load of ``model`` goes when an engine holds it: a plain load (no ``device``,
+    ``dtype`` or ``copy=False``) goes through the engine that holds it, into every copy it
+    keeps (host masters, device copies, originals kept for ``remove()``), as
+    ``device=handle`` does. Anything else is refused: it would swap or map tensors under the
+    engine, or miss its copies. A handle given for a model it does not hold is refused too
+    (its own model's copies would get the values). Returns the ``device`` to load with."""
     held = holder(model)
     owner = owner_of(held) if held is not None and device is not held else None
     if owner is not None and owner.release_if_abandoned():  # its function was collected
         held, owner = holder(model), None
-    if owner is not None:
-        raise LoadError(f"this model's copies are kept by a {type(held).__name__} that a load "
-                        f"into the model alone would miss; {owner.fix()}, then load it")
     if isinstance(device, Engine) and held is not device:
         what = (f"this model is held by another {type(held).__name__}" if held is not None
                 else "this model is not held by it")
@@ -437,14 +438,19 @@ def _refuse_other_holder(model: nn.Module, device: Any) -> None:
             f"device={type(device).__name__} holds a different model ({what}), and loading "
             f"through it would write this checkpoint into that model's copies; pass the model "
             f"it was made for, or make a handle for this one")
-    if held is not None and device is not held:
-        name = getattr(held, "handle_name", "handle")
-        raise LoadError(
-            f"this model is held by {getattr(held, 'made_by', type(held).__name__)} (a "
-            f"{type(held).__name__}), which keeps copies of its tensors (host masters, device "
-            f"copies, their dtype) that a load into the model alone would miss or leave "
-            f"stale; pass device={name} (the {type(held).__name__} itself) to load into every "
-            f"copy it keeps, or call {name}.remove() first")
+    if held is None or device is held:
+        return device
+    if device is None and dtype is None and copy:
+        return held
+    given = ", ".join(f for f, on in (("device=", device is not None), ("dtype=", dtype is not None),
+                                      ("copy=False", not copy)) if on)
+    fix = (owner.fix() if owner is not None else
+           f"call {getattr(held, 'handle_name', 'handle')}.remove() first")
+    raise LoadError(
+        f"this model is held by {getattr(held, 'made_by', type(held).__name__)} (a "
+        f"{type(held).__name__}): a load with {given} would swap or map tensors under it and "
+        f"miss the copies it keeps. Load without them (each value then goes into every copy "
+        f"the {type(held).__name__} keeps, in its dtype), or {fix} and load the model alone")
 
 
 def _plan_load(
