@@ -354,6 +354,36 @@ def test_a_read_on_a_stream_that_did_not_wait_for_the_copy_raises() -> None:
         torch.cuda.synchronize()
 
 
+def test_with_stream_makes_it_current_as_torch_cuda_stream_does() -> None:
+    with simulated_cuda(devices=2, bandwidth=1):
+        side = torch.cuda.Stream(device=1)
+        with side as entered:
+            assert entered is side
+            assert torch.cuda.current_stream(1) is side and torch.cuda.current_device() == 1
+        assert torch.cuda.current_stream(1) is torch.cuda.default_stream(1)
+        assert torch.cuda.current_device() == 0
+        # A copy issued inside `with side:` runs on it, so a read without a wait races.
+        host = torch.ones(MiB // 4).pin_memory()
+        with torch.cuda.Stream():
+            dev = host.to("cuda", non_blocking=True)
+        with pytest.raises(StreamRaceError, match="read before its copy completed"):
+            dev.sum()
+        torch.cuda.synchronize()
+
+
+def test_streams_made_through_torch_stream_and_external_stream_are_simulated() -> None:
+    real_stream = torch.Stream
+    with simulated_cuda():
+        side = torch.Stream("cuda")
+        assert isinstance(side, torch.cuda.Stream) and side.device == torch.device("cuda", 0)
+        assert isinstance(side, torch.Stream) and isinstance(torch.Stream("cpu"), torch.Stream)
+        assert torch.cuda.ExternalStream(0) is torch.cuda.default_stream()
+        assert torch.cuda.ExternalStream(side.cuda_stream) is side
+        with pytest.raises(ValueError, match="no stream with that cuda_stream"):
+            torch.cuda.ExternalStream(side.cuda_stream + 1000)
+    assert torch.Stream is real_stream
+
+
 def test_a_read_after_wait_stream_sees_the_copied_values() -> None:
     with simulated_cuda(bandwidth=1):  # 1 MiB at 1 GB/s: about a millisecond
         host = torch.ones(MiB // 4).pin_memory()
