@@ -76,6 +76,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations
+from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
 from ._streams import SimStream, check_access
 
@@ -495,12 +496,6 @@ def _host_view(t: torch.Tensor) -> torch.Tensor:
                                               t.size(), t.stride())
 
 
-def _mixed(a: str, b: str) -> RuntimeError:
-    return RuntimeError(
-        f"Expected all tensors to be on the same device, but found at least two devices, "
-        f"{a} and {b}! (simulated CUDA)")
-
-
 def _cudnn_batch_norm(*args: Any) -> Any:
     out, mean, invstd = aten.native_batch_norm.default(*args)
     return out, mean, invstd, torch.empty(0, dtype=torch.uint8)
@@ -511,10 +506,10 @@ _CPU_EQUIVALENT = {
     aten.cudnn_batch_norm.default: _cudnn_batch_norm,
     aten.miopen_batch_norm.default: lambda *a: aten.native_batch_norm.default(*a),
 }
-# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices), and the metadata
-# check behind ``cpu_param.data = cuda_tensor`` (dispatched under inference_mode).
-_MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-             aten._index_put_impl_.default, aten._has_compatible_shallow_copy_type.default}
+# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices, by the rules
+# ``check_index_op`` keeps), and the metadata check behind ``cpu_param.data = cuda_tensor``
+# (dispatched under inference_mode).
+_MIXED_OK = {aten.index.Tensor, *INDEX_PUTS, aten._has_compatible_shallow_copy_type.default}
 
 
 class Dispatch(TorchDispatchMode):
@@ -558,11 +553,17 @@ class Dispatch(TorchDispatchMode):
             # ``empty_like(x, device="cpu")``, ``x.new_zeros(n, device="cpu")``: made on the
             # host from a device tensor's metadata, so a host tensor comes back.
             return func(*cargs, **ckwargs)
-        if u.cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
-            raise _mixed(f"cuda:{index}", "cpu")
+        on_host = False  # an index_put into a host tensor (with device indices)
+        if u.cpu_arg is not None and "device" not in kwargs:
+            if func not in _MIXED_OK:
+                raise mixed(f"cuda:{index}", "cpu")
+            check_index_op(func, args)
+            on_host = not args[0].is_cuda
         stream = sim.state.current_streams[index]
         for record, x, _ in u.uses:
             sim.use(record, stream, x, func)
+        if on_host:
+            return func(*cargs, **ckwargs)
         if _SEEDED in func.tags and not _has_generator(args, kwargs):
             out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
         else:
@@ -658,7 +659,7 @@ class _Unwrapping:
                 if self.index is None:
                     self.index = record.index
                 elif record.index != self.index:
-                    raise _mixed(f"cuda:{self.index}", f"cuda:{record.index}")
+                    raise mixed(f"cuda:{self.index}", f"cuda:{record.index}")
                 self.uses.append((record, x, b))
                 self.originals[id(b)] = x
                 self.storages[_storage_key(b)] = record
@@ -669,7 +670,7 @@ class _Unwrapping:
         if isinstance(x, torch.device) and x.type == "cuda":
             wanted = self.sim.state.device_index(x)
             if self.index is not None and wanted != self.index:
-                raise _mixed(f"cuda:{self.index}", f"cuda:{wanted}")
+                raise mixed(f"cuda:{self.index}", f"cuda:{wanted}")
             self.index = wanted
             return _CPU
         return x
@@ -968,7 +969,7 @@ class Functions(TorchFunctionMode):
                 if x.is_cuda:
                     b, record = sim.lookup(x)
                     if index is not None and record.index != index:
-                        raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
+                        raise mixed(f"cuda:{index}", f"cuda:{record.index}")
                     index = record.index
                     sim.use(record, sim.state.current_streams[index], x, func.__name__)
                     backings.setdefault(_storage_key(b), (x, record))
@@ -977,8 +978,11 @@ class Functions(TorchFunctionMode):
                     cpu_arg = True
         if index is None:
             return func(*args, **kwargs)
-        if cpu_arg and func not in _INDEXING:
-            raise _mixed(f"cuda:{index}", "cpu")
+        on_host = func in _INDEXING and not args[0].is_cuda  # ``host[device_index]``
+        if cpu_arg or on_host:
+            if func not in _INDEXING:
+                raise mixed(f"cuda:{index}", "cpu")
+            check_item_access(func, args)
         cargs, ckwargs = tree_unflatten(flat, spec)
         state = sim.state
         previous, state.drawing_for = state.drawing_for, index
@@ -987,7 +991,9 @@ class Functions(TorchFunctionMode):
                 out = func(*cargs, **ckwargs)
         finally:
             state.drawing_for = previous
-        if func is torch.Tensor.__setitem__ and args[0].is_cuda:
+        if on_host:
+            return out  # a host tensor's item or view, or None (a write into it)
+        if func is torch.Tensor.__setitem__:
             # Its backing was written: See [Note: views and inference tensors].
             _increment_version((args[0],))
         first = cargs[0] if cargs else None

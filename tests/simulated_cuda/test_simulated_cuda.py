@@ -128,6 +128,35 @@ def test_mixing_devices_raises_cudas_error_but_cpu_scalars_are_allowed() -> None
         assert torch.equal(a[torch.tensor([0, 2])].cpu(), torch.ones(2))
 
 
+def test_indexing_mixes_devices_only_where_cuda_does() -> None:
+    with simulated_cuda():
+        host = torch.zeros(4)
+        dev = torch.zeros(4, device="cuda")
+        dev_index = torch.tensor([0, 1], device="cuda")
+        # Reads: a device tensor takes host or device indices; a host tensor host ones only.
+        assert dev[torch.tensor([0, 1])].device.type == "cuda"
+        assert dev[host == 0].shape == (4,)
+        for index in (dev_index, dev == 0):
+            with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the "
+                               r"same device as the indexed tensor \(cpu\)"):
+                host[index]
+        assert host[dev_index[0]].device.type == "cpu"  # a 0-dim index selects
+        # Writes through advanced indexing take a value on the written tensor's device, or
+        # a 0-dim one, or one element through a mask on the device.
+        with pytest.raises(RuntimeError, match="same device.*move the value"):
+            dev[dev_index] = torch.tensor([5.0, 6.0])
+        with pytest.raises(RuntimeError, match="same device"):
+            host[torch.tensor([0, 1])] = dev[:2]
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.ops.aten.index_put_(dev, [dev_index], torch.tensor([5.0, 6.0]))
+        dev[dev_index] = torch.tensor(5.0)
+        dev[dev == 0] = torch.tensor([7.0])
+        host[dev_index] = torch.tensor([1.0, 2.0])  # indices move to the written tensor
+        dev[2:] = torch.tensor([3.0, 4.0])  # basic indexing copies across devices
+        host[2:] = dev[2:]
+        assert dev.tolist() == [5.0, 5.0, 3.0, 4.0] and host.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
 def test_autograd_is_off_for_simulated_tensors() -> None:
     with simulated_cuda():
         layer = nn.Linear(4, 4).cuda()
