@@ -95,6 +95,15 @@ def set_current(tensors: Tensors | None) -> None:
     global _current
     _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
+# Ops that may give their tensor arguments new sizes or memory (see Tensors.follow), by op;
+# ``set_`` moves a tensor to other memory at the same size too.
+_RESIZES: dict[Any, bool] = {}
+_SETS = {getattr(aten.set_, name) for name in aten.set_.overloads()}
+
+
+def _can_resize(func: Any) -> bool:
+    return (func in _SETS or func in (aten.resize_.default, aten.resize_as_.default)
+            or any(a.is_out for a in func._schema.arguments))
 
 
 class SimTensor(torch.Tensor):
@@ -294,6 +303,22 @@ class Tensors:
         if t.dtype != b.dtype:
             b = b.view(t.dtype)
         return b.as_strided(t.shape, t.stride(), t.storage_offset()), record
+
+    def follow(self, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record]) -> None:
+        """``w``'s backing ``o`` was resized or set to other memory in place (an ``out=``
+        op, ``resize_``, ``set_``): ``w`` takes ``o``'s shape and memory, as a CUDA tensor
+        would. Memory an argument holds is shared (``set_(source)``); memory the resize
+        allocated is a new allocation (raises CUDA's OOM), and ``w``'s old one goes with
+        its last user."""
+        record = storages.get(_storage_key(o))
+        if record is None:
+            _, old = self.lookup(w)
+            record = self.allocate(o, old.index)
+            storages[_storage_key(o)] = record
+        moved = self.wrap(o, record)
+        with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
+            torch.Tensor.set_(w, moved.untyped_storage(), o.storage_offset(), o.shape,
+                              o.stride())
 
     def _died(self, key: int, ref: Any) -> None:
         entry = self.entries.get(key)
@@ -590,9 +615,17 @@ class Dispatch(TorchDispatchMode):
                     sim.state.allocators[index].free(record.block)
                 raise
 
+        resizes = _RESIZES.get(func)
+        if resizes is None:
+            resizes = _RESIZES[func] = _can_resize(func)
+
         def wrap(o: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(o))
             if original is not None:
+                if resizes and (func in _SETS or o.shape != original.shape
+                                or o.stride() != original.stride()
+                                or o.storage_offset() != original.storage_offset()):
+                    sim.follow(original, o, storages)
                 return original
             return sim.wrap(o, storages[_storage_key(o)])
 

@@ -193,6 +193,29 @@ def test_allocations_are_counted_freed_and_cached() -> None:
         del b
 
 
+def test_resizing_writes_give_the_tensor_its_new_shape_and_memory() -> None:
+    with simulated_cuda():
+        y = torch.arange(6.0, device="cuda")
+        out = torch.empty(0, device="cuda")
+        assert torch.add(y, 1, out=out) is out
+        assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        values = torch.empty(0, device="cuda")
+        indices = torch.empty(0, dtype=torch.long, device="cuda")
+        torch.sort(y.flip(0), out=(values, indices))
+        assert values.tolist() == y.tolist() and indices.tolist() == [5, 4, 3, 2, 1, 0]
+        before = torch.cuda.memory_allocated()
+        grown = torch.empty(0, device="cuda").resize_(1000)
+        assert grown.shape == (1000,) and grown.device.type == "cuda"
+        assert torch.cuda.memory_allocated() - before == 4096  # 4000 bytes in 512-byte blocks
+        del grown
+        assert torch.cuda.memory_allocated() == before
+        q = torch.ones(4, device="cuda")
+        q.set_(y)  # q is y's memory now; its own block is freed
+        assert q.shape == (6,) and torch.cuda.memory_allocated() == before
+        q[0] = 100.0
+        assert y[0].item() == 100.0
+
+
 def test_an_allocation_past_the_limit_raises_cudas_oom_and_allocates_nothing() -> None:
     with simulated_cuda(total_memory="1GiB"):
         keep = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
