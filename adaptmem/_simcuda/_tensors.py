@@ -52,6 +52,16 @@ tensor (which refuses a version counter). Each wrapper therefore takes its backi
 the backing is what the op gave on the CPU (views of a normal backing are normal, results
 made in inference mode are inference tensors, in the mode or out of it), as real CUDA gives.
 
+[Note: saving simulated tensors]
+``torch.save`` pickles a simulated tensor as the CPU tensor holding its values, with its
+storage's location given as the device's (``_fake_device``, what torch.save reads for a
+fake tensor's storage): the file holds the bytes and says ``cuda:i``, as one written on a
+GPU does. ``torch.load`` restores a ``cuda`` storage with ``storage.to(device=...)``
+(``map_location`` of any kind, or the location in the file), which the simulation answers
+with the storage of a simulated tensor holding a copy of the bytes (``Tensors.
+device_storage``); the tensor torch then makes over it (``torch.empty(0, device=
+"cuda").set_(storage, ...)``) finds its values by that storage (see ``_Unwrapping.leaf``).
+
 [Note: simulated random state]
 Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
 which ``torch.cuda.default_generators``, ``get_rng_state``/``set_rng_state``,
@@ -64,6 +74,7 @@ the CPU's stream is left as it was. An op given an explicit ``generator=`` uses 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import types
@@ -123,6 +134,21 @@ class SimTensor(torch.Tensor):
         if isinstance(data, SimTensor) and not data.is_cuda:
             data = _host_view(data)  # host data under a wrapper (``param.data = host``)
         return torch.nn.Parameter(data, requires_grad)  # type: ignore[arg-type,return-value]
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        # See [Note: saving simulated tensors].
+        if not self.is_cuda:
+            return _host_view(self).__reduce_ex__(proto)
+        if _current is None or _current.closed:
+            raise _after_the_block(torch.save)
+        if getattr(self, "_is_param", False):  # what nn.Parameter pickles as
+            return (torch._utils._rebuild_parameter,
+                    (self.detach(), self.requires_grad, collections.OrderedDict()))
+        with _no_subclass_function():
+            backing = _current.lookup(self)[0]
+        rebuild, args = backing.__reduce_ex__(proto)
+        args[0]._fake_device = self.device  # where torch.save says the storage lives
+        return rebuild, args
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -288,6 +314,23 @@ class Tensors:
                 out = torch.empty(0, dtype=dtype).set_(host, 0, like.shape, like.stride())
         record.host = out.untyped_storage()
         return out
+
+    def lookup_storage(self, storage: Any) -> tuple[torch.Tensor, Record]:
+        """The backing and allocation a simulated tensor's storage holds."""
+        entry = self.entries.get(storage._cdata)
+        if entry is None:
+            raise RuntimeError(
+                f"simulated CUDA: a {storage.nbytes()}-byte storage on {storage.device} has "
+                f"no values in this simulation (it was made before `with simulated_cuda():` "
+                f"began, or by code the simulation does not see)")
+        return entry[0], entry[1]
+
+    def device_storage(self, host: Any, index: int) -> Any:
+        """A copy of host storage ``host`` on ``cuda:index``: a simulated tensor's storage
+        (See [Note: saving simulated tensors])."""
+        with _no_python_dispatch():
+            backing = torch.empty(0, dtype=torch.uint8).set_(host).clone()
+        return self.adopt(backing, index).untyped_storage()
 
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, Record]:
         entry = self.entries.get(t.untyped_storage()._cdata)
@@ -700,6 +743,15 @@ class _Unwrapping:
             if self.cpu_arg is None and x.dim() and x.device.type == "cpu":
                 self.cpu_arg = x
             return x
+        if type(x) is torch.UntypedStorage and x.device.type == "cuda":
+            # A simulated tensor's storage (``set_(storage)``): its backing's host storage.
+            b, record = self.sim.lookup_storage(x)
+            if self.index is None:
+                self.index = record.index
+            elif record.index != self.index:
+                raise mixed(f"cuda:{self.index}", f"cuda:{record.index}")
+            self.storages[_storage_key(b)] = record
+            return b.untyped_storage()
         if isinstance(x, torch.device) and x.type == "cuda":
             wanted = self.sim.state.device_index(x)
             if self.index is not None and wanted != self.index:

@@ -157,6 +157,31 @@ def test_indexing_mixes_devices_only_where_cuda_does() -> None:
         assert dev.tolist() == [5.0, 5.0, 3.0, 4.0] and host.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
+@pytest.mark.parametrize("map_location", [
+    None, "cuda", "cuda:0", torch.device("cuda", 0), {"cuda:0": "cuda:0"},
+    lambda storage, location: storage.cuda()], ids=["none", "str", "index", "device", "dict",
+                                                    "callable"])
+def test_a_saved_state_dict_loads_back_onto_the_device(tmp_path: Any, map_location: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "model.pt"
+    with simulated_cuda():
+        model.cuda()
+        torch.save(model.state_dict(), path)
+        before = torch.cuda.memory_allocated()
+        loaded = torch.load(path, map_location=map_location)  # weights_only, torch's default
+        assert all(v.device == torch.device("cuda", 0) for v in loaded.values())
+        assert torch.cuda.memory_allocated() - before == 1024  # two 512-byte blocks
+        model.load_state_dict(loaded)
+        on_host = torch.load(path, map_location="cpu")
+        assert all(torch.equal(v.cpu(), expected[k]) for k, v in loaded.items())
+    # The file holds the values, readable without the simulation.
+    outside = torch.load(path, map_location="cpu")
+    assert all(torch.equal(outside[k], expected[k]) and torch.equal(on_host[k], expected[k])
+               for k in expected)
+
+
 def test_autograd_is_off_for_simulated_tensors() -> None:
     with simulated_cuda():
         layer = nn.Linear(4, 4).cuda()
