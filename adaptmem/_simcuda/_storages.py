@@ -1,6 +1,7 @@
 """The storages of simulated tensors: what ``torch.UntypedStorage`` methods reaching for the
 CUDA runtime do under the simulation, so that ``torch.load`` onto ``cuda`` works (it reads
-the storage's ``data_ptr``). See [Note: saving simulated tensors] in _tensors.py."""
+the storage's ``data_ptr``), and so do storage reads (``cpu()``, safetensors'
+``data_ptr``). See [Note: saving simulated tensors] in _tensors.py."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ __all__ = ["install_storages"]
 
 
 def install_storages(tensors: Tensors, patches: Patches) -> None:
-    """Answer ``UntypedStorage.to``/``cuda`` (``torch.load``'s restore) and ``data_ptr``
-    for simulated storages, for the length of the simulation."""
+    """Answer ``UntypedStorage.to``/``cuda`` (``torch.load``'s restore), ``data_ptr`` and
+    ``cpu`` for simulated storages, for the length of the simulation."""
     storage_class = torch.UntypedStorage
     original_to = storage_class.to
     original_data_ptr = storage_class.data_ptr
+    original_cpu = storage_class.cpu
     state = tensors.state
 
     def host(storage: Any) -> Any:
@@ -35,8 +37,13 @@ def install_storages(tensors: Tensors, patches: Patches) -> None:
                 return self
             return tensors.device_storage(host(self), index)
         if self.device.type == "cuda" and target.type == "cpu":
-            return host(self).clone()
+            return cpu(self)
         return original_to(self, device=device, non_blocking=non_blocking)
+
+    def cpu(self: Any) -> Any:
+        if self.device.type == "cuda":
+            return host(self).clone()
+        return original_cpu(self)
 
     def data_ptr(self: Any) -> int:
         if self.device.type == "cuda":
@@ -45,3 +52,4 @@ def install_storages(tensors: Tensors, patches: Patches) -> None:
 
     patches.set(storage_class, "to", to)
     patches.set(storage_class, "data_ptr", data_ptr)
+    patches.set(storage_class, "cpu", cpu)

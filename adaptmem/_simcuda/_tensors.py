@@ -597,6 +597,11 @@ class Dispatch(TorchDispatchMode):
             if func is aten.is_pinned.default:
                 return sim.is_pinned(args[0])
             if func is aten._pin_memory.default:
+                if args[0].is_cuda:  # as CUDA: only host memory is pinned
+                    raise RuntimeError(
+                        f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned "
+                        f"(simulated CUDA): it is on the device already; pin the host tensor "
+                        f"it was copied from")
                 return sim.pin(args[0])
             if func is aten.record_stream.default:
                 return None  # only the Python binding knows the stream; see Functions

@@ -182,6 +182,23 @@ def test_a_saved_state_dict_loads_back_onto_the_device(tmp_path: Any, map_locati
                for k in expected)
 
 
+def test_storages_read_and_safetensors_save_as_on_cuda(tmp_path: Any) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "t.safetensors"
+    with simulated_cuda():
+        t = torch.arange(4.0, device="cuda")
+        assert t[1:].untyped_storage().data_ptr() == t.data_ptr()
+        host = t.untyped_storage().cpu()
+        assert host.device.type == "cpu" and host.nbytes() == 16
+        assert torch.tensor([], dtype=torch.float32).set_(host).tolist() == t.tolist()
+        assert t.storage().tolist() == [0.0, 1.0, 2.0, 3.0]
+        safetensors_torch.save_file({"t": t}, path)
+        assert torch.equal(safetensors_torch.load_file(path, device="cuda")["t"], t)
+        with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+            t.pin_memory()
+    assert torch.equal(safetensors_torch.load_file(path)["t"], torch.arange(4.0))
+
+
 def test_autograd_is_off_for_simulated_tensors() -> None:
     with simulated_cuda():
         layer = nn.Linear(4, 4).cuda()
