@@ -24,6 +24,11 @@ def install_storages(tensors: Tensors, patches: Patches) -> None:
     original_cpu = storage_class.cpu
     state = tensors.state
 
+    def device_storage(host: Any, index: int) -> Any:
+        """A copy of host storage ``host`` on ``cuda:index``: a simulated tensor's."""
+        backing = torch.empty(0, dtype=torch.uint8).set_(host).clone()
+        return tensors.adopt(backing, index).untyped_storage()
+
     def host(storage: Any) -> Any:
         return tensors.lookup_storage(storage)[0].untyped_storage()
 
@@ -32,10 +37,10 @@ def install_storages(tensors: Tensors, patches: Patches) -> None:
         if target.type == "cuda":
             index = state.device_index(target)
             if self.device.type != "cuda":
-                return tensors.device_storage(self, index)
+                return device_storage(self, index)
             if self.device.index == index:
                 return self
-            return tensors.device_storage(host(self), index)
+            return device_storage(host(self), index)
         if self.device.type == "cuda" and target.type == "cpu":
             return cpu(self)
         return original_to(self, device=device, non_blocking=non_blocking)

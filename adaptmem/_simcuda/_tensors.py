@@ -58,8 +58,8 @@ storage's location given as the device's (``_fake_device``, what torch.save read
 fake tensor's storage): the file holds the bytes and says ``cuda:i``, as one written on a
 GPU does. ``torch.load`` restores a ``cuda`` storage with ``storage.to(device=...)``
 (``map_location`` of any kind, or the location in the file), which the simulation answers
-with the storage of a simulated tensor holding a copy of the bytes (``Tensors.
-device_storage``); the tensor torch then makes over it (``torch.empty(0, device=
+with the storage of a simulated tensor holding a copy of the bytes (_storages.py); the
+tensor torch then makes over it (``torch.empty(0, device=
 "cuda").set_(storage, ...)``) finds its values by that storage (see ``_Unwrapping.leaf``).
 
 [Note: simulated random state]
@@ -89,9 +89,10 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from .._common.peak import count_allocation, fake_mode, register_allocations
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
-from ._streams import SimStream, check_access
+from ._streams import SimStream, StreamRaceError, check_access
 
-__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "set_current"]
+__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "check_host_write",
+           "set_current"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
@@ -110,6 +111,17 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 # ``set_`` moves a tensor to other memory at the same size too.
 _RESIZES: dict[Any, bool] = {}
 _SETS = {getattr(aten.set_, name) for name in aten.set_.overloads()}
+
+
+# The argument an op writes (its position, or an ``out`` keyword's name), or None, by op.
+_WRITTEN: dict[Any, int | str | None] = {}
+
+
+def _written_argument(func: Any) -> int | str | None:
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            return a.name if a.kwarg_only else i
+    return None
 
 
 def _can_resize(func: Any) -> bool:
@@ -325,13 +337,6 @@ class Tensors:
                 f"began, or by code the simulation does not see)")
         return entry[0], entry[1]
 
-    def device_storage(self, host: Any, index: int) -> Any:
-        """A copy of host storage ``host`` on ``cuda:index``: a simulated tensor's storage
-        (See [Note: saving simulated tensors])."""
-        with _no_python_dispatch():
-            backing = torch.empty(0, dtype=torch.uint8).set_(host).clone()
-        return self.adopt(backing, index).untyped_storage()
-
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, Record]:
         entry = self.entries.get(t.untyped_storage()._cdata)
         if entry is None:
@@ -479,6 +484,8 @@ class Tensors:
             sb, srec = self.lookup(src)
             self.use(srec, self.state.current_streams[srec.index], src, "copy_()")
         if not dst.is_cuda:
+            if self.state.host_reads:
+                check_host_write(self.state, dst, "copy_()")
             started = time.perf_counter()
             db.copy_(sb)
             if src.is_cuda:
@@ -518,9 +525,31 @@ class Tensors:
             with _no_python_dispatch():  # two host tensors: nothing for the mode to do
                 dst.copy_(src)
 
-        record.pending = stream.enqueue(run, nbytes, "copy")
+        record.pending = job = stream.enqueue(run, nbytes, "copy")
+        if not src.is_cuda:  # its source must not be written until the copy is done
+            self.state.host_reads[src.untyped_storage().data_ptr()] = job
         if stream is not record.stream:
             record.used_on[stream] = stream.epoch
+
+
+def check_host_write(state: SimState, t: Any, op: Any) -> None:
+    """An op writes host tensor ``t``: raise if a ``non_blocking`` copy still reads it (it
+    has not completed on the link's time, and the host has not synchronised with it)."""
+    if type(t) is not torch.Tensor:  # a fake tensor (a trace) has no memory to guard
+        return
+    ptr = t.untyped_storage().data_ptr()
+    job = state.host_reads.get(ptr)
+    if job is None:
+        return
+    if job.seq <= job.stream.synced_seq or job.finished():
+        del state.host_reads[ptr]
+        return
+    raise StreamRaceError(
+        f"simulated CUDA: {op} wrote {_describe(t)} while a non_blocking copy on "
+        f"{job.stream!r} still reads it (it is the pinned source of that copy, which has not "
+        f"completed, and the host has not synchronized with it). On a GPU the copy can carry the new "
+        f"values. Wait for the copy first: copy_stream.synchronize(), event.synchronize() "
+        f"on an event recorded after the copy, or torch.cuda.synchronize().")
 
 
 def _has_generator(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -616,6 +645,13 @@ class Dispatch(TorchDispatchMode):
         ckwargs = u.kwargs(kwargs)
         index = u.index
         if index is None:
+            if sim.state.host_reads:  # a host tensor written while a copy reads it?
+                written = _WRITTEN.get(func, -1)
+                if written == -1:
+                    written = _WRITTEN[func] = _written_argument(func)
+                if written is not None:
+                    check_host_write(sim.state, args[written] if isinstance(written, int)
+                                     else kwargs.get(written), func)
             drawing_for = sim.state.drawing_for
             if drawing_for is not None and _SEEDED in func.tags and not _has_generator(
                     args, kwargs):

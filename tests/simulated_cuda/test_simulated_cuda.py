@@ -478,6 +478,20 @@ def test_streams_made_through_torch_stream_and_external_stream_are_simulated() -
     assert torch.Stream is real_stream
 
 
+def test_writing_a_pinned_source_before_its_copy_completed_raises() -> None:
+    with simulated_cuda(bandwidth=0.1):  # 4 MB at 0.1 GB/s: 40 ms
+        host = torch.ones(10**6).pin_memory()
+        dev = host.to("cuda", non_blocking=True)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            host.fill_(5)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            host[:3] = 2.0
+        host.sum()  # reading it is fine
+        torch.cuda.current_stream().synchronize()
+        host.fill_(5)
+        assert dev[:2].tolist() == [1.0, 1.0]
+
+
 def test_a_read_after_wait_stream_sees_the_copied_values() -> None:
     with simulated_cuda(bandwidth=1):  # 1 MiB at 1 GB/s: about a millisecond
         host = torch.ones(MiB // 4).pin_memory()
