@@ -8,6 +8,7 @@ from typing import Any
 from .._common.devices import parse_size
 from . import _active, _tensors
 from ._state import SimState
+from ._storages import install_storages
 from ._tensors import Tensors
 from ._torch_cuda import Patches, install
 
@@ -59,6 +60,7 @@ class SimulatedCuda:
         try:
             install(state, self._patches)
             _pin_in_loader_threads(tensors, self._patches)
+            install_storages(tensors, self._patches)
             _refuse_autocast(self._patches)
             tensors.function_mode.__enter__()
             try:

@@ -31,6 +31,8 @@ class SimState:
         self.copy_seconds = 0.0
         self.wait_seconds = 0.0
         self.pinned: dict[int, Any] = {}  # host storage data_ptr -> its finalizer
+        # pinned host storage data_ptr -> the last non_blocking copy reading it (Job)
+        self.host_reads: dict[int, Any] = {}
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
         self.default_streams = [SimStream(i, _sim_state=self) for i in range(devices)]
@@ -89,6 +91,8 @@ class SimState:
                 for job in stream.pending_jobs():
                     job.wait()
                 stream.host_synced()
+        self.host_reads = {ptr: job for ptr, job in self.host_reads.items()
+                           if job.seq > job.stream.synced_seq}
 
     def stop(self) -> None:
         for stream in list(self.streams):

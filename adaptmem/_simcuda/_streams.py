@@ -80,6 +80,7 @@ class SimStream(torch.Stream):
         self._pending_deps: list[Job] = []
         self._link_free_at = 0.0  # when the stream's last job is done
         self._id = state.next_stream_id()
+        self._outer: list[tuple[int, SimStream]] = []  # what ``with self:`` replaced
         state.streams.add(self)
 
     # -- what torch.cuda.Stream offers ---------------------------------------------------
@@ -116,6 +117,20 @@ class SimStream(torch.Stream):
 
     def __repr__(self) -> str:
         return f"<simulated torch.cuda.Stream device=cuda:{self.index} id={self._id}>"
+
+    def __enter__(self) -> SimStream:
+        # torch.Stream's own __enter__ would switch the CPU's stream: do what it does for a
+        # CUDA stream, which is what ``torch.cuda.stream(self)`` does.
+        state = self._state
+        self._outer.append((state.current_device, state.current_streams[self.index]))
+        state.current_streams[self.index] = self
+        state.current_device = self.index
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        device, stream = self._outer.pop()
+        self._state.current_streams[self.index] = stream
+        self._state.current_device = device
 
     def wait_event(self, event: Any) -> None:  # type: ignore[override]
         if not isinstance(event, SimEvent) or event.stream is None:

@@ -52,6 +52,16 @@ tensor (which refuses a version counter). Each wrapper therefore takes its backi
 the backing is what the op gave on the CPU (views of a normal backing are normal, results
 made in inference mode are inference tensors, in the mode or out of it), as real CUDA gives.
 
+[Note: saving simulated tensors]
+``torch.save`` pickles a simulated tensor as the CPU tensor holding its values, with its
+storage's location given as the device's (``_fake_device``, what torch.save reads for a
+fake tensor's storage): the file holds the bytes and says ``cuda:i``, as one written on a
+GPU does. ``torch.load`` restores a ``cuda`` storage with ``storage.to(device=...)``
+(``map_location`` of any kind, or the location in the file), which the simulation answers
+with the storage of a simulated tensor holding a copy of the bytes (_storages.py); the
+tensor torch then makes over it (``torch.empty(0, device=
+"cuda").set_(storage, ...)``) finds its values by that storage (see ``_Unwrapping.leaf``).
+
 [Note: simulated random state]
 Each simulated device has a CPU ``torch.Generator`` of its own (``SimState.generators``),
 which ``torch.cuda.default_generators``, ``get_rng_state``/``set_rng_state``,
@@ -64,6 +74,7 @@ the CPU's stream is left as it was. An op given an explicit ``generator=`` uses 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 import types
@@ -76,10 +87,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations
+from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
-from ._streams import SimStream, check_access
+from ._streams import SimStream, StreamRaceError, check_access
 
-__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "set_current"]
+__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "check_host_write",
+           "set_current"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
@@ -94,6 +107,26 @@ def set_current(tensors: Tensors | None) -> None:
     global _current
     _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
+# Ops that may give their tensor arguments new sizes or memory (see Tensors.follow), by op;
+# ``set_`` moves a tensor to other memory at the same size too.
+_RESIZES: dict[Any, bool] = {}
+_SETS = {getattr(aten.set_, name) for name in aten.set_.overloads()}
+
+
+# The argument an op writes (its position, or an ``out`` keyword's name), or None, by op.
+_WRITTEN: dict[Any, int | str | None] = {}
+
+
+def _written_argument(func: Any) -> int | str | None:
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            return a.name if a.kwarg_only else i
+    return None
+
+
+def _can_resize(func: Any) -> bool:
+    return (func in _SETS or func in (aten.resize_.default, aten.resize_as_.default)
+            or any(a.is_out for a in func._schema.arguments))
 
 
 class SimTensor(torch.Tensor):
@@ -113,6 +146,21 @@ class SimTensor(torch.Tensor):
         if isinstance(data, SimTensor) and not data.is_cuda:
             data = _host_view(data)  # host data under a wrapper (``param.data = host``)
         return torch.nn.Parameter(data, requires_grad)  # type: ignore[arg-type,return-value]
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        # See [Note: saving simulated tensors].
+        if not self.is_cuda:
+            return _host_view(self).__reduce_ex__(proto)
+        if _current is None or _current.closed:
+            raise _after_the_block(torch.save)
+        if getattr(self, "_is_param", False):  # what nn.Parameter pickles as
+            return (torch._utils._rebuild_parameter,
+                    (self.detach(), self.requires_grad, collections.OrderedDict()))
+        with _no_subclass_function():
+            backing = _current.lookup(self)[0]
+        rebuild, args = backing.__reduce_ex__(proto)
+        args[0]._fake_device = self.device  # where torch.save says the storage lives
+        return rebuild, args
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -279,6 +327,16 @@ class Tensors:
         record.host = out.untyped_storage()
         return out
 
+    def lookup_storage(self, storage: Any) -> tuple[torch.Tensor, Record]:
+        """The backing and allocation a simulated tensor's storage holds."""
+        entry = self.entries.get(storage._cdata)
+        if entry is None:
+            raise RuntimeError(
+                f"simulated CUDA: a {storage.nbytes()}-byte storage on {storage.device} has "
+                f"no values in this simulation (it was made before `with simulated_cuda():` "
+                f"began, or by code the simulation does not see)")
+        return entry[0], entry[1]
+
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, Record]:
         entry = self.entries.get(t.untyped_storage()._cdata)
         if entry is None:
@@ -293,6 +351,22 @@ class Tensors:
         if t.dtype != b.dtype:
             b = b.view(t.dtype)
         return b.as_strided(t.shape, t.stride(), t.storage_offset()), record
+
+    def follow(self, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record]) -> None:
+        """``w``'s backing ``o`` was resized or set to other memory in place (an ``out=``
+        op, ``resize_``, ``set_``): ``w`` takes ``o``'s shape and memory, as a CUDA tensor
+        would. Memory an argument holds is shared (``set_(source)``); memory the resize
+        allocated is a new allocation (raises CUDA's OOM), and ``w``'s old one goes with
+        its last user."""
+        record = storages.get(_storage_key(o))
+        if record is None:
+            _, old = self.lookup(w)
+            record = self.allocate(o, old.index)
+            storages[_storage_key(o)] = record
+        moved = self.wrap(o, record)
+        with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
+            torch.Tensor.set_(w, moved.untyped_storage(), o.storage_offset(), o.shape,
+                              o.stride())
 
     def _died(self, key: int, ref: Any) -> None:
         entry = self.entries.get(key)
@@ -410,6 +484,8 @@ class Tensors:
             sb, srec = self.lookup(src)
             self.use(srec, self.state.current_streams[srec.index], src, "copy_()")
         if not dst.is_cuda:
+            if self.state.host_reads:
+                check_host_write(self.state, dst, "copy_()")
             started = time.perf_counter()
             db.copy_(sb)
             if src.is_cuda:
@@ -449,9 +525,31 @@ class Tensors:
             with _no_python_dispatch():  # two host tensors: nothing for the mode to do
                 dst.copy_(src)
 
-        record.pending = stream.enqueue(run, nbytes, "copy")
+        record.pending = job = stream.enqueue(run, nbytes, "copy")
+        if not src.is_cuda:  # its source must not be written until the copy is done
+            self.state.host_reads[src.untyped_storage().data_ptr()] = job
         if stream is not record.stream:
             record.used_on[stream] = stream.epoch
+
+
+def check_host_write(state: SimState, t: Any, op: Any) -> None:
+    """An op writes host tensor ``t``: raise if a ``non_blocking`` copy still reads it (it
+    has not completed on the link's time, and the host has not synchronised with it)."""
+    if type(t) is not torch.Tensor:  # a fake tensor (a trace) has no memory to guard
+        return
+    ptr = t.untyped_storage().data_ptr()
+    job = state.host_reads.get(ptr)
+    if job is None:
+        return
+    if job.seq <= job.stream.synced_seq or job.finished():
+        del state.host_reads[ptr]
+        return
+    raise StreamRaceError(
+        f"simulated CUDA: {op} wrote {_describe(t)} while a non_blocking copy on "
+        f"{job.stream!r} still reads it (it is the pinned source of that copy, which has not "
+        f"completed, and the host has not synchronized with it). On a GPU the copy can carry the new "
+        f"values. Wait for the copy first: copy_stream.synchronize(), event.synchronize() "
+        f"on an event recorded after the copy, or torch.cuda.synchronize().")
 
 
 def _has_generator(args: Any, kwargs: dict[str, Any]) -> bool:
@@ -495,12 +593,6 @@ def _host_view(t: torch.Tensor) -> torch.Tensor:
                                               t.size(), t.stride())
 
 
-def _mixed(a: str, b: str) -> RuntimeError:
-    return RuntimeError(
-        f"Expected all tensors to be on the same device, but found at least two devices, "
-        f"{a} and {b}! (simulated CUDA)")
-
-
 def _cudnn_batch_norm(*args: Any) -> Any:
     out, mean, invstd = aten.native_batch_norm.default(*args)
     return out, mean, invstd, torch.empty(0, dtype=torch.uint8)
@@ -511,10 +603,10 @@ _CPU_EQUIVALENT = {
     aten.cudnn_batch_norm.default: _cudnn_batch_norm,
     aten.miopen_batch_norm.default: lambda *a: aten.native_batch_norm.default(*a),
 }
-# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices), and the metadata
-# check behind ``cpu_param.data = cuda_tensor`` (dispatched under inference_mode).
-_MIXED_OK = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default,
-             aten._index_put_impl_.default, aten._has_compatible_shallow_copy_type.default}
+# Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices, by the rules
+# ``check_index_op`` keeps), and the metadata check behind ``cpu_param.data = cuda_tensor``
+# (dispatched under inference_mode).
+_MIXED_OK = {aten.index.Tensor, *INDEX_PUTS, aten._has_compatible_shallow_copy_type.default}
 
 
 class Dispatch(TorchDispatchMode):
@@ -534,6 +626,11 @@ class Dispatch(TorchDispatchMode):
             if func is aten.is_pinned.default:
                 return sim.is_pinned(args[0])
             if func is aten._pin_memory.default:
+                if args[0].is_cuda:  # as CUDA: only host memory is pinned
+                    raise RuntimeError(
+                        f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned "
+                        f"(simulated CUDA): it is on the device already; pin the host tensor "
+                        f"it was copied from")
                 return sim.pin(args[0])
             if func is aten.record_stream.default:
                 return None  # only the Python binding knows the stream; see Functions
@@ -548,6 +645,13 @@ class Dispatch(TorchDispatchMode):
         ckwargs = u.kwargs(kwargs)
         index = u.index
         if index is None:
+            if sim.state.host_reads:  # a host tensor written while a copy reads it?
+                written = _WRITTEN.get(func, -1)
+                if written == -1:
+                    written = _WRITTEN[func] = _written_argument(func)
+                if written is not None:
+                    check_host_write(sim.state, args[written] if isinstance(written, int)
+                                     else kwargs.get(written), func)
             drawing_for = sim.state.drawing_for
             if drawing_for is not None and _SEEDED in func.tags and not _has_generator(
                     args, kwargs):
@@ -558,11 +662,17 @@ class Dispatch(TorchDispatchMode):
             # ``empty_like(x, device="cpu")``, ``x.new_zeros(n, device="cpu")``: made on the
             # host from a device tensor's metadata, so a host tensor comes back.
             return func(*cargs, **ckwargs)
-        if u.cpu_arg is not None and func not in _MIXED_OK and "device" not in kwargs:
-            raise _mixed(f"cuda:{index}", "cpu")
+        on_host = False  # an index_put into a host tensor (with device indices)
+        if u.cpu_arg is not None and "device" not in kwargs:
+            if func not in _MIXED_OK:
+                raise mixed(f"cuda:{index}", "cpu")
+            check_index_op(func, args)
+            on_host = not args[0].is_cuda
         stream = sim.state.current_streams[index]
         for record, x, _ in u.uses:
             sim.use(record, stream, x, func)
+        if on_host:
+            return func(*cargs, **ckwargs)
         if _SEEDED in func.tags and not _has_generator(args, kwargs):
             out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
         else:
@@ -589,9 +699,17 @@ class Dispatch(TorchDispatchMode):
                     sim.state.allocators[index].free(record.block)
                 raise
 
+        resizes = _RESIZES.get(func)
+        if resizes is None:
+            resizes = _RESIZES[func] = _can_resize(func)
+
         def wrap(o: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(o))
             if original is not None:
+                if resizes and (func in _SETS or o.shape != original.shape
+                                or o.stride() != original.stride()
+                                or o.storage_offset() != original.storage_offset()):
+                    sim.follow(original, o, storages)
                 return original
             return sim.wrap(o, storages[_storage_key(o)])
 
@@ -658,7 +776,7 @@ class _Unwrapping:
                 if self.index is None:
                     self.index = record.index
                 elif record.index != self.index:
-                    raise _mixed(f"cuda:{self.index}", f"cuda:{record.index}")
+                    raise mixed(f"cuda:{self.index}", f"cuda:{record.index}")
                 self.uses.append((record, x, b))
                 self.originals[id(b)] = x
                 self.storages[_storage_key(b)] = record
@@ -666,10 +784,19 @@ class _Unwrapping:
             if self.cpu_arg is None and x.dim() and x.device.type == "cpu":
                 self.cpu_arg = x
             return x
+        if type(x) is torch.UntypedStorage and x.device.type == "cuda":
+            # A simulated tensor's storage (``set_(storage)``): its backing's host storage.
+            b, record = self.sim.lookup_storage(x)
+            if self.index is None:
+                self.index = record.index
+            elif record.index != self.index:
+                raise mixed(f"cuda:{self.index}", f"cuda:{record.index}")
+            self.storages[_storage_key(b)] = record
+            return b.untyped_storage()
         if isinstance(x, torch.device) and x.type == "cuda":
             wanted = self.sim.state.device_index(x)
             if self.index is not None and wanted != self.index:
-                raise _mixed(f"cuda:{self.index}", f"cuda:{wanted}")
+                raise mixed(f"cuda:{self.index}", f"cuda:{wanted}")
             self.index = wanted
             return _CPU
         return x
@@ -968,7 +1095,7 @@ class Functions(TorchFunctionMode):
                 if x.is_cuda:
                     b, record = sim.lookup(x)
                     if index is not None and record.index != index:
-                        raise _mixed(f"cuda:{index}", f"cuda:{record.index}")
+                        raise mixed(f"cuda:{index}", f"cuda:{record.index}")
                     index = record.index
                     sim.use(record, sim.state.current_streams[index], x, func.__name__)
                     backings.setdefault(_storage_key(b), (x, record))
@@ -977,8 +1104,11 @@ class Functions(TorchFunctionMode):
                     cpu_arg = True
         if index is None:
             return func(*args, **kwargs)
-        if cpu_arg and func not in _INDEXING:
-            raise _mixed(f"cuda:{index}", "cpu")
+        on_host = func in _INDEXING and not args[0].is_cuda  # ``host[device_index]``
+        if cpu_arg or on_host:
+            if func not in _INDEXING:
+                raise mixed(f"cuda:{index}", "cpu")
+            check_item_access(func, args)
         cargs, ckwargs = tree_unflatten(flat, spec)
         state = sim.state
         previous, state.drawing_for = state.drawing_for, index
@@ -987,7 +1117,9 @@ class Functions(TorchFunctionMode):
                 out = func(*cargs, **ckwargs)
         finally:
             state.drawing_for = previous
-        if func is torch.Tensor.__setitem__ and args[0].is_cuda:
+        if on_host:
+            return out  # a host tensor's item or view, or None (a write into it)
+        if func is torch.Tensor.__setitem__:
             # Its backing was written: See [Note: views and inference tensors].
             _increment_version((args[0],))
         first = cargs[0] if cargs else None

@@ -101,6 +101,23 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
     def set_stream(stream: Any) -> None:
         state.current_streams[stream.index] = stream
 
+    class ExternalStream(SimStream):
+        """A stream made elsewhere, known by its ``cuda_stream``: under the simulation only
+        its own streams exist (0 is the device's default stream, as on CUDA)."""
+
+        def __new__(cls, stream_ptr: int, device: Any = None, **kwargs: Any) -> Any:
+            index = state.device_index(device)
+            if stream_ptr == 0:
+                return state.default_streams[index]
+            for known in list(state.streams):
+                if known.index == index and known.cuda_stream == stream_ptr:
+                    return known
+            raise ValueError(
+                f"torch.cuda.ExternalStream({stream_ptr!r}): the simulated cuda:{index} has no "
+                f"stream with that cuda_stream (simulated CUDA has only its own streams). "
+                f"Pass 0 (the default stream) or the cuda_stream of a torch.cuda.Stream "
+                f"made inside the simulation.")
+
     def synchronize(device: Any = None) -> None:
         state.synchronize(state.device_index(device))
 
@@ -205,6 +222,7 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
         "seed_all": seed_all,
         "initial_seed": lambda: generator().initial_seed(),
         "Stream": SimStream,
+        "ExternalStream": ExternalStream,
         "Event": SimEvent,
         "current_stream": lambda device=None: state.current_stream(device),
         "default_stream": lambda device=None: state.default_streams[
@@ -242,8 +260,38 @@ def accelerator_functions(state: SimState, cuda: dict[str, Any]) -> dict[str, An
     }
 
 
+_TORCH_STREAM = torch.Stream
+
+
+class _AnyStream(type):
+    """The simulation's ``torch.Stream`` is the real one to ``isinstance``/``issubclass``."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _TORCH_STREAM)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _TORCH_STREAM)
+
+
+class _Stream(_TORCH_STREAM, metaclass=_AnyStream):
+    """``torch.Stream(device)``: a simulated stream for a CUDA device (and for None, the
+    current accelerator being CUDA), where torch would reach the CUDA runtime."""
+
+    def __new__(cls, device: Any = None, *, priority: int = 0, **kwargs: Any) -> Any:
+        if device is None or _is_cuda_device(device):
+            return SimStream(device, priority)
+        return _TORCH_STREAM(device, priority=priority, **kwargs)
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, (str, torch.device)):
+        return torch.device(device).type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
 def install(state: SimState, patches: Patches) -> None:
     cuda = cuda_functions(state)
+    patches.set(torch, "Stream", _Stream)
     memory = getattr(torch.cuda, "memory", None)
     streams = getattr(torch.cuda, "streams", None)
     random = getattr(torch.cuda, "random", None)

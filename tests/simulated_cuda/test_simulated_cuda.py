@@ -128,6 +128,77 @@ def test_mixing_devices_raises_cudas_error_but_cpu_scalars_are_allowed() -> None
         assert torch.equal(a[torch.tensor([0, 2])].cpu(), torch.ones(2))
 
 
+def test_indexing_mixes_devices_only_where_cuda_does() -> None:
+    with simulated_cuda():
+        host = torch.zeros(4)
+        dev = torch.zeros(4, device="cuda")
+        dev_index = torch.tensor([0, 1], device="cuda")
+        # Reads: a device tensor takes host or device indices; a host tensor host ones only.
+        assert dev[torch.tensor([0, 1])].device.type == "cuda"
+        assert dev[host == 0].shape == (4,)
+        for index in (dev_index, dev == 0):
+            with pytest.raises(RuntimeError, match=r"indices should be either on cpu or on the "
+                               r"same device as the indexed tensor \(cpu\)"):
+                host[index]
+        assert host[dev_index[0]].device.type == "cpu"  # a 0-dim index selects
+        # Writes through advanced indexing take a value on the written tensor's device, or
+        # a 0-dim one, or one element through a mask on the device.
+        with pytest.raises(RuntimeError, match="same device.*move the value"):
+            dev[dev_index] = torch.tensor([5.0, 6.0])
+        with pytest.raises(RuntimeError, match="same device"):
+            host[torch.tensor([0, 1])] = dev[:2]
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.ops.aten.index_put_(dev, [dev_index], torch.tensor([5.0, 6.0]))
+        dev[dev_index] = torch.tensor(5.0)
+        dev[dev == 0] = torch.tensor([7.0])
+        host[dev_index] = torch.tensor([1.0, 2.0])  # indices move to the written tensor
+        dev[2:] = torch.tensor([3.0, 4.0])  # basic indexing copies across devices
+        host[2:] = dev[2:]
+        assert dev.tolist() == [5.0, 5.0, 3.0, 4.0] and host.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize("map_location", [
+    None, "cuda", "cuda:0", torch.device("cuda", 0), {"cuda:0": "cuda:0"},
+    lambda storage, location: storage.cuda()], ids=["none", "str", "index", "device", "dict",
+                                                    "callable"])
+def test_a_saved_state_dict_loads_back_onto_the_device(tmp_path: Any, map_location: Any) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    path = tmp_path / "model.pt"
+    with simulated_cuda():
+        model.cuda()
+        torch.save(model.state_dict(), path)
+        before = torch.cuda.memory_allocated()
+        loaded = torch.load(path, map_location=map_location)  # weights_only, torch's default
+        assert all(v.device == torch.device("cuda", 0) for v in loaded.values())
+        assert torch.cuda.memory_allocated() - before == 1024  # two 512-byte blocks
+        model.load_state_dict(loaded)
+        on_host = torch.load(path, map_location="cpu")
+        assert all(torch.equal(v.cpu(), expected[k]) for k, v in loaded.items())
+    # The file holds the values, readable without the simulation.
+    outside = torch.load(path, map_location="cpu")
+    assert all(torch.equal(outside[k], expected[k]) and torch.equal(on_host[k], expected[k])
+               for k in expected)
+
+
+def test_storages_read_and_safetensors_save_as_on_cuda(tmp_path: Any) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    path = tmp_path / "t.safetensors"
+    with simulated_cuda():
+        t = torch.arange(4.0, device="cuda")
+        assert t[1:].untyped_storage().data_ptr() == t.data_ptr()
+        host = t.untyped_storage().cpu()
+        assert host.device.type == "cpu" and host.nbytes() == 16
+        assert torch.tensor([], dtype=torch.float32).set_(host).tolist() == t.tolist()
+        assert t.storage().tolist() == [0.0, 1.0, 2.0, 3.0]
+        safetensors_torch.save_file({"t": t}, path)
+        assert torch.equal(safetensors_torch.load_file(path, device="cuda")["t"], t)
+        with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+            t.pin_memory()
+    assert torch.equal(safetensors_torch.load_file(path)["t"], torch.arange(4.0))
+
+
 def test_autograd_is_off_for_simulated_tensors() -> None:
     with simulated_cuda():
         layer = nn.Linear(4, 4).cuda()
@@ -162,6 +233,29 @@ def test_allocations_are_counted_freed_and_cached() -> None:
         torch.cuda.reset_peak_memory_stats()
         assert torch.cuda.max_memory_allocated() == 1024
         del b
+
+
+def test_resizing_writes_give_the_tensor_its_new_shape_and_memory() -> None:
+    with simulated_cuda():
+        y = torch.arange(6.0, device="cuda")
+        out = torch.empty(0, device="cuda")
+        assert torch.add(y, 1, out=out) is out
+        assert out.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+        values = torch.empty(0, device="cuda")
+        indices = torch.empty(0, dtype=torch.long, device="cuda")
+        torch.sort(y.flip(0), out=(values, indices))
+        assert values.tolist() == y.tolist() and indices.tolist() == [5, 4, 3, 2, 1, 0]
+        before = torch.cuda.memory_allocated()
+        grown = torch.empty(0, device="cuda").resize_(1000)
+        assert grown.shape == (1000,) and grown.device.type == "cuda"
+        assert torch.cuda.memory_allocated() - before == 4096  # 4000 bytes in 512-byte blocks
+        del grown
+        assert torch.cuda.memory_allocated() == before
+        q = torch.ones(4, device="cuda")
+        q.set_(y)  # q is y's memory now; its own block is freed
+        assert q.shape == (6,) and torch.cuda.memory_allocated() == before
+        q[0] = 100.0
+        assert y[0].item() == 100.0
 
 
 def test_an_allocation_past_the_limit_raises_cudas_oom_and_allocates_nothing() -> None:
@@ -352,6 +446,50 @@ def test_a_read_on_a_stream_that_did_not_wait_for_the_copy_raises() -> None:
         with pytest.raises(StreamRaceError, match="read before its copy completed"):
             dev.sum()
         torch.cuda.synchronize()
+
+
+def test_with_stream_makes_it_current_as_torch_cuda_stream_does() -> None:
+    with simulated_cuda(devices=2, bandwidth=1):
+        side = torch.cuda.Stream(device=1)
+        with side as entered:
+            assert entered is side
+            assert torch.cuda.current_stream(1) is side and torch.cuda.current_device() == 1
+        assert torch.cuda.current_stream(1) is torch.cuda.default_stream(1)
+        assert torch.cuda.current_device() == 0
+        # A copy issued inside `with side:` runs on it, so a read without a wait races.
+        host = torch.ones(MiB // 4).pin_memory()
+        with torch.cuda.Stream():
+            dev = host.to("cuda", non_blocking=True)
+        with pytest.raises(StreamRaceError, match="read before its copy completed"):
+            dev.sum()
+        torch.cuda.synchronize()
+
+
+def test_streams_made_through_torch_stream_and_external_stream_are_simulated() -> None:
+    real_stream = torch.Stream
+    with simulated_cuda():
+        side = torch.Stream("cuda")
+        assert isinstance(side, torch.cuda.Stream) and side.device == torch.device("cuda", 0)
+        assert isinstance(side, torch.Stream) and isinstance(torch.Stream("cpu"), torch.Stream)
+        assert torch.cuda.ExternalStream(0) is torch.cuda.default_stream()
+        assert torch.cuda.ExternalStream(side.cuda_stream) is side
+        with pytest.raises(ValueError, match="no stream with that cuda_stream"):
+            torch.cuda.ExternalStream(side.cuda_stream + 1000)
+    assert torch.Stream is real_stream
+
+
+def test_writing_a_pinned_source_before_its_copy_completed_raises() -> None:
+    with simulated_cuda(bandwidth=0.1):  # 4 MB at 0.1 GB/s: 40 ms
+        host = torch.ones(10**6).pin_memory()
+        dev = host.to("cuda", non_blocking=True)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            host.fill_(5)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            host[:3] = 2.0
+        host.sum()  # reading it is fine
+        torch.cuda.current_stream().synchronize()
+        host.fill_(5)
+        assert dev[:2].tolist() == [1.0, 1.0]
 
 
 def test_a_read_after_wait_stream_sees_the_copied_values() -> None:
