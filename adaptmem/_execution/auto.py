@@ -20,6 +20,14 @@ takes over from there. A function that cannot run on fake tensors (``.item()``,
 data-dependent shapes, custom kernels, tensors of a device the fake mode does not know) is
 not predicted: that is logged once and the search starts at ``max_batchsize``.
 
+[Note: a trace that fails like its call] A function that raises on fake tensors is either
+one that cannot be traced (``.item()``, data-dependent shapes) or a call that is wrong (data
+of the wrong shape), which raises for real too. The real call, made next at the largest
+size, tells them apart: when it runs (or runs out of memory), the function cannot be
+traced, which is logged once, and the search starts at the largest size for good; when it
+raises another error, that error is the user's to fix and says nothing about the function,
+so the decision is put off to the next call, which is traced again (``AutoStart.ran``).
+
 [Note: predicting the first size] ``model=`` (see [Note: batch size and residency together]
 in ``_dispatch/placed.py``) makes the same prediction for a function with a numeric initial
 size, after placing its models, with one difference: the initial size stays the largest one
@@ -99,6 +107,11 @@ class Flat(NotPredictable):
     """The traced memory did not grow with the size: too few items to tell, so far."""
 
 
+class TraceFailed(NotPredictable):
+    """The function raised on fake tensors: it cannot be traced, or the call is wrong (see
+    [Note: a trace that fails like its call])."""
+
+
 class _Guard(TorchDispatchMode):
     """Sees every op of a trace before the fake mode does: counts them against the budget,
     and refuses a write into a real tensor (an in-place op whose tensors are all real runs
@@ -174,6 +187,7 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
     kept = _keep_conversions(mode)
     outer = getattr(_tracing, "on", False)
     _tracing.on = True
+    _quiet_fake_tensor_log(True)
     try:
         # No gradients: a backward would set real parameters' .grad to fakes (autograd
         # assigns a missing .grad without an op the guard could see); it fails instead.
@@ -186,11 +200,39 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
     except NotPredictable:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure on fake tensors: no prediction
-        raise NotPredictable(f"{type(exc).__name__}: {exc}") from None
+        raise TraceFailed(f"{type(exc).__name__}: {exc}") from None
     finally:
+        _quiet_fake_tensor_log(False)
         _tracing.on = outer
         kept.clear()
     return tracker.peak
+
+
+# [Note: torch's log during a trace] When an op fails on fake tensors (a shape mismatch),
+# torch logs the failure with its traceback at ERROR on its fake tensor logger before it
+# raises. The trace turns the error into "no prediction", and the real call raises the
+# user's own error: the traceback would only confuse. While a thread traces, a filter on
+# that logger drops the records of that thread; other threads' records pass. The filter is
+# there only while some thread traces.
+_FAKE_TENSOR_LOG = logging.getLogger("torch._subclasses.fake_tensor")
+_quiet_lock = threading.Lock()
+_quiet_traces = 0  # traces running, in all threads
+
+
+def _not_tracing(record: logging.LogRecord) -> bool:
+    return not getattr(_tracing, "on", False)
+
+
+def _quiet_fake_tensor_log(on: bool) -> None:
+    """Start (``on``) or end a trace's quiet on torch's fake tensor logger (see [Note:
+    torch's log during a trace])."""
+    global _quiet_traces
+    with _quiet_lock:
+        _quiet_traces += 1 if on else -1
+        if on and _quiet_traces == 1:
+            _FAKE_TENSOR_LOG.addFilter(_not_tracing)
+        elif not on and _quiet_traces == 0:
+            _FAKE_TENSOR_LOG.removeFilter(_not_tracing)
 
 
 def _keep_conversions(mode: Any) -> dict[int, Any]:
@@ -247,6 +289,9 @@ class AutoStart:
         self.initial: int | None = None
         self._flat = 0  # calls whose traces did not grow with the size
         self._early = 0  # calls whose traces reached a decorated function not ready yet
+        # Why the traces failed, until the real call shows whether it runs (see [Note: a
+        # trace that fails like its call]).
+        self._failed: str | None = None
         # Reentrant: a recursive function's traces call it again on this thread.
         self._lock = threading.RLock()
         self._deciding = False
@@ -310,6 +355,24 @@ class AutoStart:
         fitting = [n for n, p in peaks.items() if p <= budget]
         return self._clamp(max(fitting, default=self.floor)), prediction
 
+    def ran(self, ok: bool) -> bool:
+        """The real call after a decision ended: ``ok`` unless it raised an error that is not
+        out of memory. False when that puts the decision off to the next call (see [Note: a
+        trace that fails like its call])."""
+        with self._lock:
+            why, self._failed = self._failed, None
+            if why is None:
+                return True
+            if ok:
+                logger.info("%s: %s could not trace the function on fake tensors (%s); the "
+                            "search starts at %s", self.name, self.asked, why, self.largest)
+                return True
+            self.initial = None
+            logger.info("%s: %s could not trace the function on fake tensors (%s), and the "
+                        "call failed too: the next call is traced again", self.name,
+                        self.asked, why)
+            return False
+
     def forget(self, why: str) -> None:
         """Drop the prediction made (the traces did harm, see ``_Adaptive.predict_start``):
         the search starts at the largest size, as for a function that cannot be traced."""
@@ -354,6 +417,9 @@ class AutoStart:
             logger.info("%s: %s could not trace the function on fake tensors in %d calls "
                         "(%s); the search starts at %s",
                         self.name, self.asked, self._early, exc, self.largest)
+            return self.ceiling
+        except TraceFailed as exc:
+            self._failed = str(exc)  # logged once the call shows it runs: see ran()
             return self.ceiling
         except NotPredictable as exc:
             logger.info("%s: %s could not trace the function on fake tensors (%s); the "

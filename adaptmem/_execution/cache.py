@@ -323,7 +323,8 @@ class SizeRecord:
 
 
 class BatchsizeCache:
-    """Base class: override ``key`` to decide which calls share a record."""
+    """Base class: override ``key`` to decide which calls share a record (a cache whose
+    class does not is refused where it is given)."""
 
     def __init__(self) -> None:
         self._records: dict[Any, SizeRecord] = {}
@@ -331,7 +332,11 @@ class BatchsizeCache:
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
         """The key of the current call; ``caller`` is the frame that called the function."""
-        raise NotImplementedError
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say which calls share a size: override "
+            f"key(self, function, context, device, caller) in it, or use "
+            f"adaptive.StacktraceMemoryBatchsizeCache or adaptive.GlobalBatchsizeCache"
+        )
 
     def record(
         self, function: Any, context: Any, device: torch.device | None, caller: Any = None
@@ -535,14 +540,31 @@ _shared: dict[type[BatchsizeCache], BatchsizeCache] = {}
 
 
 def check_cache(cache: Any, name: str) -> None:
-    """Refuse ``cache`` (the argument called ``name``) unless it is a cache class or instance."""
-    ok = isinstance(cache, BatchsizeCache) or (
-        isinstance(cache, type) and issubclass(cache, BatchsizeCache)
-    )
-    if not ok:
+    """Refuse ``cache`` (the argument called ``name``) unless it is a cache class or instance
+    whose class says which calls share a size (overrides ``key`` or ``record``)."""
+    cls: type = cache if isinstance(cache, type) else type(cache)
+    if not issubclass(cls, BatchsizeCache):
         raise TypeError(
             f"{name} must be a BatchsizeCache subclass or instance, such as "
             f"adaptive.GlobalBatchsizeCache, got {cache!r}"
+        )
+    if cls.key is BatchsizeCache.key and cls.record is BatchsizeCache.record:
+        if cls is BatchsizeCache:
+            got = ("the abstract class adaptive.BatchsizeCache itself" if cache is cls
+                   else "an instance of the abstract class adaptive.BatchsizeCache")
+            raise TypeError(
+                f"{name} must be a cache that says which calls share a size, got {got}, "
+                f"whose key() is not implemented: pass one of its subclasses, such as "
+                f"adaptive.GlobalBatchsizeCache or adaptive.StacktraceMemoryBatchsizeCache "
+                f"(a class or an instance), or a subclass of your own that overrides key()"
+            )
+        got = (f"the class {cls.__qualname__}" if cache is cls
+               else f"an instance of {cls.__qualname__}")
+        raise TypeError(
+            f"{name} must be a cache that says which calls share a size, got {got}, which "
+            f"does not override BatchsizeCache.key(): override key(self, function, context, "
+            f"device, caller) in {cls.__qualname__} to return what the calls that share a "
+            f"size have in common"
         )
 
 
@@ -570,7 +592,8 @@ def set_default_cache(cache: type[BatchsizeCache] | BatchsizeCache) -> None:
     one, including functions decorated before this call.
 
     Raises:
-        TypeError: ``cache`` is not a BatchsizeCache class or instance.
+        TypeError: ``cache`` is not a BatchsizeCache class or instance, or its class does
+            not override ``key`` (the abstract ``BatchsizeCache`` itself, for one).
 
     Example:
         >>> from adaptmem import adaptive

@@ -15,7 +15,7 @@ import torch
 
 from .._common.devices import resolve_device, whole_number
 from .._common.errors import AdaptmemError
-from .._common.oom import shrinks_size
+from .._common.oom import is_oom, shrinks_size
 from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
@@ -56,6 +56,27 @@ def _check_callable(func: Any, decorator: str) -> None:
             f"{decorator} decorates a function; got {type(func).__name__} {func!r}. "
             f"Write @{decorator}(...) above a def, or {decorator}(...)(function)"
         )
+
+
+def _checked(result: Any, name: str, kind: str, starts_only: bool) -> Any:
+    """The first real call's result, refused if it holds a fake tensor from a trace."""
+    if has_fakes(result):
+        if starts_only:
+            raise AdaptmemError(
+                f"{name} returned a fake tensor made while the traces that predict "
+                f"its first size (for model=) ran: it keeps tensors between calls outside "
+                f"its model (a cache in a closure or a global), which the traces filled "
+                f"with fakes. Keep such a cache in the model (tensors a model keeps are "
+                f"put back after the traces), or fill it before the first call, and "
+                f"rebuild what it cached"
+            )
+        raise AdaptmemError(
+            f"{name} returned a fake tensor made while its 'auto' traces ran: it "
+            f"keeps tensors between calls (a cache, a lazy module), which the traces "
+            f"filled with fakes. Give {kind}'s initial size a number instead of "
+            f"'auto', and rebuild what it cached"
+        )
+    return result
 
 
 def _function_key(func: Any) -> Any:
@@ -320,33 +341,22 @@ class _Adaptive:
     def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any],
                record_of: Callable[[], Any]) -> Any:
         """A call that traces first: decide, then run for real (``rerun``) and check what it
-        returns. A call too small to tell leaves the decision to the next one."""
+        returns. A call too small to tell, or one whose traces failed and which fails for
+        real (not out of memory), leaves the decision to the next one."""
         decided = self._decide(call, record_of)
         self._deciding = False
+        ok = False
         try:
-            return self._checked(rerun())
+            result = _checked(rerun(), self._name, self.kind, self._starts_only)
+            ok = True
+            return result
+        except BaseException as exc:
+            ok = is_oom(exc)  # it ran: see [Note: a trace that fails like its call]
+            raise
         finally:
+            if decided and self._auto is not None and not self._auto.ran(ok):
+                decided = False  # a call that failed for real: the next one decides
             self._deciding = not decided
-
-    def _checked(self, result: Any) -> Any:
-        """The first real call's result, refused if it holds a fake tensor from a trace."""
-        if has_fakes(result):
-            if self._starts_only:
-                raise AdaptmemError(
-                    f"{self._name} returned a fake tensor made while the traces that predict "
-                    f"its first size (for model=) ran: it keeps tensors between calls outside "
-                    f"its model (a cache in a closure or a global), which the traces filled "
-                    f"with fakes. Keep such a cache in the model (tensors a model keeps are "
-                    f"put back after the traces), or fill it before the first call, and "
-                    f"rebuild what it cached"
-                )
-            raise AdaptmemError(
-                f"{self._name} returned a fake tensor made while its 'auto' traces ran: it "
-                f"keeps tensors between calls (a cache, a lazy module), which the traces "
-                f"filled with fakes. Give {self.kind}'s initial size a number instead of "
-                f"'auto', and rebuild what it cached"
-            )
-        return result
 
     def __reduce__(self) -> str:
         # Pickled by name, like the function it replaces (for multiprocessing and spawn).
@@ -872,8 +882,10 @@ def batch(
             memory free then becomes the initial size (see ``max_batchsize``). A function
             that cannot be traced (``.item()``, data-dependent shapes, custom kernels) is
             logged once and searched from ``max_batchsize``, and so is one that writes into a
-            tensor that existed before the call. The traces run the function's Python code
-            up to five more times at its first call.
+            tensor that existed before the call. A first call whose traces fail and which
+            then raises another error than out of memory (data of the wrong shape) decides
+            nothing: the next call is traced again. The traces run the function's Python
+            code up to five more times at its first call.
         min_batchsize: the smallest size tried before giving up (default 1).
         max_batchsize: with ``initial_batchsize="auto"`` only: the largest size it may
             choose (default 65536).

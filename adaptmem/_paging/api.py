@@ -10,7 +10,7 @@ from torch import nn
 from .._common.claims import check_placeable
 from .._common.devices import format_bytes, parse_size, resolve_device
 from .._engines.transfer import Transfer
-from .._planning import module_sizes, paging_units
+from .._planning import ModuleSizes, module_sizes, paging_units
 from .pager import Pager
 from .slots import room_for_weights
 
@@ -54,7 +54,9 @@ def page(
         resident_bytes: bytes of units kept on the device for good; "auto" keeps as many as
             free memory allows after room for the paged working set, 0 pages everything.
         device_budget: a cap on the device bytes the pager uses for weights (None: free
-            memory decides). Units that do not fit under it are split at run time.
+            memory decides). Units that do not fit under it are split at run time, down to
+            one module's own tensors: a budget smaller than those of some module is
+            refused here.
         pin_memory: pin the host masters when the device is an accelerator.
         output_device: where outputs go; None returns them on the inputs' device.
         _transfer: internal (tests, benchmarks): how host masters reach the device.
@@ -64,7 +66,10 @@ def page(
 
     Raises:
         TypeError: ``model`` is not a module, or a size is neither int nor string.
-        ValueError: an unknown device, or a negative or unparsable size or ``prefetch``.
+        ValueError: an unknown device, a negative or unparsable size or ``prefetch``, or a
+            ``device_budget`` smaller than the weights one module needs at once (its own
+            tensors, which are never split; the error names the module, its largest tensor
+            and the smallest budget that can work).
         PlacementError: the model is in training mode, has meta tensors, or is (part of)
             a model already paged. The model is untouched in every case.
 
@@ -98,6 +103,8 @@ def page(
         raise ValueError(
             f"resident_bytes={format_bytes(resident)} is more than device_budget="
             f"{format_bytes(budget)}; lower resident_bytes or raise device_budget")
+    if budget is not None:
+        _check_budget(module_sizes(model), budget)
     if unit_bytes == "auto":
         units = _auto_unit_bytes(model, dev, prefetch, resident, budget)
     # Masters and resident copies must be ordinary tensors even when page() is called
@@ -106,6 +113,30 @@ def page(
         return Pager(model, dev, unit_bytes=units, prefetch=prefetch, resident_bytes=resident,
                      device_budget=budget, pin_memory=pin_memory, output_device=out_dev,
                      transfer=_transfer)
+
+
+def _check_budget(sizes: ModuleSizes, budget: int) -> None:
+    """Refuse a ``device_budget`` smaller than the weights some module needs on the device at
+    once: its own tensors (and those it shares with another module), which the pager never
+    splits. A budget this size can work (with ``resident_bytes=0``); whether a smaller share
+    of it is enough with parents or resident units held too is only known at run time."""
+    units = paging_units(sizes, 0)  # the finest units: what run-time splitting reaches
+    if not units:
+        return
+    need, unit = max(((sizes.bytes_of({*u.tensors, *u.borrowed}), u) for u in units),
+                     key=lambda pair: pair[0])
+    if need <= budget:
+        return
+    largest = max((sizes.tensors[n] for n in (*unit.tensors, *unit.borrowed)),
+                  key=lambda t: t.nbytes)
+    raise ValueError(
+        f"device_budget={format_bytes(budget)} ({budget} bytes) is less than module "
+        f"{unit.module or '<root>'!r} needs on the device at once: {format_bytes(need)} "
+        f"({need} bytes) of weights, its largest tensor {largest.name!r} "
+        f"{format_bytes(largest.nbytes)}. The pager splits units down to one module's own "
+        f"tensors, never further. Give device_budget={need} or more (with resident_bytes=0; "
+        f"more leaves room for resident units and prefetching), or None to use the free "
+        f"memory")
 
 
 def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,

@@ -5,6 +5,7 @@ one object every engine, ``adaptive.plan`` and the CLI show and consume.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 from .._common.devices import format_bytes
 from .._common.tree import join_name
 from .targets import parse_dtype, split_label
-from .units import Unit
+from .units import Unit, plan_field
 
 __all__ = ["Plan"]
 
@@ -87,9 +88,47 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Plan:
+        """The plan ``to_dict`` gave (or its JSON, parsed).
+
+        Args:
+            d: the dict ``plan.to_dict()`` returns; from JSON text, ``json.loads(text)``;
+                from a file, ``json.load(f)``.
+
+        Returns:
+            The ``Plan``.
+
+        Raises:
+            TypeError: ``d`` is not a dict (a str or path: read the JSON first, as above),
+                or a field has the wrong type.
+            ValueError: a field is missing, or a size is negative.
+
+        Example:
+            >>> import json
+import os
+            >>> from adaptmem import adaptive
+            >>> plan = adaptive.Plan("page", [], 0)
+            >>> adaptive.Plan.from_dict(json.loads(plan.to_json()))
+            Plan(mode='page', units=0, total_bytes=0)
+        """
+        fields = ("expected the dict plan.to_dict() returns: 'mode', 'total_bytes', 'units' "
+                  "and, optionally, 'options' and 'refinements'")
+        if isinstance(d, (str, bytes, os.PathLike)):
+            raise TypeError(
+                f"Plan.from_dict takes the dict plan.to_dict() returns, got "
+                f"{type(d).__name__} {_short(d)}; read the JSON first: "
+                f"Plan.from_dict(json.loads(text)) for JSON text, or "
+                f"Plan.from_dict(json.load(open(path))) for a file")
+        if not isinstance(d, Mapping):
+            raise TypeError(f"Plan.from_dict takes the dict plan.to_dict() returns, got "
+                            f"{type(d).__name__} {_short(d)}")
+        where = "the plan"
+        units = plan_field(d, "units", list, where, fields)
         return cls(
-            str(d["mode"]), [Unit.from_dict(u) for u in d["units"]], int(d["total_bytes"]),
-            dict(d.get("options", {})), list(d.get("refinements", [])),
+            plan_field(d, "mode", str, where, fields),
+            [Unit.from_dict(u, f"units[{i}] of the plan") for i, u in enumerate(units)],
+            plan_field(d, "total_bytes", int, where, fields),
+            dict(plan_field(d, "options", dict, where, fields, {})),
+            list(plan_field(d, "refinements", list, where, fields, [])),
         )
 
     def __str__(self) -> str:
@@ -112,6 +151,12 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan(mode={self.mode!r}, units={len(self.units)}, total_bytes={self.total_bytes})"
+
+
+def _short(v: Any) -> str:
+    """``repr(v)``, cut to a line."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _jsonable(v: Any) -> Any:

@@ -13,7 +13,10 @@ import torch
 from .._common.enums import TextEnum
 from .sizes import ModuleSizes
 
-__all__ = ["Placement", "Unit", "paging_units", "split_unit", "order_units", "assign_devices"]
+__all__ = [
+    "Placement", "Unit", "paging_units", "split_unit", "order_units", "assign_devices",
+    "plan_field",
+]
 
 
 class Placement(TextEnum):
@@ -58,11 +61,60 @@ class Unit:
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Unit:
+    def from_dict(cls, d: Mapping[str, Any], where: str = "the unit") -> Unit:
+        """The unit ``to_dict`` gave. ``where`` names it in errors (``"units[3]"``).
+
+        Raises:
+            TypeError: ``d`` is not a dict, or a field has the wrong type.
+            ValueError: a field is missing, or ``bytes`` is negative.
+        """
+        fields = ("a unit is the dict Unit.to_dict() returns: 'module', 'own', 'bytes', "
+                  "'tensors' and, optionally, 'borrowed' and 'placement'")
+        if not isinstance(d, Mapping):
+            raise TypeError(f"{where} must be a dict, got {type(d).__name__}; {fields}")
         return cls(
-            d["module"], bool(d["own"]), int(d["bytes"]), tuple(d["tensors"]),
-            tuple(d.get("borrowed", ())), str(d.get("placement", "")),
+            plan_field(d, "module", str, where, fields),
+            plan_field(d, "own", bool, where, fields),
+            plan_field(d, "bytes", int, where, fields),
+            plan_field(d, "tensors", tuple, where, fields),
+            plan_field(d, "borrowed", tuple, where, fields, ()),
+            plan_field(d, "placement", str, where, fields, ""),
         )
+
+
+_KINDS = {str: "a string", bool: "true or false", int: "an int number of bytes (0 or more)",
+          tuple: "a list of tensor names", dict: "a dict", list: "a list"}
+_MISSING: Any = object()
+
+
+def plan_field(d: Mapping[str, Any], key: str, kind: type, where: str, fields: str,
+               default: Any = _MISSING) -> Any:
+    """``d[key]`` checked to be of ``kind`` (``tuple``: a list of strings, returned as a
+    tuple; ``int``: not a bool, not negative), or ``default`` when it is absent and has
+    one. The errors name ``where`` and ``key`` and say what was expected (``fields``: the
+    fields ``d`` should have)."""
+    if key not in d:
+        if default is not _MISSING:
+            return default
+        raise ValueError(f"{where} has no {key!r} field; {fields}")
+    value = d[key]
+    if kind is tuple:
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is dict:
+        ok = isinstance(value, Mapping)
+    elif kind is list:
+        ok = isinstance(value, (list, tuple))
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise TypeError(f"{key!r} of {where} must be {_KINDS[kind]}, got "
+                        f"{type(value).__name__} {text}")
+    if kind is int and value < 0:
+        raise ValueError(f"{key!r} of {where} must be {_KINDS[kind]}, got {value}")
+    return tuple(value) if kind is tuple else value
 
 
 def paging_units(sizes: ModuleSizes, limit: int | None) -> list[Unit]:

@@ -36,6 +36,13 @@ class Spill:
                  to: str | os.PathLike[str] | None = None, *, prefetch: int = 2,
                  max_pending: int | str = "auto",
                  mmap_threshold: int | str | None = None, link: HostLink | None = None) -> None:
+        if callable(threshold):  # `@adaptive.spill` above a def, without the call
+            raise TypeError(
+                f"adaptive.spill makes a handle, which then decorates: write "
+                f"@adaptive.spill() (or @adaptive.spill(threshold='1MiB', ...)) above the "
+                f"def, with parentheses; got {getattr(threshold, '__name__', threshold)!r} "
+                f"as threshold"
+            )
         self.threshold = parse_size(threshold, "threshold")
         if isinstance(limit, str) and limit.strip().lower() == "auto":
             self.limit: int | str = "auto"
@@ -107,6 +114,12 @@ class Spill:
                         if self.keep_free >= 1.0 else "")
 
     def __call__(self, fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(
+                f"a spill handle decorates a function (@adaptive.spill() above a def, or "
+                f"adaptive.spill()(function)), got {type(fn).__name__} {fn!r}; to spill a "
+                f"block of code, use the handle as `with adaptive.spill():` instead"
+            )
         if (inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn)
                 or inspect.isasyncgenfunction(fn)):
             raise TypeError(
@@ -181,7 +194,9 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
         ValueError: a negative or unreadable ``threshold`` / ``limit``; ``to`` is not a
             directory this process can create a file in; ``mmap_threshold`` outside 1 byte
             to 32 MiB, or given where the C library is not glibc.
-        TypeError: ``to`` is not a string, a path or None.
+        TypeError: ``to`` is not a string, a path or None; a function given as
+            ``threshold`` (``@adaptive.spill`` without parentheses); the handle called on
+            something that is not a function, or on a generator or async function.
         OSError: (inside the step) the spill directory's disk is full; the message says
             where and what to do.
         RuntimeError: (in backward) a spilled tensor was changed in place after it was

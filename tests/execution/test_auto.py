@@ -143,6 +143,61 @@ def test_a_function_that_cannot_be_traced_is_logged_once_and_searched_from_the_m
     assert len(messages) == 1 and "max_batchsize=32" in messages[0]
 
 
+def test_a_first_call_that_fails_for_real_leaves_the_decision_to_the_next_call(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=256)
+    def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    torch_log = logging.getLogger("torch._subclasses.fake_tensor")
+    filters = list(torch_log.filters)
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    torch_log.addHandler(handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="adaptmem"):
+            with pytest.raises(RuntimeError, match="cannot be multiplied"):
+                infer(torch.randn(512, 5))  # the caller's mistake: 5 features, not 16
+            assert infer.prediction is None
+            assert infer(torch.randn(512, 16)).shape == (512, 16)
+    finally:
+        torch_log.removeHandler(handler)
+    assert infer.prediction is not None  # traced again at the good call, as a fresh function
+    assert infer.prediction.per_item_bytes > 0
+    assert not [r for r in seen if r.levelno >= logging.ERROR]  # torch's traceback: quiet
+    assert torch_log.filters == filters  # the quiet ends with the traces
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("the next call is traced again" in m for m in messages) == 1
+    assert not any("the search starts at max_batchsize" in m for m in messages)
+
+
+def test_a_function_that_cannot_be_traced_decides_at_its_first_call_that_runs(
+        caplog: pytest.LogCaptureFixture) -> None:
+    sizes: list[int] = []
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=32)
+    def needs_values(batchsize: int, data: torch.Tensor) -> float:
+        total = float(data[:batchsize].sum().item())  # .item() has no value on fake tensors
+        if total < 0:
+            raise ValueError("negative data")  # the caller's mistake
+        sizes.append(batchsize)
+        return total
+
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        with pytest.raises(ValueError, match="negative data"):
+            needs_values(-torch.ones(10))
+        assert needs_values(torch.ones(10)) == 10.0
+        assert needs_values(torch.ones(10)) == 10.0
+    assert sizes == [32, 32]
+    messages = [r.getMessage() for r in caplog.records if "could not trace" in r.getMessage()]
+    assert len(messages) == 2 and "traced again" in messages[0]
+    assert "the search starts at max_batchsize=32" in messages[1]  # decided once, for good
+
+
 def test_a_recursive_auto_function_decides_once_without_waiting_on_itself(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -205,6 +205,31 @@ def test_the_default_cache_applies_to_functions_decorated_earlier() -> None:
         adaptive.set_default_cache(dict)  # type: ignore[arg-type]
 
 
+class _NoKeyCache(adaptive.BatchsizeCache):
+    """A user's cache that forgot to override key()."""
+
+
+@pytest.mark.parametrize(("cache", "got", "fix"), [
+    (adaptive.BatchsizeCache, "got the abstract class adaptive.BatchsizeCache itself",
+     "such as adaptive.GlobalBatchsizeCache"),
+    (adaptive.BatchsizeCache(), "got an instance of the abstract class",
+     "such as adaptive.GlobalBatchsizeCache"),
+    (_NoKeyCache, "got the class", "override key(self, function, context, device, caller)"),
+    (_NoKeyCache(), "got an instance", "override key(self, function, context, device, caller)"),
+], ids=["base class", "base instance", "subclass", "subclass instance"])
+def test_a_cache_that_does_not_override_key_is_refused_where_it_is_given(
+        cache: Any, got: str, fix: str) -> None:
+    before = adaptive.get_default_cache()
+    with pytest.raises(TypeError, match=r"says which calls share a size.*key\(\)") as error:
+        adaptive.set_default_cache(cache)
+    assert got in str(error.value) and fix in str(error.value)
+    assert adaptive.get_default_cache() is before  # nothing half-applied
+    with pytest.raises(TypeError, match=r"says which calls share a size.*key\(\)"):
+        adaptive.batch(initial_batchsize=8, cache=cache)
+    with pytest.raises(NotImplementedError, match=r"override key\(self"):
+        adaptive.BatchsizeCache().key(None, None, None, None)
+
+
 def test_call_sites_learn_sizes_separately_with_the_stacktrace_cache() -> None:
     cache = adaptive.StacktraceMemoryBatchsizeCache()
     limits = {"small": 8, "large": 64}

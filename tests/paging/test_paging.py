@@ -21,7 +21,7 @@ from adaptmem import adaptive
 from adaptmem._common.errors import OutOfMemoryError, PlacementError
 from adaptmem._engines.transfer import SyncTransfer
 from adaptmem._paging.learner import is_metadata
-from adaptmem._planning import module_sizes
+from adaptmem._planning import module_sizes, paging_units
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -852,13 +852,33 @@ def test_device_budget_smaller_than_the_units_forces_refinement(
                for r in adaptmem_log.records)
 
 
-def test_a_tensor_larger_than_the_budget_raises_a_transfer_error_with_sizes() -> None:
+def test_a_budget_below_what_one_module_needs_is_refused_at_page_naming_the_smallest() -> None:
     model, x, expected, layer = _blocks()
-    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0, device_budget=layer // 2)
-    with pytest.raises(OutOfMemoryError, match=r"'0\.0'.*KiB.*device_budget") as info:
+    before = _record(model)
+    with pytest.raises(ValueError, match=(
+            rf"device_budget=.*\({layer // 2} bytes\) is less than module '0\.0' needs.*"
+            rf"\({layer} bytes\).*largest tensor '0\.0\.weight' 16\.0 KiB.*"
+            rf"device_budget={layer} or more")):
+        adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0, device_budget=layer // 2)
+    assert _untouched(model, before)
+    with pytest.raises(ValueError, match=rf"device_budget={layer} or more"):
+        adaptive.page(model, "cpu", device_budget=layer - 1)  # the defaults too
+    assert _untouched(model, before)
+    # The smallest budget named runs, with or without the defaults.
+    for options in ({"unit_bytes": 0, "resident_bytes": 0}, {}):
+        with adaptive.page(model, "cpu", device_budget=layer, **options) as pager, \
+                torch.no_grad():
+            assert torch.equal(model(x), expected)
+        assert pager.stats.peak_device_bytes <= layer
+
+
+def test_a_tensor_that_does_not_fit_beside_resident_units_raises_a_transfer_error() -> None:
+    model, x, expected, layer = _blocks()
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=layer,
+                          device_budget=layer + layer // 2)
+    with pytest.raises(OutOfMemoryError, match=r"'0\.2'.*KiB.*device_budget") as info:
         model(x)
     assert info.value.phase == "transfer"
-    assert info.value.beyond_device  # more than device_budget: nothing else can help
     pager.remove()
     assert torch.equal(model(x), expected)
 
@@ -1191,11 +1211,22 @@ def test_pager_speaks_the_transfer_interface_with_deferred_hits() -> None:
 def test_any_device_budget_gives_the_unpaged_output_within_budget_or_a_transfer_error(
     tree: nn.Module, share: float, prefetch: int
 ) -> None:
-    budget = max(1, int(module_sizes(tree).total_bytes * share))  # 0 is refused at page()
+    sizes = module_sizes(tree)
+    budget = max(1, int(sizes.total_bytes * share))  # 0 is refused at page()
     x = torch.randn(2, DIM)
     with torch.no_grad():
         expected = tree(x)
     before = {k: v.clone() for k, v in tree.state_dict().items()}
+    # What one module needs at once (its own tensors, never split): less is refused at page().
+    smallest = max((sizes.bytes_of({*u.tensors, *u.borrowed}) for u in paging_units(sizes, 0)),
+                   default=0)
+    if budget < smallest:
+        event("refused at page()")
+        with pytest.raises(ValueError, match=rf"device_budget={smallest} or more"):
+            adaptive.page(tree, "cpu", unit_bytes=None, resident_bytes=0, prefetch=prefetch,
+                          device_budget=budget)
+        assert not any(m._forward_pre_hooks for m in tree.modules())
+        return
     with adaptive.page(tree, "cpu", unit_bytes=None, resident_bytes=0, prefetch=prefetch,
                        device_budget=budget) as pager, torch.no_grad():
         try:

@@ -117,6 +117,36 @@ def test_plan_places_a_prefix_per_device_and_round_trips() -> None:
     assert "cuda:0" in text and "totals" in text
 
 
+_UNIT = {"module": "0", "own": False, "bytes": 16, "tensors": ["0.weight"]}
+
+
+@pytest.mark.parametrize(("given", "error", "match"), [
+    ({"units": []}, ValueError, r"the plan has no 'mode' field; expected the dict "
+                                r"plan.to_dict\(\) returns: 'mode', 'total_bytes', 'units'"),
+    ("plan.json", TypeError, r"got str 'plan.json'; read the JSON first: .*"
+                             r"Plan.from_dict\(json.load\(open\(path\)\)\) for a file"),
+    ('{"mode": "page"}', TypeError, r"Plan.from_dict\(json.loads\(text\)\) for JSON text"),
+    ({"mode": "page", "total_bytes": 0, "units": [{"module": "0"}]}, ValueError,
+     r"units\[0\] of the plan has no 'own' field; a unit is the dict Unit.to_dict\(\)"),
+    ({"mode": "page", "total_bytes": "16", "units": []}, TypeError,
+     r"'total_bytes' of the plan must be an int number of bytes \(0 or more\), got str '16'"),
+    ({"mode": "page", "total_bytes": 16, "units": [{**_UNIT, "bytes": -1}]}, ValueError,
+     r"'bytes' of units\[0\] of the plan must be an int number of bytes .*got -1"),
+    ({"mode": "page", "total_bytes": 16, "units": [_UNIT, {**_UNIT, "tensors": "0.weight"}]},
+     TypeError, r"'tensors' of units\[1\] of the plan must be a list of tensor names"),
+    ({"mode": "page", "total_bytes": 16, "units": [["0", False]]}, TypeError,
+     r"units\[0\] of the plan must be a dict, got list"),
+])
+def test_a_plan_read_from_bad_data_names_the_field_and_what_was_expected(
+        given: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        adaptive.Plan.from_dict(given)  # type: ignore[arg-type]
+    good = {"mode": "page", "total_bytes": 16, "units": [_UNIT]}
+    assert adaptive.Plan.from_dict(good).to_dict() == {
+        **good, "options": {}, "refinements": [],
+        "units": [{**_UNIT, "borrowed": [], "placement": ""}]}
+
+
 def test_plan_rejects_what_is_not_a_module() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         adaptive.plan("resnet50")  # type: ignore[arg-type]

@@ -441,6 +441,18 @@ def test_the_decorator_refuses_generator_and_async_steps_whose_forward_runs_late
     assert handle.stats.steps == 0
 
 
+def test_the_decorator_without_parentheses_or_on_a_non_function_is_refused_saying_how() -> None:
+    with pytest.raises(TypeError, match=r"write @adaptive.spill\(\) .*got 'step' as threshold"):
+        @adaptive.spill  # type: ignore[arg-type]
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return x
+
+    handle = adaptive.spill()
+    with pytest.raises(TypeError, match=r"decorates a function .*got int 5"):
+        handle(5)  # type: ignore[type-var]
+    assert handle.stats.steps == 0
+
+
 def test_numpy_counts_and_any_case_auto_are_accepted() -> None:
     np = pytest.importorskip("numpy")
     handle = adaptive.spill(prefetch=np.int64(4), max_pending=" AUTO ")
