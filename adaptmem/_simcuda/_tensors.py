@@ -734,6 +734,21 @@ def _views_of_fakes(uses: list[tuple[Record, torch.Tensor, torch.Tensor]],
             storages[ptr] = record
 
 
+def _fake_owner(o: torch.Tensor, backings: Any) -> Any:
+    """The (simulated tensor, allocation, backing) whose real backing ``o`` is a view of
+    under a fake mode (a trace: the op ran on the fake that backing became, as in
+    ``_views_of_fakes``), or None: a slice of the data is not new memory."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    mode = fake_mode()
+    key = _storage_key(o)
+    for owner in backings:
+        b = owner[2]
+        if not isinstance(b, FakeTensor) and _storage_key(mode.from_tensor(b)) == key:
+            return owner
+    return None
+
+
 class _Unwrapping:
     """The arguments of one op with simulated tensors replaced by their backings, and what
     was seen on the way: the device, a CPU tensor among them, the allocations used."""
@@ -1089,7 +1104,7 @@ class Functions(TorchFunctionMode):
         flat, spec = tree_flatten((args, kwargs))
         index: int | None = None
         cpu_arg = False
-        backings: dict[int, tuple[torch.Tensor, Record]] = {}
+        backings: dict[int, tuple[torch.Tensor, Record, torch.Tensor]] = {}
         for i, x in enumerate(flat):
             if isinstance(x, torch.Tensor):
                 if x.is_cuda:
@@ -1098,7 +1113,7 @@ class Functions(TorchFunctionMode):
                         raise mixed(f"cuda:{index}", f"cuda:{record.index}")
                     index = record.index
                     sim.use(record, sim.state.current_streams[index], x, func.__name__)
-                    backings.setdefault(_storage_key(b), (x, record))
+                    backings.setdefault(_storage_key(b), (x, record, b))
                     flat[i] = b
                 elif x.dim():
                     cpu_arg = True
@@ -1130,6 +1145,8 @@ class Functions(TorchFunctionMode):
             if o is first and isinstance(args[0], torch.Tensor):
                 return args[0]  # in place
             owner = backings.get(_storage_key(o))
+            if owner is None and fake_mode() is not None:
+                owner = _fake_owner(o, backings.values())
             if owner is None:
                 return sim.adopt(o, index)
             base = owner[0]

@@ -435,7 +435,9 @@ def test_the_decorate_and_run_form_predicts_once_per_call_site() -> None:
     assert counts[0] > 1 and counts[1:] == [1, 1], counts  # traced at the first call only
 
 
-def test_auto_over_chunks_of_data_already_on_the_simulated_device_starts_where_it_fits() -> None:
+@pytest.mark.parametrize("chunks", ["split", "slices"])
+def test_auto_over_chunks_of_data_already_on_the_simulated_device_starts_where_it_fits(
+        chunks: str) -> None:
     # Each chunk (data.split) is a view of the data: the traces count what the loop makes,
     # 8 KiB an item (``c * 2`` and ``exp``), not the chunks themselves. They used to count
     # every chunk as new memory up to its offset, so the traced peak fell as the size grew
@@ -445,10 +447,15 @@ def test_auto_over_chunks_of_data_already_on_the_simulated_device_starts_where_i
     with simulated_cuda(total_memory="64MiB"):
         data = torch.randn(8192, 1024, device="cuda")  # 32 MiB of the 64
 
+        def pieces(data: torch.Tensor, n: int) -> list[torch.Tensor]:
+            if chunks == "split":
+                return list(data.split(n))
+            return [data[i:i + n] for i in range(0, len(data), n)]  # through __getitem__
+
         @adaptive.batch(initial_batchsize="auto", max_batchsize=8192)
         def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
-                return torch.stack([(c * 2).exp().sum() for c in data.split(batchsize)])
+                return torch.stack([(c * 2).exp().sum() for c in pieces(data, batchsize)])
 
         got = run(data).cpu()
         torch.cuda.reset_peak_memory_stats()
@@ -456,7 +463,7 @@ def test_auto_over_chunks_of_data_already_on_the_simulated_device_starts_where_i
         run(data)
         used = torch.cuda.max_memory_allocated() - before
         prediction, initial, failed = run.prediction, run.initial, run.stats.failed_attempts
-        want = torch.stack([(c * 2).exp().sum() for c in data.split(initial)]).cpu()
+        want = torch.stack([(c * 2).exp().sum() for c in pieces(data, initial)]).cpu()
     torch.testing.assert_close(got, want)
     assert prediction is not None
     assert prediction.per_item_bytes == pytest.approx(8192, rel=0.01)
