@@ -12,8 +12,8 @@ from torch import nn
 
 from .errors import PlacementError
 
-__all__ = ["Owner", "claim", "release", "holder", "held_for", "owner_of", "refuse_if_held",
-           "check_placeable"]
+__all__ = ["Owner", "claim", "release", "holder", "holders", "held_for", "owner_of",
+           "refuse_if_held", "check_placeable"]
 
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
@@ -62,6 +62,16 @@ def holder(model: nn.Module) -> Any:
         if handle is not None:
             return handle
     return None
+
+
+def holders(model: nn.Module) -> list[Any]:
+    """Every handle holding ``model`` or a module inside it, each once, in module order."""
+    found: dict[int, Any] = {}
+    for m in model.modules():
+        handle = _CLAIMS.get(m)
+        if handle is not None:
+            found.setdefault(id(handle), handle)
+    return list(found.values())
 
 
 def refuse_if_held(model: nn.Module, owned_ok: bool = False) -> None:

@@ -93,6 +93,12 @@ class Engine(NotCopyable, abc.ABC):
         self._held = tuple(modules)
         claim(self._held, self)
 
+    @property
+    def held_model(self) -> nn.Module | None:
+        """The model this engine holds (the root of what it claimed), None once removed."""
+        held = getattr(self, "_held", ())
+        return held[0] if held else None
+
     def _let_go(self) -> None:
         """Release what ``_hold`` claimed (safe to call twice)."""
         release(getattr(self, "_held", ()), self)

@@ -31,7 +31,7 @@ from torch.autograd.graph import increment_version
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._common.claims import holder, owner_of
+from .._common.claims import holders, owner_of
 from .._common.devices import default_device, format_bytes, resolve_device
 from .._common.errors import LoadError
 from .._common.oom import is_oom
@@ -419,38 +419,83 @@ def load(
     return (model, stats) if return_stats else model
 
 
+# [Note: loading a placed model] An engine (``Pager``, ``Chunker``, ``Splitter``, or one a
+# ``model=`` function made) keeps copies of the tensors it holds: host masters, device
+# copies, originals in another dtype kept for ``remove()``. A load into the model's own
+# tensors alone would miss them or leave them stale (a bfloat16 chunk kept the checkpoint at
+# bfloat16 precision), and one that swaps or maps tensors (``dtype=``, ``copy=False``, a
+# device) would leave the engine holding the old ones. So a plain load of a model that
+# engines hold, or of one holding placed parts, goes through every engine concerned
+# (``load_targets``), tensors no engine holds in place; anything else is refused before any
+# read, and a handle passed as ``device=`` loads only the model it holds.
 def _through_holder(model: nn.Module, device: Any, dtype: torch.dtype | None,
                     copy: bool) -> Any:
-    """Where a load of ``model`` goes when an engine holds it: a plain load (no ``device``,
-    ``dtype`` or ``copy=False``) goes through the engine that holds it, into every copy it
-    keeps (host masters, device copies, originals kept for ``remove()``), as
-    ``device=handle`` does. Anything else is refused: it would swap or map tensors under the
-    engine, or miss its copies. A handle given for a model it does not hold is refused too
-    (its own model's copies would get the values). Returns the ``device`` to load with."""
-    held = holder(model)
-    owner = owner_of(held) if held is not None and device is not held else None
-    if owner is not None and owner.release_if_abandoned():  # its function was collected
-        held, owner = holder(model), None
-    if isinstance(device, Engine) and held is not device:
-        what = (f"this model is held by another {type(held).__name__}" if held is not None
-                else "this model is not held by it")
+    """Where a load of ``model`` goes when engines hold it or parts of it (See [Note: loading
+    a placed model]). Returns the ``device`` to load with."""
+    if isinstance(device, Engine):
+        root = device.held_model
+        if root is model:
+            return device
+        if root is None:
+            raise LoadError(
+                f"device={type(device).__name__} holds no model now (it was removed, and its "
+                f"model is as it was before); load without device=, or place the model again "
+                f"and pass the new handle")
+        relation = ("is part of the model it holds" if any(m is model for m in root.modules())
+                    else "holds part of this model" if any(m is root for m in model.modules())
+                    else "holds a different model")
         raise LoadError(
-            f"device={type(device).__name__} holds a different model ({what}), and loading "
-            f"through it would write this checkpoint into that model's copies; pass the model "
-            f"it was made for, or make a handle for this one")
-    if held is None or device is held:
+            f"device={type(device).__name__} {relation}, and a handle loads only the model it "
+            f"was made for: pass that model with device={type(device).__name__}, or load this "
+            f"one without device= (every engine holding part of it then gets its values)")
+    held = holders(model)
+    for handle in list(held):
+        owner = owner_of(handle)
+        if owner is not None and owner.release_if_abandoned():  # its function was collected
+            held.remove(handle)
+    if not held:
         return device
     if device is None and dtype is None and copy:
-        return held
-    given = ", ".join(f for f, on in (("device=", device is not None), ("dtype=", dtype is not None),
-                                      ("copy=False", not copy)) if on)
+        if len(held) == 1 and held[0].held_model is model:
+            return held[0]
+        return _HeldParts(model, held)
+    first = held[0]
+    owner = owner_of(first)
+    given = ", ".join(f for f, on in (("device=", device is not None),
+                                      ("dtype=", dtype is not None), ("copy=False", not copy))
+                      if on)
     fix = (owner.fix() if owner is not None else
-           f"call {getattr(held, 'handle_name', 'handle')}.remove() first")
+           f"call {getattr(first, 'handle_name', 'handle')}.remove() first")
+    part = "this model" if first.held_model is model else "a model that shares modules with it"
     raise LoadError(
-        f"this model is held by {getattr(held, 'made_by', type(held).__name__)} (a "
-        f"{type(held).__name__}): a load with {given} would swap or map tensors under it and "
+        f"{part} is held by {getattr(first, 'made_by', type(first).__name__)} (a "
+        f"{type(first).__name__}): a load with {given} would swap or map tensors under it and "
         f"miss the copies it keeps. Load without them (each value then goes into every copy "
-        f"the {type(held).__name__} keeps, in its dtype), or {fix} and load the model alone")
+        f"the {type(first).__name__} keeps, in its dtype), or {fix} and load the model alone")
+
+
+class _HeldParts:
+    """The ``LoadTargets`` of the engines holding parts of a model (a paged submodule) or a
+    model it is part of, by the model's own tensor names; tensors no engine holds are
+    filled in place."""
+
+    def __init__(self, model: nn.Module, handles: list[Engine]) -> None:
+        self.model = model
+        self.handles = handles
+
+    def load_targets(self) -> dict[str, list[torch.Tensor]]:
+        sizes = module_sizes(self.model)
+        by_id = {id(t): name for name, t in _current_tensors(self.model, sizes).items()}
+        out: dict[str, list[torch.Tensor]] = {}
+        for handle in self.handles:
+            root = handle.held_model
+            assert root is not None
+            theirs = _current_tensors(root, module_sizes(root))
+            for name, targets in handle.load_targets().items():
+                ours = by_id.get(id(theirs.get(name)))
+                if ours is not None:  # None: a tensor of the larger model outside this one
+                    out[ours] = list(targets)
+        return out
 
 
 def _plan_load(

@@ -306,3 +306,40 @@ def test_a_model_held_for_a_decorated_function_loads_through_it_or_says_how_to_f
     torch.testing.assert_close(run(x), source(x), rtol=0, atol=0)
     run.remove()
     assert all(torch.equal(a.state_dict()[k], v) for k, v in source.state_dict().items())
+
+
+def _nested() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), nn.Linear(8, 2)).eval()
+
+
+def test_a_model_with_placed_parts_loads_each_part_through_its_engine(tmp_path: Path) -> None:
+    source = _nested()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1)
+    torch.save(source.state_dict(), tmp_path / "whole.pt")
+    torch.save(source[0].state_dict(), tmp_path / "child.pt")
+    x = torch.randn(2, 8)
+    model = _nested()
+    pager = adaptive.page(model[0], "cpu", unit_bytes=0, resident_bytes=0)
+    chunker = adaptive.chunk(model[1], "cpu", capacity="1MiB", dtype=torch.bfloat16,
+                             example_inputs=x)
+    adaptive.load(model, tmp_path / "whole.pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x), source[0](x), rtol=0, atol=0)  # paged: exact
+    pager.remove()
+    chunker.remove()  # the bfloat16 chunk's float32 originals got the checkpoint too
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 source.state_dict().values(), strict=True))
+    # A part of a paged model: its tensors only, through the pager of the whole.
+    model = _nested()
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0) as whole:
+        with pytest.raises(LoadError, match="is part of the model it holds"):
+            adaptive.load(model[0], tmp_path / "child.pt", device=whole)
+        adaptive.load(model[0], tmp_path / "child.pt")
+    assert all(torch.equal(a, b) for a, b in zip(model[0].state_dict().values(),
+                                                 source[0].state_dict().values(), strict=True))
+    assert torch.equal(model[1].weight, _nested()[1].weight)
+    with pytest.raises(LoadError, match="holds no model now"):
+        adaptive.load(model, tmp_path / "whole.pt", device=whole)  # removed by its block
