@@ -1088,10 +1088,12 @@ def chunked(
 
 # [Note: "auto" in the decorate-and-run forms] ``execute.*`` decorates anew at every call,
 # so an "auto" initial size would be predicted (the function traced) at every call. The
-# size decided is kept per function code, call site and options, and a later call there
-# starts from it, as a decorated function does from its first decision; the call site's
-# size record carries what was learnt since. Only sizes are kept, never the function.
-_decided: dict[Any, int] = {}
+# decision (``AutoStart``: the size decided, or the calls counted so far while calls are too
+# small to tell, or a failed trace waiting for its call's outcome) is kept per function
+# code, call site and options, and a later call there goes on from it, as a decorated
+# function does; the call site's size record carries what was learnt since. The function
+# itself is never kept.
+_decided: dict[Any, AutoStart] = {}
 
 
 def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any],
@@ -1099,19 +1101,19 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
     def run(func: Callable[..., Any]) -> Any:
         decorated = decorator(func)
         key = None
-        if isinstance(initial, str) and initial == AUTO and "model" not in options:
+        if (isinstance(initial, str) and initial == AUTO and "model" not in options
+                and decorated._auto is not None):
             key = (decorated.kind, getattr(func, "__code__", None) or type(func), caller.f_code,
                    caller.f_lineno, tuple(sorted((k, repr(v)) for k, v in options.items())))
             known = _decided.get(key)
-            if known is not None and decorated._auto is not None:
-                decorated._auto.initial = decorated.initial = known
-                decorated._deciding = False
-        try:
-            return decorated._run(caller, args, {}, ())
-        finally:
-            auto = decorated._auto
-            if key is not None and auto is not None and auto.initial is not None:
-                _decided[key] = auto.initial
+            if known is not None:
+                decorated._auto = known
+                if known.initial is not None:
+                    decorated.initial = known.initial
+                    decorated._deciding = False
+            else:
+                _decided[key] = decorated._auto
+        return decorated._run(caller, args, {}, ())
 
     return run
 

@@ -435,6 +435,27 @@ def test_the_decorate_and_run_form_predicts_once_per_call_site() -> None:
     assert counts[0] > 1 and counts[1:] == [1, 1], counts  # traced at the first call only
 
 
+def test_the_decorate_and_run_form_stops_tracing_calls_too_small_to_tell() -> None:
+    # Too few items for the memory to grow with the size: a decorated function traces three
+    # calls and then runs from the maximum. The decorate-and-run form counted each call as
+    # its first, so it traced every call (6 traces a call, for good).
+    runs: list[int] = []
+    data = torch.randn(256, 64)
+    layer = nn.Linear(64, 64)
+
+    def work(batchsize: int) -> torch.Tensor:
+        runs.append(batchsize)
+        with torch.no_grad():
+            return torch.cat([layer(c) for c in data.split(batchsize)])
+
+    counts = []
+    for _ in range(6):
+        runs.clear()
+        adaptive.execute.batch(initial_batchsize="auto")(work)
+        counts.append(len(runs))
+    assert all(n > 1 for n in counts[:3]) and counts[3:] == [1, 1, 1], counts
+
+
 @pytest.mark.parametrize("chunks", ["split", "slices"])
 def test_auto_over_chunks_of_data_already_on_the_simulated_device_starts_where_it_fits(
         chunks: str) -> None:
