@@ -9,15 +9,17 @@ own.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import nn
 
+from .._common.errors import PlacementError
 from .._engines.base import HookSet
 from .._engines.hoststore import Slot
 
-__all__ = ["Frame", "Hooks"]
+__all__ = ["CallStack", "Frame", "Hooks"]
 
 
 class Frame:
@@ -28,6 +30,34 @@ class Frame:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.slots: Sequence[Slot] = ()
+
+
+class CallStack(list[Frame]):
+    """The frames of the modules running now, and the thread running them: a paged model
+    runs one forward at a time. A second thread's forward would release the first one's
+    weights while it computes (on a GPU: kernels reading memory handed to other copies),
+    so it is refused."""
+
+    __slots__ = ("thread",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = 0
+
+    def claim(self) -> None:
+        """A hook runs on this thread: the thread owns the stack if it is empty, or if the
+        thread that left frames there has ended (its forward was cut short: the next
+        outermost call clears them). Raises ``PlacementError`` while another live thread
+        runs a forward."""
+        me = threading.get_ident()
+        if self and self.thread != me and any(t.ident == self.thread
+                                               for t in threading.enumerate()):
+            raise PlacementError(
+                f"adaptive.page: another thread is running a forward of this paged model "
+                f"(thread {self.thread}, in {type(self[0].module).__name__}); a paged model "
+                f"runs one forward at a time, since each forward moves its weights. Hold a "
+                f"lock around the model's calls, or page one copy of the model per thread")
+        self.thread = me
 
 
 class Hooks:

@@ -35,7 +35,7 @@ from .._engines.hoststore import LOADED, Slot, make_slots
 from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer, transfer_for
 from .._planning import Placement, Plan, Unit, module_sizes, order_units, paging_units
-from .hooks import Frame, Hooks
+from .hooks import CallStack, Frame, Hooks
 from .learner import Learner, Quiet
 from .needs import Needs
 from .refine import Refiner
@@ -115,7 +115,7 @@ class Pager(Engine):
         self._name_of = {id(m): n for n, m in self._modules.items()}
         self._input_device: torch.device | None = None
         self._removed = False
-        self._stack: list[Frame] = []
+        self._stack = CallStack()
         self._quiet = Quiet()  # entered while the pager moves weights: the probe looks away
         self._units = paging_units(self._sizes, unit_bytes)
         self.plan = Plan("page", [], self._sizes.total_bytes, {
@@ -174,6 +174,7 @@ class Pager(Engine):
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         stack = self._stack
+        stack.claim()  # one forward at a time: another thread's is refused
         # See [Note: a model that calls itself]
         root = module is self.model and not (
             stack and calls_in_progress(sys._getframe(1), (module,), stop_at=2) == 2)

@@ -1486,3 +1486,37 @@ def test_a_share_no_unit_fits_in_keeps_the_coarse_units() -> None:
     with torch.no_grad(), adaptive.page(model, "cpu", resident_bytes=2 << 20) as pager:
         model(torch.randn(2, 1024))
         assert [u.placement for u in pager.plan.units] == ["paged"]
+
+
+def test_a_second_thread_forward_is_refused_while_one_runs() -> None:
+    # A second thread's call was taken for a new outermost call: it released the running
+    # forward's weights (on a GPU, kernels reading memory given to other copies) and could
+    # leave weights on the device, refused at every later call.
+    import threading
+
+    started, go_on = threading.Event(), threading.Event()
+
+    class Wait(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if threading.current_thread() is not threading.main_thread():
+                started.set()
+                go_on.wait(10)
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Wait(), nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+    results: list[torch.Tensor] = []
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        model(x)
+        first = threading.Thread(target=lambda: results.append(model(x)))
+        first.start()
+        assert started.wait(10)
+        with pytest.raises(PlacementError, match="another thread is running a forward"):
+            model(x)
+        go_on.set()
+        first.join(10)
+        torch.testing.assert_close(results[0], want, rtol=0, atol=0)
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)  # and from this thread
