@@ -428,10 +428,10 @@ class Tensors:
     def pin(self, t: torch.Tensor) -> torch.Tensor:
         pinned = t.clone(memory_format=torch.preserve_format) if t.dim() else t.clone()
         ptr = pinned.untyped_storage().data_ptr()
-        table = self.state.pinned
         # Pinning belongs to the storage, as CUDA's does: nn.Parameter(pinned) is another
         # tensor object over it, and it stays pinned after ``pinned`` itself is gone.
-        table[ptr] = weakref.finalize(pinned.untyped_storage(), table.pop, ptr, None)
+        self.state.pinned[ptr] = weakref.finalize(pinned.untyped_storage(), self.state.unpin,
+                                                  ptr)
         return pinned
 
     def is_pinned(self, t: torch.Tensor) -> bool:
@@ -527,7 +527,10 @@ class Tensors:
 
         record.pending = job = stream.enqueue(run, nbytes, "copy")
         if not src.is_cuda:  # its source must not be written until the copy is done
-            self.state.host_reads[src.untyped_storage().data_ptr()] = job
+            state = self.state
+            state.host_reads[src.untyped_storage().data_ptr()] = job
+            if job.done_at > state.host_reads_until:
+                state.host_reads_until = job.done_at
         if stream is not record.stream:
             record.used_on[stream] = stream.epoch
 
@@ -535,6 +538,9 @@ class Tensors:
 def check_host_write(state: SimState, t: Any, op: Any) -> None:
     """An op writes host tensor ``t``: raise if a ``non_blocking`` copy still reads it (it
     has not completed on the link's time, and the host has not synchronised with it)."""
+    if time.perf_counter() >= state.host_reads_until:  # every such copy completed
+        state.host_reads.clear()
+        return
     if type(t) is not torch.Tensor:  # a fake tensor (a trace) has no memory to guard
         return
     ptr = t.untyped_storage().data_ptr()
@@ -542,7 +548,7 @@ def check_host_write(state: SimState, t: Any, op: Any) -> None:
     if job is None:
         return
     if job.seq <= job.stream.synced_seq or job.finished():
-        del state.host_reads[ptr]
+        state.prune_host_reads()  # the others may have completed too
         return
     raise StreamRaceError(
         f"simulated CUDA: {op} wrote {_describe(t)} while a non_blocking copy on "

@@ -492,6 +492,34 @@ def test_writing_a_pinned_source_before_its_copy_completed_raises() -> None:
         assert dev[:2].tolist() == [1.0, 1.0]
 
 
+def test_a_host_tensor_at_a_freed_pinned_sources_address_may_be_written() -> None:
+    # On a GPU pageable memory never takes a pinned block's address, and the caching host
+    # allocator holds the block until its copy completes.
+    with simulated_cuda(bandwidth=0.01) as sim:  # 256 KiB at 10 MB/s: 26 ms
+        for _ in range(5):
+            pinned = torch.ones(1 << 16).pin_memory()
+            dev = pinned.to("cuda", non_blocking=True)
+            del pinned
+            # malloc hands the freed address to one of these as a rule: writing it is no
+            # race.
+            made = [torch.empty(1 << 16) for _ in range(4)]
+            for x in made:
+                x.fill_(2.0)
+        assert dev[:2].tolist() == [1.0, 1.0]
+        host = torch.ones(1 << 16).pin_memory()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            host.to("cuda", non_blocking=True)
+        assert sim._state.host_reads
+        side.synchronize()  # ordinary host ops stop checking for writes to pinned sources
+        assert not sim._state.host_reads
+        host.to("cuda", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        assert not sim._state.host_reads
+
+
 def test_a_read_after_wait_stream_sees_the_copied_values() -> None:
     with simulated_cuda(bandwidth=1):  # 1 MiB at 1 GB/s: about a millisecond
         host = torch.ones(MiB // 4).pin_memory()
