@@ -113,15 +113,13 @@ _RESIZES: dict[Any, bool] = {}
 _SETS = {getattr(aten.set_, name) for name in aten.set_.overloads()}
 
 
-# The argument an op writes (its position, or an ``out`` keyword's name), or None, by op.
-_WRITTEN: dict[Any, int | str | None] = {}
+# The arguments an op writes (their positions, or ``out`` keywords' names), by op.
+_WRITTEN: dict[Any, tuple[int | str, ...]] = {}
 
 
-def _written_argument(func: Any) -> int | str | None:
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            return a.name if a.kwarg_only else i
-    return None
+def _written_arguments(func: Any) -> tuple[int | str, ...]:
+    return tuple(a.name if a.kwarg_only else i for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _can_resize(func: Any) -> bool:
@@ -536,14 +534,22 @@ class Tensors:
 
 
 def check_host_write(state: SimState, t: Any, op: Any) -> None:
-    """An op writes host tensor ``t``: raise if a ``non_blocking`` copy still reads it (it
-    has not completed on the link's time, and the host has not synchronised with it)."""
+    """An op writes host tensor ``t`` (or the tensors of list ``t``, a ``_foreach_`` op's):
+    raise if a ``non_blocking`` copy still reads it (it has not completed on the link's
+    time, and the host has not synchronised with it)."""
     if time.perf_counter() >= state.host_reads_until:  # every such copy completed
         state.host_reads.clear()
         return
-    if type(t) is not torch.Tensor:  # a fake tensor (a trace) has no memory to guard
+    if type(t) is list or type(t) is tuple:
+        for x in t:
+            check_host_write(state, x, op)
         return
-    ptr = t.untyped_storage().data_ptr()
+    if not isinstance(t, torch.Tensor):
+        return
+    storage = t.untyped_storage()
+    if storage.device.type != "cpu":  # a fake tensor (a trace) has no memory to guard
+        return
+    ptr = storage.data_ptr()
     job = state.host_reads.get(ptr)
     if job is None:
         return
@@ -652,12 +658,14 @@ class Dispatch(TorchDispatchMode):
         index = u.index
         if index is None:
             if sim.state.host_reads:  # a host tensor written while a copy reads it?
-                written = _WRITTEN.get(func, -1)
-                if written == -1:
-                    written = _WRITTEN[func] = _written_argument(func)
-                if written is not None:
-                    check_host_write(sim.state, args[written] if isinstance(written, int)
-                                     else kwargs.get(written), func)
+                written = _WRITTEN.get(func)
+                if written is None:
+                    written = _WRITTEN[func] = _written_arguments(func)
+                for w in written:
+                    if isinstance(w, str):
+                        check_host_write(sim.state, kwargs.get(w), func)
+                    elif w < len(args):
+                        check_host_write(sim.state, args[w], func)
             drawing_for = sim.state.drawing_for
             if drawing_for is not None and _SEEDED in func.tags and not _has_generator(
                     args, kwargs):

@@ -492,6 +492,22 @@ def test_writing_a_pinned_source_before_its_copy_completed_raises() -> None:
         assert dev[:2].tolist() == [1.0, 1.0]
 
 
+def test_writing_a_pinned_parameter_or_list_or_second_output_in_flight_raises() -> None:
+    with simulated_cuda(bandwidth=0.01):  # 256 KiB at 10 MB/s: 26 ms
+        weight = nn.Parameter(torch.ones(1 << 16).pin_memory(), requires_grad=False)
+        order = torch.arange(1 << 16).pin_memory()
+        weight.to("cuda", non_blocking=True)
+        order.to("cuda", non_blocking=True)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            weight.add_(1)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            torch._foreach_add_([torch.zeros(2), weight], 1)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            torch.sort(torch.ones(1 << 16), out=(torch.empty(0), order))
+        torch.cuda.synchronize()
+        weight.add_(1)
+
+
 def test_a_host_tensor_at_a_freed_pinned_sources_address_may_be_written() -> None:
     # On a GPU pageable memory never takes a pinned block's address, and the caching host
     # allocator holds the block until its copy completes.
