@@ -78,6 +78,7 @@ import collections
 import contextlib
 import time
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -107,7 +108,7 @@ def set_current(tensors: Tensors | None) -> None:
     global _current
     _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
-# Ops that may give their tensor arguments new sizes or memory (see Tensors.follow), by op;
+# Ops that may give their tensor arguments new sizes or memory (see _follow), by op;
 # ``set_`` moves a tensor to other memory at the same size too.
 _RESIZES: dict[Any, bool] = {}
 _SETS = {getattr(aten.set_, name) for name in aten.set_.overloads()}
@@ -349,22 +350,6 @@ class Tensors:
         if t.dtype != b.dtype:
             b = b.view(t.dtype)
         return b.as_strided(t.shape, t.stride(), t.storage_offset()), record
-
-    def follow(self, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record]) -> None:
-        """``w``'s backing ``o`` was resized or set to other memory in place (an ``out=``
-        op, ``resize_``, ``set_``): ``w`` takes ``o``'s shape and memory, as a CUDA tensor
-        would. Memory an argument holds is shared (``set_(source)``); memory the resize
-        allocated is a new allocation (raises CUDA's OOM), and ``w``'s old one goes with
-        its last user."""
-        record = storages.get(_storage_key(o))
-        if record is None:
-            _, old = self.lookup(w)
-            record = self.allocate(o, old.index)
-            storages[_storage_key(o)] = record
-        moved = self.wrap(o, record)
-        with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
-            torch.Tensor.set_(w, moved.untyped_storage(), o.storage_offset(), o.shape,
-                              o.stride())
 
     def _died(self, key: int, ref: Any) -> None:
         entry = self.entries.get(key)
@@ -687,7 +672,14 @@ class Dispatch(TorchDispatchMode):
             sim.use(record, stream, x, func)
         if on_host:
             return func(*cargs, **ckwargs)
-        if _SEEDED in func.tags and not _has_generator(args, kwargs):
+        resizes = _RESIZES.get(func)
+        if resizes is None:
+            resizes = _RESIZES[func] = _can_resize(func)
+        grown: dict[int, int] = {}
+        if resizes and func not in _SETS and fake_mode() is None:
+            out, grown = _run_resizing(sim, index, func, args, kwargs, cargs, ckwargs,
+                                       u.originals)
+        elif _SEEDED in func.tags and not _has_generator(args, kwargs):
             out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
         else:
             out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
@@ -713,21 +705,174 @@ class Dispatch(TorchDispatchMode):
                     sim.state.allocators[index].free(record.block)
                 raise
 
-        resizes = _RESIZES.get(func)
-        if resizes is None:
-            resizes = _RESIZES[func] = _can_resize(func)
-
         def wrap(o: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(o))
             if original is not None:
                 if resizes and (func in _SETS or o.shape != original.shape
                                 or o.stride() != original.stride()
                                 or o.storage_offset() != original.storage_offset()):
-                    sim.follow(original, o, storages)
+                    _follow(sim, original, o, storages, grown.pop(id(o), None))
                 return original
             return sim.wrap(o, storages[_storage_key(o)])
 
-        return _map_tensors(wrap, out)
+        wrapped = _map_tensors(wrap, out)
+        for block in grown.values():  # not needed after all
+            sim.state.allocators[index].free(block)
+        return wrapped
+
+
+def _follow(sim: Tensors, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record],
+            grown: int | None) -> None:
+    """``w``'s backing ``o`` was resized or set to other memory in place (an ``out=``
+    op, ``resize_``, ``set_``): ``w`` takes ``o``'s shape and memory, as a CUDA tensor
+    would. Memory an argument holds is shared (``set_(source)``). A storage the resize
+    grew is reallocated, for every tensor sharing it (views, ``set_`` partners): its
+    allocation takes the new block (``grown``, allocated before the op ran, or now:
+    raises CUDA's OOM) and gives back the old one. Other new memory is a new
+    allocation, and ``w``'s old one goes with its last user."""
+    record = storages.get(_storage_key(o))
+    if record is None:
+        b, record = sim.lookup(w)
+        allocator = sim.state.allocators[record.index]
+        if o.untyped_storage()._cdata == b.untyped_storage()._cdata:
+            block = grown if grown is not None else allocator.allocate(
+                0 if fake_mode() is not None else o.untyped_storage().nbytes())
+            allocator.free(record.block)
+            record.block = block
+        else:
+            if grown is not None:
+                allocator.free(grown)
+            record = sim.allocate(o, record.index)
+        storages[_storage_key(o)] = record
+    moved = sim.wrap(o, record)
+    with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
+        torch.Tensor.set_(w, moved.untyped_storage(), o.storage_offset(), o.shape,
+                          o.stride())
+
+
+# [Note: resizing writes that do not fit]
+# On CUDA an op resizing its output (``out=``, ``resize_``) allocates the grown storage
+# before it computes anything: when that does not fit, the output keeps its values, shape
+# and memory. The simulation runs such an op on the CPU, which grows the backing's storage
+# there, so it runs it first into backings whose storage cannot grow (over the same
+# memory): an op that fits needs nothing more (its new shape is copied onto the backing),
+# and one that would grow its output stops before computing. That one is sized on the meta
+# device (slow in torch, so only then), the grown storages are allocated, and the op runs
+# again on the real backings. An output sharing its storage with an input runs on the real
+# backing (an alias over the same memory would hide the overlap from torch's checks), and
+# so does an op with no meta kernel: those grow first and count the memory after.
+_unresizable_storage: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+
+
+def _run_resizing(sim: Tensors, index: int, func: Any, args: Any, kwargs: dict[str, Any],
+                  cargs: list[Any], ckwargs: dict[str, Any],
+                  originals: dict[int, torch.Tensor]) -> tuple[Any, dict[int, int]]:
+    """Run resizing op ``func`` on the backings (See [Note: resizing writes that do not
+    fit]): what it returned, and the blocks allocated for the storages it grew, by id of
+    the backing."""
+    op = _CPU_EQUIVALENT.get(func, func)
+    if _SEEDED in func.tags and not _has_generator(args, kwargs):
+        def call(a: Any, k: dict[str, Any]) -> Any:
+            return sim.draw(index, op, *a, **k)
+    else:
+        def call(a: Any, k: dict[str, Any]) -> Any:
+            return op(*a, **k)
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = _written_arguments(func)
+    aliases: dict[int, torch.Tensor] = {}  # id(alias) -> the backing it stands for
+    if _unresizable_storage is not None:
+        read = {x.untyped_storage()._cdata for i, a in enumerate(cargs) if i not in written
+                for x in (a if type(a) is list or type(a) is tuple else (a,))
+                if isinstance(x, torch.Tensor)}
+        acargs = [_alias(a, originals, read, aliases) if i in written else a
+                  for i, a in enumerate(cargs)]
+        ackwargs = {k: _alias(v, originals, read, aliases) if k in written else v
+                    for k, v in ckwargs.items()}
+        if aliases:
+            try:
+                out = call(acargs, ackwargs)
+            except RuntimeError as exc:
+                if "not resizable" not in str(exc):
+                    raise
+            else:
+                for a in (*acargs, *ackwargs.values()):
+                    for x in (a if type(a) is list or type(a) is tuple else (a,)):
+                        b = aliases.get(id(x)) if isinstance(x, torch.Tensor) else None
+                        if b is not None and (x.shape != b.shape or x.stride() != b.stride()
+                                              or x.storage_offset() != b.storage_offset()):
+                            b.set_(b.untyped_storage(), x.storage_offset(), x.shape,
+                                   x.stride())
+                return _map_tensors(lambda o: aliases.get(id(o), o), out), {}
+    grown = _grow_first(sim, index, func, written, cargs, ckwargs, originals)
+    try:
+        return call(cargs, ckwargs), grown
+    except BaseException:
+        for block in grown.values():
+            sim.state.allocators[index].free(block)
+        raise
+
+
+def _alias(b: Any, originals: dict[int, torch.Tensor], read: set[int],
+           aliases: dict[int, torch.Tensor]) -> Any:
+    """Backing ``b`` (or a list of them) over a storage that cannot grow, noted in
+    ``aliases``; ``b`` itself when it is no simulated tensor's backing or its storage is
+    one an input reads."""
+    if type(b) is list or type(b) is tuple:
+        return type(b)(_alias(x, originals, read, aliases) for x in b)
+    if not isinstance(b, torch.Tensor) or id(b) not in originals:
+        return b
+    storage = b.untyped_storage()
+    if storage._cdata in read:
+        return b
+    fixed = torch.empty(0, dtype=b.dtype).set_(
+        _unresizable_storage(storage.data_ptr(), b.device, storage.nbytes()),
+        b.storage_offset(), b.shape, b.stride())
+    aliases[id(fixed)] = b
+    return fixed
+
+
+def _grow_first(sim: Tensors, index: int, func: Any, written: tuple[int | str, ...],
+                cargs: list[Any], ckwargs: dict[str, Any],
+                originals: dict[int, torch.Tensor]) -> dict[int, int]:
+    """The blocks for the storages that op ``func`` will grow, by id of the backing it
+    writes, allocated before it runs (raises CUDA's OOM). Sized by running the op on the
+    meta device; empty when it has no meta kernel."""
+    metas: dict[int, torch.Tensor] = {}
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            m = metas[id(x)] = torch.empty(0, dtype=x.dtype, device="meta").set_(
+                torch.UntypedStorage(x.untyped_storage().nbytes(), device="meta"),
+                x.storage_offset(), x.shape, x.stride())
+            return m
+        if type(x) is list or type(x) is tuple:
+            return type(x)(meta(y) for y in x)
+        return x
+
+    try:
+        with warnings.catch_warnings():  # torch's "output was resized" comes with the real op
+            warnings.simplefilter("ignore")
+            func(*[meta(a) for a in cargs], **{k: meta(v) for k, v in ckwargs.items()})
+    except Exception:
+        return {}
+    targets: list[Any] = []
+    for w in written:
+        x = ckwargs.get(w) if isinstance(w, str) else cargs[w] if w < len(cargs) else None
+        targets += x if type(x) is list or type(x) is tuple else [x]
+    allocator = sim.state.allocators[index]
+    blocks: dict[int, int] = {}
+    try:
+        for t in targets:
+            if id(t) in originals and id(t) in metas:
+                nbytes = metas[id(t)].untyped_storage().nbytes()
+                if nbytes > t.untyped_storage().nbytes():
+                    blocks[id(t)] = allocator.allocate(nbytes)
+    except BaseException:
+        for block in blocks.values():
+            allocator.free(block)
+        raise
+    return blocks
 
 
 def _views_of_fakes(uses: list[tuple[Record, torch.Tensor, torch.Tensor]],

@@ -258,6 +258,32 @@ def test_resizing_writes_give_the_tensor_its_new_shape_and_memory() -> None:
         assert y[0].item() == 100.0
 
 
+def test_a_resize_past_the_limit_fails_before_the_op_writes_anything() -> None:
+    with simulated_cuda(total_memory="8MiB"):
+        a = torch.ones(1 << 20, device="cuda")  # 4 MiB
+        w = torch.full((4,), 7.0, device="cuda")
+        before = torch.cuda.memory_allocated()
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.mul(a, 2, out=w)
+        assert w.tolist() == [7.0] * 4 and torch.cuda.memory_allocated() == before
+        with pytest.raises(torch.OutOfMemoryError):
+            w.resize_(1 << 21)
+        assert w.shape == (4,) and torch.cuda.memory_allocated() == before
+        # Its memory did not grow behind the count: growing it now takes a block of the
+        # new size (1000 floats in 512-byte blocks) in place of the old one.
+        view = w[:2]
+        w.resize_(1000)
+        assert torch.cuda.memory_allocated() - before == 4096 - 512
+        # On CUDA the storage the view shares was reallocated: the old block is gone.
+        view[0] = 3.0
+        assert w[0].item() == 3.0 and w[2].item() == 7.0
+        del view
+        assert torch.cuda.memory_allocated() - before == 4096 - 512
+        torch.mul(a[:2000], 2, out=w.resize_(0))  # a growth that fits
+        assert w.shape == (2000,) and w[1999].item() == 2.0
+        assert torch.cuda.memory_allocated() - before == 8192 - 512
+
+
 def test_an_allocation_past_the_limit_raises_cudas_oom_and_allocates_nothing() -> None:
     with simulated_cuda(total_memory="1GiB"):
         keep = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
