@@ -76,6 +76,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
+import io
 import time
 import types
 import warnings
@@ -159,7 +161,20 @@ class SimTensor(torch.Tensor):
             backing = _current.lookup(self)[0]
         rebuild, args = backing.__reduce_ex__(proto)
         args[0]._fake_device = self.device  # where torch.save says the storage lives
+        # A plain pickle (no torch.save) pickles the storage itself, as torch.save's bytes:
+        # the location must be in them too.
+        args[0].__reduce_ex__ = _DeviceStorage(args[0])
         return rebuild, args
+
+    def __copy__(self) -> torch.Tensor:
+        # What copy.copy of a CUDA tensor gives (Tensor.__reduce_ex__ rebuilt over the same
+        # storage): a new tensor sharing its memory, on its device.
+        if not self.is_cuda:
+            return copy.copy(_host_view(self))
+        if _current is None or _current.closed:
+            raise _after_the_block(copy.copy)
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self.untyped_storage(), self.storage_offset(), self.size(), self.stride())
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -191,6 +206,27 @@ class SimTensor(torch.Tensor):
             # under ``_disable_current_modes``): the op runs as the mode would run it.
             return _current.dispatch_mode.__torch_dispatch__(func, types, args, kwargs)
         raise _after_the_block(func)
+
+
+class _DeviceStorage:
+    """A saved simulated tensor's storage pickled outside torch.save: as torch.save's bytes
+    with the device's location, which torch.load puts back on the simulated device (or
+    refuses without a CUDA device, as for a storage pickled on a GPU). Holds the typed
+    storage's parts, not the storage whose ``__reduce_ex__`` it is (no reference cycle)."""
+
+    __slots__ = ("untyped", "dtype", "device")
+
+    def __init__(self, storage: Any) -> None:
+        self.untyped, self.dtype = storage._untyped_storage, storage.dtype
+        self.device = storage._fake_device
+
+    def __call__(self, proto: Any) -> Any:
+        storage = torch.TypedStorage(wrap_storage=self.untyped, dtype=self.dtype,
+                                     _internal=True)
+        storage._fake_device = self.device
+        buffer = io.BytesIO()
+        torch.save(storage, buffer)
+        return torch.storage._load_from_bytes, (buffer.getvalue(),)
 
 
 def _allocation(t: torch.Tensor) -> tuple[int, int] | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 import time
 from typing import Any
@@ -180,6 +182,28 @@ def test_a_saved_state_dict_loads_back_onto_the_device(tmp_path: Any, map_locati
     outside = torch.load(path, map_location="cpu")
     assert all(torch.equal(outside[k], expected[k]) and torch.equal(on_host[k], expected[k])
                for k in expected)
+
+
+def test_copy_and_pickle_of_a_device_tensor_give_device_tensors_as_on_cuda() -> None:
+    with simulated_cuda():
+        t = torch.arange(4.0, device="cuda")
+        before = torch.cuda.memory_allocated()
+        alias = copy.copy(t)  # on CUDA: a new tensor over the same memory
+        assert alias.device == t.device and alias is not t
+        alias[0] = 10.0
+        assert t[0].item() == 10.0 and torch.cuda.memory_allocated() == before
+        weight = nn.Parameter(torch.ones(2, device="cuda"), requires_grad=False)
+        for source in (t, weight):
+            restored = pickle.loads(pickle.dumps(source))
+            assert restored.device == source.device and type(restored) is type(source)
+            assert restored.tolist() == source.tolist()
+        assert isinstance(pickle.loads(pickle.dumps(weight)), nn.Parameter)
+        pickled = pickle.dumps(t)
+    # As on a machine without CUDA: the bytes say cuda:0.
+    with pytest.raises(RuntimeError, match="CUDA"):
+        pickle.loads(pickled)
+    with pytest.raises(RuntimeError, match="after its `with adaptmem.testing.simulated_cuda"):
+        copy.copy(alias)
 
 
 def test_storages_read_and_safetensors_save_as_on_cuda(tmp_path: Any) -> None:
