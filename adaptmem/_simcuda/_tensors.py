@@ -445,7 +445,11 @@ class Tensors:
     # -- pinned host memory --------------------------------------------------------------
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        pinned = t.clone(memory_format=torch.preserve_format) if t.dim() else t.clone()
+        return self.mark_pinned(
+            t.clone(memory_format=torch.preserve_format) if t.dim() else t.clone())
+
+    def mark_pinned(self, pinned: torch.Tensor) -> torch.Tensor:
+        """Host tensor ``pinned``, new, counted as pinned memory from now on."""
         ptr = pinned.untyped_storage().data_ptr()
         # Pinning belongs to the storage, as CUDA's does: nn.Parameter(pinned) is another
         # tensor object over it, and it stays pinned after ``pinned`` itself is gone.
@@ -477,7 +481,8 @@ class Tensors:
             started = time.perf_counter()
             out = aten._to_copy.default(source, device=target, **kwargs)
             self._over_the_link(out.numel() * out.element_size(), started)
-            return self.pin(out) if pin else out
+            # CUDA copies to the host with non_blocking=True into pinned memory.
+            return self.mark_pinned(out) if pin or non_blocking else out
         index = self.state.device_index(target)
         dtype = kwargs.get("dtype") or source.dtype
         # Counted before the copy is made: an allocation that does not fit costs nothing.
@@ -604,6 +609,15 @@ def _repr(func: Any, args: Any, kwargs: dict[str, Any]) -> str:
     if t.grad_fn is not None:
         return f"{text[:-1]}, grad_fn=<{type(t.grad_fn).__name__}>)"
     return f"{text[:-1]}, requires_grad=True)" if t.requires_grad else text
+
+
+def _numpy(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``t.numpy()`` or ``np.asarray(t)`` (``Tensor.__array__``)."""
+    t = args[0]
+    if t.is_cuda:  # CUDA's own words
+        raise TypeError(f"can't convert {t.device} device type tensor to numpy. Use "
+                        f"Tensor.cpu() to copy the tensor to host memory first.")
+    return func(_host_view(t) if isinstance(t, SimTensor) else t, *args[1:], **kwargs)
 
 
 def _tolist(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -1117,6 +1131,8 @@ class Functions(TorchFunctionMode):
             torch.Tensor.copy_: self._copy,
             torch.Tensor.record_stream: self._record_stream,
             torch.Tensor.data_ptr: self._data_ptr,
+            torch.Tensor.numpy: _numpy,
+            torch.Tensor.__array__: _numpy,
             # Bindings that take the tensor's device guard: run on the backing (others are
             # found when they raise, see handle()).
             torch.Tensor.__getitem__: self._on_backing,
@@ -1287,8 +1303,11 @@ class Functions(TorchFunctionMode):
 
     def _record_stream(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         t, stream = args[0], args[1] if len(args) > 1 else kwargs["stream"]
-        if not t.is_cuda:
-            return func(*args, **kwargs)
+        if not t.is_cuda:  # record_stream has only a CUDA kernel
+            raise NotImplementedError(
+                f"Could not run 'aten::record_stream' with arguments from the "
+                f"'{t.device.type.upper()}' backend (simulated CUDA: record_stream is for "
+                f"device tensors; a host tensor needs no record of the streams using it)")
         self.sim.record_stream(t, stream)
         return None
 

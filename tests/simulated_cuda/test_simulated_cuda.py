@@ -814,6 +814,24 @@ def test_freeing_a_tensor_another_stream_used_without_record_stream_is_reported(
         assert sim.problems
 
 
+def test_host_only_and_device_only_calls_are_refused_as_on_cuda() -> None:
+    np = pytest.importorskip("numpy")
+    with simulated_cuda():
+        t = torch.arange(4.0, device="cuda")
+        with pytest.raises(NotImplementedError, match="aten::record_stream.*'CPU' backend"):
+            torch.ones(2).record_stream(torch.cuda.Stream())
+        message = "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu()"
+        with pytest.raises(TypeError, match=message):
+            t.numpy()
+        with pytest.raises(TypeError, match=message):
+            np.asarray(t)
+        assert t.cpu().numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+        # CUDA copies to the host with non_blocking=True into pinned memory.
+        host = t.to("cpu", non_blocking=True)
+        assert host.is_pinned() and host.tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert not t.to("cpu").is_pinned()
+
+
 def test_record_stream_makes_that_free_safe() -> None:
     with simulated_cuda() as sim:
         host = torch.ones(1000).pin_memory()
