@@ -159,6 +159,18 @@ def test_indexing_mixes_devices_only_where_cuda_does() -> None:
         assert dev.tolist() == [5.0, 5.0, 3.0, 4.0] and host.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_an_accumulating_index_put_through_a_mask_wants_the_value_on_the_device() -> None:
+    # aten writes a one-element host value through a device mask as masked_fill_, but not
+    # with accumulate=True: that index_put_ mixes the devices and CUDA refuses it.
+    with simulated_cuda():
+        dev = torch.zeros(4, device="cuda")
+        with pytest.raises(RuntimeError, match="same device"):
+            dev.index_put_((dev == 0,), torch.tensor([1.0]), accumulate=True)
+        dev.index_put_((dev == 0,), torch.tensor([1.0]))
+        dev.index_put_((dev == 1,), torch.tensor([1.0], device="cuda"), accumulate=True)
+        assert dev.tolist() == [2.0] * 4
+
+
 @pytest.mark.parametrize("map_location", [
     None, "cuda", "cuda:0", torch.device("cuda", 0), {"cuda:0": "cuda:0"},
     lambda storage, location: storage.cuda()], ids=["none", "str", "index", "device", "dict",
