@@ -4,8 +4,9 @@ An op refuses tensors of two devices (CPU scalars aside), but indexing mixes the
 ``cuda_tensor[cpu_or_cuda_index]`` is read, ``cpu_tensor[cuda_index]`` is refused (aten's
 ``index`` checks its indices), and a write ``t[index] = value`` moves the indices to
 ``t``'s device but not the value, unless it is 0-dim or a one-element CPU tensor written
-through one boolean mask on ``t``'s device (a ``masked_fill_``): a write through basic
-indexing (ints, slices) is a ``copy_``, which any two devices may take part in."""
+through one boolean mask on ``t``'s device (a ``masked_fill_``; ``index_put_`` with
+``accumulate=True`` never takes that path): a write through basic indexing (ints,
+slices) is a ``copy_``, which any two devices may take part in."""
 
 from __future__ import annotations
 
@@ -102,6 +103,8 @@ def check_index_op(func: Any, args: Any) -> None:
             raise _indices_elsewhere(target.device)
     elif func in INDEX_PUTS:
         value = args[2]
+        # aten takes the masked_fill_ path only without accumulate=True.
+        accumulate = len(args) > 3 and bool(args[3])
         if (value.dim() and value.device != target.device
-                and not _masked_fill(target, args[1], value)):
+                and (accumulate or not _masked_fill(target, args[1], value))):
             raise _value_elsewhere(target, value)

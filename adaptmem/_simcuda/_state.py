@@ -31,8 +31,11 @@ class SimState:
         self.copy_seconds = 0.0
         self.wait_seconds = 0.0
         self.pinned: dict[int, Any] = {}  # host storage data_ptr -> its finalizer
-        # pinned host storage data_ptr -> the last non_blocking copy reading it (Job)
+        # pinned host storage data_ptr -> the last non_blocking copy reading it (Job), while
+        # that copy may be in flight; every op writing a host tensor checks it (see
+        # check_host_write in _tensors.py) while it is not empty.
         self.host_reads: dict[int, Any] = {}
+        self.host_reads_until = 0.0  # when the last of those copies completes
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
         self.default_streams = [SimStream(i, _sim_state=self) for i in range(devices)]
@@ -91,8 +94,21 @@ class SimState:
                 for job in stream.pending_jobs():
                     job.wait()
                 stream.host_synced()
-        self.host_reads = {ptr: job for ptr, job in self.host_reads.items()
-                           if job.seq > job.stream.synced_seq}
+        self.prune_host_reads()
+
+    def unpin(self, ptr: int) -> None:
+        """The pinned host storage at ``ptr`` died: its address may serve any host tensor
+        now. (On a GPU the caching host allocator holds a pinned block until the copies
+        reading it completed, and pageable memory never takes its address.)"""
+        self.pinned.pop(ptr, None)
+        self.host_reads.pop(ptr, None)
+
+    def prune_host_reads(self) -> None:
+        """Forget the copies reading pinned memory that completed or that the host
+        synchronised with: a write to their sources is safe now."""
+        if self.host_reads:
+            self.host_reads = {ptr: job for ptr, job in self.host_reads.items()
+                               if job.seq > job.stream.synced_seq and not job.finished()}
 
     def stop(self) -> None:
         for stream in list(self.streams):

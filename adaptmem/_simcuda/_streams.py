@@ -158,6 +158,7 @@ class SimStream(torch.Stream):
             if job is not None:
                 job.wait()
         self.host_synced()
+        self._state.prune_host_reads()
 
     # -- the simulation ------------------------------------------------------------------
 
@@ -240,6 +241,8 @@ class SimEvent:
         for stream, seq in self.covers.items():
             if stream.synced_seq < seq:
                 stream.synced_seq = seq
+        if self.stream is not None:
+            self.stream._state.prune_host_reads()
 
     @property
     def time(self) -> float:

@@ -76,8 +76,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
+import io
 import time
 import types
+import warnings
 import weakref
 from typing import Any
 
@@ -107,21 +110,19 @@ def set_current(tensors: Tensors | None) -> None:
     global _current
     _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
-# Ops that may give their tensor arguments new sizes or memory (see Tensors.follow), by op;
+# Ops that may give their tensor arguments new sizes or memory (see _follow), by op;
 # ``set_`` moves a tensor to other memory at the same size too.
 _RESIZES: dict[Any, bool] = {}
 _SETS = {getattr(aten.set_, name) for name in aten.set_.overloads()}
 
 
-# The argument an op writes (its position, or an ``out`` keyword's name), or None, by op.
-_WRITTEN: dict[Any, int | str | None] = {}
+# The arguments an op writes (their positions, or ``out`` keywords' names), by op.
+_WRITTEN: dict[Any, tuple[int | str, ...]] = {}
 
 
-def _written_argument(func: Any) -> int | str | None:
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            return a.name if a.kwarg_only else i
-    return None
+def _written_arguments(func: Any) -> tuple[int | str, ...]:
+    return tuple(a.name if a.kwarg_only else i for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
 def _can_resize(func: Any) -> bool:
@@ -160,7 +161,20 @@ class SimTensor(torch.Tensor):
             backing = _current.lookup(self)[0]
         rebuild, args = backing.__reduce_ex__(proto)
         args[0]._fake_device = self.device  # where torch.save says the storage lives
+        # A plain pickle (no torch.save) pickles the storage itself, as torch.save's bytes:
+        # the location must be in them too.
+        args[0].__reduce_ex__ = _DeviceStorage(args[0])
         return rebuild, args
+
+    def __copy__(self) -> torch.Tensor:
+        # What copy.copy of a CUDA tensor gives (Tensor.__reduce_ex__ rebuilt over the same
+        # storage): a new tensor sharing its memory, on its device.
+        if not self.is_cuda:
+            return copy.copy(_host_view(self))
+        if _current is None or _current.closed:
+            raise _after_the_block(copy.copy)
+        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+            self.untyped_storage(), self.storage_offset(), self.size(), self.stride())
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -192,6 +206,27 @@ class SimTensor(torch.Tensor):
             # under ``_disable_current_modes``): the op runs as the mode would run it.
             return _current.dispatch_mode.__torch_dispatch__(func, types, args, kwargs)
         raise _after_the_block(func)
+
+
+class _DeviceStorage:
+    """A saved simulated tensor's storage pickled outside torch.save: as torch.save's bytes
+    with the device's location, which torch.load puts back on the simulated device (or
+    refuses without a CUDA device, as for a storage pickled on a GPU). Holds the typed
+    storage's parts, not the storage whose ``__reduce_ex__`` it is (no reference cycle)."""
+
+    __slots__ = ("untyped", "dtype", "device")
+
+    def __init__(self, storage: Any) -> None:
+        self.untyped, self.dtype = storage._untyped_storage, storage.dtype
+        self.device = storage._fake_device
+
+    def __call__(self, proto: Any) -> Any:
+        storage = torch.TypedStorage(wrap_storage=self.untyped, dtype=self.dtype,
+                                     _internal=True)
+        storage._fake_device = self.device
+        buffer = io.BytesIO()
+        torch.save(storage, buffer)
+        return torch.storage._load_from_bytes, (buffer.getvalue(),)
 
 
 def _allocation(t: torch.Tensor) -> tuple[int, int] | None:
@@ -352,22 +387,6 @@ class Tensors:
             b = b.view(t.dtype)
         return b.as_strided(t.shape, t.stride(), t.storage_offset()), record
 
-    def follow(self, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record]) -> None:
-        """``w``'s backing ``o`` was resized or set to other memory in place (an ``out=``
-        op, ``resize_``, ``set_``): ``w`` takes ``o``'s shape and memory, as a CUDA tensor
-        would. Memory an argument holds is shared (``set_(source)``); memory the resize
-        allocated is a new allocation (raises CUDA's OOM), and ``w``'s old one goes with
-        its last user."""
-        record = storages.get(_storage_key(o))
-        if record is None:
-            _, old = self.lookup(w)
-            record = self.allocate(o, old.index)
-            storages[_storage_key(o)] = record
-        moved = self.wrap(o, record)
-        with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
-            torch.Tensor.set_(w, moved.untyped_storage(), o.storage_offset(), o.shape,
-                              o.stride())
-
     def _died(self, key: int, ref: Any) -> None:
         entry = self.entries.get(key)
         if entry is None or entry[2] is not ref:  # the key was reused since
@@ -426,12 +445,16 @@ class Tensors:
     # -- pinned host memory --------------------------------------------------------------
 
     def pin(self, t: torch.Tensor) -> torch.Tensor:
-        pinned = t.clone(memory_format=torch.preserve_format) if t.dim() else t.clone()
+        return self.mark_pinned(
+            t.clone(memory_format=torch.preserve_format) if t.dim() else t.clone())
+
+    def mark_pinned(self, pinned: torch.Tensor) -> torch.Tensor:
+        """Host tensor ``pinned``, new, counted as pinned memory from now on."""
         ptr = pinned.untyped_storage().data_ptr()
-        table = self.state.pinned
         # Pinning belongs to the storage, as CUDA's does: nn.Parameter(pinned) is another
         # tensor object over it, and it stays pinned after ``pinned`` itself is gone.
-        table[ptr] = weakref.finalize(pinned.untyped_storage(), table.pop, ptr, None)
+        self.state.pinned[ptr] = weakref.finalize(pinned.untyped_storage(), self.state.unpin,
+                                                  ptr)
         return pinned
 
     def is_pinned(self, t: torch.Tensor) -> bool:
@@ -458,7 +481,8 @@ class Tensors:
             started = time.perf_counter()
             out = aten._to_copy.default(source, device=target, **kwargs)
             self._over_the_link(out.numel() * out.element_size(), started)
-            return self.pin(out) if pin else out
+            # CUDA copies to the host with non_blocking=True into pinned memory.
+            return self.mark_pinned(out) if pin or non_blocking else out
         index = self.state.device_index(target)
         dtype = kwargs.get("dtype") or source.dtype
         # Counted before the copy is made: an allocation that does not fit costs nothing.
@@ -527,22 +551,36 @@ class Tensors:
 
         record.pending = job = stream.enqueue(run, nbytes, "copy")
         if not src.is_cuda:  # its source must not be written until the copy is done
-            self.state.host_reads[src.untyped_storage().data_ptr()] = job
+            state = self.state
+            state.host_reads[src.untyped_storage().data_ptr()] = job
+            if job.done_at > state.host_reads_until:
+                state.host_reads_until = job.done_at
         if stream is not record.stream:
             record.used_on[stream] = stream.epoch
 
 
 def check_host_write(state: SimState, t: Any, op: Any) -> None:
-    """An op writes host tensor ``t``: raise if a ``non_blocking`` copy still reads it (it
-    has not completed on the link's time, and the host has not synchronised with it)."""
-    if type(t) is not torch.Tensor:  # a fake tensor (a trace) has no memory to guard
+    """An op writes host tensor ``t`` (or the tensors of list ``t``, a ``_foreach_`` op's):
+    raise if a ``non_blocking`` copy still reads it (it has not completed on the link's
+    time, and the host has not synchronised with it)."""
+    if time.perf_counter() >= state.host_reads_until:  # every such copy completed
+        state.host_reads.clear()
         return
-    ptr = t.untyped_storage().data_ptr()
+    if type(t) is list or type(t) is tuple:
+        for x in t:
+            check_host_write(state, x, op)
+        return
+    if not isinstance(t, torch.Tensor):
+        return
+    storage = t.untyped_storage()
+    if storage.device.type != "cpu":  # a fake tensor (a trace) has no memory to guard
+        return
+    ptr = storage.data_ptr()
     job = state.host_reads.get(ptr)
     if job is None:
         return
     if job.seq <= job.stream.synced_seq or job.finished():
-        del state.host_reads[ptr]
+        state.prune_host_reads()  # the others may have completed too
         return
     raise StreamRaceError(
         f"simulated CUDA: {op} wrote {_describe(t)} while a non_blocking copy on "
@@ -571,6 +609,15 @@ def _repr(func: Any, args: Any, kwargs: dict[str, Any]) -> str:
     if t.grad_fn is not None:
         return f"{text[:-1]}, grad_fn=<{type(t.grad_fn).__name__}>)"
     return f"{text[:-1]}, requires_grad=True)" if t.requires_grad else text
+
+
+def _numpy(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``t.numpy()`` or ``np.asarray(t)`` (``Tensor.__array__``)."""
+    t = args[0]
+    if t.is_cuda:  # CUDA's own words
+        raise TypeError(f"can't convert {t.device} device type tensor to numpy. Use "
+                        f"Tensor.cpu() to copy the tensor to host memory first.")
+    return func(_host_view(t) if isinstance(t, SimTensor) else t, *args[1:], **kwargs)
 
 
 def _tolist(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -646,12 +693,14 @@ class Dispatch(TorchDispatchMode):
         index = u.index
         if index is None:
             if sim.state.host_reads:  # a host tensor written while a copy reads it?
-                written = _WRITTEN.get(func, -1)
-                if written == -1:
-                    written = _WRITTEN[func] = _written_argument(func)
-                if written is not None:
-                    check_host_write(sim.state, args[written] if isinstance(written, int)
-                                     else kwargs.get(written), func)
+                written = _WRITTEN.get(func)
+                if written is None:
+                    written = _WRITTEN[func] = _written_arguments(func)
+                for w in written:
+                    if isinstance(w, str):
+                        check_host_write(sim.state, kwargs.get(w), func)
+                    elif w < len(args):
+                        check_host_write(sim.state, args[w], func)
             drawing_for = sim.state.drawing_for
             if drawing_for is not None and _SEEDED in func.tags and not _has_generator(
                     args, kwargs):
@@ -673,7 +722,14 @@ class Dispatch(TorchDispatchMode):
             sim.use(record, stream, x, func)
         if on_host:
             return func(*cargs, **ckwargs)
-        if _SEEDED in func.tags and not _has_generator(args, kwargs):
+        resizes = _RESIZES.get(func)
+        if resizes is None:
+            resizes = _RESIZES[func] = _can_resize(func)
+        grown: dict[int, int] = {}
+        if resizes and func not in _SETS and fake_mode() is None:
+            out, grown = _run_resizing(sim, index, func, args, kwargs, cargs, ckwargs,
+                                       u.originals)
+        elif _SEEDED in func.tags and not _has_generator(args, kwargs):
             out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
         else:
             out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
@@ -699,21 +755,174 @@ class Dispatch(TorchDispatchMode):
                     sim.state.allocators[index].free(record.block)
                 raise
 
-        resizes = _RESIZES.get(func)
-        if resizes is None:
-            resizes = _RESIZES[func] = _can_resize(func)
-
         def wrap(o: torch.Tensor) -> torch.Tensor:
             original = originals.get(id(o))
             if original is not None:
                 if resizes and (func in _SETS or o.shape != original.shape
                                 or o.stride() != original.stride()
                                 or o.storage_offset() != original.storage_offset()):
-                    sim.follow(original, o, storages)
+                    _follow(sim, original, o, storages, grown.pop(id(o), None))
                 return original
             return sim.wrap(o, storages[_storage_key(o)])
 
-        return _map_tensors(wrap, out)
+        wrapped = _map_tensors(wrap, out)
+        for block in grown.values():  # not needed after all
+            sim.state.allocators[index].free(block)
+        return wrapped
+
+
+def _follow(sim: Tensors, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record],
+            grown: int | None) -> None:
+    """``w``'s backing ``o`` was resized or set to other memory in place (an ``out=``
+    op, ``resize_``, ``set_``): ``w`` takes ``o``'s shape and memory, as a CUDA tensor
+    would. Memory an argument holds is shared (``set_(source)``). A storage the resize
+    grew is reallocated, for every tensor sharing it (views, ``set_`` partners): its
+    allocation takes the new block (``grown``, allocated before the op ran, or now:
+    raises CUDA's OOM) and gives back the old one. Other new memory is a new
+    allocation, and ``w``'s old one goes with its last user."""
+    record = storages.get(_storage_key(o))
+    if record is None:
+        b, record = sim.lookup(w)
+        allocator = sim.state.allocators[record.index]
+        if o.untyped_storage()._cdata == b.untyped_storage()._cdata:
+            block = grown if grown is not None else allocator.allocate(
+                0 if fake_mode() is not None else o.untyped_storage().nbytes())
+            allocator.free(record.block)
+            record.block = block
+        else:
+            if grown is not None:
+                allocator.free(grown)
+            record = sim.allocate(o, record.index)
+        storages[_storage_key(o)] = record
+    moved = sim.wrap(o, record)
+    with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
+        torch.Tensor.set_(w, moved.untyped_storage(), o.storage_offset(), o.shape,
+                          o.stride())
+
+
+# [Note: resizing writes that do not fit]
+# On CUDA an op resizing its output (``out=``, ``resize_``) allocates the grown storage
+# before it computes anything: when that does not fit, the output keeps its values, shape
+# and memory. The simulation runs such an op on the CPU, which grows the backing's storage
+# there, so it runs it first into backings whose storage cannot grow (over the same
+# memory): an op that fits needs nothing more (its new shape is copied onto the backing),
+# and one that would grow its output stops before computing. That one is sized on the meta
+# device (slow in torch, so only then), the grown storages are allocated, and the op runs
+# again on the real backings. An output sharing its storage with an input runs on the real
+# backing (an alias over the same memory would hide the overlap from torch's checks), and
+# so does an op with no meta kernel: those grow first and count the memory after.
+_unresizable_storage: Any = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+
+
+def _run_resizing(sim: Tensors, index: int, func: Any, args: Any, kwargs: dict[str, Any],
+                  cargs: list[Any], ckwargs: dict[str, Any],
+                  originals: dict[int, torch.Tensor]) -> tuple[Any, dict[int, int]]:
+    """Run resizing op ``func`` on the backings (See [Note: resizing writes that do not
+    fit]): what it returned, and the blocks allocated for the storages it grew, by id of
+    the backing."""
+    op = _CPU_EQUIVALENT.get(func, func)
+    if _SEEDED in func.tags and not _has_generator(args, kwargs):
+        def call(a: Any, k: dict[str, Any]) -> Any:
+            return sim.draw(index, op, *a, **k)
+    else:
+        def call(a: Any, k: dict[str, Any]) -> Any:
+            return op(*a, **k)
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = _written_arguments(func)
+    aliases: dict[int, torch.Tensor] = {}  # id(alias) -> the backing it stands for
+    if _unresizable_storage is not None:
+        read = {x.untyped_storage()._cdata for i, a in enumerate(cargs) if i not in written
+                for x in (a if type(a) is list or type(a) is tuple else (a,))
+                if isinstance(x, torch.Tensor)}
+        acargs = [_alias(a, originals, read, aliases) if i in written else a
+                  for i, a in enumerate(cargs)]
+        ackwargs = {k: _alias(v, originals, read, aliases) if k in written else v
+                    for k, v in ckwargs.items()}
+        if aliases:
+            try:
+                out = call(acargs, ackwargs)
+            except RuntimeError as exc:
+                if "not resizable" not in str(exc):
+                    raise
+            else:
+                for a in (*acargs, *ackwargs.values()):
+                    for x in (a if type(a) is list or type(a) is tuple else (a,)):
+                        b = aliases.get(id(x)) if isinstance(x, torch.Tensor) else None
+                        if b is not None and (x.shape != b.shape or x.stride() != b.stride()
+                                              or x.storage_offset() != b.storage_offset()):
+                            b.set_(b.untyped_storage(), x.storage_offset(), x.shape,
+                                   x.stride())
+                return _map_tensors(lambda o: aliases.get(id(o), o), out), {}
+    grown = _grow_first(sim, index, func, written, cargs, ckwargs, originals)
+    try:
+        return call(cargs, ckwargs), grown
+    except BaseException:
+        for block in grown.values():
+            sim.state.allocators[index].free(block)
+        raise
+
+
+def _alias(b: Any, originals: dict[int, torch.Tensor], read: set[int],
+           aliases: dict[int, torch.Tensor]) -> Any:
+    """Backing ``b`` (or a list of them) over a storage that cannot grow, noted in
+    ``aliases``; ``b`` itself when it is no simulated tensor's backing or its storage is
+    one an input reads."""
+    if type(b) is list or type(b) is tuple:
+        return type(b)(_alias(x, originals, read, aliases) for x in b)
+    if not isinstance(b, torch.Tensor) or id(b) not in originals:
+        return b
+    storage = b.untyped_storage()
+    if storage._cdata in read:
+        return b
+    fixed = torch.empty(0, dtype=b.dtype).set_(
+        _unresizable_storage(storage.data_ptr(), b.device, storage.nbytes()),
+        b.storage_offset(), b.shape, b.stride())
+    aliases[id(fixed)] = b
+    return fixed
+
+
+def _grow_first(sim: Tensors, index: int, func: Any, written: tuple[int | str, ...],
+                cargs: list[Any], ckwargs: dict[str, Any],
+                originals: dict[int, torch.Tensor]) -> dict[int, int]:
+    """The blocks for the storages that op ``func`` will grow, by id of the backing it
+    writes, allocated before it runs (raises CUDA's OOM). Sized by running the op on the
+    meta device; empty when it has no meta kernel."""
+    metas: dict[int, torch.Tensor] = {}
+
+    def meta(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            m = metas[id(x)] = torch.empty(0, dtype=x.dtype, device="meta").set_(
+                torch.UntypedStorage(x.untyped_storage().nbytes(), device="meta"),
+                x.storage_offset(), x.shape, x.stride())
+            return m
+        if type(x) is list or type(x) is tuple:
+            return type(x)(meta(y) for y in x)
+        return x
+
+    try:
+        with warnings.catch_warnings():  # torch's "output was resized" comes with the real op
+            warnings.simplefilter("ignore")
+            func(*[meta(a) for a in cargs], **{k: meta(v) for k, v in ckwargs.items()})
+    except Exception:
+        return {}
+    targets: list[Any] = []
+    for w in written:
+        x = ckwargs.get(w) if isinstance(w, str) else cargs[w] if w < len(cargs) else None
+        targets += x if type(x) is list or type(x) is tuple else [x]
+    allocator = sim.state.allocators[index]
+    blocks: dict[int, int] = {}
+    try:
+        for t in targets:
+            if id(t) in originals and id(t) in metas:
+                nbytes = metas[id(t)].untyped_storage().nbytes()
+                if nbytes > t.untyped_storage().nbytes():
+                    blocks[id(t)] = allocator.allocate(nbytes)
+    except BaseException:
+        for block in blocks.values():
+            allocator.free(block)
+        raise
+    return blocks
 
 
 def _views_of_fakes(uses: list[tuple[Record, torch.Tensor, torch.Tensor]],
@@ -922,6 +1131,8 @@ class Functions(TorchFunctionMode):
             torch.Tensor.copy_: self._copy,
             torch.Tensor.record_stream: self._record_stream,
             torch.Tensor.data_ptr: self._data_ptr,
+            torch.Tensor.numpy: _numpy,
+            torch.Tensor.__array__: _numpy,
             # Bindings that take the tensor's device guard: run on the backing (others are
             # found when they raise, see handle()).
             torch.Tensor.__getitem__: self._on_backing,
@@ -1092,8 +1303,11 @@ class Functions(TorchFunctionMode):
 
     def _record_stream(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         t, stream = args[0], args[1] if len(args) > 1 else kwargs["stream"]
-        if not t.is_cuda:
-            return func(*args, **kwargs)
+        if not t.is_cuda:  # record_stream has only a CUDA kernel
+            raise NotImplementedError(
+                f"Could not run 'aten::record_stream' with arguments from the "
+                f"'{t.device.type.upper()}' backend (simulated CUDA: record_stream is for "
+                f"device tensors; a host tensor needs no record of the streams using it)")
         self.sim.record_stream(t, stream)
         return None
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
 import threading
 import time
 from typing import Any
@@ -157,6 +159,18 @@ def test_indexing_mixes_devices_only_where_cuda_does() -> None:
         assert dev.tolist() == [5.0, 5.0, 3.0, 4.0] and host.tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
+def test_an_accumulating_index_put_through_a_mask_wants_the_value_on_the_device() -> None:
+    # aten writes a one-element host value through a device mask as masked_fill_, but not
+    # with accumulate=True: that index_put_ mixes the devices and CUDA refuses it.
+    with simulated_cuda():
+        dev = torch.zeros(4, device="cuda")
+        with pytest.raises(RuntimeError, match="same device"):
+            dev.index_put_((dev == 0,), torch.tensor([1.0]), accumulate=True)
+        dev.index_put_((dev == 0,), torch.tensor([1.0]))
+        dev.index_put_((dev == 1,), torch.tensor([1.0], device="cuda"), accumulate=True)
+        assert dev.tolist() == [2.0] * 4
+
+
 @pytest.mark.parametrize("map_location", [
     None, "cuda", "cuda:0", torch.device("cuda", 0), {"cuda:0": "cuda:0"},
     lambda storage, location: storage.cuda()], ids=["none", "str", "index", "device", "dict",
@@ -180,6 +194,28 @@ def test_a_saved_state_dict_loads_back_onto_the_device(tmp_path: Any, map_locati
     outside = torch.load(path, map_location="cpu")
     assert all(torch.equal(outside[k], expected[k]) and torch.equal(on_host[k], expected[k])
                for k in expected)
+
+
+def test_copy_and_pickle_of_a_device_tensor_give_device_tensors_as_on_cuda() -> None:
+    with simulated_cuda():
+        t = torch.arange(4.0, device="cuda")
+        before = torch.cuda.memory_allocated()
+        alias = copy.copy(t)  # on CUDA: a new tensor over the same memory
+        assert alias.device == t.device and alias is not t
+        alias[0] = 10.0
+        assert t[0].item() == 10.0 and torch.cuda.memory_allocated() == before
+        weight = nn.Parameter(torch.ones(2, device="cuda"), requires_grad=False)
+        for source in (t, weight):
+            restored = pickle.loads(pickle.dumps(source))
+            assert restored.device == source.device and type(restored) is type(source)
+            assert restored.tolist() == source.tolist()
+        assert isinstance(pickle.loads(pickle.dumps(weight)), nn.Parameter)
+        pickled = pickle.dumps(t)
+    # As on a machine without CUDA: the bytes say cuda:0.
+    with pytest.raises(RuntimeError, match="CUDA"):
+        pickle.loads(pickled)
+    with pytest.raises(RuntimeError, match="after its `with adaptmem.testing.simulated_cuda"):
+        copy.copy(alias)
 
 
 def test_storages_read_and_safetensors_save_as_on_cuda(tmp_path: Any) -> None:
@@ -256,6 +292,32 @@ def test_resizing_writes_give_the_tensor_its_new_shape_and_memory() -> None:
         assert q.shape == (6,) and torch.cuda.memory_allocated() == before
         q[0] = 100.0
         assert y[0].item() == 100.0
+
+
+def test_a_resize_past_the_limit_fails_before_the_op_writes_anything() -> None:
+    with simulated_cuda(total_memory="8MiB"):
+        a = torch.ones(1 << 20, device="cuda")  # 4 MiB
+        w = torch.full((4,), 7.0, device="cuda")
+        before = torch.cuda.memory_allocated()
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.mul(a, 2, out=w)
+        assert w.tolist() == [7.0] * 4 and torch.cuda.memory_allocated() == before
+        with pytest.raises(torch.OutOfMemoryError):
+            w.resize_(1 << 21)
+        assert w.shape == (4,) and torch.cuda.memory_allocated() == before
+        # Its memory did not grow behind the count: growing it now takes a block of the
+        # new size (1000 floats in 512-byte blocks) in place of the old one.
+        view = w[:2]
+        w.resize_(1000)
+        assert torch.cuda.memory_allocated() - before == 4096 - 512
+        # On CUDA the storage the view shares was reallocated: the old block is gone.
+        view[0] = 3.0
+        assert w[0].item() == 3.0 and w[2].item() == 7.0
+        del view
+        assert torch.cuda.memory_allocated() - before == 4096 - 512
+        torch.mul(a[:2000], 2, out=w.resize_(0))  # a growth that fits
+        assert w.shape == (2000,) and w[1999].item() == 2.0
+        assert torch.cuda.memory_allocated() - before == 8192 - 512
 
 
 def test_an_allocation_past_the_limit_raises_cudas_oom_and_allocates_nothing() -> None:
@@ -492,6 +554,50 @@ def test_writing_a_pinned_source_before_its_copy_completed_raises() -> None:
         assert dev[:2].tolist() == [1.0, 1.0]
 
 
+def test_writing_a_pinned_parameter_or_list_or_second_output_in_flight_raises() -> None:
+    with simulated_cuda(bandwidth=0.01):  # 256 KiB at 10 MB/s: 26 ms
+        weight = nn.Parameter(torch.ones(1 << 16).pin_memory(), requires_grad=False)
+        order = torch.arange(1 << 16).pin_memory()
+        weight.to("cuda", non_blocking=True)
+        order.to("cuda", non_blocking=True)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            weight.add_(1)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            torch._foreach_add_([torch.zeros(2), weight], 1)
+        with pytest.raises(StreamRaceError, match="still reads it"):
+            torch.sort(torch.ones(1 << 16), out=(torch.empty(0), order))
+        torch.cuda.synchronize()
+        weight.add_(1)
+
+
+def test_a_host_tensor_at_a_freed_pinned_sources_address_may_be_written() -> None:
+    # On a GPU pageable memory never takes a pinned block's address, and the caching host
+    # allocator holds the block until its copy completes.
+    with simulated_cuda(bandwidth=0.01) as sim:  # 256 KiB at 10 MB/s: 26 ms
+        for _ in range(5):
+            pinned = torch.ones(1 << 16).pin_memory()
+            dev = pinned.to("cuda", non_blocking=True)
+            del pinned
+            # malloc hands the freed address to one of these as a rule: writing it is no
+            # race.
+            made = [torch.empty(1 << 16) for _ in range(4)]
+            for x in made:
+                x.fill_(2.0)
+        assert dev[:2].tolist() == [1.0, 1.0]
+        host = torch.ones(1 << 16).pin_memory()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            host.to("cuda", non_blocking=True)
+        assert sim._state.host_reads
+        side.synchronize()  # ordinary host ops stop checking for writes to pinned sources
+        assert not sim._state.host_reads
+        host.to("cuda", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        assert not sim._state.host_reads
+
+
 def test_a_read_after_wait_stream_sees_the_copied_values() -> None:
     with simulated_cuda(bandwidth=1):  # 1 MiB at 1 GB/s: about a millisecond
         host = torch.ones(MiB // 4).pin_memory()
@@ -718,6 +824,24 @@ def test_freeing_a_tensor_another_stream_used_without_record_stream_is_reported(
         dev.sum()  # used on the compute stream, allocated on the side stream
         del dev
         assert sim.problems
+
+
+def test_host_only_and_device_only_calls_are_refused_as_on_cuda() -> None:
+    np = pytest.importorskip("numpy")
+    with simulated_cuda():
+        t = torch.arange(4.0, device="cuda")
+        with pytest.raises(NotImplementedError, match="aten::record_stream.*'CPU' backend"):
+            torch.ones(2).record_stream(torch.cuda.Stream())
+        message = "can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu()"
+        with pytest.raises(TypeError, match=message):
+            t.numpy()
+        with pytest.raises(TypeError, match=message):
+            np.asarray(t)
+        assert t.cpu().numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+        # CUDA copies to the host with non_blocking=True into pinned memory.
+        host = t.to("cpu", non_blocking=True)
+        assert host.is_pinned() and host.tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert not t.to("cpu").is_pinned()
 
 
 def test_record_stream_makes_that_free_safe() -> None:
