@@ -377,8 +377,9 @@ class Tensors:
         if entry is None:
             raise RuntimeError(
                 f"simulated CUDA: {_describe(t)} has no values in this simulation (it was "
-                f"made before `with simulated_cuda():` began, or by code the simulation "
-                f"does not see, e.g. with torch functions disabled)")
+                f"made before this `with simulated_cuda():` block began, in an earlier "
+                f"block, or by code the simulation does not see, e.g. with torch functions "
+                f"disabled)")
         b, record, _ = entry
         if (t.dtype == b.dtype and t.shape == b.shape and t.stride() == b.stride()
                 and t.storage_offset() == b.storage_offset()):
