@@ -173,8 +173,11 @@ class SimTensor(torch.Tensor):
             return copy.copy(_host_view(self))
         if _current is None or _current.closed:
             raise _after_the_block(copy.copy)
-        return torch.empty(0, dtype=self.dtype, device=self.device).set_(
+        alias = torch.empty(0, dtype=self.dtype, device=self.device).set_(
             self.untyped_storage(), self.storage_offset(), self.size(), self.stride())
+        if getattr(self, "_is_param", False):  # what copy.copy of a Parameter gives
+            return torch.nn.Parameter(alias, self.requires_grad)
+        return alias
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
@@ -452,6 +455,8 @@ class Tensors:
     def mark_pinned(self, pinned: torch.Tensor) -> torch.Tensor:
         """Host tensor ``pinned``, new, counted as pinned memory from now on."""
         ptr = pinned.untyped_storage().data_ptr()
+        if not ptr:  # an empty storage has no memory to pin (every one is at address 0)
+            return pinned
         # Pinning belongs to the storage, as CUDA's does: nn.Parameter(pinned) is another
         # tensor object over it, and it stays pinned after ``pinned`` itself is gone.
         self.state.pinned[ptr] = weakref.finalize(pinned.untyped_storage(), self.state.unpin,
@@ -551,7 +556,7 @@ class Tensors:
                 dst.copy_(src)
 
         record.pending = job = stream.enqueue(run, nbytes, "copy")
-        if not src.is_cuda:  # its source must not be written until the copy is done
+        if not src.is_cuda and nbytes:  # its source must not be written until the copy is done
             state = self.state
             state.host_reads[src.untyped_storage().data_ptr()] = job
             if job.done_at > state.host_reads_until:
@@ -571,12 +576,14 @@ def check_host_write(state: SimState, t: Any, op: Any) -> None:
         for x in t:
             check_host_write(state, x, op)
         return
-    if not isinstance(t, torch.Tensor):
-        return
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
+        return  # a sparse tensor is no pinned copy's source
     storage = t.untyped_storage()
     if storage.device.type != "cpu":  # a fake tensor (a trace) has no memory to guard
         return
     ptr = storage.data_ptr()
+    if not ptr:  # empty: nothing to write
+        return
     job = state.host_reads.get(ptr)
     if job is None:
         return
@@ -615,6 +622,8 @@ def _repr(func: Any, args: Any, kwargs: dict[str, Any]) -> str:
 def _numpy(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """``t.numpy()`` or ``np.asarray(t)`` (``Tensor.__array__``)."""
     t = args[0]
+    if t.is_cuda and kwargs.get("force", args[1] if len(args) > 1 else False):
+        return t.detach().cpu().resolve_conj().resolve_neg().numpy()  # as torch documents
     if t.is_cuda:  # CUDA's own words
         raise TypeError(f"can't convert {t.device} device type tensor to numpy. Use "
                         f"Tensor.cpu() to copy the tensor to host memory first.")
@@ -1154,7 +1163,9 @@ class Functions(TorchFunctionMode):
         if handler is not None:
             # Handlers call C bindings only (see [Note: the per-op cost of the simulation]).
             with _no_subclass_function():
-                if torch.is_grad_enabled():
+                # Without grad only where a simulated tensor is (the simulation has no
+                # autograd): a host tensor's slice, copy or cast keeps its graph.
+                if torch.is_grad_enabled() and _touches_cuda(args, kwargs):
                     with torch.no_grad():
                         return handler(func, args, kwargs)
                 return handler(func, args, kwargs)
@@ -1316,6 +1327,12 @@ class Functions(TorchFunctionMode):
         """Run ``func`` on the backings of its simulated tensors (a binding that would take
         the real CUDA device guard), and wrap what it returns."""
         sim = self.sim
+        out_arg = kwargs.get("out")
+        if isinstance(out_arg, torch.Tensor) and out_arg.is_cuda:
+            # ``torch.nonzero(x, out=o)``: the result made on its own, then written into
+            # ``out`` by the ops the simulation follows (its resize, its memory).
+            made = self._on_backing(func, args, {k: v for k, v in kwargs.items() if k != "out"})
+            return out_arg.resize_(made.shape).copy_(made)
         flat, spec = tree_flatten((args, kwargs))
         index: int | None = None
         cpu_arg = False

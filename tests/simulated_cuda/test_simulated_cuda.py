@@ -1054,3 +1054,55 @@ def test_what_fitted_still_fits_after_an_out_of_memory_error_emptied_the_cache()
         big = torch.empty(3 * MiB, dtype=torch.uint8, device="cuda")
         assert torch.cuda.memory_allocated() == 8 * (MiB + 2048) + 3 * MiB
         del big, weights
+
+
+def test_host_autograd_inside_the_block_is_torchs_own() -> None:
+    # The simulation's handlers (slicing, setitem, .to, copy_) ran without grad for host
+    # tensors too: x[1:] had no graph and x.grad stayed None, with no error.
+    with simulated_cuda():
+        x = torch.arange(4.0, requires_grad=True)
+        (x[1:] * 2).sum().backward()
+        grad = x.grad
+        kept = [x[[0, 1]].requires_grad, x.to(torch.float64).requires_grad]
+        w = torch.zeros(4)
+        w[1:] = x[1:]
+        kept.append(w.requires_grad)
+        with pytest.raises(RuntimeError, match="requires grad"):
+            x.numpy()
+        forced = torch.ones(2, device="cuda").numpy(force=True)  # a host copy, as documented
+    assert grad is not None and grad.tolist() == [0.0, 2.0, 2.0, 2.0]
+    assert kept == [True, True, True]
+    assert forced.tolist() == [1.0, 1.0]
+
+
+def test_empty_and_sparse_host_tensors_are_no_pinned_copys_source() -> None:
+    # Every empty storage is at address 0: an empty pinned tensor's copy in flight made
+    # every empty host tensor "its source"; a sparse tensor's write asked for a storage.
+    with simulated_cuda(bandwidth=0.01):
+        source = torch.zeros(4 << 20).pin_memory()
+        source.to("cuda", non_blocking=True)  # a copy in flight
+        torch.empty(0).pin_memory().to("cuda", non_blocking=True)
+        grown = torch.empty(0).resize_(5)
+        out = torch.exp(torch.ones(3), out=torch.empty(0))
+        sparse = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.tensor([1.0, 2.0]), (3,),
+                                         check_invariants=True)
+        sparse.mul_(2)
+        pinned_empty = torch.empty(0).is_pinned()
+        with pytest.raises(StreamRaceError):
+            source.fill_(1)  # the real source still is one
+        torch.cuda.synchronize()
+    assert grown.shape == (5,) and out.shape == (3,) and not pinned_empty
+    assert sparse.to_dense().tolist() == [2.0, 4.0, 0.0]
+
+
+def test_copy_of_a_parameter_and_an_out_binding_behave_as_on_cuda() -> None:
+    import copy
+
+    with simulated_cuda():
+        p = nn.Parameter(torch.ones(3, device="cuda"))
+        c = copy.copy(p)
+        assert isinstance(c, nn.Parameter) and c.requires_grad and c.data_ptr() == p.data_ptr()
+        a = torch.tensor([1.0, -1, 2, 3], device="cuda")
+        o = torch.empty(10, dtype=torch.long, device="cuda")
+        r = torch.nonzero(a > 0, out=o)  # a binding with the device guard, out= given
+        assert r is o and o.shape == (3, 1) and o.cpu().flatten().tolist() == [0, 2, 3]
