@@ -104,7 +104,6 @@ class Plan:
 
         Example:
             >>> import json
-import os
             >>> from adaptmem import adaptive
             >>> plan = adaptive.Plan("page", [], 0)
             >>> adaptive.Plan.from_dict(json.loads(plan.to_json()))
