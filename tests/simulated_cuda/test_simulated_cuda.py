@@ -1103,6 +1103,6 @@ def test_copy_of_a_parameter_and_an_out_binding_behave_as_on_cuda() -> None:
         c = copy.copy(p)
         assert isinstance(c, nn.Parameter) and c.requires_grad and c.data_ptr() == p.data_ptr()
         a = torch.tensor([1.0, -1, 2, 3], device="cuda")
-        o = torch.empty(10, dtype=torch.long, device="cuda")
+        o = torch.empty(0, dtype=torch.long, device="cuda")  # (a non-empty one warns on CUDA)
         r = torch.nonzero(a > 0, out=o)  # a binding with the device guard, out= given
         assert r is o and o.shape == (3, 1) and o.cpu().flatten().tolist() == [0, 2, 3]
