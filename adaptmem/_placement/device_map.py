@@ -11,7 +11,7 @@ import torch
 
 from .._common.devices import resolve_device
 from .._common.errors import PlacementError
-from .._planning import Target, split_label
+from .._planning import Target, map_key, split_label
 
 __all__ = ["normalise_map", "map_before_placement", "map_label"]
 
@@ -59,39 +59,35 @@ def normalise_map(device_map: Mapping[str, str], targets: Mapping[str, Target],
             f"device_map places modules on {bad}, which are not among this placement's "
             f"devices {sorted(targets)}; add them to devices= or change the map"
         )
-    deciding = {name: _most_specific(name, out) for name in tensors}
+    deciding = {name: map_key(name, out) for name in tensors}
     uncovered = [name for name, key in deciding.items() if key is None]
     if uncovered:
         raise PlacementError(
             f"device_map leaves {len(uncovered)} tensor(s) without a device (first: "
             f"{uncovered[0]!r}); name their module, a parent of it, or '' for everything"
         )
+    # A key over some tensor (the tensor itself or a parent of it) that places none of them.
+    over = {prefix for name in tensors for prefix in _names_and_parents(name)}
     used = set(deciding.values())
-    shadowed = {k: {deciding[n] or "" for n in tensors if _under(n, k)} for k in out
-                if k and k not in used}
-    shadowed = {k: v for k, v in shadowed.items() if v}  # a key with no tensors: a bare module
-    if shadowed:
-        key, by = next(iter(shadowed.items()))
-        finer = sorted(by)
+    shadowed = next((k for k in out if k and k in over and k not in used), None)
+    if shadowed is not None:
+        finer = sorted({key or "" for name, key in deciding.items()
+                        if name == shadowed or name.startswith(shadowed + ".")})
         raise PlacementError(
-            f"device_map[{key!r}] places nothing: every tensor under it is placed by a more "
-            f"specific key ({', '.join(repr(k) for k in finer[:4])}"
-            f"{' ...' if len(finer) > 4 else ''}), which wins; to move all of {key!r}, "
+            f"device_map[{shadowed!r}] places nothing: every tensor under it is placed by a "
+            f"more specific key ({', '.join(repr(k) for k in finer[:4])}"
+            f"{' ...' if len(finer) > 4 else ''}), which wins; to move all of {shadowed!r}, "
             f"drop those keys from the map")
     return out
 
 
-def _under(name: str, key: str) -> bool:
-    return key == "" or name == key or name.startswith(key + ".")
-
-
-def _most_specific(name: str, device_map: Mapping[str, str]) -> str | None:
-    """The key of ``device_map`` that places tensor ``name``: the longest one it is under."""
-    found = None
-    for key in device_map:
-        if _under(name, key) and (found is None or len(key) > len(found)):
-            found = key
-    return found
+def _names_and_parents(name: str) -> list[str]:
+    """``"a.b.w"`` -> ``["a.b.w", "a.b", "a"]``."""
+    out = [name]
+    while "." in name:
+        name = name.rpartition(".")[0]
+        out.append(name)
+    return out
 
 
 def _label_for(value: str, targets: Mapping[str, Target]) -> str:

@@ -21,7 +21,7 @@ from .units import Unit, assign_devices, order_units, paging_units
 
 __all__ = [
     "ATOMIC_MODULE_TYPES", "placement_units", "plan_placement", "own_ties_where_first_used",
-    "placed_bytes", "label_for_unit", "check_ties"
+    "placed_bytes", "label_for_unit", "map_key", "check_ties"
 ]
 
 # Their forwards may read children's weights without calling the children, on fast paths
@@ -201,20 +201,29 @@ def placed_bytes(units: Iterable[Unit], sizes: ModuleSizes, targets: Mapping[str
     return used
 
 
+def map_key(name: str, device_map: Mapping[str, Any]) -> str | None:
+    """The key of ``device_map`` that places ``name`` (a tensor or module): the most specific
+    one, itself or its nearest parent (``''``: the whole model); None if there is none."""
+    key = name
+    while key not in device_map:
+        if key == "":
+            return None
+        key = key.rpartition(".")[0]
+    return key
+
+
 def label_for_unit(unit: Unit, device_map: Mapping[str, str], targets: Mapping[str, Target]
                    ) -> str:
     """The one label ``device_map`` gives every tensor of ``unit`` (most specific key wins)."""
     names = unit.tensors or (unit.module,)
     found: dict[str, str] = {}
     for name in names:
-        key = name
-        while key not in device_map:
-            if key == "":
-                raise PlacementError(
-                    f"device_map places no entry for {name!r}: add it (or one of its parent "
-                    f"modules, '' for the whole model) with a device such as 'cpu'"
-                )
-            key = key.rpartition(".")[0]
+        key = map_key(name, device_map)
+        if key is None:
+            raise PlacementError(
+                f"device_map places no entry for {name!r}: add it (or one of its parent "
+                f"modules, '' for the whole model) with a device such as 'cpu'"
+            )
         found[name] = str(device_map[key])
     labels = set(found.values())
     if len(labels) > 1:
