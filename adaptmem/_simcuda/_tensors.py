@@ -121,8 +121,13 @@ _WRITTEN: dict[Any, tuple[int | str, ...]] = {}
 
 
 def _written_arguments(func: Any) -> tuple[int | str, ...]:
-    return tuple(a.name if a.kwarg_only else i for i, a in enumerate(func._schema.arguments)
-                 if a.alias_info is not None and a.alias_info.is_write)
+    """The arguments op ``func`` writes (positions, or ``out`` keywords' names), cached."""
+    written = _WRITTEN.get(func)
+    if written is None:
+        written = _WRITTEN[func] = tuple(
+            a.name if a.kwarg_only else i for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    return written
 
 
 def _can_resize(func: Any) -> bool:
@@ -271,6 +276,13 @@ class Record:
         self.pending: Any = None
 
 
+def _no_values(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"simulated CUDA: {what} has no values in this simulation (it was made before this "
+        f"`with simulated_cuda():` block began, in an earlier block, or by code the "
+        f"simulation does not see, e.g. with torch functions disabled)")
+
+
 def _describe(t: torch.Tensor) -> str:
     return f"a tensor of shape {list(t.shape)} ({t.dtype}) on {t.device}"
 
@@ -369,20 +381,13 @@ class Tensors:
         """The backing and allocation a simulated tensor's storage holds."""
         entry = self.entries.get(storage._cdata)
         if entry is None:
-            raise RuntimeError(
-                f"simulated CUDA: a {storage.nbytes()}-byte storage on {storage.device} has "
-                f"no values in this simulation (it was made before `with simulated_cuda():` "
-                f"began, or by code the simulation does not see)")
+            raise _no_values(f"a {storage.nbytes()}-byte storage on {storage.device}")
         return entry[0], entry[1]
 
     def lookup(self, t: torch.Tensor) -> tuple[torch.Tensor, Record]:
         entry = self.entries.get(t.untyped_storage()._cdata)
         if entry is None:
-            raise RuntimeError(
-                f"simulated CUDA: {_describe(t)} has no values in this simulation (it was "
-                f"made before this `with simulated_cuda():` block began, in an earlier "
-                f"block, or by code the simulation does not see, e.g. with torch functions "
-                f"disabled)")
+            raise _no_values(_describe(t))
         b, record, _ = entry
         if (t.dtype == b.dtype and t.shape == b.shape and t.stride() == b.stride()
                 and t.storage_offset() == b.storage_offset()):
@@ -703,10 +708,7 @@ class Dispatch(TorchDispatchMode):
         index = u.index
         if index is None:
             if sim.state.host_reads:  # a host tensor written while a copy reads it?
-                written = _WRITTEN.get(func)
-                if written is None:
-                    written = _WRITTEN[func] = _written_arguments(func)
-                for w in written:
+                for w in _written_arguments(func):
                     if isinstance(w, str):
                         check_host_write(sim.state, kwargs.get(w), func)
                     elif w < len(args):
@@ -837,9 +839,7 @@ def _run_resizing(sim: Tensors, index: int, func: Any, args: Any, kwargs: dict[s
     else:
         def call(a: Any, k: dict[str, Any]) -> Any:
             return op(*a, **k)
-    written = _WRITTEN.get(func)
-    if written is None:
-        written = _WRITTEN[func] = _written_arguments(func)
+    written = _written_arguments(func)
     aliases: dict[int, torch.Tensor] = {}  # id(alias) -> the backing it stands for
     if _unresizable_storage is not None:
         read = {x.untyped_storage()._cdata for i, a in enumerate(cargs) if i not in written
@@ -941,13 +941,8 @@ def _views_of_fakes(uses: list[tuple[Record, torch.Tensor, torch.Tensor]],
     became: an output in that fake's storage is a view of the argument (a chunk of the data,
     ``data.split(n)``), of its allocation, not a new one. Moves such outputs from ``fresh``
     to the argument's allocation in ``storages``."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    mode = fake_mode()
     for record, _, b in uses:
-        if isinstance(b, FakeTensor):
-            continue
-        ptr = _storage_key(mode.from_tensor(b))
+        ptr = _fake_key(b)
         if ptr in fresh:
             del fresh[ptr]
             storages[ptr] = record
@@ -957,15 +952,21 @@ def _fake_owner(o: torch.Tensor, backings: Any) -> Any:
     """The (simulated tensor, allocation, backing) whose real backing ``o`` is a view of
     under a fake mode (a trace: the op ran on the fake that backing became, as in
     ``_views_of_fakes``), or None: a slice of the data is not new memory."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    mode = fake_mode()
     key = _storage_key(o)
     for owner in backings:
-        b = owner[2]
-        if not isinstance(b, FakeTensor) and _storage_key(mode.from_tensor(b)) == key:
+        if _fake_key(owner[2]) == key:
             return owner
     return None
+
+
+def _fake_key(b: torch.Tensor) -> int | None:
+    """Under a fake mode, the storage key of the fake that real backing ``b`` became (what an
+    op on ``b`` ran on); None for a backing that is fake already."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(b, FakeTensor):
+        return None
+    return _storage_key(fake_mode().from_tensor(b))
 
 
 class _Unwrapping:
