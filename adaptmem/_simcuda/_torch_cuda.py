@@ -88,15 +88,8 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
         if stream is None:
             yield
             return
-        previous_device = state.current_device
-        previous = state.current_streams[stream.index]
-        state.current_streams[stream.index] = stream
-        state.current_device = stream.index
-        try:
+        with stream:  # SimStream's own: current on its device, that device current
             yield
-        finally:
-            state.current_streams[stream.index] = previous
-            state.current_device = previous_device
 
     def set_stream(stream: Any) -> None:
         state.current_streams[stream.index] = stream
