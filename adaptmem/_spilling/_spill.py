@@ -168,7 +168,8 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
             ``cpu_memory.set_cpu_memory_limit`` caps). ``"auto"``: spill once less than half
             of what was free at the step's first large save is left (the other half is kept
             for backward); after a step under the handle runs out of memory, the next keeps
-            three quarters, then all of it. ``0``: spill everything over the threshold.
+            three quarters, and after a second one every saved tensor over the threshold
+            is spilled, as with ``0``. ``0``: spill everything over the threshold.
         to: the next tier. ``"host"``: pinned host memory (the default for an accelerator;
             for CPU tensors there is no host tier, they stay). A directory: an unlinked
             scratch file in it (the default for CPU tensors: the temporary directory),

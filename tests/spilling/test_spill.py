@@ -408,6 +408,23 @@ def test_limit_auto_spills_nothing_while_memory_is_plentiful(tmp_path: Path) -> 
     assert handle.stats.tensors_saved > 0 and handle.stats.tensors_spilled == 0
 
 
+def test_limit_auto_spills_every_large_saved_tensor_after_two_steps_ran_out_of_memory(
+        tmp_path: Path) -> None:
+    handle = adaptive.spill(threshold="64KiB", to=tmp_path)
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError), handle:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    assert handle.keep_free == 1.0
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB
+    with handle:
+        y = x
+        for _ in range(8):
+            y = y.exp().tanh()  # 16 saved storages of 256 KiB
+        y.sum().backward()
+    # All of them, the first too: none is left to how memory in use moved meanwhile.
+    assert handle.stats.tensors_spilled == 16 and handle.stats.tensors_kept == 0
+
+
 def test_the_decorator_spills_each_call_and_the_handle_counts_them(tmp_path: Path) -> None:
     handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
 
