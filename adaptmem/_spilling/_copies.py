@@ -2,7 +2,9 @@
 
 One writer and one reader thread for the process (the copies of a tier are sequential
 anyway, and reads must not queue behind writes). Bytes waiting to be written are memory not
-yet freed, so forward waits while more than ``Limits.max_pending()`` are queued.
+yet freed, and so are an accelerator's bytes on their way to host memory (the device
+memory a copy reads stays allocated until it lands; the writer thread waits for each), so
+forward waits while more than ``Limits.max_pending()`` are under way.
 """
 
 from __future__ import annotations
@@ -122,15 +124,24 @@ class Copies:
             assert mover is not None  # has_tier made sure
             entry.host, entry.event = mover.to_host(src)
             if not to_disk:
+                # Stored once the copy lands; until then the device memory it reads stays
+                # allocated, so it counts as pending like a write to disk.
                 entry.state = EntryState.STORED
+                self._wait_for_room(entry.nbytes, max_pending)
+                self.submit(Copier.WRITE, self.landed, entry)
                 return
         else:
             entry.source = src
             if self.settings.mmap_threshold is not None and not self.holds_mmap_threshold:
                 self.holds_mmap_threshold = True
                 hold_mmap_threshold(self.settings.mmap_threshold)
-        nbytes = entry.nbytes
-        entry.offset = self._disk_file().reserve(nbytes)
+        entry.offset = self._disk_file().reserve(entry.nbytes)
+        self._wait_for_room(entry.nbytes, max_pending)
+        self.submit(Copier.WRITE, self.write, entry)
+
+    def _wait_for_room(self, nbytes: int, max_pending: int) -> None:
+        """Forward waits while copies out of ``max_pending`` bytes or more are under way;
+        then ``nbytes`` more are."""
         with self.room:
             if self.pending_bytes and self.pending_bytes + nbytes > max_pending:
                 start = time.perf_counter()
@@ -138,7 +149,20 @@ class Copies:
                     self.room.wait()
                 self.stats.seconds_waiting += time.perf_counter() - start
             self.pending_bytes += nbytes
-        self.submit(Copier.WRITE, self.write, entry)
+
+    def _done_pending(self, nbytes: int) -> None:
+        with self.room:
+            self.pending_bytes -= nbytes
+            self.room.notify_all()
+
+    def landed(self, entry: Entry) -> None:
+        """(On the writer thread.) Wait for ``entry``'s copy to host memory to land: its
+        device memory is free to go then."""
+        try:
+            if entry.event is not None and not self.discarded:
+                entry.event.synchronize()
+        finally:
+            self._done_pending(entry.nbytes)
 
     def write(self, entry: Entry) -> None:
         """(On the writer thread.) Copy ``entry`` to the scratch file and free its memory."""
@@ -169,9 +193,7 @@ class Copies:
             return
         finally:
             self.stats.seconds_writing += time.perf_counter() - start
-            with self.room:
-                self.pending_bytes -= entry.nbytes
-                self.room.notify_all()
+            self._done_pending(entry.nbytes)
         with self.lock:
             entry.state = EntryState.STORED
             freed = entry.source is not None  # a CPU activation (host copies are pinned)

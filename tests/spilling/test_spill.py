@@ -927,6 +927,75 @@ def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
 
 
+class _SlowLink(HostLink):
+    """A stand-in device whose copies to host memory take ``seconds`` each and land only
+    when waited for; it counts the copies under way (started, not landed) at each start.
+    On a GPU each of them holds its source's device memory."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.under_way = self.most_under_way = 0
+
+    def through_host(self, device: torch.device) -> bool:
+        return True
+
+    def mover(self, device: torch.device) -> Any:
+        link = self
+
+        class Landing:
+            def __init__(self) -> None:
+                self.at = time.monotonic() + link.seconds
+                self.landed = False
+
+            def synchronize(self) -> None:
+                time.sleep(max(0.0, self.at - time.monotonic()))
+                with link.lock:
+                    link.under_way -= not self.landed
+                    self.landed = True
+
+        class SlowMover:
+            def to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Landing]:
+                with link.lock:
+                    link.under_way += 1
+                    link.most_under_way = max(link.most_under_way, link.under_way)
+                return src.clone(), Landing()
+
+            def to_device(self, host: torch.Tensor, after: Any = None) -> tuple[Any, None]:
+                if after is not None:
+                    after.synchronize()
+                return host.clone(), None
+
+            def use(self, restored: torch.Tensor, done: Any) -> None:
+                pass
+
+        return SlowMover()
+
+
+@pytest.mark.parametrize("to", ["host", "dir"])
+def test_max_pending_bounds_the_copies_under_way_on_the_host_tier_as_on_disk(
+        to: str, tmp_path: Path) -> None:
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB per saved storage
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(6):
+            y = y.exp().tanh()  # 12 saved storages
+        return y.sum()
+
+    forward().backward()
+    want, x.grad = x.grad, None
+    link = _SlowLink(seconds=0.02)
+    handle = Spill(threshold=0, limit=0, to=tmp_path if to == "dir" else to,
+                   max_pending="256KiB", link=link)
+    with handle:
+        forward().backward()
+    assert handle.stats.tensors_spilled == 12 and torch.equal(x.grad, want)
+    # Room for one copy: forward waited for the one before before it went on (the one just
+    # started and the one waited for are under way together).
+    assert link.most_under_way <= 2 and handle.stats.seconds_waiting > 0
+
+
 def test_a_retained_graph_restores_again_for_a_second_backward(tmp_path: Path) -> None:
     x = torch.randn(256, 256, requires_grad=True)
     loss = _exp_chain(x).sum()
