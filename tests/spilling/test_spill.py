@@ -254,6 +254,28 @@ def test_a_storage_saved_twice_or_through_views_is_spilled_once(tmp_path: Path) 
     assert torch.equal(x.grad, want)
 
 
+def test_a_storage_kept_for_one_save_is_kept_for_later_saves_across_the_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first save holds the storage: copying it out for a later save would free nothing.
+    from adaptmem._spilling import _limits
+
+    in_use = [0]
+    monkeypatch.setattr(_limits, "in_use_bytes", lambda device: in_use[0])
+    x = torch.randn(256, 256, requires_grad=True)
+
+    def f(between: Callable[[], None]) -> torch.Tensor:
+        a = x.exp()  # saves its output a
+        between()
+        return a.sin().exp().sum()  # sin saves a again; exp saves a new storage
+
+    f(lambda: None).backward()
+    want, x.grad = x.grad, None
+    with adaptive.spill(threshold=0, limit=100, to=tmp_path) as handle:
+        f(lambda: in_use.__setitem__(0, 1 << 30)).backward()  # the limit crossed between
+    assert handle.stats.tensors_kept == 2 and handle.stats.tensors_spilled == 1
+    assert handle.stats.bytes_out == 256 * 256 * 4 and torch.equal(x.grad, want)
+
+
 def test_a_detached_alias_shares_its_originals_copy(tmp_path: Path) -> None:
     # Stop-gradient (x * f(x).detach(), BYOL, SimSiam): the alias has no base but shares
     # the original's storage and version counter, so one copy serves both, and a save of
