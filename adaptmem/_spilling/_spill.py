@@ -5,13 +5,13 @@ prefetched in reverse save order, during backward. The handle; each ``with`` blo
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._common.callables import lazy_body
 from .._common.devices import format_bytes, parse_size, whole_number
 from .._common.oom import is_oom
 from .._common.reporting import report
@@ -114,26 +114,28 @@ class Spill:
                         if self.keep_free >= 1.0 else "")
 
     def __call__(self, fn: F) -> F:
-        if not callable(fn):
+        func = fn
+        if not callable(func):
             raise TypeError(
                 f"a spill handle decorates a function (@adaptive.spill() above a def, or "
                 f"adaptive.spill()(function)), got {type(fn).__name__} {fn!r}; to spill a "
                 f"block of code, use the handle as `with adaptive.spill():` instead"
             )
-        if (inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn)
-                or inspect.isasyncgenfunction(fn)):
+        body = lazy_body(func)  # a generator function, or a callable object making one
+        if body is not None:
+            name = getattr(func, "__qualname__", None) or getattr(body, "__qualname__", func)
             raise TypeError(
                 f"@adaptive.spill() spills what the decorated call saves while it runs, but "
-                f"{getattr(fn, '__qualname__', fn)!r} is a generator or async function: "
-                f"calling it only makes the generator or coroutine, and its forward runs "
-                f"after the call, outside the spill. Put `with handle:` around the forward "
-                f"and backward inside it instead (one handle = adaptive.spill(...))"
+                f"{name!r} is a generator or async function: calling it only makes the "
+                f"generator or coroutine, and its forward runs after the call, outside the "
+                f"spill. Put `with handle:` around the forward and backward inside it "
+                f"instead (one handle = adaptive.spill(...))"
             )
 
-        @functools.wraps(fn)
+        @functools.wraps(func)
         def step(*args: Any, **kwargs: Any) -> Any:
             with self:
-                return fn(*args, **kwargs)
+                return func(*args, **kwargs)
 
         return step  # type: ignore[return-value]
 

@@ -480,6 +480,24 @@ def test_the_decorator_refuses_generator_and_async_steps_whose_forward_runs_late
     assert handle.stats.steps == 0
 
 
+def test_the_decorator_refuses_a_callable_object_whose_call_is_a_generator() -> None:
+    handle = adaptive.spill(threshold=0, limit=0)
+
+    class GeneratorStep:
+        def __call__(self, x: torch.Tensor) -> Any:
+            yield _exp_chain(x).sum()
+
+    class AsyncStep:
+        async def __call__(self, x: torch.Tensor) -> Any:
+            return _exp_chain(x).sum()
+
+    for step in (GeneratorStep(), AsyncStep()):
+        name = f"{type(step).__name__}.__call__"
+        with pytest.raises(TypeError, match=f"{name}.*generator or async.*with handle"):
+            handle(step)
+    assert handle.stats.steps == 0
+
+
 def test_the_decorator_without_parentheses_or_on_a_non_function_is_refused_saying_how() -> None:
     with pytest.raises(TypeError, match=r"write @adaptive.spill\(\) .*got 'step' as threshold"):
         @adaptive.spill  # type: ignore[arg-type]
