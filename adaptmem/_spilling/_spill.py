@@ -114,7 +114,9 @@ class Spill:
                         if self.keep_free >= 1.0 else "")
 
     def __call__(self, fn: F) -> F:
-        func = fn
+        # Above @staticmethod / @classmethod: wrap the function, and bind as they would.
+        binding = type(fn) if isinstance(fn, (staticmethod, classmethod)) else None
+        func = fn.__func__ if binding is not None else fn  # type: ignore[attr-defined]
         if not callable(func):
             raise TypeError(
                 f"a spill handle decorates a function (@adaptive.spill() above a def, or "
@@ -137,7 +139,7 @@ class Spill:
             with self:
                 return func(*args, **kwargs)
 
-        return step  # type: ignore[return-value]
+        return step if binding is None else binding(step)  # type: ignore[return-value]
 
 
 def _count(prefetch: Any) -> int:
@@ -199,7 +201,8 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
             to 32 MiB, or given where the C library is not glibc.
         TypeError: ``to`` is not a string, a path or None; a function given as
             ``threshold`` (``@adaptive.spill`` without parentheses); the handle called on
-            something that is not a function, or on a generator or async function.
+            something that is not a function, or on a generator or async function (or a
+            callable object whose ``__call__`` is one).
         OSError: (inside the step) the spill directory's disk is full; the message says
             where and what to do.
         RuntimeError: (in backward) a spilled tensor was changed in place after it was

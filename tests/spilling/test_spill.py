@@ -480,6 +480,37 @@ def test_the_decorator_refuses_generator_and_async_steps_whose_forward_runs_late
     assert handle.stats.steps == 0
 
 
+def test_the_decorator_above_staticmethod_or_classmethod_binds_as_they_do(
+        tmp_path: Path) -> None:
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
+
+    class Trainer:
+        @handle
+        @staticmethod
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = _exp_chain(x).sum()
+            loss.backward()
+            return loss
+
+        @handle
+        @classmethod
+        def class_step(cls, x: torch.Tensor) -> type:
+            Trainer.step.__wrapped__(x)  # the undecorated function: one step, not nested
+            return cls
+
+    x = torch.randn(64, 64, requires_grad=True)
+    Trainer().step(x)  # through an instance: no instance passed
+    Trainer.step(x)
+    assert Trainer().class_step(x) is Trainer and Trainer.class_step(x) is Trainer
+    assert Trainer.step.__name__ == "step" and handle.stats.steps == 4
+    assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 4 * 6
+    with pytest.raises(TypeError, match="gen.*generator or async"):
+        def gen(x: torch.Tensor) -> Any:
+            yield x
+
+        handle(staticmethod(gen))
+
+
 def test_the_decorator_refuses_a_callable_object_whose_call_is_a_generator() -> None:
     handle = adaptive.spill(threshold=0, limit=0)
 
