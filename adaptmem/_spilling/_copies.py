@@ -86,11 +86,24 @@ class Copies:
 
     # -- tiers -----------------------------------------------------------------------------
 
-    def has_tier(self, device: torch.device) -> bool:
-        """Whether ``device``'s tensors have somewhere to go."""
-        if not self.link.through_host(device):
-            return self.settings.to != "host"  # the host tier is the CPU's own memory
-        return self._mover(device) is not None
+    def ready(self, device: torch.device) -> bool:
+        """Whether ``device``'s tensors have somewhere to go, made ready: their mover, and
+        the scratch file if they go to disk. Called before anything of a spill is set up,
+        so a spill directory that is gone raises here (an OSError saying so) and nothing
+        is left half done."""
+        through_host = self.link.through_host(device)
+        if not through_host and self.settings.to == "host":
+            return False  # the host tier is the CPU's own memory
+        if through_host and self._mover(device) is None:
+            return False
+        if self._to_disk(through_host):
+            self._disk_file()
+        return True
+
+    def _to_disk(self, through_host: bool) -> bool:
+        # CPU tensors go to disk; accelerator tensors to host memory unless a directory
+        # was named (then on through pinned host memory to the file).
+        return not through_host or self.settings.to not in (None, "host")
 
     def _mover(self, device: torch.device) -> Transfers | None:
         if device not in self.movers:
@@ -116,12 +129,10 @@ class Copies:
         device = entry.device
         src = byte_view(storage, device)
         through_host = self.link.through_host(device)
-        # CPU tensors go to disk; accelerator tensors to host memory unless a directory
-        # was named (then on through pinned host memory to the file).
-        to_disk = not through_host or self.settings.to not in (None, "host")
+        to_disk = self._to_disk(through_host)
         if through_host:
             mover = self.movers[device]
-            assert mover is not None  # has_tier made sure
+            assert mover is not None  # ready made sure
             entry.host, entry.event = mover.to_host(src)
             if not to_disk:
                 # Stored once the copy lands; until then the device memory it reads stays

@@ -142,7 +142,7 @@ class Step:
             return Packed(entry, t)
         if self.kept.get(key) is storage:  # see [Note: kept once, kept for good]
             return keep(t, stats)
-        if not self.limits.over_limit(device, nbytes) or not self.copies.has_tier(device):
+        if not self.limits.over_limit(device, nbytes) or not self.copies.ready(device):
             self.kept[key] = storage
             return keep(t, stats)
         with self.lock:

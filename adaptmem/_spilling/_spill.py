@@ -203,8 +203,8 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
             ``threshold`` (``@adaptive.spill`` without parentheses); the handle called on
             something that is not a function, or on a generator or async function (or a
             callable object whose ``__call__`` is one).
-        OSError: (inside the step) the spill directory's disk is full; the message says
-            where and what to do.
+        OSError: (inside the step) the spill directory's disk is full, or the directory
+            is gone; the message says where and what to do.
         RuntimeError: (in backward) a spilled tensor was changed in place after it was
             saved, as autograd reports it without spilling.
 

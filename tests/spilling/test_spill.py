@@ -6,6 +6,7 @@ import copy
 import errno
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -683,6 +684,27 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path,
     # The scratch file is gone while the caller still holds the error (its frames once
     # held a spilled tensor, and the file with it).
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "stand-in accelerator"])
+def test_a_spill_directory_removed_after_the_handle_was_made_is_a_clear_error_before_spilling(
+        device: str, tmp_path: Path) -> None:
+    directory = tmp_path / "spill"
+    directory.mkdir()
+    link = _CpuLink() if device != "cpu" else None
+    handle = Spill(threshold=0, limit=0, to=directory, link=link)
+    directory.rmdir()
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(FileNotFoundError, match=(
+            f"adaptive.spill cannot make its scratch file: to={re.escape(repr(str(directory)))} "
+            f"does not exist: "
+            f"pass an existing directory.*or to='host'")), handle:
+        _exp_chain(x).sum().backward()
+    assert handle.stats.tensors_spilled == handle.stats.bytes_out == 0
+    directory.mkdir()  # put back: the handle spills again
+    with handle:
+        _exp_chain(x).sum().backward()
+    assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 6
 
 
 def test_a_disk_that_fills_after_the_step_is_logged_and_the_step_is_right(
