@@ -342,6 +342,29 @@ def test_a_saved_tensor_changed_in_place_raises_autograds_error(threshold: int |
     assert "is at version 1; expected version 0" in str(spilled.value)
 
 
+def test_only_the_innermost_of_spill_and_allow_mutation_on_saved_tensors_saves(
+        tmp_path: Path) -> None:
+    # The limitation docs/limitations.md states: saved-tensor hooks do not compose.
+    allow_mutation = torch.autograd.graph.allow_mutation_on_saved_tensors
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def f() -> torch.Tensor:
+        y = x.exp()
+        z = y.sin()  # saves y
+        y.mul_(2)  # which torch's context allows
+        return (z + y).sum()
+
+    with allow_mutation():
+        f().backward()
+    want, x.grad = x.grad, None
+    with allow_mutation(), adaptive.spill(threshold=0, limit=0, to=tmp_path):
+        with pytest.raises(RuntimeError, match="inplace operation.*inside adaptive.spill"):
+            f().backward()
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle, allow_mutation():
+        f().backward()
+    assert torch.equal(x.grad, want) and handle.stats.tensors_saved == 0
+
+
 @pytest.mark.parametrize("what", ["parameter", "input"])
 @pytest.mark.parametrize("threshold", [0, "1GiB"], ids=["spilled", "kept"])
 def test_a_tensor_outside_the_graph_changed_in_place_after_saving_raises(
