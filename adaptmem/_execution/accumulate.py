@@ -33,13 +33,13 @@ snapshot's reach.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from .._common.callables import lazy_body
 from .._common.devices import whole_number
 
 __all__ = ["Accumulation", "check_accumulate", "refuse_accumulate", "microbatches"]
@@ -107,11 +107,8 @@ class Accumulation:
         """A generator or async function runs after the call returns: out of reach. Seen
         through ``staticmethod``/``classmethod`` and a callable object's ``__call__``; what
         only shows when called is refused then (``refuse_lazy_result``)."""
-        inner = getattr(func, "__func__", func)  # staticmethod, classmethod
-        if not inspect.isroutine(inner) and callable(inner):
-            inner = type(inner).__call__
-        if (inspect.isgeneratorfunction(inner) or inspect.iscoroutinefunction(inner)
-                or inspect.isasyncgenfunction(inner)):
+        inner = lazy_body(func)
+        if inner is not None:
             raise TypeError(self._lazy_message(getattr(func, "__qualname__", None)
                                                or getattr(inner, "__qualname__", func)))
 

@@ -2,7 +2,9 @@
 
 One writer and one reader thread for the process (the copies of a tier are sequential
 anyway, and reads must not queue behind writes). Bytes waiting to be written are memory not
-yet freed, so forward waits while more than ``Limits.max_pending()`` are queued.
+yet freed, and so are an accelerator's bytes on their way to host memory (the device
+memory a copy reads stays allocated until it lands; the writer thread waits for each), so
+forward waits while more than ``Limits.max_pending()`` are under way.
 """
 
 from __future__ import annotations
@@ -84,11 +86,24 @@ class Copies:
 
     # -- tiers -----------------------------------------------------------------------------
 
-    def has_tier(self, device: torch.device) -> bool:
-        """Whether ``device``'s tensors have somewhere to go."""
-        if not self.link.through_host(device):
-            return self.settings.to != "host"  # the host tier is the CPU's own memory
-        return self._mover(device) is not None
+    def ready(self, device: torch.device) -> bool:
+        """Whether ``device``'s tensors have somewhere to go, made ready: their mover, and
+        the scratch file if they go to disk. Called before anything of a spill is set up,
+        so a spill directory that is gone raises here (an OSError saying so) and nothing
+        is left half done."""
+        through_host = self.link.through_host(device)
+        if not through_host and self.settings.to == "host":
+            return False  # the host tier is the CPU's own memory
+        if through_host and self._mover(device) is None:
+            return False
+        if self._to_disk(through_host):
+            self._disk_file()
+        return True
+
+    def _to_disk(self, through_host: bool) -> bool:
+        # CPU tensors go to disk; accelerator tensors to host memory unless a directory
+        # was named (then on through pinned host memory to the file).
+        return not through_host or self.settings.to not in (None, "host")
 
     def _mover(self, device: torch.device) -> Transfers | None:
         if device not in self.movers:
@@ -114,23 +129,30 @@ class Copies:
         device = entry.device
         src = byte_view(storage, device)
         through_host = self.link.through_host(device)
-        # CPU tensors go to disk; accelerator tensors to host memory unless a directory
-        # was named (then on through pinned host memory to the file).
-        to_disk = not through_host or self.settings.to not in (None, "host")
+        to_disk = self._to_disk(through_host)
         if through_host:
             mover = self.movers[device]
-            assert mover is not None  # has_tier made sure
+            assert mover is not None  # ready made sure
             entry.host, entry.event = mover.to_host(src)
             if not to_disk:
+                # Stored once the copy lands; until then the device memory it reads stays
+                # allocated, so it counts as pending like a write to disk.
                 entry.state = EntryState.STORED
+                self._wait_for_room(entry.nbytes, max_pending)
+                self.submit(Copier.WRITE, self.landed, entry)
                 return
         else:
             entry.source = src
             if self.settings.mmap_threshold is not None and not self.holds_mmap_threshold:
                 self.holds_mmap_threshold = True
                 hold_mmap_threshold(self.settings.mmap_threshold)
-        nbytes = entry.nbytes
-        entry.offset = self._disk_file().reserve(nbytes)
+        entry.offset = self._disk_file().reserve(entry.nbytes)
+        self._wait_for_room(entry.nbytes, max_pending)
+        self.submit(Copier.WRITE, self.write, entry)
+
+    def _wait_for_room(self, nbytes: int, max_pending: int) -> None:
+        """Forward waits while copies out of ``max_pending`` bytes or more are under way;
+        then ``nbytes`` more are."""
         with self.room:
             if self.pending_bytes and self.pending_bytes + nbytes > max_pending:
                 start = time.perf_counter()
@@ -138,7 +160,20 @@ class Copies:
                     self.room.wait()
                 self.stats.seconds_waiting += time.perf_counter() - start
             self.pending_bytes += nbytes
-        self.submit(Copier.WRITE, self.write, entry)
+
+    def _done_pending(self, nbytes: int) -> None:
+        with self.room:
+            self.pending_bytes -= nbytes
+            self.room.notify_all()
+
+    def landed(self, entry: Entry) -> None:
+        """(On the writer thread.) Wait for ``entry``'s copy to host memory to land: its
+        device memory is free to go then."""
+        try:
+            if entry.event is not None and not self.discarded:
+                entry.event.synchronize()
+        finally:
+            self._done_pending(entry.nbytes)
 
     def write(self, entry: Entry) -> None:
         """(On the writer thread.) Copy ``entry`` to the scratch file and free its memory."""
@@ -169,9 +204,7 @@ class Copies:
             return
         finally:
             self.stats.seconds_writing += time.perf_counter() - start
-            with self.room:
-                self.pending_bytes -= entry.nbytes
-                self.room.notify_all()
+            self._done_pending(entry.nbytes)
         with self.lock:
             entry.state = EntryState.STORED
             freed = entry.source is not None  # a CPU activation (host copies are pinned)

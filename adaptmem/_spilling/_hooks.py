@@ -25,6 +25,12 @@ offset, sizes, strides) over the same storage whose counter is the root's counts
 root. Whether the counter is the same is asked by moving one and reading the other (then
 putting it back): ``.data`` makes the same geometry with a counter of its own, and a write
 through it between the two saves must not be missed.
+
+[Note: kept once, kept for good] A storage one save kept stays for every later save of it
+in the step (a Tanh output saved by Tanh, then again by the next layer, with the limit
+crossed in between): what holds the first save holds the storage, so copying it out for
+the second would free nothing and only cost the copy. Keyed like entries, by device and
+address, and weakly: once the storage is gone its address may serve another.
 """
 
 from __future__ import annotations
@@ -78,6 +84,9 @@ class Step:
         self.lock = threading.RLock()
         self.by_storage: weakref.WeakValueDictionary[Any, Entry] = weakref.WeakValueDictionary()
         self.by_seq: weakref.WeakValueDictionary[int, Entry] = weakref.WeakValueDictionary()
+        # Storages a save kept while under the limit (see [Note: kept once, kept for good]).
+        self.kept: weakref.WeakValueDictionary[Any, torch.UntypedStorage] = \
+            weakref.WeakValueDictionary()
         self.seq = 0
         self.live = 0
         self.limits = Limits(settings, stats)
@@ -131,7 +140,10 @@ class Step:
         if entry is not None:
             stats.tensors_shared += 1
             return Packed(entry, t)
-        if not self.limits.over_limit(device, nbytes) or not self.copies.has_tier(device):
+        if self.kept.get(key) is storage:  # see [Note: kept once, kept for good]
+            return keep(t, stats)
+        if not self.limits.over_limit(device, nbytes) or not self.copies.ready(device):
+            self.kept[key] = storage
             return keep(t, stats)
         with self.lock:
             entry = Entry(self, self.seq, device, nbytes, storage, root, version)

@@ -82,6 +82,12 @@ class Limits:
     def _limit(self, device: torch.device, in_use: int) -> int:
         if self.settings.limit != "auto":
             return int(self.settings.limit)
+        if self.settings.keep_free >= 1.0:
+            # All of it kept for backward: every saved tensor over the threshold is spilled,
+            # as with limit=0. Worked out from free memory, the limit would be memory in use
+            # give or take what moved since the first save: noise would decide, and the
+            # first large save would always stay.
+            return 0
         # "auto": keep a share (half, more after a step ran out) of what was free at the
         # step's first large save free for backward (gradients, restored activations,
         # workspace). Free memory is read the way the allocator will fail: under a CPU cap,

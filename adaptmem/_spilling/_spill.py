@@ -5,13 +5,13 @@ prefetched in reverse save order, during backward. The handle; each ``with`` blo
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
 import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._common.callables import lazy_body
 from .._common.devices import format_bytes, parse_size, whole_number
 from .._common.oom import is_oom
 from .._common.reporting import report
@@ -114,28 +114,32 @@ class Spill:
                         if self.keep_free >= 1.0 else "")
 
     def __call__(self, fn: F) -> F:
-        if not callable(fn):
+        # Above @staticmethod / @classmethod: wrap the function, and bind as they would.
+        binding = type(fn) if isinstance(fn, (staticmethod, classmethod)) else None
+        func = fn.__func__ if binding is not None else fn  # type: ignore[attr-defined]
+        if not callable(func):
             raise TypeError(
                 f"a spill handle decorates a function (@adaptive.spill() above a def, or "
                 f"adaptive.spill()(function)), got {type(fn).__name__} {fn!r}; to spill a "
                 f"block of code, use the handle as `with adaptive.spill():` instead"
             )
-        if (inspect.isgeneratorfunction(fn) or inspect.iscoroutinefunction(fn)
-                or inspect.isasyncgenfunction(fn)):
+        body = lazy_body(func)  # a generator function, or a callable object making one
+        if body is not None:
+            name = getattr(func, "__qualname__", None) or getattr(body, "__qualname__", func)
             raise TypeError(
                 f"@adaptive.spill() spills what the decorated call saves while it runs, but "
-                f"{getattr(fn, '__qualname__', fn)!r} is a generator or async function: "
-                f"calling it only makes the generator or coroutine, and its forward runs "
-                f"after the call, outside the spill. Put `with handle:` around the forward "
-                f"and backward inside it instead (one handle = adaptive.spill(...))"
+                f"{name!r} is a generator or async function: calling it only makes the "
+                f"generator or coroutine, and its forward runs after the call, outside the "
+                f"spill. Put `with handle:` around the forward and backward inside it "
+                f"instead (one handle = adaptive.spill(...))"
             )
 
-        @functools.wraps(fn)
+        @functools.wraps(func)
         def step(*args: Any, **kwargs: Any) -> Any:
             with self:
-                return fn(*args, **kwargs)
+                return func(*args, **kwargs)
 
-        return step  # type: ignore[return-value]
+        return step if binding is None else binding(step)  # type: ignore[return-value]
 
 
 def _count(prefetch: Any) -> int:
@@ -168,7 +172,8 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
             ``cpu_memory.set_cpu_memory_limit`` caps). ``"auto"``: spill once less than half
             of what was free at the step's first large save is left (the other half is kept
             for backward); after a step under the handle runs out of memory, the next keeps
-            three quarters, then all of it. ``0``: spill everything over the threshold.
+            three quarters, and after a second one every saved tensor over the threshold
+            is spilled, as with ``0``. ``0``: spill everything over the threshold.
         to: the next tier. ``"host"``: pinned host memory (the default for an accelerator;
             for CPU tensors there is no host tier, they stay). A directory: an unlinked
             scratch file in it (the default for CPU tensors: the temporary directory),
@@ -196,9 +201,10 @@ def spill(threshold: int | str = "1MiB", limit: int | str = "auto",
             to 32 MiB, or given where the C library is not glibc.
         TypeError: ``to`` is not a string, a path or None; a function given as
             ``threshold`` (``@adaptive.spill`` without parentheses); the handle called on
-            something that is not a function, or on a generator or async function.
-        OSError: (inside the step) the spill directory's disk is full; the message says
-            where and what to do.
+            something that is not a function, or on a generator or async function (or a
+            callable object whose ``__call__`` is one).
+        OSError: (inside the step) the spill directory's disk is full, or the directory
+            is gone; the message says where and what to do.
         RuntimeError: (in backward) a spilled tensor was changed in place after it was
             saved, as autograd reports it without spilling.
 

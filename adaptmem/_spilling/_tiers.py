@@ -95,6 +95,17 @@ def check_directory(path: str | os.PathLike[str]) -> str:
     return directory
 
 
+def _unusable(directory: str, exc: OSError) -> OSError:
+    """``exc``, met making a scratch file in ``directory`` after ``check_directory`` took
+    it (it was removed since, say), as an error that says what is wrong and what to do."""
+    try:
+        check_directory(directory)
+    except ValueError as problem:
+        message = f"adaptive.spill cannot make its scratch file: {problem}"
+        return OSError(exc.errno, message) if exc.errno is not None else OSError(message)
+    return exc
+
+
 def _pages(nbytes: int) -> int:
     return (nbytes + 4095) // 4096 * 4096
 
@@ -107,7 +118,10 @@ class DiskFile:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._file = tempfile.TemporaryFile(dir=directory, buffering=0)
+        try:
+            self._file = tempfile.TemporaryFile(dir=directory, buffering=0)
+        except OSError as exc:
+            raise _unusable(directory, exc) from None  # its temporary name says nothing
         self.fd = self._file.fileno()
         self._end = 0
         self._free: list[tuple[int, int]] = []  # (offset, bytes), by offset, never adjacent

@@ -6,6 +6,7 @@ import copy
 import errno
 import gc
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -254,6 +255,28 @@ def test_a_storage_saved_twice_or_through_views_is_spilled_once(tmp_path: Path) 
     assert torch.equal(x.grad, want)
 
 
+def test_a_storage_kept_for_one_save_is_kept_for_later_saves_across_the_limit(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first save holds the storage: copying it out for a later save would free nothing.
+    from adaptmem._spilling import _limits
+
+    in_use = [0]
+    monkeypatch.setattr(_limits, "in_use_bytes", lambda device: in_use[0])
+    x = torch.randn(256, 256, requires_grad=True)
+
+    def f(between: Callable[[], None]) -> torch.Tensor:
+        a = x.exp()  # saves its output a
+        between()
+        return a.sin().exp().sum()  # sin saves a again; exp saves a new storage
+
+    f(lambda: None).backward()
+    want, x.grad = x.grad, None
+    with adaptive.spill(threshold=0, limit=100, to=tmp_path) as handle:
+        f(lambda: in_use.__setitem__(0, 1 << 30)).backward()  # the limit crossed between
+    assert handle.stats.tensors_kept == 2 and handle.stats.tensors_spilled == 1
+    assert handle.stats.bytes_out == 256 * 256 * 4 and torch.equal(x.grad, want)
+
+
 def test_a_detached_alias_shares_its_originals_copy(tmp_path: Path) -> None:
     # Stop-gradient (x * f(x).detach(), BYOL, SimSiam): the alias has no base but shares
     # the original's storage and version counter, so one copy serves both, and a save of
@@ -317,6 +340,29 @@ def test_a_saved_tensor_changed_in_place_raises_autograds_error(threshold: int |
         out.backward()
     assert type(spilled.value) is type(plain.value)
     assert "is at version 1; expected version 0" in str(spilled.value)
+
+
+def test_only_the_innermost_of_spill_and_allow_mutation_on_saved_tensors_saves(
+        tmp_path: Path) -> None:
+    # The limitation docs/limitations.md states: saved-tensor hooks do not compose.
+    allow_mutation = torch.autograd.graph.allow_mutation_on_saved_tensors
+    x = torch.randn(64, 64, requires_grad=True)
+
+    def f() -> torch.Tensor:
+        y = x.exp()
+        z = y.sin()  # saves y
+        y.mul_(2)  # which torch's context allows
+        return (z + y).sum()
+
+    with allow_mutation():
+        f().backward()
+    want, x.grad = x.grad, None
+    with allow_mutation(), adaptive.spill(threshold=0, limit=0, to=tmp_path):
+        with pytest.raises(RuntimeError, match="inplace operation.*inside adaptive.spill"):
+            f().backward()
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle, allow_mutation():
+        f().backward()
+    assert torch.equal(x.grad, want) and handle.stats.tensors_saved == 0
 
 
 @pytest.mark.parametrize("what", ["parameter", "input"])
@@ -408,6 +454,23 @@ def test_limit_auto_spills_nothing_while_memory_is_plentiful(tmp_path: Path) -> 
     assert handle.stats.tensors_saved > 0 and handle.stats.tensors_spilled == 0
 
 
+def test_limit_auto_spills_every_large_saved_tensor_after_two_steps_ran_out_of_memory(
+        tmp_path: Path) -> None:
+    handle = adaptive.spill(threshold="64KiB", to=tmp_path)
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError), handle:
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    assert handle.keep_free == 1.0
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB
+    with handle:
+        y = x
+        for _ in range(8):
+            y = y.exp().tanh()  # 16 saved storages of 256 KiB
+        y.sum().backward()
+    # All of them, the first too: none is left to how memory in use moved meanwhile.
+    assert handle.stats.tensors_spilled == 16 and handle.stats.tensors_kept == 0
+
+
 def test_the_decorator_spills_each_call_and_the_handle_counts_them(tmp_path: Path) -> None:
     handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
 
@@ -437,6 +500,55 @@ def test_the_decorator_refuses_generator_and_async_steps_whose_forward_runs_late
 
     for step in (generator_step, async_step):
         with pytest.raises(TypeError, match=f"{step.__name__}.*generator or async.*with handle"):
+            handle(step)
+    assert handle.stats.steps == 0
+
+
+def test_the_decorator_above_staticmethod_or_classmethod_binds_as_they_do(
+        tmp_path: Path) -> None:
+    handle = adaptive.spill(threshold=0, limit=0, to=tmp_path)
+
+    class Trainer:
+        @handle
+        @staticmethod
+        def step(x: torch.Tensor) -> torch.Tensor:
+            loss = _exp_chain(x).sum()
+            loss.backward()
+            return loss
+
+        @handle
+        @classmethod
+        def class_step(cls, x: torch.Tensor) -> type:
+            Trainer.step.__wrapped__(x)  # the undecorated function: one step, not nested
+            return cls
+
+    x = torch.randn(64, 64, requires_grad=True)
+    Trainer().step(x)  # through an instance: no instance passed
+    Trainer.step(x)
+    assert Trainer().class_step(x) is Trainer and Trainer.class_step(x) is Trainer
+    assert Trainer.step.__name__ == "step" and handle.stats.steps == 4
+    assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 4 * 6
+    with pytest.raises(TypeError, match="gen.*generator or async"):
+        def gen(x: torch.Tensor) -> Any:
+            yield x
+
+        handle(staticmethod(gen))
+
+
+def test_the_decorator_refuses_a_callable_object_whose_call_is_a_generator() -> None:
+    handle = adaptive.spill(threshold=0, limit=0)
+
+    class GeneratorStep:
+        def __call__(self, x: torch.Tensor) -> Any:
+            yield _exp_chain(x).sum()
+
+    class AsyncStep:
+        async def __call__(self, x: torch.Tensor) -> Any:
+            return _exp_chain(x).sum()
+
+    for step in (GeneratorStep(), AsyncStep()):
+        name = f"{type(step).__name__}.__call__"
+        with pytest.raises(TypeError, match=f"{name}.*generator or async.*with handle"):
             handle(step)
     assert handle.stats.steps == 0
 
@@ -595,6 +707,27 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path,
     # The scratch file is gone while the caller still holds the error (its frames once
     # held a spilled tensor, and the file with it).
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+@pytest.mark.parametrize("device", ["cpu", "stand-in accelerator"])
+def test_a_spill_directory_removed_after_the_handle_was_made_is_a_clear_error_before_spilling(
+        device: str, tmp_path: Path) -> None:
+    directory = tmp_path / "spill"
+    directory.mkdir()
+    link = _CpuLink() if device != "cpu" else None
+    handle = Spill(threshold=0, limit=0, to=directory, link=link)
+    directory.rmdir()
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(FileNotFoundError, match=(
+            f"adaptive.spill cannot make its scratch file: to={re.escape(repr(str(directory)))} "
+            f"does not exist: "
+            f"pass an existing directory.*or to='host'")), handle:
+        _exp_chain(x).sum().backward()
+    assert handle.stats.tensors_spilled == handle.stats.bytes_out == 0
+    directory.mkdir()  # put back: the handle spills again
+    with handle:
+        _exp_chain(x).sum().backward()
+    assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 6
 
 
 def test_a_disk_that_fills_after_the_step_is_logged_and_the_step_is_right(
@@ -908,6 +1041,75 @@ def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
     # Host memory is the default next tier for an accelerator; a directory adds the disk.
     assert (handle.stats.seconds_writing > 0) == (to == "dir")
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+class _SlowLink(HostLink):
+    """A stand-in device whose copies to host memory take ``seconds`` each and land only
+    when waited for; it counts the copies under way (started, not landed) at each start.
+    On a GPU each of them holds its source's device memory."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.under_way = self.most_under_way = 0
+
+    def through_host(self, device: torch.device) -> bool:
+        return True
+
+    def mover(self, device: torch.device) -> Any:
+        link = self
+
+        class Landing:
+            def __init__(self) -> None:
+                self.at = time.monotonic() + link.seconds
+                self.landed = False
+
+            def synchronize(self) -> None:
+                time.sleep(max(0.0, self.at - time.monotonic()))
+                with link.lock:
+                    link.under_way -= not self.landed
+                    self.landed = True
+
+        class SlowMover:
+            def to_host(self, src: torch.Tensor) -> tuple[torch.Tensor, Landing]:
+                with link.lock:
+                    link.under_way += 1
+                    link.most_under_way = max(link.most_under_way, link.under_way)
+                return src.clone(), Landing()
+
+            def to_device(self, host: torch.Tensor, after: Any = None) -> tuple[Any, None]:
+                if after is not None:
+                    after.synchronize()
+                return host.clone(), None
+
+            def use(self, restored: torch.Tensor, done: Any) -> None:
+                pass
+
+        return SlowMover()
+
+
+@pytest.mark.parametrize("to", ["host", "dir"])
+def test_max_pending_bounds_the_copies_under_way_on_the_host_tier_as_on_disk(
+        to: str, tmp_path: Path) -> None:
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB per saved storage
+
+    def forward() -> torch.Tensor:
+        y = x
+        for _ in range(6):
+            y = y.exp().tanh()  # 12 saved storages
+        return y.sum()
+
+    forward().backward()
+    want, x.grad = x.grad, None
+    link = _SlowLink(seconds=0.02)
+    handle = Spill(threshold=0, limit=0, to=tmp_path if to == "dir" else to,
+                   max_pending="256KiB", link=link)
+    with handle:
+        forward().backward()
+    assert handle.stats.tensors_spilled == 12 and torch.equal(x.grad, want)
+    # Room for one copy: forward waited for the one before before it went on (the one just
+    # started and the one waited for are under way together).
+    assert link.most_under_way <= 2 and handle.stats.seconds_waiting > 0
 
 
 def test_a_retained_graph_restores_again_for_a_second_backward(tmp_path: Path) -> None:

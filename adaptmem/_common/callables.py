@@ -1,0 +1,25 @@
+"""What calling a decorated callable does: whether its body runs in the call, or later."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+__all__ = ["lazy_body"]
+
+
+def lazy_body(func: Any) -> Any:
+    """The generator or async function whose body runs only after a call of ``func``
+    returns (the call makes a generator or coroutine), else None. Seen through
+    ``staticmethod``/``classmethod``, ``functools.partial`` and a callable object's
+    ``__call__``; a wrapper that hides it shows only in what a call returns."""
+    inner = getattr(func, "__func__", func)  # staticmethod, classmethod, bound method
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    if not inspect.isroutine(inner) and callable(inner):
+        inner = type(inner).__call__  # a callable object: its class's method
+    if (inspect.isgeneratorfunction(inner) or inspect.iscoroutinefunction(inner)
+            or inspect.isasyncgenfunction(inner)):
+        return inner
+    return None
