@@ -1090,6 +1090,68 @@ def test_a_failed_attempt_leaves_no_frame_that_holds_its_tensors() -> None:
     assert kept[0]() is None, "the failed attempt's tensor is still alive"
 
 
+def test_an_oom_raised_from_the_original_frees_the_original_attempts_memory() -> None:
+    # An OOM re-raised ``from`` the original while another error is handled links the
+    # original through __cause__ alone (its __context__ is the other error): its frames, and
+    # the first attempt's tensors in them, are gone before the retry, though the first
+    # failure itself is kept for the whole retry loop.
+    class LayerOOM(torch.OutOfMemoryError):
+        pass
+
+    ceiling = MemoryCeiling(4)
+    refs: list[weakref.ref] = []
+    alive_at_retry: list[bool] = []
+
+    def layer(batchsize: int) -> None:
+        alive_at_retry.extend(r() is not None for r in refs)
+        activation = torch.zeros(batchsize, 1024)
+        refs.append(weakref.ref(activation))
+        ceiling.require(batchsize)
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def forward(batchsize: int) -> int:
+        try:
+            layer(batchsize)
+            return batchsize
+        except torch.OutOfMemoryError as oom:
+            saved = oom
+        try:
+            raise ValueError("cleanup failed")
+        except ValueError:
+            raise LayerOOM("layer ran out") from saved
+
+    assert forward() == 4
+    assert alive_at_retry == [False, False, False]  # at 8: 16's; at 4: 16's and 8's
+
+
+def test_a_simulated_device_retry_fits_once_an_oom_chained_by_cause_is_dropped() -> None:
+    from adaptmem.testing import simulated_cuda
+
+    mib = 1 << 20
+
+    class LayerOOM(torch.OutOfMemoryError):
+        pass
+
+    def layer(batchsize: int) -> None:
+        activation = torch.empty(batchsize * 10 * mib // 4, device="cuda")  # noqa: F841
+        more = torch.empty(batchsize * 10 * mib // 4, device="cuda")  # noqa: F841
+
+    def forward(batchsize: int) -> int:
+        try:
+            layer(batchsize)
+            return batchsize
+        except torch.OutOfMemoryError as oom:
+            saved = oom
+        try:
+            raise ValueError("cleanup failed")
+        except ValueError:
+            raise LayerOOM("layer ran out") from saved
+
+    with simulated_cuda(total_memory="100MiB"):
+        # 8 needs 160 MiB; 4 needs 80 MiB, which fits once 8's first 80 MiB are gone.
+        assert adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)(forward)() == 4
+
+
 @pytest.mark.parametrize("form", ["partial", "callable object"])
 def test_the_size_cache_does_not_keep_a_decorated_callable_and_its_model_alive(
     form: str,
