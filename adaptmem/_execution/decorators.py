@@ -312,17 +312,18 @@ class _Adaptive:
         work that probes, and it would be a ceiling for good to work that does not."""
         return self._probes
 
-    def _decide(self, call: Callable[[int], Any], record_of: Callable[[], Any]) -> bool:
+    def _decide(self, call: Callable[[int], Any], record_of: Callable[[], Any],
+                items: int | None) -> bool:
         """Decide an "auto" initial size (or, after ``predict_start``, where the record
         ``record_of()`` returns starts: fetched after the traces, since the free memory it
         is filed under may have been read again meanwhile); True when this call is the first
-        to use it."""
+        to use it. ``items``: the call's item count, where known (see ``AutoStart.decide``)."""
         if self._auto is not None:
             if self._trace_guard is None:
-                decided = self._auto.decide(call)
+                decided = self._auto.decide(call, items)
             else:
                 with self._trace_guard() as left:
-                    decided = self._auto.decide(call)
+                    decided = self._auto.decide(call, items)
                 if left:
                     self._auto.forget(f"the traces made fake tensors that the function or its "
                                       f"model kept ({', '.join(left[:3])}); put back as they "
@@ -339,11 +340,12 @@ class _Adaptive:
         return True
 
     def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any],
-               record_of: Callable[[], Any]) -> Any:
+               record_of: Callable[[], Any], items: int | None = None) -> Any:
         """A call that traces first: decide, then run for real (``rerun``) and check what it
         returns. A call too small to tell, or one whose traces failed and which fails for
-        real (not out of memory), leaves the decision to the next one."""
-        decided = self._decide(call, record_of)
+        real (not out of memory), leaves the decision to the next one. ``items``: how many
+        items the call has, where the decorator knows."""
+        decided = self._decide(call, record_of, items)
         self._deciding = False
         ok = False
         try:
@@ -583,7 +585,7 @@ class _Range(_Adaptive):
             return self._first(  # type: ignore[no-any-return]
                 lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
                 lambda: self._run(caller, args, kwargs, bound),
-                lambda: self._record(caller)[1])
+                lambda: self._record(caller)[1], end - start)
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
 
@@ -655,7 +657,7 @@ class _Chunked(_Adaptive):
         if self._deciding and length:
             return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
                                lambda: self._run(caller, args, kwargs, bound),
-                               lambda: self._record(caller)[1])
+                               lambda: self._record(caller)[1], length)
         if self.output is None:
             self._steps(step, 0, length, record, cache, ranks)
             return tensor
