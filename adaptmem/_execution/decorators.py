@@ -1088,8 +1088,8 @@ def chunked(
                      "progress": progress}, max_step)
 
 
-# [Note: "auto" in the decorate-and-run forms] ``execute.*`` decorates anew at every call,
-# so an "auto" initial size would be predicted (the function traced) at every call. The
+# [Note: "auto" in the decorate-and-run forms] ``execute.*`` and ``explicit.*`` decorate anew
+# at every call, so an "auto" initial size would be predicted (the function traced) at every call. The
 # decision (``AutoStart``: the size decided, or the calls counted so far while calls are too
 # small to tell, or a failed trace waiting for its call's outcome) is kept per function
 # code, call site and options, and a later call there goes on from it, as a decorated
@@ -1099,7 +1099,8 @@ _decided: dict[Any, AutoStart] = {}
 
 
 def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any],
-             caller: Any, args: tuple[Any, ...]) -> Callable[[Callable[..., Any]], Any]:
+             caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+             ) -> Callable[[Callable[..., Any]], Any]:
     def run(func: Callable[..., Any]) -> Any:
         decorated = decorator(func)
         key = None
@@ -1115,7 +1116,7 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
                     decorated._deciding = False
             else:
                 _decided[key] = decorated._auto
-        return decorated._run(caller, args, {}, ())
+        return decorated._run(caller, args, {} if kwargs is None else kwargs, ())
 
     return run
 
@@ -1145,16 +1146,17 @@ def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, *args: Any
                     **kwargs: Any) -> Any:
     """``explicit.batch(fn, 128, *args, **kwargs)`` returns ``fn(batchsize, *args, **kwargs)``."""
     _check_callable(func, "adaptive.explicit.batch")
-    return batch(initial_batchsize=initial_batchsize)(func)._run(
-        sys._getframe(1), args, kwargs, ())
+    decorate = batch(initial_batchsize=initial_batchsize)
+    return _run_now(decorate, initial_batchsize, {}, sys._getframe(1), args, kwargs)(func)
 
 
 def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int,
                     *args: Any, **kwargs: Any) -> list[Any]:
     """``explicit.range(fn, 0, n, 64, *args)`` returns ``[fn(s, e, *args), ...]``."""
     _check_callable(func, "adaptive.explicit.range")
-    return range(initial_step=initial_step)(func)._run(  # type: ignore[no-any-return]
-        sys._getframe(1), (start, end, *args), kwargs, ())
+    decorate = range(initial_step=initial_step)
+    return _run_now(  # type: ignore[no-any-return]
+        decorate, initial_step, {}, sys._getframe(1), (start, end, *args), kwargs)(func)
 
 
 def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int,
@@ -1163,8 +1165,10 @@ def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_st
     """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``
     (``output=`` as for ``chunked``)."""
     _check_callable(func, "adaptive.explicit.chunked")
-    return chunked(initial_step=initial_step, dimension=dimension, output=output)(func)._run(  # type: ignore[no-any-return]
-        sys._getframe(1), (tensor, *args), kwargs, ())
+    options: dict[str, Any] = {"dimension": dimension, "output": output}
+    decorate = chunked(initial_step=initial_step, dimension=dimension, output=output)
+    return _run_now(  # type: ignore[no-any-return]
+        decorate, initial_step, options, sys._getframe(1), (tensor, *args), kwargs)(func)
 
 
 execute = SimpleNamespace(batch=_execute_batch, range=_execute_range, chunked=_execute_chunked)
