@@ -50,6 +50,25 @@ def _as_index(value: Any, name: str) -> int:
     return index
 
 
+def _name_of(func: Any) -> str:
+    """What logs, errors and ``stats`` call a decorated callable: its qualified name; for a
+    ``functools.partial``, ``partial(<the function's name>)``; for an object, its class's
+    name. Never a repr, which may print a whole model or a tensor's values (and cost as much
+    at every call of ``explicit.*``)."""
+    partials = 0
+    while isinstance(func, functools.partial):
+        func, partials = func.func, partials + 1
+    name = getattr(func, "__qualname__", None)
+    if not isinstance(name, str):
+        try:
+            name = getattr(inspect.unwrap(func), "__qualname__", None)
+        except ValueError:  # a cycle of __wrapped__
+            name = None
+    if not isinstance(name, str):
+        name = f"{type(func).__qualname__} object"
+    return "partial(" * partials + name + ")" * partials
+
+
 def _check_callable(func: Any, decorator: str) -> None:
     if not callable(func) and not isinstance(func, (staticmethod, classmethod)):
         raise TypeError(
@@ -133,7 +152,7 @@ def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instanc
         names, limit = tuple(p.name for p in positional[:leading]), None
     elif len(positional) < leading:
         raise TypeError(
-            f"{getattr(func, '__qualname__', func)} must take the injected "
+            f"{_name_of(func)} must take the injected "
             f"{_INJECTED[leading]} as its first parameter{'s' if leading > 1 else ''}"
             f"{' after the instance' if takes_instance else ''}; its signature is {signature}"
         )
@@ -178,7 +197,7 @@ class _Adaptive:
         if not self.accepts_lazy and _is_lazy_function(func):
             raise TypeError(
                 f"adaptive.{self.kind} runs each step to completion and retries it while it "
-                f"runs, so it cannot take {getattr(func, '__qualname__', func)!r}, a generator "
+                f"runs, so it cannot take {_name_of(func)!r}, a generator "
                 f"or async function: a step that yields or awaits has done none of its work "
                 f"when it returns. Write the step as a plain function (return a list instead "
                 f"of yielding), or use @adaptive.batch, which retries generators and coroutines"
@@ -198,7 +217,7 @@ class _Adaptive:
                 f"str, a number, a tuple), not {type(context).__name__}") from None
         self.context = context
         self.device = None if device is None else resolve_device(device)
-        self._name = getattr(func, "__qualname__", repr(func))
+        self._name = _name_of(func)
         # Whether a settled call may try a size known to fail: see [Note: probing a failed
         # size] in cache.py (a generator's failure after its first item reaches the caller).
         self._probes = not (inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func))

@@ -1260,3 +1260,36 @@ def test_a_retry_passes_a_file_argument_on() -> None:
     log = io.StringIO()
     assert torch.equal(process(torch.ones(4), log), torch.full((4,), 2.0))
     assert log.getvalue().split("\n")[:3] == ["trying 64", "trying 32", "trying 16"]
+
+
+def test_a_partial_is_named_by_its_function_never_by_the_repr_of_its_arguments(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A partial has no __qualname__: its repr (a whole model, a tensor's values) went into
+    # every log line, error and stats name, and explicit.* built it at every call.
+    import functools
+
+    class Model:
+        reprs = 0
+
+        def __repr__(self) -> str:
+            Model.reprs += 1
+            return "Model(" + "layer, " * 10_000 + ")"
+
+    ceiling = MemoryCeiling(2)
+
+    def score(batchsize: int, model: Model) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    fn = functools.partial(score, model=Model())
+    name = f"partial({score.__qualname__})"
+    decorated = adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)(fn)
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        assert decorated() == 2
+        assert adaptive.explicit.batch(fn, 4) == 2
+    assert decorated.stats.name == name
+    assert all(r.getMessage().startswith(name) for r in caplog.records), caplog.text
+    with pytest.raises(OutOfMemoryError, match=r"^partial\(.*score\) ran out of memory"):
+        adaptive.batch(initial_batchsize=8, min_batchsize=8)(fn)()
+    assert Model.reprs == 0
