@@ -34,6 +34,7 @@ snapshot's reach.
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -118,7 +119,8 @@ class Accumulation:
     def refuse_lazy_result(self, result: Any, name: str) -> None:
         """The call gave a generator or coroutine (a wrapper hid it at decoration): none of
         its work ran, so nothing is put back; it is closed and refused."""
-        result.close()
+        if isinstance(result, (types.GeneratorType, types.CoroutineType)):
+            result.close()
         raise TypeError(self._lazy_message(name))
 
     @staticmethod

@@ -97,6 +97,7 @@ from .._common.peak import (
     fake_mode,
     fit,
 )
+from .retry import is_lazy
 
 __all__ = ["AUTO", "DEFAULT_MAX_BATCHSIZE", "AutoStart", "has_fakes"]
 
@@ -214,9 +215,11 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
         # assigns a missing .grad without an op the guard could see); it fails instead.
         with torch.no_grad(), mode, tracker, _Guard():
             result = call(size)
-            if result.__class__ in LAZY:
-                result.close()  # type: ignore[attr-defined]  # a generator or coroutine did none of its work
-                raise NotPredictable("the function returned a generator or coroutine")
+            if is_lazy(result):  # none of its work done, or not where a trace sees it
+                if result.__class__ in LAZY:
+                    result.close()  # type: ignore[attr-defined]
+                raise NotPredictable(f"the function returned a {type(result).__name__}, whose "
+                                     f"work runs as it is read")
             del result
     except NotPredictable:
         raise

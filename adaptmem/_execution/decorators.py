@@ -20,16 +20,17 @@ from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
 from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
-from .lazy import retry_lazy
+from .lazy import iterated, retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
 from .replay import Replay, versions
-from .retry import LAZY_TYPES, log_probe, run_range, run_sized
+from .retry import is_lazy, log_probe, run_range, run_sized
 from .stats import Adaptation, CallStats, Watch
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 
 _clock = time.perf_counter  # bound once: read on every call whose size may fail
+_LAZY_KINDS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 
 
 def _check_size(value: Any, name: str, example: str) -> int:
@@ -516,7 +517,7 @@ class _Batch(_Adaptive):
                 raise
             failure = exc
         else:
-            if result.__class__ in LAZY_TYPES:
+            if is_lazy(result):
                 return self._lazy(result, size, record, cache, bound, args, kwargs)
             record.after_success(size)
             if size != stats.last_size:
@@ -529,7 +530,7 @@ class _Batch(_Adaptive):
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
             watch=self._watch, started=started,
         )
-        if result.__class__ in LAZY_TYPES:
+        if is_lazy(result):
             return self._lazy(result, size, record, cache, bound, args, kwargs)
         return result
 
@@ -547,9 +548,14 @@ class _Batch(_Adaptive):
             self._accumulation.refuse_lazy_result(result, self._name)
         if result.__class__ is not types.CoroutineType:
             self._probes = False  # see [Note: probing a failed size] in cache.py
-        func = self._func
-        return retry_lazy(result, size, lambda s: func(*bound, s, *args, **kwargs), record,
-                          self.floor, self._name, self.device, cache, self._watch)
+        func, name = self._func, self._name
+        if result.__class__ in _LAZY_KINDS:
+            restart: Callable[[int], Any] = lambda s: func(*bound, s, *args, **kwargs)  # noqa: E731
+        else:  # an iterator: handed over as a generator, and so is each retry's
+            result = iterated(result, name)
+            restart = lambda s: iterated(func(*bound, s, *args, **kwargs), name)  # noqa: E731
+        return retry_lazy(result, size, restart, record, self.floor, name, self.device, cache,
+                          self._watch)
 
     def _run_grouped(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                      bound: tuple[Any, ...]) -> Any:
@@ -893,8 +899,10 @@ def batch(
     awaited and retried whole; a generator (sync or async) is retried until it yields its
     first item, and an out-of-memory error after that is not retried (the items already
     yielded would come again) but raised as ``adaptmem.OutOfMemoryError``, the next call
-    starting smaller. A size is recorded as fitting only once the work ran without running
-    out of memory.
+    starting smaller. Any other iterator the function returns (``map``, ``filter``, an
+    iterator class of one's own; not a file) is lazy the same way: it comes back as a
+    generator of its items, retried like one. A size is recorded as fitting only once the
+    work ran without running out of memory.
 
     Args:
         initial_batchsize: the first and largest size tried, or ``"auto"``: at the first

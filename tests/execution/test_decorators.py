@@ -1293,3 +1293,62 @@ def test_a_partial_is_named_by_its_function_never_by_the_repr_of_its_arguments(
     with pytest.raises(OutOfMemoryError, match=r"^partial\(.*score\) ran out of memory"):
         adaptive.batch(initial_batchsize=8, min_batchsize=8)(fn)()
     assert Model.reprs == 0
+
+
+class _Chunks:
+    """An iterator class of one's own, doing its work as it is read."""
+
+    def __init__(self, work: Any, chunks: list[list[int]]) -> None:
+        self.work, self.chunks = work, iter(chunks)
+
+    def __iter__(self) -> _Chunks:
+        return self
+
+    def __next__(self) -> int:
+        return self.work(next(self.chunks))
+
+
+@pytest.mark.parametrize("form", ["map", "filter", "own class"])
+def test_a_returned_iterator_is_retried_until_its_first_item_like_a_generator(
+    form: str,
+) -> None:
+    # map(work, chunks) is (work(c) for c in chunks) by another name: it was recorded as
+    # fitting at once, and its out-of-memory error reached the caller raw, never retried.
+    ceiling = MemoryCeiling(4)
+
+    def work(chunk: list[int]) -> int:
+        ceiling.require(len(chunk))
+        return len(chunk)
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def sizes(batchsize: int, data: list[int]) -> Any:
+        chunks = [data[i:i + batchsize] for i in range(0, len(data), batchsize)]
+        if form == "map":
+            return map(work, chunks)
+        if form == "filter":
+            return filter(None, map(work, chunks))
+        return _Chunks(work, chunks)
+
+    assert list(sizes(list(range(18)))) == [4, 4, 4, 4, 2]
+    assert ceiling.failures == [16, 8]
+    assert sizes.stats.failed_attempts == 2
+
+
+def test_a_returned_file_is_the_result_itself_not_work_to_retry() -> None:
+    import io
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def report(batchsize: int) -> io.StringIO:
+        return io.StringIO(f"{batchsize}\n")
+
+    out = report()
+    assert isinstance(out, io.StringIO) and out.read() == "16\n"
+
+
+def test_a_range_step_that_returns_an_iterator_is_refused() -> None:
+    @adaptive.range(initial_step=4, cache=adaptive.NoBatchsizeCache)
+    def fill(start: int, end: int) -> Any:
+        return map(float, range(start, end))
+
+    with pytest.raises(TypeError, match=r"returned a map.*Return a list"):
+        fill(0, 8)
