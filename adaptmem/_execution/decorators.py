@@ -1169,7 +1169,8 @@ def _execute_chunked(tensor: torch.Tensor, *, initial_step: int | None = None,
     return _run_now(decorate, initial_step, options, sys._getframe(1), (tensor,))
 
 
-def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, *args: Any,
+# The call forms' own parameters are positional-only: every keyword is the function's.
+def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, /, *args: Any,
                     **kwargs: Any) -> Any:
     """``explicit.batch(fn, 128, *args, **kwargs)`` returns ``fn(batchsize, *args, **kwargs)``."""
     _check_callable(func, "adaptive.explicit.batch")
@@ -1177,7 +1178,7 @@ def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, *args: Any
     return _run_now(decorate, initial_batchsize, {}, sys._getframe(1), args, kwargs)(func)
 
 
-def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int,
+def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int, /,
                     *args: Any, **kwargs: Any) -> list[Any]:
     """``explicit.range(fn, 0, n, 64, *args)`` returns ``[fn(s, e, *args), ...]``."""
     _check_callable(func, "adaptive.explicit.range")
@@ -1186,7 +1187,7 @@ def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step
         decorate, initial_step, {}, sys._getframe(1), (start, end, *args), kwargs)(func)
 
 
-def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int,
+def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int, /,
                       *args: Any, dimension: int = 0, output: str | None = None,
                       **kwargs: Any) -> torch.Tensor:
     """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``

@@ -169,3 +169,17 @@ def test_a_method_wrapped_without_functools_wraps_is_still_a_method() -> None:
 
     model = Model()
     assert model.infer(1) == Model.infer(model, 1) == ("Model", 4, 1)
+
+
+def test_the_call_forms_pass_every_keyword_to_the_function() -> None:
+    # explicit.*'s own leading parameters are positional-only: a function parameter that
+    # shares one of their names gets its keyword (it raised "multiple values for 'func'").
+    assert adaptive.explicit.batch(lambda bs, func: func, 4, func=1) == 1
+    assert adaptive.explicit.batch(lambda bs, initial_batchsize: initial_batchsize, 4,
+                                   initial_batchsize="mine") == "mine"
+    assert adaptive.explicit.range(lambda s, e, start: (s, e, start), 0, 4, 4,
+                                   start="mine") == [(0, 4, "mine")]
+    tensor = torch.arange(4.0)
+    got = adaptive.explicit.chunked(lambda c, s, e, tensor, initial_step: c.add_(tensor),
+                                    tensor, 4, tensor=1.0, initial_step=0)
+    assert got.tolist() == [1.0, 2.0, 3.0, 4.0]
