@@ -34,13 +34,16 @@ _LAZY_KINDS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorTyp
 
 
 def _check_size(value: Any, name: str, example: str) -> int:
+    """``value`` as a plain int: any integer with ``__index__`` (NumPy's, torch's), not a
+    bool."""
     if value is None:
         raise TypeError(f"{name} is required: write {example}")
-    if isinstance(value, bool) or not isinstance(value, int):
+    size = whole_number(value)
+    if size is None:
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be 1 or more, got {value}; write {example}")
-    return value
+    if size < 1:
+        raise ValueError(f"{name} must be 1 or more, got {size}; write {example}")
+    return size
 
 
 def _as_index(value: Any, name: str) -> int:
@@ -1099,7 +1102,8 @@ def chunked(
         [0.0, 1.0, 4.0, 9.0, 16.0]
     """
     refuse_accumulate(accumulate, "chunked")
-    if isinstance(dimension, bool) or not isinstance(dimension, int):
+    dim = whole_number(dimension)  # NumPy and torch integers too
+    if dim is None:
         raise TypeError(f"dimension must be an int (negative counts from the end), "
                         f"got {type(dimension).__name__} {dimension!r}")
     if output is not None and output not in ("input", "new"):
@@ -1110,18 +1114,18 @@ def chunked(
         )
     return _factory(_Chunked, func, initial_step, min_step, cache, context, device,
                     ("initial_step", "min_step", "max_step"),
-                    {"dimension": dimension, "output": output, "group": group,
+                    {"dimension": dim, "output": output, "group": group,
                      "group_timeout": group_timeout, "on_adapt": on_adapt,
                      "progress": progress}, max_step)
 
 
 # [Note: "auto" in the decorate-and-run forms] ``execute.*`` and ``explicit.*`` decorate anew
-# at every call, so an "auto" initial size would be predicted (the function traced) at every call. The
-# decision (``AutoStart``: the size decided, or the calls counted so far while calls are too
-# small to tell, or a failed trace waiting for its call's outcome) is kept per function
-# code, call site and options, and a later call there goes on from it, as a decorated
-# function does; the call site's size record carries what was learnt since. The function
-# itself is never kept.
+# at every call, so an "auto" initial size would be predicted (the function traced) at every
+# call. The decision (``AutoStart``: the size decided, or the calls counted so far while
+# calls are too small to tell, or a failed trace waiting for its call's outcome) is kept per
+# function code, call site and options, and a later call there goes on from it, as a
+# decorated function does; the call site's size record carries what was learnt since. The
+# function itself is never kept.
 _decided: dict[Any, AutoStart] = {}
 
 

@@ -121,6 +121,39 @@ def test_range_takes_its_bounds_as_keywords_and_any_integer() -> None:
         fill(0, 10.0)
 
 
+@pytest.mark.parametrize("integer", [np.int64(4), np.uint8(4), torch.tensor(4)],
+                         ids=["numpy int64", "numpy uint8", "torch"])
+def test_sizes_take_any_integer_with_index_as_start_and_end_do(integer: Any) -> None:
+    # initial_batchsize=np.int64(64) raised TypeError while start and end took it.
+    cache = adaptive.NoBatchsizeCache
+    got = adaptive.batch(initial_batchsize=integer, min_batchsize=integer, cache=cache)(
+        lambda batchsize: batchsize)()
+    assert got == 4 and type(got) is int
+    assert adaptive.explicit.batch(lambda batchsize: batchsize, integer) == 4
+    spans = adaptive.range(initial_step=integer, min_step=integer, cache=cache)(
+        lambda s, e: (s, e))(0, 6)
+    assert spans == [(0, 4), (4, 6)]
+    auto = adaptive.range(initial_step="auto", max_step=integer)(lambda s, e: e - s)
+    assert auto(0, 4) == [4]
+    doubled = adaptive.chunked(initial_step=integer, dimension=np.int64(-1), cache=cache)(
+        lambda chunk, s, e: chunk.mul_(2))(torch.ones(2, 6))
+    assert doubled.sum().item() == 24.0
+    assert [len(b) for b, _ in adaptive.microbatches(integer, torch.ones(6))] == [4, 2]
+
+
+@pytest.mark.parametrize("flag", [True, np.bool_(True), torch.tensor(True)],
+                         ids=["bool", "numpy bool", "torch bool"])
+def test_a_bool_is_not_a_size(flag: Any) -> None:
+    with pytest.raises(TypeError, match="initial_batchsize must be a positive int"):
+        adaptive.batch(initial_batchsize=flag)
+    with pytest.raises(TypeError, match="initial_step must be a positive int"):
+        adaptive.explicit.range(lambda s, e: None, 0, 4, flag)
+    with pytest.raises(TypeError, match="microbatches takes the batch size first"):
+        adaptive.microbatches(flag, torch.ones(3))
+    with pytest.raises(TypeError, match="start must be an int"):  # torch's bool gave 1 here
+        adaptive.explicit.range(lambda s, e: None, flag, 4, 2)
+
+
 def test_chunked_says_the_tensor_comes_first_and_positional() -> None:
     @adaptive.chunked(initial_step=4)
     def scale(chunk: torch.Tensor, start: int, end: int) -> None:
