@@ -163,17 +163,33 @@ def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instanc
     else:
         names, limit = tuple(p.name for p in positional[:leading]), len(positional) - leading
     # What the caller passes in place of the injected parameters: the batch size nothing,
-    # range's start and end themselves, chunked's one tensor.
+    # range's start and end themselves, chunked's one tensor. What it gets back: batch's
+    # result, the list of range's step results, chunked's tensor (whatever a step returns).
+    returns = signature.return_annotation
     if kind == "batch":
         params = params[len(names[:1]):]
+    elif kind == "range":
+        returns = _list_of(returns)
     elif kind == "chunked":
         tensor = inspect.Parameter("tensor", inspect.Parameter.POSITIONAL_ONLY)
         head = [p.replace(kind=p.POSITIONAL_ONLY) for p in head]
         params = [tensor, *params[len(names):]]
+        returns = torch.Tensor
     try:
-        return names, limit, signature.replace(parameters=[*head, *params])
+        return names, limit, signature.replace(parameters=[*head, *params],
+                                               return_annotation=returns)
     except ValueError:  # a parameter of its own named "tensor"
         return names, limit, None
+
+
+def _list_of(annotation: Any) -> Any:
+    """``list[annotation]``, as the annotation was written (a string under ``from __future__
+    import annotations``); ``list`` for none."""
+    if annotation is inspect.Signature.empty:
+        return list
+    if isinstance(annotation, str):
+        return f"list[{annotation}]"
+    return list[annotation]  # type: ignore[valid-type]
 
 
 class _Adaptive:

@@ -106,6 +106,32 @@ def test_the_signature_leaves_out_what_the_decorator_passes() -> None:
     assert list(inspect.signature(_Model().infer).parameters) == ["x"]
 
 
+def test_the_signature_says_what_the_call_returns() -> None:
+    # A chunked step returns None (it writes its chunk) or its chunk's result; the call
+    # returns a tensor. A range's call returns the list of its steps' results.
+    @adaptive.chunked(initial_step=4)
+    def double(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk.mul_(2)
+
+    @adaptive.range(initial_step=4)
+    def span(start: int, end: int) -> int:
+        return end - start
+
+    @adaptive.range(initial_step=4)
+    def bare(start, end):  # type: ignore[no-untyped-def]
+        return end - start
+
+    def ints(start: int, end: int) -> None:
+        pass
+
+    ints.__annotations__["return"] = int  # as written without postponed annotations
+
+    assert inspect.signature(double).return_annotation is torch.Tensor
+    assert inspect.signature(span).return_annotation == "list[int]"
+    assert inspect.signature(bare).return_annotation is list
+    assert inspect.signature(adaptive.range(initial_step=4)(ints)).return_annotation == list[int]
+
+
 def test_range_takes_its_bounds_as_keywords_and_any_integer() -> None:
     @adaptive.range(initial_step=4)
     def fill(start: int, end: int, scale: int = 1) -> tuple[int, int, int]:
