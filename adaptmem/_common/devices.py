@@ -50,8 +50,10 @@ _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\
 
 def whole_number(value: Any) -> int | None:
     """``value`` as an int: anything with ``__index__`` (NumPy and torch integers too); None
-    for a bool or anything else, for the caller's own error."""
-    if isinstance(value, bool):
+    for a bool (a torch bool too, whose ``__index__`` gives 0 or 1) or anything else, for
+    the caller's own error."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor)
+                                   and value.dtype is torch.bool):
         return None
     try:
         return operator.index(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import gc
 import os
@@ -123,22 +124,36 @@ def shrinks_size(exc: BaseException,
 def drop_frames(exc: BaseException) -> None:
     """Drop every frame a failed attempt left in ``exc``'s tracebacks: their locals are
     cleared, then the tracebacks themselves go (a frame keeps its function, and so the
-    closures it captured, alive even when cleared). The walk down the chain stops at an
-    exception the caller is handling (the call was made in an ``except`` block): its
+    closures it captured, alive even when cleared). Every exception ``exc`` leads to is
+    walked: its ``__cause__`` and its ``__context__`` (an error raised ``from`` an
+    out-of-memory error while handling another links to each through one of them), and the
+    members of an exception group; each once, so a cycle ends the walk. The walk does not go
+    past an exception the caller is handling (the call was made in an ``except`` block): its
     traceback starts in a frame still running outside adaptmem, and it is the caller's."""
     seen: set[int] = set()
     running: set[int] | None = None
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        tb = exc.__traceback__
-        if len(seen) > 1 and tb is not None:
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        link = pending.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        tb = link.__traceback__
+        if link is not exc and tb is not None:
             if running is None:
                 running = _running_outside()
             if id(tb.tb_frame) in running:
-                return
+                continue
         traceback.clear_frames(tb)
-        exc.__traceback__ = None
-        exc = exc.__context__ or exc.__cause__  # type: ignore[assignment]
+        link.__traceback__ = None
+        pending += (link.__context__, link.__cause__)
+        if isinstance(link, _GROUPS):
+            pending += link.exceptions  # type: ignore[attr-defined]
+
+
+# Python 3.11's exception groups (none before): their members carry tracebacks of their own.
+_GROUPS: tuple[type, ...] = tuple(
+    t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t is not None)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

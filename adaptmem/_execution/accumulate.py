@@ -33,6 +33,7 @@ snapshot's reach.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -115,7 +116,8 @@ class Accumulation:
     def refuse_lazy_result(self, result: Any, name: str) -> None:
         """The call gave a generator or coroutine (a wrapper hid it at decoration): none of
         its work ran, so nothing is put back; it is closed and refused."""
-        result.close()
+        if isinstance(result, (types.GeneratorType, types.CoroutineType)):
+            result.close()
         raise TypeError(self._lazy_message(name))
 
     @staticmethod
@@ -221,11 +223,12 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
         >>> [(len(b["input_ids"]), w) for b, w in adaptive.microbatches(2, batch)]
         [(2, 0.6666666666666666), (1, 0.3333333333333333)]
     """
-    if isinstance(batchsize, bool) or not isinstance(batchsize, int):
+    size = whole_number(batchsize)  # NumPy and torch integers too
+    if size is None:
         raise TypeError(f"microbatches takes the batch size first, an int; got "
                         f"{type(batchsize).__name__} {batchsize!r:.80}")
-    if batchsize < 1:
-        raise ValueError(f"microbatches needs a batch size of 1 or more, got {batchsize}")
+    if size < 1:
+        raise ValueError(f"microbatches needs a batch size of 1 or more, got {size}")
     if not tensors:
         raise TypeError("microbatches needs one or more tensors to split: "
                         "microbatches(batchsize, inputs, targets)")
@@ -253,7 +256,7 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
             f"microbatches needs tensors of the same length along dim={dim} (the batch "
             f"dimension), got {', '.join(f'{n}: {k}' for n, k in lengths.items())}"
         )
-    return _split(batchsize, tensors, dim, next(iter(lengths.values())))
+    return _split(size, tensors, dim, next(iter(lengths.values())))
 
 
 def _dimension(dim: Any) -> int:

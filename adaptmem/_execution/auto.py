@@ -28,6 +28,22 @@ traced, which is logged once, and the search starts at the largest size for good
 raises another error, that error is the user's to fix and says nothing about the function,
 so the decision is put off to the next call, which is traced again (``AutoStart.ran``).
 
+[Note: sizes a call can fill] A call runs only the items it has: a trace asked for 16 items
+of a call with 9 runs 9 (``x.split(16)`` is one chunk of 9, a range's step stops at its
+end), so a line through the traces at 8 and "16" gives an eighth of the bytes an item needs,
+and a check trace at the predicted size, capped the same way, passes. So only sizes the call
+can fill are traced. ``range`` and ``chunked`` know their call's items (``end - start``, the
+tensor's length along the dimension): a call with fewer items than the two sizes need is
+too small to tell (``TooFewItems``, put off to the next call like a flat one), and a check
+of a size above its items is kept under the item count it ran (it checks the line up to
+there; above, the line's word stands). ``batch`` cannot know: its data is whatever the
+function makes of its arguments. There the traces show it: a check trace that allocates
+exactly what the trace at the larger size did, though memory grew between the two sizes,
+ran out of data before that size (fake tensors allocate deterministically, and a call that
+has no more items does the same work whatever size it is asked for), and puts the decision
+off. A batch call whose data ends exactly at the larger size is put off too; one with more
+items than both sizes is checked up to them, as above.
+
 [Note: predicting the first size] ``model=`` (see [Note: batch size and residency together]
 in ``_dispatch/placed.py``) makes the same prediction for a function with a numeric initial
 size, after placing its models, with one difference: the initial size stays the largest one
@@ -81,6 +97,7 @@ from .._common.peak import (
     fake_mode,
     fit,
 )
+from .retry import is_lazy
 
 __all__ = ["AUTO", "DEFAULT_MAX_BATCHSIZE", "AutoStart", "has_fakes"]
 
@@ -105,6 +122,11 @@ class TooLong(NotPredictable):
 
 class Flat(NotPredictable):
     """The traced memory did not grow with the size: too few items to tell, so far."""
+
+
+class TooFewItems(Flat):
+    """The call has fewer items than the sizes traced: it runs only what it has, so a trace
+    asked for more measures less than it was asked (see [Note: sizes a call can fill])."""
 
 
 class TraceFailed(NotPredictable):
@@ -193,9 +215,11 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
         # assigns a missing .grad without an op the guard could see); it fails instead.
         with torch.no_grad(), mode, tracker, _Guard():
             result = call(size)
-            if result.__class__ in LAZY:
-                result.close()  # type: ignore[attr-defined]  # a generator or coroutine did none of its work
-                raise NotPredictable("the function returned a generator or coroutine")
+            if is_lazy(result):  # none of its work done, or not where a trace sees it
+                if result.__class__ in LAZY:
+                    result.close()  # type: ignore[attr-defined]
+                raise NotPredictable(f"the function returned a {type(result).__name__}, whose "
+                                     f"work runs as it is read")
             del result
     except NotPredictable:
         raise
@@ -296,9 +320,11 @@ class AutoStart:
         self._lock = threading.RLock()
         self._deciding = False
 
-    def decide(self, call: Callable[[int], Any]) -> int | None:
+    def decide(self, call: Callable[[int], Any], items: int | None = None) -> int | None:
         """The initial size: predicted once (thread-safe), then the same for every call.
-        None while calls are too small to tell (the call runs from the ceiling). A call
+        None while calls are too small to tell (the call runs from the ceiling). ``items``:
+        how many items the call has, where the decorator knows (a range's length, a
+        tensor's along the chunked dimension); None where it does not (batch). A call
         the prediction's own traces make (a recursive function) ends the prediction: the
         search starts at the ceiling."""
         with self._lock:
@@ -311,14 +337,15 @@ class AutoStart:
                                  "at its own first real call, not inside this trace")
                 self._deciding = True
                 try:
-                    self.initial = self._decide(call)
+                    self.initial = self._decide(call, items)
                 finally:
                     self._deciding = False
             return self.initial
 
-    def _search(self, call: Callable[[int], Any], free: int, device: torch.device
-                ) -> tuple[int, PeakPrediction]:
-        """The largest size whose traced peak fits ``MARGIN * free``, and the last fit."""
+    def _search(self, call: Callable[[int], Any], free: int, device: torch.device,
+                items: int | None) -> tuple[int, PeakPrediction]:
+        """The largest size whose traced peak fits ``MARGIN * free``, and the last fit (see
+        [Note: sizes a call can fill] for ``items``)."""
         budget = MARGIN * free
         scale = 1
         while True:  # a loop over the data runs (items / size) forwards: trace larger sizes
@@ -327,6 +354,9 @@ class AutoStart:
             if small >= large:
                 raise NotPredictable(f"the largest size, {self.ceiling}, leaves no two sizes "
                                      f"to trace")
+            if items is not None and items < large:
+                raise TooFewItems(f"the call has {items} items, fewer than the {large} the "
+                                  f"traces need")
             try:
                 peaks, prediction = _fit(call, small, large, device)
                 break
@@ -337,23 +367,35 @@ class AutoStart:
                 if scale >= 8**LEVELS or large >= self.ceiling:
                     raise
         candidate = self._clamp(prediction.largest(free, MARGIN))
+        above = None  # a candidate above the call's items, checked up to them
         for _ in range(CHECKS):
-            if candidate in peaks:
+            # The trace of a size the call cannot fill runs the call's items: it is kept
+            # under that count, which is what it measured.
+            size = candidate if items is None else min(candidate, items)
+            if size not in peaks:
+                try:
+                    peaks[size] = _trace(call, size, device)
+                except TooLong:
+                    break
+                if items is None and size != large and peaks[size] == peaks[large]:
+                    raise TooFewItems(
+                        f"the traces at {size} and {large} items allocated the same, though "
+                        f"memory grew from {small} to {large}: the call's data seems to end "
+                        f"before {large} items")
+            elif size == candidate:
                 break
-            try:
-                peaks[candidate] = _trace(call, candidate, device)
-            except TooLong:
+            if peaks[size] <= budget:
+                if size < candidate:
+                    above = candidate  # the line's word above the items this call has
                 break
-            if peaks[candidate] <= budget:
-                break
-            base = max((n for n, p in peaks.items() if p <= budget and n < candidate),
+            base = max((n for n, p in peaks.items() if p <= budget and n < size),
                        default=min(peaks))
-            if base >= candidate:
+            if base >= size:
                 break
-            prediction = fit((base, candidate), (peaks[base], peaks[candidate]))
-            candidate = min(candidate - 1, self._clamp(prediction.largest(free, MARGIN)))
+            prediction = fit((base, size), (peaks[base], peaks[size]))
+            candidate = min(size - 1, self._clamp(prediction.largest(free, MARGIN)))
         fitting = [n for n, p in peaks.items() if p <= budget]
-        return self._clamp(max(fitting, default=self.floor)), prediction
+        return self._clamp(max([*fitting, above or self.floor])), prediction
 
     def ran(self, ok: bool) -> bool:
         """The real call after a decision ended: ``ok`` unless it raised an error that is not
@@ -394,16 +436,16 @@ class AutoStart:
     def _clamp(self, size: int) -> int:
         return max(self.floor, min(self.ceiling, size))
 
-    def _decide(self, call: Callable[[int], Any]) -> int | None:
+    def _decide(self, call: Callable[[int], Any], items: int | None) -> int | None:
         device = self.device if self.device is not None else default_device()
         free = free_memory(device)
         try:
-            start, prediction = self._search(call, free, device)
+            start, prediction = self._search(call, free, device, items)
         except Flat as exc:
             self._flat += 1
             if self._flat < FLAT_CALLS:
                 return None
-            logger.info("%s: %s saw no memory grow with the size in %d calls (%s); the "
+            logger.info("%s: %s could not see memory grow with the size in %d calls (%s); the "
                         "search starts at %s",
                         self.name, self.asked, self._flat, exc, self.largest)
             return self.ceiling

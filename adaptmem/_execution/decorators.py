@@ -20,26 +20,30 @@ from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
 from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
-from .lazy import retry_lazy
+from .lazy import iterated, retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
 from .replay import Replay, versions
-from .retry import LAZY_TYPES, log_probe, run_range, run_sized
+from .retry import is_lazy, log_probe, run_range, run_sized
 from .stats import Adaptation, CallStats, Watch
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
 
 _clock = time.perf_counter  # bound once: read on every call whose size may fail
+_LAZY_KINDS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 
 
 def _check_size(value: Any, name: str, example: str) -> int:
+    """``value`` as a plain int: any integer with ``__index__`` (NumPy's, torch's), not a
+    bool."""
     if value is None:
         raise TypeError(f"{name} is required: write {example}")
-    if isinstance(value, bool) or not isinstance(value, int):
+    size = whole_number(value)
+    if size is None:
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be 1 or more, got {value}; write {example}")
-    return value
+    if size < 1:
+        raise ValueError(f"{name} must be 1 or more, got {size}; write {example}")
+    return size
 
 
 def _as_index(value: Any, name: str) -> int:
@@ -48,6 +52,25 @@ def _as_index(value: Any, name: str) -> int:
     if index is None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return index
+
+
+def _name_of(func: Any) -> str:
+    """What logs, errors and ``stats`` call a decorated callable: its qualified name; for a
+    ``functools.partial``, ``partial(<the function's name>)``; for an object, its class's
+    name. Never a repr, which may print a whole model or a tensor's values (and cost as much
+    at every call of ``explicit.*``)."""
+    partials = 0
+    while isinstance(func, functools.partial):
+        func, partials = func.func, partials + 1
+    name = getattr(func, "__qualname__", None)
+    if not isinstance(name, str):
+        try:
+            name = getattr(inspect.unwrap(func), "__qualname__", None)
+        except ValueError:  # a cycle of __wrapped__
+            name = None
+    if not isinstance(name, str):
+        name = f"{type(func).__qualname__} object"
+    return "partial(" * partials + name + ")" * partials
 
 
 def _check_callable(func: Any, decorator: str) -> None:
@@ -133,24 +156,40 @@ def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instanc
         names, limit = tuple(p.name for p in positional[:leading]), None
     elif len(positional) < leading:
         raise TypeError(
-            f"{getattr(func, '__qualname__', func)} must take the injected "
+            f"{_name_of(func)} must take the injected "
             f"{_INJECTED[leading]} as its first parameter{'s' if leading > 1 else ''}"
             f"{' after the instance' if takes_instance else ''}; its signature is {signature}"
         )
     else:
         names, limit = tuple(p.name for p in positional[:leading]), len(positional) - leading
     # What the caller passes in place of the injected parameters: the batch size nothing,
-    # range's start and end themselves, chunked's one tensor.
+    # range's start and end themselves, chunked's one tensor. What it gets back: batch's
+    # result, the list of range's step results, chunked's tensor (whatever a step returns).
+    returns = signature.return_annotation
     if kind == "batch":
         params = params[len(names[:1]):]
+    elif kind == "range":
+        returns = _list_of(returns)
     elif kind == "chunked":
         tensor = inspect.Parameter("tensor", inspect.Parameter.POSITIONAL_ONLY)
         head = [p.replace(kind=p.POSITIONAL_ONLY) for p in head]
         params = [tensor, *params[len(names):]]
+        returns = torch.Tensor
     try:
-        return names, limit, signature.replace(parameters=[*head, *params])
+        return names, limit, signature.replace(parameters=[*head, *params],
+                                               return_annotation=returns)
     except ValueError:  # a parameter of its own named "tensor"
         return names, limit, None
+
+
+def _list_of(annotation: Any) -> Any:
+    """``list[annotation]``, as the annotation was written (a string under ``from __future__
+    import annotations``); ``list`` for none."""
+    if annotation is inspect.Signature.empty:
+        return list
+    if isinstance(annotation, str):
+        return f"list[{annotation}]"
+    return list[annotation]  # type: ignore[valid-type]
 
 
 class _Adaptive:
@@ -178,7 +217,7 @@ class _Adaptive:
         if not self.accepts_lazy and _is_lazy_function(func):
             raise TypeError(
                 f"adaptive.{self.kind} runs each step to completion and retries it while it "
-                f"runs, so it cannot take {getattr(func, '__qualname__', func)!r}, a generator "
+                f"runs, so it cannot take {_name_of(func)!r}, a generator "
                 f"or async function: a step that yields or awaits has done none of its work "
                 f"when it returns. Write the step as a plain function (return a list instead "
                 f"of yielding), or use @adaptive.batch, which retries generators and coroutines"
@@ -198,7 +237,7 @@ class _Adaptive:
                 f"str, a number, a tuple), not {type(context).__name__}") from None
         self.context = context
         self.device = None if device is None else resolve_device(device)
-        self._name = getattr(func, "__qualname__", repr(func))
+        self._name = _name_of(func)
         # Whether a settled call may try a size known to fail: see [Note: probing a failed
         # size] in cache.py (a generator's failure after its first item reaches the caller).
         self._probes = not (inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func))
@@ -312,17 +351,18 @@ class _Adaptive:
         work that probes, and it would be a ceiling for good to work that does not."""
         return self._probes
 
-    def _decide(self, call: Callable[[int], Any], record_of: Callable[[], Any]) -> bool:
+    def _decide(self, call: Callable[[int], Any], record_of: Callable[[], Any],
+                items: int | None) -> bool:
         """Decide an "auto" initial size (or, after ``predict_start``, where the record
         ``record_of()`` returns starts: fetched after the traces, since the free memory it
         is filed under may have been read again meanwhile); True when this call is the first
-        to use it."""
+        to use it. ``items``: the call's item count, where known (see ``AutoStart.decide``)."""
         if self._auto is not None:
             if self._trace_guard is None:
-                decided = self._auto.decide(call)
+                decided = self._auto.decide(call, items)
             else:
                 with self._trace_guard() as left:
-                    decided = self._auto.decide(call)
+                    decided = self._auto.decide(call, items)
                 if left:
                     self._auto.forget(f"the traces made fake tensors that the function or its "
                                       f"model kept ({', '.join(left[:3])}); put back as they "
@@ -339,11 +379,12 @@ class _Adaptive:
         return True
 
     def _first(self, call: Callable[[int], Any], rerun: Callable[[], Any],
-               record_of: Callable[[], Any]) -> Any:
+               record_of: Callable[[], Any], items: int | None = None) -> Any:
         """A call that traces first: decide, then run for real (``rerun``) and check what it
         returns. A call too small to tell, or one whose traces failed and which fails for
-        real (not out of memory), leaves the decision to the next one."""
-        decided = self._decide(call, record_of)
+        real (not out of memory), leaves the decision to the next one. ``items``: how many
+        items the call has, where the decorator knows."""
+        decided = self._decide(call, record_of, items)
         self._deciding = False
         ok = False
         try:
@@ -495,7 +536,7 @@ class _Batch(_Adaptive):
                 raise
             failure = exc
         else:
-            if result.__class__ in LAZY_TYPES:
+            if is_lazy(result):
                 return self._lazy(result, size, record, cache, bound, args, kwargs)
             record.after_success(size)
             if size != stats.last_size:
@@ -508,7 +549,7 @@ class _Batch(_Adaptive):
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
             watch=self._watch, started=started,
         )
-        if result.__class__ in LAZY_TYPES:
+        if is_lazy(result):
             return self._lazy(result, size, record, cache, bound, args, kwargs)
         return result
 
@@ -526,9 +567,14 @@ class _Batch(_Adaptive):
             self._accumulation.refuse_lazy_result(result, self._name)
         if result.__class__ is not types.CoroutineType:
             self._probes = False  # see [Note: probing a failed size] in cache.py
-        func = self._func
-        return retry_lazy(result, size, lambda s: func(*bound, s, *args, **kwargs), record,
-                          self.floor, self._name, self.device, cache, self._watch)
+        func, name = self._func, self._name
+        if result.__class__ in _LAZY_KINDS:
+            restart: Callable[[int], Any] = lambda s: func(*bound, s, *args, **kwargs)  # noqa: E731
+        else:  # an iterator: handed over as a generator, and so is each retry's
+            result = iterated(result, name)
+            restart = lambda s: iterated(func(*bound, s, *args, **kwargs), name)  # noqa: E731
+        return retry_lazy(result, size, restart, record, self.floor, name, self.device, cache,
+                          self._watch)
 
     def _run_grouped(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                      bound: tuple[Any, ...]) -> Any:
@@ -583,7 +629,7 @@ class _Range(_Adaptive):
             return self._first(  # type: ignore[no-any-return]
                 lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
                 lambda: self._run(caller, args, kwargs, bound),
-                lambda: self._record(caller)[1])
+                lambda: self._record(caller)[1], end - start)
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
 
@@ -655,7 +701,7 @@ class _Chunked(_Adaptive):
         if self._deciding and length:
             return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
                                lambda: self._run(caller, args, kwargs, bound),
-                               lambda: self._record(caller)[1])
+                               lambda: self._record(caller)[1], length)
         if self.output is None:
             self._steps(step, 0, length, record, cache, ranks)
             return tensor
@@ -872,8 +918,10 @@ def batch(
     awaited and retried whole; a generator (sync or async) is retried until it yields its
     first item, and an out-of-memory error after that is not retried (the items already
     yielded would come again) but raised as ``adaptmem.OutOfMemoryError``, the next call
-    starting smaller. A size is recorded as fitting only once the work ran without running
-    out of memory.
+    starting smaller. Any other iterator the function returns (``map``, ``filter``, an
+    iterator class of one's own; not a file) is lazy the same way: it comes back as a
+    generator of its items, retried like one. A size is recorded as fitting only once the
+    work ran without running out of memory.
 
     Args:
         initial_batchsize: the first and largest size tried, or ``"auto"``: at the first
@@ -1070,7 +1118,8 @@ def chunked(
         [0.0, 1.0, 4.0, 9.0, 16.0]
     """
     refuse_accumulate(accumulate, "chunked")
-    if isinstance(dimension, bool) or not isinstance(dimension, int):
+    dim = whole_number(dimension)  # NumPy and torch integers too
+    if dim is None:
         raise TypeError(f"dimension must be an int (negative counts from the end), "
                         f"got {type(dimension).__name__} {dimension!r}")
     if output is not None and output not in ("input", "new"):
@@ -1081,23 +1130,24 @@ def chunked(
         )
     return _factory(_Chunked, func, initial_step, min_step, cache, context, device,
                     ("initial_step", "min_step", "max_step"),
-                    {"dimension": dimension, "output": output, "group": group,
+                    {"dimension": dim, "output": output, "group": group,
                      "group_timeout": group_timeout, "on_adapt": on_adapt,
                      "progress": progress}, max_step)
 
 
-# [Note: "auto" in the decorate-and-run forms] ``execute.*`` decorates anew at every call,
-# so an "auto" initial size would be predicted (the function traced) at every call. The
-# decision (``AutoStart``: the size decided, or the calls counted so far while calls are too
-# small to tell, or a failed trace waiting for its call's outcome) is kept per function
-# code, call site and options, and a later call there goes on from it, as a decorated
-# function does; the call site's size record carries what was learnt since. The function
-# itself is never kept.
+# [Note: "auto" in the decorate-and-run forms] ``execute.*`` and ``explicit.*`` decorate anew
+# at every call, so an "auto" initial size would be predicted (the function traced) at every
+# call. The decision (``AutoStart``: the size decided, or the calls counted so far while
+# calls are too small to tell, or a failed trace waiting for its call's outcome) is kept per
+# function code, call site and options, and a later call there goes on from it, as a
+# decorated function does; the call site's size record carries what was learnt since. The
+# function itself is never kept.
 _decided: dict[Any, AutoStart] = {}
 
 
 def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any],
-             caller: Any, args: tuple[Any, ...]) -> Callable[[Callable[..., Any]], Any]:
+             caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+             ) -> Callable[[Callable[..., Any]], Any]:
     def run(func: Callable[..., Any]) -> Any:
         decorated = decorator(func)
         key = None
@@ -1113,7 +1163,7 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
                     decorated._deciding = False
             else:
                 _decided[key] = decorated._auto
-        return decorated._run(caller, args, {}, ())
+        return decorated._run(caller, args, {} if kwargs is None else kwargs, ())
 
     return run
 
@@ -1139,30 +1189,34 @@ def _execute_chunked(tensor: torch.Tensor, *, initial_step: int | None = None,
     return _run_now(decorate, initial_step, options, sys._getframe(1), (tensor,))
 
 
-def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, *args: Any,
+# The call forms' own parameters are positional-only: every keyword is the function's.
+def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, /, *args: Any,
                     **kwargs: Any) -> Any:
     """``explicit.batch(fn, 128, *args, **kwargs)`` returns ``fn(batchsize, *args, **kwargs)``."""
     _check_callable(func, "adaptive.explicit.batch")
-    return batch(initial_batchsize=initial_batchsize)(func)._run(
-        sys._getframe(1), args, kwargs, ())
+    decorate = batch(initial_batchsize=initial_batchsize)
+    return _run_now(decorate, initial_batchsize, {}, sys._getframe(1), args, kwargs)(func)
 
 
-def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int,
+def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int, /,
                     *args: Any, **kwargs: Any) -> list[Any]:
     """``explicit.range(fn, 0, n, 64, *args)`` returns ``[fn(s, e, *args), ...]``."""
     _check_callable(func, "adaptive.explicit.range")
-    return range(initial_step=initial_step)(func)._run(  # type: ignore[no-any-return]
-        sys._getframe(1), (start, end, *args), kwargs, ())
+    decorate = range(initial_step=initial_step)
+    return _run_now(  # type: ignore[no-any-return]
+        decorate, initial_step, {}, sys._getframe(1), (start, end, *args), kwargs)(func)
 
 
-def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int,
+def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int, /,
                       *args: Any, dimension: int = 0, output: str | None = None,
                       **kwargs: Any) -> torch.Tensor:
     """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``
     (``output=`` as for ``chunked``)."""
     _check_callable(func, "adaptive.explicit.chunked")
-    return chunked(initial_step=initial_step, dimension=dimension, output=output)(func)._run(  # type: ignore[no-any-return]
-        sys._getframe(1), (tensor, *args), kwargs, ())
+    options: dict[str, Any] = {"dimension": dimension, "output": output}
+    decorate = chunked(initial_step=initial_step, dimension=dimension, output=output)
+    return _run_now(  # type: ignore[no-any-return]
+        decorate, initial_step, options, sys._getframe(1), (tensor, *args), kwargs)(func)
 
 
 execute = SimpleNamespace(batch=_execute_batch, range=_execute_range, chunked=_execute_chunked)

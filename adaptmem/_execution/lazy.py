@@ -13,6 +13,13 @@ really happens:
 
 A size is recorded as fitting only when the work ran without running out of memory: when the
 coroutine returned, or the generator finished or was closed by its consumer.
+
+Any other iterator a call returns (``map(model, batches)``, ``filter``, ``zip``, an iterator
+class of one's own) is lazy the same way: ``map(model, batches)`` is
+``(model(b) for b in batches)`` by another name. It is handed over as a generator that yields
+its items (``iterated``), retried until its first item like one; its other attributes are
+not passed on. Recording it as fitting at once would record a size that ran none of its work,
+and its out-of-memory errors would reach the caller raw, never retried.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from .retry import logger, shrink
 from .stats import Watch
 
 __all__ = ["retry_lazy", "retry_generator", "retry_async_generator", "retry_coroutine",
-           "named_as"]
+           "named_as", "iterated"]
 
 
 class _Run:
@@ -255,6 +262,20 @@ def retry_lazy(result: Any, size: int, restart: Callable[[int], Any], record: Si
     else:
         wrapper = retry_coroutine(result, size, run)
     return named_as(wrapper, result)
+
+
+def iterated(result: Any, name: str) -> Any:
+    """``result`` as a generator: itself if it is one, else one that yields its items (an
+    iterator a function returned, see [Note: lazy results]), named ``name``."""
+    if isinstance(result, Generator):
+        return result
+    items: Any = _items(result)
+    items.__name__, items.__qualname__ = name.rpartition(".")[2], name
+    return items
+
+
+def _items(iterable: Any) -> Generator[Any, Any, Any]:
+    return (yield from iterable)
 
 
 def named_as(wrapper: Any, result: Any) -> Any:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -35,7 +36,7 @@ from .._common.errors import OutOfMemoryError, Phase, RankError
 from .._common.oom import drop_frames, free_caches, shrinks_size
 from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
-from .retry import LAZY_TYPES, log_probe, shrink
+from .retry import is_lazy, log_probe, shrink
 from .stats import Watch
 
 __all__ = ["Ranks", "check_group", "resolve_ranks", "run_sized_grouped", "run_range_grouped"]
@@ -190,11 +191,14 @@ def _attempt(attempt: Callable[[int], Any], size: int, floor: int
     except Exception as exc:
         status = (GAVE_UP if size <= floor else OOM) if shrinks_size(exc) else ERROR
         return status, None, exc, time.perf_counter() - started
-    if result.__class__ in LAZY_TYPES:
-        if hasattr(result, "close"):  # no "never awaited" warning on top of this error
+    if is_lazy(result):
+        # No "never awaited" warning on top of this error (an iterator of the user's own
+        # is left alone: its close may do more).
+        if isinstance(result, (types.GeneratorType, types.CoroutineType)):
             result.close()
-        error = TypeError(f"returned a {type(result).__name__}, whose work has not run; "
-                          f"under group= the function must do its work before it returns")
+        error = TypeError(f"returned a {type(result).__name__}, whose work (if it has any) "
+                          f"runs as it is read; under group= the function must do its work "
+                          f"before it returns: return a list")
         return ERROR, None, error, time.perf_counter() - started
     return OK, result, None, time.perf_counter() - started
 

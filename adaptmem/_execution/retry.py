@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -17,7 +18,7 @@ from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
 from .stats import Watch
 
-__all__ = ["run_sized", "run_range", "shrink", "log_probe", "logger", "LAZY_TYPES"]
+__all__ = ["run_sized", "run_range", "shrink", "log_probe", "logger", "LAZY_TYPES", "is_lazy"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -26,6 +27,26 @@ T = TypeVar("T")
 # What a call returns before any of its work has run: no out-of-memory error can have struck
 # yet, so such a result says nothing about the size (see lazy.py for how batch runs them).
 LAZY_TYPES = frozenset({types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType})
+
+# Whether each class of result seen is an iterator (see ``is_lazy``): a dict lookup on the
+# success path, where ``isinstance(result, Iterator)`` costs six times as much.
+_iterates: dict[type, bool] = {}
+
+
+def is_lazy(result: Any) -> bool:
+    """Whether ``result`` may not have done its work yet: a generator, coroutine or async
+    generator, or any other iterator (``map``, ``filter``, ``zip``, a class of one's own),
+    which does its work, if it has any, as it is read (see [Note: lazy results] in lazy.py).
+    Files, iterators of their lines, are results of work done."""
+    cls = result.__class__
+    if cls in LAZY_TYPES:
+        return True
+    known = _iterates.get(cls)
+    if known is None:
+        if len(_iterates) > 1024:  # classes made at run time: keep none for good
+            _iterates.clear()
+        known = _iterates[cls] = issubclass(cls, Iterator) and not issubclass(cls, io.IOBase)
+    return known
 
 
 def _free_text(device: torch.device | None) -> str:
@@ -93,7 +114,7 @@ def run_sized(
                 failure = exc
             else:
                 # A generator or coroutine has not run yet: its wrapper records the outcome.
-                if result.__class__ not in LAZY_TYPES:
+                if not is_lazy(result):
                     if short and not tried:
                         record.after_short_success(size)
                     else:
@@ -214,7 +235,7 @@ def run_range(
         # A last step shorter than the step (what was left) says nothing about sizes.
         if watch is not None and (used < span or span == step):
             watch.stats.saw(used)
-        if result.__class__ in LAZY_TYPES:
+        if is_lazy(result):
             _refuse_lazy_step(result, name)
         if deliver is None:
             results.append(result)
@@ -232,8 +253,9 @@ def _refuse_lazy_step(result: Any, name: str) -> None:
     if isinstance(result, (types.CoroutineType, types.GeneratorType)):
         result.close()  # no "never awaited" warning on top of this error
     raise TypeError(
-        f"a step of {name} returned a {type(result).__name__}, whose work has not run: "
-        f"range and chunked retry a step while it runs, so a step must do its work before "
-        f"it returns. Return a list (list(...)) or a tensor instead, or use @adaptive.batch, "
-        f"which retries generators and coroutines"
+        f"a step of {name} returned a {type(result).__name__}, an iterator or coroutine "
+        f"whose work (if it has any) runs after the step returned: range and chunked retry "
+        f"a step while it runs, so a step must do its work before it returns. Return a list "
+        f"(list(...)) or a tensor instead, or use @adaptive.batch, which retries generators, "
+        f"iterators and coroutines"
     )

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from adaptmem import OutOfMemoryError
 from adaptmem._common.errors import oom_error_for
-from adaptmem._common.oom import is_oom
+from adaptmem._common.oom import drop_frames, is_oom
 from adaptmem.testing import OOM_KINDS, make_oom
 
 
@@ -81,3 +83,31 @@ def test_a_numpy_allocation_failure_at_the_smallest_size_prints_its_message() ->
         prepare()
     assert isinstance(info.value, OutOfMemoryError)
     assert "prepare ran out of memory at the smallest batchsize, 1" in str(info.value)
+
+
+def _raised(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as caught:  # noqa: BLE001 - any error, for its traceback
+        return caught
+
+
+def test_drop_frames_walks_cause_and_context_and_ends_on_a_cycle() -> None:
+    cause, context, top = _raised(MemoryError("cause")), _raised(KeyError("ctx")), _raised(
+        MemoryError("top"))
+    top.__cause__, top.__context__ = cause, context
+    context.__context__ = top  # a cycle: the walk must end
+    cause.__cause__ = context
+    drop_frames(top)
+    assert [e.__traceback__ for e in (top, cause, context)] == [None, None, None]
+
+
+def test_drop_frames_drops_the_frames_of_an_exception_groups_members() -> None:
+    if sys.version_info < (3, 11):
+        pytest.skip("exception groups came with Python 3.11")
+    member = _raised(KeyError("member"))
+    group = _raised(BaseExceptionGroup("group", [member]))  # noqa: F821 - 3.11+
+    top = _raised(MemoryError("top"))
+    top.__context__ = group
+    drop_frames(top)
+    assert member.__traceback__ is None and group.__traceback__ is None

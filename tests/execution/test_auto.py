@@ -513,3 +513,106 @@ def test_memory_made_with_the_modes_off_is_counted_once_with_its_views() -> None
             assert tracker.live == 1 << 20
             del more
         assert tracker.peak == 2 << 20 and tracker.live == 0
+
+
+def test_a_first_batch_call_with_fewer_items_than_the_traced_sizes_decides_nothing() -> None:
+    # 9 items: the trace asked for 16 ran 9 (x.split caps it at the data), so the line
+    # through 8 and "16" gave an eighth of the 64 KiB an item needs, and the check trace,
+    # capped the same way, passed; the next call failed three times from 20000.
+    from adaptmem.testing import simulated_cuda
+
+    with simulated_cuda(total_memory="256MiB"):
+        src = torch.randn(20000, 64, device="cuda")
+
+        @adaptive.batch(initial_batchsize="auto", max_batchsize=20000)
+        def infer(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([c.repeat(1, 256).sum(1) for c in x.split(batchsize)])
+
+        infer(src[:9])
+        assert infer.prediction is None  # put off: the call cannot fill the traced sizes
+        infer(src)
+        prediction, failed = infer.prediction, infer.stats.failed_attempts
+    assert prediction is not None
+    assert prediction.per_item_bytes == pytest.approx(64 * 1024, rel=0.01)
+    assert failed == 0
+
+
+@pytest.mark.parametrize("kind", ["range", "chunked"])
+def test_range_and_chunked_trace_only_sizes_their_first_call_can_fill(kind: str) -> None:
+    # A 12-item first call: the trace asked for 16 items ran 12 (min(end, start + n)), and
+    # the line through 8 and "16" halved the bytes an item needs.
+    from adaptmem.testing import simulated_cuda
+
+    with simulated_cuda(total_memory="256MiB"):
+        src = torch.randn(20000, 64, device="cuda")
+        out = torch.empty(20000, device="cuda")
+
+        if kind == "range":
+            @adaptive.range(initial_step="auto", max_step=20000)
+            def work(start: int, end: int) -> None:
+                out[start:end] = src[start:end].repeat(1, 256).sum(1)  # 64 KiB an item
+
+            work(0, 12)
+            assert work.prediction is None
+            work(0, 20000)
+        else:
+            @adaptive.chunked(initial_step="auto", max_step=20000, output="new")
+            def work(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+                return chunk.repeat(1, 256).sum(1)
+
+            work(src[:12])
+            assert work.prediction is None
+            work(src)
+        prediction, failed = work.prediction, work.stats.failed_attempts
+    assert prediction is not None
+    assert prediction.per_item_bytes == pytest.approx(64 * 1024, rel=0.01)
+    assert failed == 0
+
+
+def test_a_first_range_call_shorter_than_the_predicted_step_still_starts_there() -> None:
+    # The check trace runs the call's 100 items; the line says the rest (the step is the
+    # largest one tried after "auto": capping it at this call's items would keep it there).
+    from adaptmem.testing import simulated_cuda
+
+    with simulated_cuda(total_memory="256MiB"):
+        src = torch.randn(200, 64, device="cuda")
+
+        @adaptive.range(initial_step="auto", max_step=20000)
+        def work(start: int, end: int) -> torch.Tensor:
+            return src[start:end].repeat(1, 256).sum(1)
+
+        work(0, 100)
+        prediction, initial = work.prediction, work.initial
+    assert prediction is not None and initial > 1000
+
+
+def test_the_call_forms_predict_once_per_call_site() -> None:
+    # explicit.* decorates anew at every call, as execute.* does; it traced every call
+    # (0.6 s a call against 0.02 s) because it did not keep the decision per call site.
+    runs: list[int] = []
+    data = torch.randn(128, 64)
+
+    def work(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        runs.append(batchsize)
+        return torch.cat([c.exp().sum(1) for c in data.split(batchsize)])
+
+    def fill(start: int, end: int, data: torch.Tensor) -> torch.Tensor:
+        runs.append(end - start)
+        return data[start:end].exp().sum(1)
+
+    def chunk(c: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        runs.append(end - start)
+        return c.exp()
+
+    calls = {
+        "batch": lambda: adaptive.explicit.batch(work, "auto", data),
+        "range": lambda: adaptive.explicit.range(fill, 0, 128, "auto", data),
+        "chunked": lambda: adaptive.explicit.chunked(chunk, data, "auto", output="new"),
+    }
+    for kind, call in calls.items():
+        counts = []
+        for _ in range(3):
+            runs.clear()
+            call()
+            counts.append(len(runs))
+        assert counts[0] > 1 and counts[1:] == [1, 1], (kind, counts)  # traced once

@@ -106,6 +106,32 @@ def test_the_signature_leaves_out_what_the_decorator_passes() -> None:
     assert list(inspect.signature(_Model().infer).parameters) == ["x"]
 
 
+def test_the_signature_says_what_the_call_returns() -> None:
+    # A chunked step returns None (it writes its chunk) or its chunk's result; the call
+    # returns a tensor. A range's call returns the list of its steps' results.
+    @adaptive.chunked(initial_step=4)
+    def double(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk.mul_(2)
+
+    @adaptive.range(initial_step=4)
+    def span(start: int, end: int) -> int:
+        return end - start
+
+    @adaptive.range(initial_step=4)
+    def bare(start, end):  # type: ignore[no-untyped-def]
+        return end - start
+
+    def ints(start: int, end: int) -> None:
+        pass
+
+    ints.__annotations__["return"] = int  # as written without postponed annotations
+
+    assert inspect.signature(double).return_annotation is torch.Tensor
+    assert inspect.signature(span).return_annotation == "list[int]"
+    assert inspect.signature(bare).return_annotation is list
+    assert inspect.signature(adaptive.range(initial_step=4)(ints)).return_annotation == list[int]
+
+
 def test_range_takes_its_bounds_as_keywords_and_any_integer() -> None:
     @adaptive.range(initial_step=4)
     def fill(start: int, end: int, scale: int = 1) -> tuple[int, int, int]:
@@ -119,6 +145,39 @@ def test_range_takes_its_bounds_as_keywords_and_any_integer() -> None:
         fill(0, scale=2)
     with pytest.raises(TypeError, match="end must be an int, got float"):
         fill(0, 10.0)
+
+
+@pytest.mark.parametrize("integer", [np.int64(4), np.uint8(4), torch.tensor(4)],
+                         ids=["numpy int64", "numpy uint8", "torch"])
+def test_sizes_take_any_integer_with_index_as_start_and_end_do(integer: Any) -> None:
+    # initial_batchsize=np.int64(64) raised TypeError while start and end took it.
+    cache = adaptive.NoBatchsizeCache
+    got = adaptive.batch(initial_batchsize=integer, min_batchsize=integer, cache=cache)(
+        lambda batchsize: batchsize)()
+    assert got == 4 and type(got) is int
+    assert adaptive.explicit.batch(lambda batchsize: batchsize, integer) == 4
+    spans = adaptive.range(initial_step=integer, min_step=integer, cache=cache)(
+        lambda s, e: (s, e))(0, 6)
+    assert spans == [(0, 4), (4, 6)]
+    auto = adaptive.range(initial_step="auto", max_step=integer)(lambda s, e: e - s)
+    assert auto(0, 4) == [4]
+    doubled = adaptive.chunked(initial_step=integer, dimension=np.int64(-1), cache=cache)(
+        lambda chunk, s, e: chunk.mul_(2))(torch.ones(2, 6))
+    assert doubled.sum().item() == 24.0
+    assert [len(b) for b, _ in adaptive.microbatches(integer, torch.ones(6))] == [4, 2]
+
+
+@pytest.mark.parametrize("flag", [True, np.bool_(True), torch.tensor(True)],
+                         ids=["bool", "numpy bool", "torch bool"])
+def test_a_bool_is_not_a_size(flag: Any) -> None:
+    with pytest.raises(TypeError, match="initial_batchsize must be a positive int"):
+        adaptive.batch(initial_batchsize=flag)
+    with pytest.raises(TypeError, match="initial_step must be a positive int"):
+        adaptive.explicit.range(lambda s, e: None, 0, 4, flag)
+    with pytest.raises(TypeError, match="microbatches takes the batch size first"):
+        adaptive.microbatches(flag, torch.ones(3))
+    with pytest.raises(TypeError, match="start must be an int"):  # torch's bool gave 1 here
+        adaptive.explicit.range(lambda s, e: None, flag, 4, 2)
 
 
 def test_chunked_says_the_tensor_comes_first_and_positional() -> None:
@@ -169,3 +228,17 @@ def test_a_method_wrapped_without_functools_wraps_is_still_a_method() -> None:
 
     model = Model()
     assert model.infer(1) == Model.infer(model, 1) == ("Model", 4, 1)
+
+
+def test_the_call_forms_pass_every_keyword_to_the_function() -> None:
+    # explicit.*'s own leading parameters are positional-only: a function parameter that
+    # shares one of their names gets its keyword (it raised "multiple values for 'func'").
+    assert adaptive.explicit.batch(lambda bs, func: func, 4, func=1) == 1
+    assert adaptive.explicit.batch(lambda bs, initial_batchsize: initial_batchsize, 4,
+                                   initial_batchsize="mine") == "mine"
+    assert adaptive.explicit.range(lambda s, e, start: (s, e, start), 0, 4, 4,
+                                   start="mine") == [(0, 4, "mine")]
+    tensor = torch.arange(4.0)
+    got = adaptive.explicit.chunked(lambda c, s, e, tensor, initial_step: c.add_(tensor),
+                                    tensor, 4, tensor=1.0, initial_step=0)
+    assert got.tolist() == [1.0, 2.0, 3.0, 4.0]

@@ -1090,6 +1090,68 @@ def test_a_failed_attempt_leaves_no_frame_that_holds_its_tensors() -> None:
     assert kept[0]() is None, "the failed attempt's tensor is still alive"
 
 
+def test_an_oom_raised_from_the_original_frees_the_original_attempts_memory() -> None:
+    # An OOM re-raised ``from`` the original while another error is handled links the
+    # original through __cause__ alone (its __context__ is the other error): its frames, and
+    # the first attempt's tensors in them, are gone before the retry, though the first
+    # failure itself is kept for the whole retry loop.
+    class LayerOOM(torch.OutOfMemoryError):
+        pass
+
+    ceiling = MemoryCeiling(4)
+    refs: list[weakref.ref] = []
+    alive_at_retry: list[bool] = []
+
+    def layer(batchsize: int) -> None:
+        alive_at_retry.extend(r() is not None for r in refs)
+        activation = torch.zeros(batchsize, 1024)
+        refs.append(weakref.ref(activation))
+        ceiling.require(batchsize)
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def forward(batchsize: int) -> int:
+        try:
+            layer(batchsize)
+            return batchsize
+        except torch.OutOfMemoryError as oom:
+            saved = oom
+        try:
+            raise ValueError("cleanup failed")
+        except ValueError:
+            raise LayerOOM("layer ran out") from saved
+
+    assert forward() == 4
+    assert alive_at_retry == [False, False, False]  # at 8: 16's; at 4: 16's and 8's
+
+
+def test_a_simulated_device_retry_fits_once_an_oom_chained_by_cause_is_dropped() -> None:
+    from adaptmem.testing import simulated_cuda
+
+    mib = 1 << 20
+
+    class LayerOOM(torch.OutOfMemoryError):
+        pass
+
+    def layer(batchsize: int) -> None:
+        activation = torch.empty(batchsize * 10 * mib // 4, device="cuda")  # noqa: F841
+        more = torch.empty(batchsize * 10 * mib // 4, device="cuda")  # noqa: F841
+
+    def forward(batchsize: int) -> int:
+        try:
+            layer(batchsize)
+            return batchsize
+        except torch.OutOfMemoryError as oom:
+            saved = oom
+        try:
+            raise ValueError("cleanup failed")
+        except ValueError:
+            raise LayerOOM("layer ran out") from saved
+
+    with simulated_cuda(total_memory="100MiB"):
+        # 8 needs 160 MiB; 4 needs 80 MiB, which fits once 8's first 80 MiB are gone.
+        assert adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)(forward)() == 4
+
+
 @pytest.mark.parametrize("form", ["partial", "callable object"])
 def test_the_size_cache_does_not_keep_a_decorated_callable_and_its_model_alive(
     form: str,
@@ -1198,3 +1260,95 @@ def test_a_retry_passes_a_file_argument_on() -> None:
     log = io.StringIO()
     assert torch.equal(process(torch.ones(4), log), torch.full((4,), 2.0))
     assert log.getvalue().split("\n")[:3] == ["trying 64", "trying 32", "trying 16"]
+
+
+def test_a_partial_is_named_by_its_function_never_by_the_repr_of_its_arguments(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A partial has no __qualname__: its repr (a whole model, a tensor's values) went into
+    # every log line, error and stats name, and explicit.* built it at every call.
+    import functools
+
+    class Model:
+        reprs = 0
+
+        def __repr__(self) -> str:
+            Model.reprs += 1
+            return "Model(" + "layer, " * 10_000 + ")"
+
+    ceiling = MemoryCeiling(2)
+
+    def score(batchsize: int, model: Model) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    fn = functools.partial(score, model=Model())
+    name = f"partial({score.__qualname__})"
+    decorated = adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)(fn)
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        assert decorated() == 2
+        assert adaptive.explicit.batch(fn, 4) == 2
+    assert decorated.stats.name == name
+    assert all(r.getMessage().startswith(name) for r in caplog.records), caplog.text
+    with pytest.raises(OutOfMemoryError, match=r"^partial\(.*score\) ran out of memory"):
+        adaptive.batch(initial_batchsize=8, min_batchsize=8)(fn)()
+    assert Model.reprs == 0
+
+
+class _Chunks:
+    """An iterator class of one's own, doing its work as it is read."""
+
+    def __init__(self, work: Any, chunks: list[list[int]]) -> None:
+        self.work, self.chunks = work, iter(chunks)
+
+    def __iter__(self) -> _Chunks:
+        return self
+
+    def __next__(self) -> int:
+        return self.work(next(self.chunks))
+
+
+@pytest.mark.parametrize("form", ["map", "filter", "own class"])
+def test_a_returned_iterator_is_retried_until_its_first_item_like_a_generator(
+    form: str,
+) -> None:
+    # map(work, chunks) is (work(c) for c in chunks) by another name: it was recorded as
+    # fitting at once, and its out-of-memory error reached the caller raw, never retried.
+    ceiling = MemoryCeiling(4)
+
+    def work(chunk: list[int]) -> int:
+        ceiling.require(len(chunk))
+        return len(chunk)
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def sizes(batchsize: int, data: list[int]) -> Any:
+        chunks = [data[i:i + batchsize] for i in range(0, len(data), batchsize)]
+        if form == "map":
+            return map(work, chunks)
+        if form == "filter":
+            return filter(None, map(work, chunks))
+        return _Chunks(work, chunks)
+
+    assert list(sizes(list(range(18)))) == [4, 4, 4, 4, 2]
+    assert ceiling.failures == [16, 8]
+    assert sizes.stats.failed_attempts == 2
+
+
+def test_a_returned_file_is_the_result_itself_not_work_to_retry() -> None:
+    import io
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def report(batchsize: int) -> io.StringIO:
+        return io.StringIO(f"{batchsize}\n")
+
+    out = report()
+    assert isinstance(out, io.StringIO) and out.read() == "16\n"
+
+
+def test_a_range_step_that_returns_an_iterator_is_refused() -> None:
+    @adaptive.range(initial_step=4, cache=adaptive.NoBatchsizeCache)
+    def fill(start: int, end: int) -> Any:
+        return map(float, range(start, end))
+
+    with pytest.raises(TypeError, match=r"returned a map.*Return a list"):
+        fill(0, 8)
