@@ -110,6 +110,7 @@ def set_current(tensors: Tensors | None) -> None:
     global _current
     _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
+_INPLACE_VIEW = torch.Tag.inplace_view
 # Ops that may give their tensor arguments new sizes or memory (see _follow), by op;
 # ``set_`` moves a tensor to other memory at the same size too.
 _RESIZES: dict[Any, bool] = {}
@@ -774,6 +775,10 @@ class Dispatch(TorchDispatchMode):
                                 or o.stride() != original.stride()
                                 or o.storage_offset() != original.storage_offset()):
                     _follow(sim, original, o, storages, grown.pop(id(o), None))
+                elif _INPLACE_VIEW in func.tags and (
+                        o.shape != original.shape or o.stride() != original.stride()
+                        or o.storage_offset() != original.storage_offset()):
+                    _restride(original, o)
                 return original
             return sim.wrap(o, storages[_storage_key(o)])
 
@@ -781,6 +786,14 @@ class Dispatch(TorchDispatchMode):
         for block in grown.values():  # not needed after all
             sim.state.allocators[index].free(block)
         return wrapped
+
+
+def _restride(w: torch.Tensor, o: torch.Tensor) -> None:
+    """An in-place view op (``transpose_``, ``unsqueeze_``, ``as_strided_``: aten's
+    ``inplace_view`` ops) gave ``w``'s backing ``o`` new sizes and strides: ``w`` takes
+    them, over the same memory, as a CUDA tensor would."""
+    with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
+        torch.Tensor.set_(w, w.untyped_storage(), o.storage_offset(), o.shape, o.stride())
 
 
 def _follow(sim: Tensors, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record],
