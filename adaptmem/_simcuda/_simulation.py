@@ -5,6 +5,8 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import torch
+
 from .._common.devices import parse_size
 from . import _active, _tensors
 from ._state import SimState
@@ -62,6 +64,9 @@ class SimulatedCuda:
             _pin_in_loader_threads(tensors, self._patches)
             install_storages(tensors, self._patches)
             _refuse_autocast(self._patches)
+            # See [Note: kernels CUDA picks by device type] in _kernels.py.
+            self._patches.setting(torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled,
+                                  False)
             tensors.function_mode.__enter__()
             try:
                 tensors.dispatch_mode.__enter__()
@@ -159,7 +164,9 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     Not simulated: kernel speed (ops run at CPU speed), memory fragmentation, real bus
     behaviour beyond a fixed bandwidth, autograd (every op on simulated tensors runs under
     ``no_grad``), other threads (the simulation is active in the thread that entered it),
-    ``torch.compile`` and custom CUDA kernels.
+    ``torch.compile``, custom CUDA kernels and cuDNN (the device has none:
+    ``torch.backends.cudnn.enabled`` is False inside the block, and torch takes its own
+    CUDA kernels, as a build without cuDNN does).
 
     Args:
         devices: how many devices (``cuda:0`` ...), 1 or more.

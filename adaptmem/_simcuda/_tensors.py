@@ -90,6 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations
+from ._kernels import CPU_EQUIVALENT
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
 from ._streams import SimStream, StreamRaceError, check_access
@@ -656,16 +657,6 @@ def _host_view(t: torch.Tensor) -> torch.Tensor:
                                               t.size(), t.stride())
 
 
-def _cudnn_batch_norm(*args: Any) -> Any:
-    out, mean, invstd = aten.native_batch_norm.default(*args)
-    return out, mean, invstd, torch.empty(0, dtype=torch.uint8)
-
-
-# Kernels CUDA picks by device type, run as their CPU equivalents.
-_CPU_EQUIVALENT = {
-    aten.cudnn_batch_norm.default: _cudnn_batch_norm,
-    aten.miopen_batch_norm.default: lambda *a: aten.native_batch_norm.default(*a),
-}
 # Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices, by the rules
 # ``check_index_op`` keeps), and the metadata check behind ``cpu_param.data = cuda_tensor``
 # (dispatched under inference_mode).
@@ -743,9 +734,9 @@ class Dispatch(TorchDispatchMode):
             out, grown = _run_resizing(sim, index, func, args, kwargs, cargs, ckwargs,
                                        u.originals)
         elif _SEEDED in func.tags and not _has_generator(args, kwargs):
-            out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
+            out = sim.draw(index, CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
         else:
-            out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
+            out = CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
         # New storages are allocated together: an OOM allocates nothing.
         originals, storages = u.originals, u.storages
         fresh: dict[int, torch.Tensor] = {}
@@ -845,7 +836,7 @@ def _run_resizing(sim: Tensors, index: int, func: Any, args: Any, kwargs: dict[s
     """Run resizing op ``func`` on the backings (See [Note: resizing writes that do not
     fit]): what it returned, and the blocks allocated for the storages it grew, by id of
     the backing."""
-    op = _CPU_EQUIVALENT.get(func, func)
+    op = CPU_EQUIVALENT.get(func, func)
     if _SEEDED in func.tags and not _has_generator(args, kwargs):
         def call(a: Any, k: dict[str, Any]) -> Any:
             return sim.draw(index, op, *a, **k)

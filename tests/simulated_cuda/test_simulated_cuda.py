@@ -987,13 +987,17 @@ def test_a_model_already_on_the_simulated_device_can_be_chunked() -> None:
 
 # -- kernels CUDA picks by device type -------------------------------------------------------
 
-def test_a_torchvision_model_runs_with_cudnn_kernels_mapped_to_the_cpu() -> None:
+@pytest.mark.parametrize("cudnn", [False, True], ids=["as-simulated", "cudnn-turned-on"])
+def test_a_torchvision_model_runs_and_matches_the_cpu(cudnn: bool) -> None:
+    # The simulated device has no cuDNN (batch norm takes torch's own kernel); turned on
+    # inside the block, cudnn_batch_norm runs as its CPU equivalent.
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).eval()
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         expected = model(x)
         with simulated_cuda():
+            torch.backends.cudnn.enabled = cudnn
             out = model.cuda()(x.cuda()).cpu()
             model.cpu()
     torch.testing.assert_close(out, expected)
