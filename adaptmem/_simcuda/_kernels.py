@@ -17,7 +17,8 @@ block (_simulation.py), so recurrent layers take torch's own CUDA path (the fuse
 as a CUDA build without cuDNN does, rather than ``_cudnn_rnn_flatten_weight`` and
 ``_cudnn_rnn``, whose weight layout and workspace are cuDNN's own; ``grid_sample`` and
 ``affine_grid`` take theirs too. Backward kernels are not needed: ops on simulated tensors
-run without grad (the simulation has no autograd).
+run without grad (the simulation has no autograd); one called directly is refused by name
+(_errors.py).
 """
 
 from __future__ import annotations

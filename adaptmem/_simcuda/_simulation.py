@@ -9,17 +9,13 @@ import torch
 
 from .._common.devices import parse_size
 from . import _active, _tensors
+from ._errors import SimulatedCudaError
 from ._state import SimState
 from ._storages import install_storages
 from ._tensors import Tensors
 from ._torch_cuda import Patches, install
 
 __all__ = ["SimulatedCuda", "SimulatedCudaError", "simulated_cuda"]
-
-
-class SimulatedCudaError(RuntimeError):
-    """Stream misuse the simulation saw and could not raise where it happened (a tensor
-    freed while another stream still used it), raised when the simulation ends."""
 
 
 class SimulatedCuda:

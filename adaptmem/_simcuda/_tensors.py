@@ -90,6 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations
+from ._errors import no_cpu_kernel
 from ._kernels import CPU_EQUIVALENT
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
@@ -730,13 +731,19 @@ class Dispatch(TorchDispatchMode):
         if resizes is None:
             resizes = _RESIZES[func] = _can_resize(func)
         grown: dict[int, int] = {}
-        if resizes and func not in _SETS and fake_mode() is None:
-            out, grown = _run_resizing(sim, index, func, args, kwargs, cargs, ckwargs,
-                                       u.originals)
-        elif _SEEDED in func.tags and not _has_generator(args, kwargs):
-            out = sim.draw(index, CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
-        else:
-            out = CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
+        try:
+            if resizes and func not in _SETS and fake_mode() is None:
+                out, grown = _run_resizing(sim, index, func, args, kwargs, cargs, ckwargs,
+                                           u.originals)
+            elif _SEEDED in func.tags and not _has_generator(args, kwargs):
+                out = sim.draw(index, CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
+            else:
+                out = CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
+        except NotImplementedError as exc:
+            # torch's "Could not run ... from the 'CPU' backend" names the wrong device.
+            if func in CPU_EQUIVALENT or _has_cpu_kernel(func.name(), "CPU"):
+                raise
+            raise no_cpu_kernel(func, index) from exc
         # New storages are allocated together: an OOM allocates nothing.
         originals, storages = u.originals, u.storages
         fresh: dict[int, torch.Tensor] = {}
@@ -1091,6 +1098,7 @@ def _storage_key(t: torch.Tensor) -> int:
         return int(storage._cdata)
     return int(storage.data_ptr())
 _no_python_dispatch = torch._C._DisableTorchDispatch
+_has_cpu_kernel = torch._C._dispatch_has_computed_kernel_for_dispatch_key
 # Factories that draw no random numbers and return one tensor.
 _PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
                     torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_strided,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from adaptmem import adaptive
-from adaptmem.testing import simulated_cuda
+from adaptmem.testing import SimulatedCudaError, simulated_cuda
 
 _VARIANTS = [
     (cls, layers, bidirectional, batch_first, proj, bias)
@@ -88,6 +88,16 @@ def test_a_recurrent_layer_runs_with_grad_enabled_and_records_no_graph() -> None
         out = _on_host(out)
         model.cpu()
     torch.testing.assert_close(list(out), expected)
+
+
+def test_a_fused_cells_backward_is_refused_by_name() -> None:
+    # Nothing asks for it (no autograd); called directly, it says what it is.
+    with simulated_cuda():
+        state = torch.zeros(3, 6, device="cuda")
+        with pytest.raises(SimulatedCudaError, match="_thnn_fused_lstm_cell_backward_impl has "
+                                                     "only a CUDA kernel"):
+            torch.ops.aten._thnn_fused_lstm_cell_backward_impl(
+                state, state, state, state, torch.zeros(3, 24, device="cuda"), True)
 
 
 def _lstm_cell(x: torch.Tensor, h: torch.Tensor, b_ih: torch.Tensor,
@@ -226,3 +236,11 @@ def test_the_simulated_device_has_no_cudnn_as_a_cuda_build_without_it() -> None:
     finally:
         torch.backends.cudnn.enabled = enabled
 
+
+def test_turning_cudnn_on_inside_the_block_is_refused_by_name() -> None:
+    with simulated_cuda():
+        torch.backends.cudnn.enabled = True
+        with pytest.raises(SimulatedCudaError,
+                           match=r"_cudnn_rnn_flatten_weight has only a CUDA kernel.*no cuDNN"):
+            nn.LSTM(4, 4).cuda()
+    assert torch.backends.cudnn.enabled
