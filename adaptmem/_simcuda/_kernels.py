@@ -1,4 +1,5 @@
-"""CPU equivalents of the kernels torch picks for CUDA tensors by device type.
+"""CPU equivalents of the kernels torch picks for CUDA tensors by device type, and of an op
+CUDA runs with host arguments (``_pack_padded_sequence``).
 
 [Note: kernels CUDA picks by device type]
 Some ops decide in C++ from the device alone that a CUDA kernel will run: a recurrent cell
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CPU_EQUIVALENT"]
+__all__ = ["CPU_EQUIVALENT", "pack_padded_sequence"]
 
 aten = torch.ops.aten
 
@@ -121,3 +122,16 @@ CPU_EQUIVALENT: dict[Any, Callable[..., Any]] = {
     aten._thnn_fused_gru_cell.default: _fused_gru_cell,
 }
 
+
+def pack_padded_sequence(sim: Any, padded: torch.Tensor, lengths: torch.Tensor,
+                         batch_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten::_pack_padded_sequence`` of simulated tensor ``padded`` in simulation ``sim``
+    (its ``Tensors``): as on CUDA, the lengths are a host tensor and so are the batch sizes
+    it gives (aten/src/ATen/native/PackedSequence.cpp); the packed data is on the device."""
+    if lengths.device.type != "cpu":
+        raise RuntimeError(f"'lengths' argument should be a 1D CPU int64 tensor, but got a "
+                           f"tensor on {lengths.device} (simulated CUDA)")
+    backing, record = sim.lookup(padded)
+    sim.use(record, sim.state.current_streams[record.index], padded, "pack_padded_sequence")
+    data, batch_sizes = aten._pack_padded_sequence.default(backing, lengths, batch_first)
+    return sim.adopt(data, record.index), batch_sizes

@@ -91,7 +91,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 
 from .._common.peak import count_allocation, fake_mode, register_allocations
 from ._errors import no_cpu_kernel
-from ._kernels import CPU_EQUIVALENT
+from ._kernels import CPU_EQUIVALENT, pack_padded_sequence
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
 from ._streams import SimStream, StreamRaceError, check_access
@@ -689,6 +689,8 @@ class Dispatch(TorchDispatchMode):
                 return sim.pin(args[0])
             if func is aten.record_stream.default:
                 return None  # only the Python binding knows the stream; see Functions
+            if func is aten._pack_padded_sequence.default and args[0].is_cuda:
+                return pack_padded_sequence(sim, *args, **kwargs)
             return self._run(func, args, kwargs)
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

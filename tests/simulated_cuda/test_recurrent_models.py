@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from adaptmem import adaptive
 from adaptmem.testing import SimulatedCudaError, simulated_cuda
@@ -98,6 +99,34 @@ def test_a_fused_cells_backward_is_refused_by_name() -> None:
                                                      "only a CUDA kernel"):
             torch.ops.aten._thnn_fused_lstm_cell_backward_impl(
                 state, state, state, state, torch.zeros(3, 24, device="cuda"), True)
+
+
+@pytest.mark.parametrize("enforce_sorted", [True, False])
+def test_packed_sequences_run_with_their_batch_sizes_on_the_host(enforce_sorted: bool) -> None:
+    # As on CUDA: pack_padded_sequence takes the lengths on the host and gives the batch
+    # sizes there (it raised "Expected all tensors to be on the same device").
+    torch.manual_seed(0)
+    model = nn.LSTM(5, 6, num_layers=2, batch_first=True, bidirectional=True).eval()
+    x = torch.randn(3, 7, 5)
+    lengths = torch.tensor([7, 5, 2] if enforce_sorted else [2, 7, 5])
+
+    def run(x: torch.Tensor) -> Any:
+        packed = pack_padded_sequence(x, lengths, batch_first=True,
+                                      enforce_sorted=enforce_sorted)
+        assert packed.batch_sizes.device.type == "cpu"
+        out, (h, c) = model(packed)
+        padded, out_lengths = pad_packed_sequence(out, batch_first=True)
+        return (padded, h, c), out_lengths
+
+    with torch.no_grad():
+        expected, expected_lengths = run(x)
+        with simulated_cuda():
+            model.cuda()
+            out, out_lengths = run(x.cuda())
+            out = _on_host(out)
+            model.cpu()
+    torch.testing.assert_close(out, expected)
+    assert torch.equal(out_lengths, expected_lengths)  # on the host, as on CUDA
 
 
 def _lstm_cell(x: torch.Tensor, h: torch.Tensor, b_ih: torch.Tensor,
