@@ -160,9 +160,10 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     Not simulated: kernel speed (ops run at CPU speed), memory fragmentation, real bus
     behaviour beyond a fixed bandwidth, autograd (every op on simulated tensors runs under
     ``no_grad``), other threads (the simulation is active in the thread that entered it),
-    ``torch.compile``, custom CUDA kernels and cuDNN (the device has none:
+    ``torch.compile``, custom CUDA kernels, cuDNN (the device has none:
     ``torch.backends.cudnn.enabled`` is False inside the block, and torch takes its own
-    CUDA kernels, as a build without cuDNN does).
+    CUDA kernels, as a build without cuDNN does) and sparse tensors (making one on the
+    device raises ``SimulatedCudaError``).
 
     Args:
         devices: how many devices (``cuda:0`` ...), 1 or more.

@@ -90,7 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations
-from ._errors import no_cpu_kernel
+from ._errors import no_cpu_kernel, refuse_layout
 from ._kernels import CPU_EQUIVALENT, pack_padded_sequence
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
@@ -326,6 +326,7 @@ class Tensors:
         """A new allocation on ``cuda:index`` holding ``backing`` (raises CUDA's OOM), made
         outside the dispatch modes: counted by the trackers of a trace (See [Note:
         allocations a tensor subclass keeps apart from storages] in _common/peak.py)."""
+        refuse_layout(backing.layout, "an op", self.devices[index])
         out = self.wrap(backing, self.allocate(backing, index))
         count_allocation(out)
         return out
@@ -498,6 +499,8 @@ class Tensors:
             # CUDA copies to the host with non_blocking=True into pinned memory.
             return self.mark_pinned(out) if pin or non_blocking else out
         index = self.state.device_index(target)
+        refuse_layout(source.layout, "a copy to the device (.to, .cuda, module.to)",
+                      self.devices[index])
         dtype = kwargs.get("dtype") or source.dtype
         # Counted before the copy is made: an allocation that does not fit costs nothing.
         record = self.reserve(source.numel() * dtype.itemsize, index)
@@ -751,7 +754,11 @@ class Dispatch(TorchDispatchMode):
         fresh: dict[int, torch.Tensor] = {}
         for o in _tensors_in(out):
             if id(o) not in originals:
-                ptr = _storage_key(o)
+                try:
+                    ptr = _storage_key(o)
+                except NotImplementedError:  # no storage: a sparse result
+                    refuse_layout(o.layout, func, sim.devices[index])
+                    raise
                 if ptr not in storages and ptr not in fresh:
                     fresh[ptr] = o
         if fresh and fake_mode() is not None:
@@ -1214,6 +1221,12 @@ class Functions(TorchFunctionMode):
         index = self.sim.state.device_index(kwargs["device"])
         kwargs = {**kwargs, "device": "cpu"}
         kwargs.pop("requires_grad", None)
+        layout = kwargs.get("layout")
+        if layout is None and func in _LIKE_FACTORIES and args and isinstance(
+                args[0], torch.Tensor):
+            layout = args[0].layout
+        if layout is not None:
+            refuse_layout(layout, func, self.sim.devices[index])
         if func in _PLAIN_FACTORIES and _plain_arguments(args, kwargs):
             return self._plain_factory(index, func, args, kwargs)
         # Sizes first (on the meta device): an allocation that does not fit costs nothing.
@@ -1223,6 +1236,9 @@ class Functions(TorchFunctionMode):
         except Exception:
             shapes = None
         if shapes is not None:
+            for o in shapes:
+                if isinstance(o, torch.Tensor):
+                    refuse_layout(o.layout, func, self.sim.devices[index])
             records = iter(self.sim.reserve_all(
                 [o.untyped_storage().nbytes() for o in shapes if isinstance(o, torch.Tensor)],
                 index))
