@@ -5,19 +5,17 @@ from __future__ import annotations
 import numbers
 from typing import Any
 
+import torch
+
 from .._common.devices import parse_size
 from . import _active, _tensors
+from ._errors import SimulatedCudaError
 from ._state import SimState
 from ._storages import install_storages
 from ._tensors import Tensors
 from ._torch_cuda import Patches, install
 
 __all__ = ["SimulatedCuda", "SimulatedCudaError", "simulated_cuda"]
-
-
-class SimulatedCudaError(RuntimeError):
-    """Stream misuse the simulation saw and could not raise where it happened (a tensor
-    freed while another stream still used it), raised when the simulation ends."""
 
 
 class SimulatedCuda:
@@ -62,6 +60,9 @@ class SimulatedCuda:
             _pin_in_loader_threads(tensors, self._patches)
             install_storages(tensors, self._patches)
             _refuse_autocast(self._patches)
+            # See [Note: kernels CUDA picks by device type] in _kernels.py.
+            self._patches.setting(torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled,
+                                  False)
             tensors.function_mode.__enter__()
             try:
                 tensors.dispatch_mode.__enter__()
@@ -159,7 +160,10 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     Not simulated: kernel speed (ops run at CPU speed), memory fragmentation, real bus
     behaviour beyond a fixed bandwidth, autograd (every op on simulated tensors runs under
     ``no_grad``), other threads (the simulation is active in the thread that entered it),
-    ``torch.compile`` and custom CUDA kernels.
+    ``torch.compile``, custom CUDA kernels, cuDNN (the device has none:
+    ``torch.backends.cudnn.enabled`` is False inside the block, and torch takes its own
+    CUDA kernels, as a build without cuDNN does) and sparse tensors (making one on the
+    device raises ``SimulatedCudaError``).
 
     Args:
         devices: how many devices (``cuda:0`` ...), 1 or more.

@@ -90,6 +90,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations
+from ._errors import no_cpu_kernel, refuse_layout
+from ._kernels import CPU_EQUIVALENT, pack_padded_sequence
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
 from ._streams import SimStream, StreamRaceError, check_access
@@ -110,6 +112,7 @@ def set_current(tensors: Tensors | None) -> None:
     global _current
     _current = tensors
 _SEEDED = torch.Tag.nondeterministic_seeded
+_INPLACE_VIEW = torch.Tag.inplace_view
 # Ops that may give their tensor arguments new sizes or memory (see _follow), by op;
 # ``set_`` moves a tensor to other memory at the same size too.
 _RESIZES: dict[Any, bool] = {}
@@ -323,6 +326,7 @@ class Tensors:
         """A new allocation on ``cuda:index`` holding ``backing`` (raises CUDA's OOM), made
         outside the dispatch modes: counted by the trackers of a trace (See [Note:
         allocations a tensor subclass keeps apart from storages] in _common/peak.py)."""
+        refuse_layout(backing.layout, "an op", self.devices[index])
         out = self.wrap(backing, self.allocate(backing, index))
         count_allocation(out)
         return out
@@ -495,6 +499,8 @@ class Tensors:
             # CUDA copies to the host with non_blocking=True into pinned memory.
             return self.mark_pinned(out) if pin or non_blocking else out
         index = self.state.device_index(target)
+        refuse_layout(source.layout, "a copy to the device (.to, .cuda, module.to)",
+                      self.devices[index])
         dtype = kwargs.get("dtype") or source.dtype
         # Counted before the copy is made: an allocation that does not fit costs nothing.
         record = self.reserve(source.numel() * dtype.itemsize, index)
@@ -655,16 +661,6 @@ def _host_view(t: torch.Tensor) -> torch.Tensor:
                                               t.size(), t.stride())
 
 
-def _cudnn_batch_norm(*args: Any) -> Any:
-    out, mean, invstd = aten.native_batch_norm.default(*args)
-    return out, mean, invstd, torch.empty(0, dtype=torch.uint8)
-
-
-# Kernels CUDA picks by device type, run as their CPU equivalents.
-_CPU_EQUIVALENT = {
-    aten.cudnn_batch_norm.default: _cudnn_batch_norm,
-    aten.miopen_batch_norm.default: lambda *a: aten.native_batch_norm.default(*a),
-}
 # Ops CUDA runs with non-scalar CPU tensors among CUDA ones (indices, by the rules
 # ``check_index_op`` keeps), and the metadata check behind ``cpu_param.data = cuda_tensor``
 # (dispatched under inference_mode).
@@ -696,6 +692,8 @@ class Dispatch(TorchDispatchMode):
                 return sim.pin(args[0])
             if func is aten.record_stream.default:
                 return None  # only the Python binding knows the stream; see Functions
+            if func is aten._pack_padded_sequence.default and args[0].is_cuda:
+                return pack_padded_sequence(sim, *args, **kwargs)
             return self._run(func, args, kwargs)
 
     def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -738,19 +736,29 @@ class Dispatch(TorchDispatchMode):
         if resizes is None:
             resizes = _RESIZES[func] = _can_resize(func)
         grown: dict[int, int] = {}
-        if resizes and func not in _SETS and fake_mode() is None:
-            out, grown = _run_resizing(sim, index, func, args, kwargs, cargs, ckwargs,
-                                       u.originals)
-        elif _SEEDED in func.tags and not _has_generator(args, kwargs):
-            out = sim.draw(index, _CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
-        else:
-            out = _CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
+        try:
+            if resizes and func not in _SETS and fake_mode() is None:
+                out, grown = _run_resizing(sim, index, func, args, kwargs, cargs, ckwargs,
+                                           u.originals)
+            elif _SEEDED in func.tags and not _has_generator(args, kwargs):
+                out = sim.draw(index, CPU_EQUIVALENT.get(func, func), *cargs, **ckwargs)
+            else:
+                out = CPU_EQUIVALENT.get(func, func)(*cargs, **ckwargs)
+        except NotImplementedError as exc:
+            # torch's "Could not run ... from the 'CPU' backend" names the wrong device.
+            if func in CPU_EQUIVALENT or _has_cpu_kernel(func.name(), "CPU"):
+                raise
+            raise no_cpu_kernel(func, index) from exc
         # New storages are allocated together: an OOM allocates nothing.
         originals, storages = u.originals, u.storages
         fresh: dict[int, torch.Tensor] = {}
         for o in _tensors_in(out):
             if id(o) not in originals:
-                ptr = _storage_key(o)
+                try:
+                    ptr = _storage_key(o)
+                except NotImplementedError:  # no storage: a sparse result
+                    refuse_layout(o.layout, func, sim.devices[index])
+                    raise
                 if ptr not in storages and ptr not in fresh:
                     fresh[ptr] = o
         if fresh and fake_mode() is not None:
@@ -774,6 +782,10 @@ class Dispatch(TorchDispatchMode):
                                 or o.stride() != original.stride()
                                 or o.storage_offset() != original.storage_offset()):
                     _follow(sim, original, o, storages, grown.pop(id(o), None))
+                elif _INPLACE_VIEW in func.tags and (
+                        o.shape != original.shape or o.stride() != original.stride()
+                        or o.storage_offset() != original.storage_offset()):
+                    _restride(original, o)
                 return original
             return sim.wrap(o, storages[_storage_key(o)])
 
@@ -781,6 +793,14 @@ class Dispatch(TorchDispatchMode):
         for block in grown.values():  # not needed after all
             sim.state.allocators[index].free(block)
         return wrapped
+
+
+def _restride(w: torch.Tensor, o: torch.Tensor) -> None:
+    """An in-place view op (``transpose_``, ``unsqueeze_``, ``as_strided_``: aten's
+    ``inplace_view`` ops) gave ``w``'s backing ``o`` new sizes and strides: ``w`` takes
+    them, over the same memory, as a CUDA tensor would."""
+    with _no_python_dispatch(), _no_torch_function():  # metadata only: no device guard
+        torch.Tensor.set_(w, w.untyped_storage(), o.storage_offset(), o.shape, o.stride())
 
 
 def _follow(sim: Tensors, w: torch.Tensor, o: torch.Tensor, storages: dict[int, Record],
@@ -832,7 +852,7 @@ def _run_resizing(sim: Tensors, index: int, func: Any, args: Any, kwargs: dict[s
     """Run resizing op ``func`` on the backings (See [Note: resizing writes that do not
     fit]): what it returned, and the blocks allocated for the storages it grew, by id of
     the backing."""
-    op = _CPU_EQUIVALENT.get(func, func)
+    op = CPU_EQUIVALENT.get(func, func)
     if _SEEDED in func.tags and not _has_generator(args, kwargs):
         def call(a: Any, k: dict[str, Any]) -> Any:
             return sim.draw(index, op, *a, **k)
@@ -1087,6 +1107,7 @@ def _storage_key(t: torch.Tensor) -> int:
         return int(storage._cdata)
     return int(storage.data_ptr())
 _no_python_dispatch = torch._C._DisableTorchDispatch
+_has_cpu_kernel = torch._C._dispatch_has_computed_kernel_for_dispatch_key
 # Factories that draw no random numbers and return one tensor.
 _PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
                     torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_strided,
@@ -1200,6 +1221,12 @@ class Functions(TorchFunctionMode):
         index = self.sim.state.device_index(kwargs["device"])
         kwargs = {**kwargs, "device": "cpu"}
         kwargs.pop("requires_grad", None)
+        layout = kwargs.get("layout")
+        if layout is None and func in _LIKE_FACTORIES and args and isinstance(
+                args[0], torch.Tensor):
+            layout = args[0].layout
+        if layout is not None:
+            refuse_layout(layout, func, self.sim.devices[index])
         if func in _PLAIN_FACTORIES and _plain_arguments(args, kwargs):
             return self._plain_factory(index, func, args, kwargs)
         # Sizes first (on the meta device): an allocation that does not fit costs nothing.
@@ -1209,6 +1236,9 @@ class Functions(TorchFunctionMode):
         except Exception:
             shapes = None
         if shapes is not None:
+            for o in shapes:
+                if isinstance(o, torch.Tensor):
+                    refuse_layout(o.layout, func, self.sim.devices[index])
             records = iter(self.sim.reserve_all(
                 [o.untyped_storage().nbytes() for o in shapes if isinstance(o, torch.Tensor)],
                 index))

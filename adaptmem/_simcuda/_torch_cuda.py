@@ -4,7 +4,7 @@ patching that installs them for the length of a simulation only."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,22 +15,31 @@ from ._streams import SimEvent, SimStream
 __all__ = ["Patches", "cuda_functions"]
 
 _MISSING = object()
+_SETTING = object()  # an entry of Patches that is a setting, not an attribute
 
 
 class Patches:
-    """Attributes replaced on modules, put back exactly (absent ones removed) on ``undo``."""
+    """Attributes replaced on modules, and settings of torch's, put back exactly (absent
+    attributes removed) on ``undo``."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._saved: list[tuple[Any, Any, Any]] = []
 
     def set(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, value)
 
+    def setting(self, get: Callable[[], Any], put: Callable[[Any], Any], value: Any) -> None:
+        """A setting read with ``get()`` and written with ``put(value)``, set to ``value``."""
+        self._saved.append((put, _SETTING, get()))
+        put(value)
+
     def undo(self) -> None:
         while self._saved:
             owner, name, old = self._saved.pop()
-            if old is _MISSING:
+            if name is _SETTING:
+                owner(old)
+            elif old is _MISSING:
                 delattr(owner, name)
             else:
                 setattr(owner, name, old)

@@ -450,6 +450,30 @@ def test_writes_through_views_reach_the_base_values_and_version() -> None:
         assert _writes_into_views("cuda") == expected
 
 
+def _in_place_view_ops(device: str) -> list[Any]:
+    """What in-place view ops (aten's ``inplace_view``) do to a tensor and a view of it."""
+    seen: list[Any] = []
+    for op in (lambda t: t.transpose_(0, 1), lambda t: t.t_(), lambda t: t.unsqueeze_(1),
+               lambda t: t.unsqueeze_(0).squeeze_(0), lambda t: t.swapdims_(0, 1),
+               lambda t: t.as_strided_((3, 2), (1, 3))):
+        x = torch.arange(6.0, device=device).reshape(2, 3)
+        view = x[:, 1:]
+        assert op(x) is x
+        x.mul_(2)  # through the new shape, into the same memory
+        seen.append((tuple(x.shape), x.stride(), x.cpu().tolist(), view.cpu().tolist(),
+                     x.is_contiguous()))
+    return seen
+
+
+def test_in_place_view_ops_give_the_tensor_its_new_shape_as_on_cuda() -> None:
+    # transpose_ (which nn.GRU and nn.RNN use for batch_first outputs), unsqueeze_ and the
+    # rest changed only the backing: the tensor kept its old shape over reordered values.
+    expected = _in_place_view_ops("cpu")
+    with simulated_cuda():
+        assert _in_place_view_ops("cuda") == expected
+        assert torch.cuda.memory_allocated() == 0
+
+
 def _inference_mode_views(device: str) -> list[Any]:
     """What torch says of views and in-place writes in and out of inference mode."""
     seen: list[Any] = []
@@ -963,13 +987,17 @@ def test_a_model_already_on_the_simulated_device_can_be_chunked() -> None:
 
 # -- kernels CUDA picks by device type -------------------------------------------------------
 
-def test_a_torchvision_model_runs_with_cudnn_kernels_mapped_to_the_cpu() -> None:
+@pytest.mark.parametrize("cudnn", [False, True], ids=["as-simulated", "cudnn-turned-on"])
+def test_a_torchvision_model_runs_and_matches_the_cpu(cudnn: bool) -> None:
+    # The simulated device has no cuDNN (batch norm takes torch's own kernel); turned on
+    # inside the block, cudnn_batch_norm runs as its CPU equivalent.
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10).eval()
     x = torch.randn(1, 3, 32, 32)
     with torch.no_grad():
         expected = model(x)
         with simulated_cuda():
+            torch.backends.cudnn.enabled = cudnn
             out = model.cuda()(x.cuda()).cpu()
             model.cpu()
     torch.testing.assert_close(out, expected)
