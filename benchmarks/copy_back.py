@@ -131,7 +131,7 @@ def main() -> None:
                             sync=lambda: torch.cuda.synchronize(device), resident_bytes=0,
                             device_budget=weights // 4)
             print(markdown_table(HEAD, rows), flush=True)
-    text = (header("python benchmarks/copy_back.py " + " ".join(sys.argv[1:]))
+    text = (header(" ".join(["python benchmarks/copy_back.py", *sys.argv[1:]]))
             + "\n" + markdown_table(HEAD, rows))
     print(text)
     if args.write:
