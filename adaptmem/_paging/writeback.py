@@ -3,18 +3,21 @@
 [Note: buffers written without a version bump]
 Whether a forward wrote a buffer cannot be read from its version counter alone: some ops
 write their arguments without moving it. Batch norm with batch statistics updates
-``running_mean`` and ``running_var`` that way (``native_batch_norm``, the
-``_native_batch_norm_legit`` and ``_batch_norm_with_update`` that ``F.batch_norm`` reaches,
-cuDNN's and MIOpen's), in eval mode too when a module calls ``F.batch_norm(...,
-training=True)`` (test-time adaptation); so does the fused fake-quant op behind
-``FusedMovingAvgObsFakeQuantize`` for its scale, zero point and observer's min and max
-(checked with torch 2.14.1, under grad mode, ``no_grad`` and ``inference_mode``); so do
-writes through ``.data``, and kernels outside torch that write through a pointer. Schemas do
-not tell either (``native_batch_norm``'s marks no argument as written, cuDNN's neither), and
-watching every op with a dispatch mode would cost every forward more than the copies below.
-So a paged buffer of at most ``COPY_BACK_BYTES`` is copied back to its master after every
-use, written or not: BatchNorm's and observers' buffers are a few KiB, and a copy costs
-about what a comparison would (it reads both). A larger buffer (a causal mask, a rotary
+``running_mean`` and ``running_var`` that way (``native_batch_norm``, and the
+``_native_batch_norm_legit`` and ``_batch_norm_with_update`` that ``F.batch_norm`` reaches),
+in eval mode too when a module calls ``F.batch_norm(..., training=True)`` (test-time
+adaptation); so does the fused fake-quant op behind ``FusedMovingAvgObsFakeQuantize`` for
+its scale, zero point and observer's min and max (checked on the CPU with torch 2.14.1,
+under grad mode, ``no_grad`` and ``inference_mode``); so do writes through ``.data``, and
+kernels outside torch that write through a pointer. Schemas do not tell either:
+``native_batch_norm``'s marks no argument as written, nor do cuDNN's and MIOpen's batch
+norms', and the ops whose schemas do (``_native_batch_norm_legit``,
+``_batch_norm_with_update``, ``fused_moving_avg_obs_fake_quant``) leave the counter as it
+was all the same; and watching ops with a dispatch mode would add a Python call to every op
+of every forward. So a paged buffer of at most ``COPY_BACK_BYTES`` is copied back to its
+master after every use, written or not: BatchNorm's and observers' buffers are a few KiB,
+and a copy costs about what a comparison would (it reads both; measured in
+benchmarks/RESULTS.md, "Copying small buffers back"). A larger buffer (a causal mask, a rotary
 table: constant, and MiBs) is copied back only when its version counter moved (``add_``,
 ``index_copy_``, a slice assignment: a KV cache); one written otherwise loses the write
 (docs/limitations.md): keep it resident. On a device with streams a copy back is queued on
