@@ -141,3 +141,26 @@ def test_a_large_buffer_is_copied_back_only_when_its_version_moved(caplog: Any) 
     assert torch.equal(model[1].cache, reference[1].cache)
     assert "'1.cache' was written in place" in caplog.text
     assert "'1.small'" not in caplog.text and "'1.mask'" not in caplog.text
+
+
+def test_a_trace_through_a_paged_model_copies_nothing_back_and_the_real_call_keeps_its_writes(
+        ) -> None:
+    # initial_batchsize="auto" traces the forward with fake copies of the paged weights (see
+    # [Note: paging under a trace] in _paging/slots.py); copying one back into a master
+    # broke the traces and left a buffer backed by meta memory.
+    model = _model("batch_norm")
+    reference = copy.deepcopy(model)
+    data = torch.randn(64, 8)
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0):
+
+        @adaptive.batch(initial_batchsize="auto", max_batchsize=64, device="cpu")
+        def run(batchsize: int) -> torch.Tensor:
+            with torch.no_grad():
+                return model(data[:batchsize])
+
+        got = run()
+        assert run.prediction is not None and len(got) == len(data)  # traced, then one call
+    with torch.no_grad():
+        assert torch.equal(got, reference(data))
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, reference.get_buffer(name))
