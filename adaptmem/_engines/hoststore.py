@@ -86,7 +86,7 @@ class Slot:
         self.ticket: Any = None
         self.state: SlotState = HOST
         # The tensor's version counter when its device copy was made. Some ops write without
-        # moving it (see [Note: buffers written without a version bump] in _paging/slots.py).
+        # moving it (see [Note: buffers written without a version bump] in _paging/writeback.py).
         self.version = 0
         self.refs = 0
         self.resident = False

@@ -156,7 +156,7 @@ class StreamTransfer(Transfer):
     def copy_back(self, master: torch.Tensor, copy: torch.Tensor) -> None:
         # Queued on the compute stream, after the work that wrote the copy; a synchronous
         # copy would make the host wait for every such module (see [Note: buffers written
-        # without a version bump] in _paging/slots.py). The allocator keeps the copy's
+        # without a version bump] in _paging/writeback.py). The allocator keeps the copy's
         # memory until the compute stream is past this (``wait`` recorded it there).
         master.copy_(copy, non_blocking=True)
         self._copying_back = True
