@@ -70,7 +70,8 @@ class Slot:
     """One distinct tensor: the registered object, its host master, its device copy."""
 
     __slots__ = ("name", "tensor", "master", "original", "origin", "nbytes", "copy", "ticket",
-                 "version", "state", "refs", "resident", "buffer", "pack", "offset", "end")
+                 "version", "state", "refs", "resident", "buffer", "copy_back", "pack",
+                 "offset", "end")
 
     def __init__(self, name: str, tensor: torch.Tensor, master: torch.Tensor,
                  original: torch.Tensor | None, origin: torch.device,
@@ -84,11 +85,16 @@ class Slot:
         self.copy: torch.Tensor | None = None
         self.ticket: Any = None
         self.state: SlotState = HOST
-        self.version = 0  # the tensor's version counter when its device copy was made
+        # The tensor's version counter when its device copy was made. Some ops write without
+        # moving it (see [Note: buffers written without a version bump] in _paging/writeback.py).
+        self.version = 0
         self.refs = 0
         self.resident = False
         # Buffers may be written by the forward (a cache); parameters are only read.
         self.buffer = buffer
+        # Copied back to the master after every use, whether its version moved or not (the
+        # pager decides which: a small buffer).
+        self.copy_back = False
         # The pinned buffer the master is a view of, and the master's bytes in it, up to
         # where the next one may start (see [Note: packed masters]).
         self.pack: torch.Tensor | None = None

@@ -33,6 +33,8 @@ class Transfer:
     ``(hits, misses)`` decided since its last call (``block=False``: only those known
     without waiting). ``synchronous``: every copy is complete when ``start`` returns, so a
     prefetched copy is always a hit and the pager need not call ``wait`` for it.
+    ``copy_back`` copies a device copy into its host master (a buffer the forward may have
+    written); a master so written holds its values once ``finish`` returns.
     """
 
     synchronous = False
@@ -50,6 +52,12 @@ class Transfer:
 
     def settle(self, block: bool = True) -> tuple[int, int]:
         return 0, 0
+
+    def copy_back(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        master.copy_(copy)
+
+    def finish(self) -> None:
+        pass
 
 
 class SyncTransfer(Transfer):
@@ -89,6 +97,7 @@ class StreamTransfer(Transfer):
         self.module = module if module is not None else stream_module(device)
         self.stream = self.module.Stream(device)
         self._unsettled: list[tuple[list[Any], Any]] = []
+        self._copying_back = False
 
     def start(self, hosts: Sequence[torch.Tensor], runs: Sequence[Run] = ()
               ) -> tuple[list[torch.Tensor], Any]:
@@ -143,6 +152,19 @@ class StreamTransfer(Transfer):
                 misses += 1
         self._unsettled = keep
         return hits, misses
+
+    def copy_back(self, master: torch.Tensor, copy: torch.Tensor) -> None:
+        # Queued on the compute stream, after the work that wrote the copy; a synchronous
+        # copy would make the host wait for every such module (see [Note: buffers written
+        # without a version bump] in _paging/writeback.py). The allocator keeps the copy's
+        # memory until the compute stream is past this (``wait`` recorded it there).
+        master.copy_(copy, non_blocking=True)
+        self._copying_back = True
+
+    def finish(self) -> None:
+        if self._copying_back:
+            self.module.synchronize(self.device)
+            self._copying_back = False
 
 
 def _run_copies(hosts: Sequence[torch.Tensor], runs: Sequence[Run],

@@ -4,6 +4,7 @@
 
 - ``slots.py``: a slot per distinct tensor (host master, device copy), the device bytes
   they hold, and the one path that brings weights in and lets them go;
+- ``writeback.py``: buffers the forward wrote (or may have) copied back to the host;
 - ``needs.py``: which slots each module acquires when it is called;
 - ``hooks.py``: the forward hooks and the call stack (pre-hooks acquire, post-hooks
   release);
@@ -259,10 +260,8 @@ class Pager(Engine):
                 self._hooks.add(m)
 
     def _end_call(self) -> None:
-        """The outermost call into the model ended: drop copies prefetched for modules it
-        did not reach, so none is left to serve weights edited before the next call."""
-        if self._table.held != self._table.resident_bytes:
-            self._table.drop_pending()
+        """The outermost call into the model ended (see ``SlotTable.end_call``)."""
+        self._table.end_call()
         self._guard.adopt_replacements()
 
     def _end_forward(self, failed: bool) -> None:

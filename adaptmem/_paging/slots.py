@@ -4,7 +4,8 @@ device, and the one way weights come in and go out.
 Loading a tensor assigns ``tensor.data = copy``; releasing it assigns ``tensor.data =
 master`` and drops the copy. Slots are reference-counted, so tied tensors and nested units
 are on the device once. Parameters are never written back; a buffer the forward wrote in
-place (a cache) is.
+place (a cache, BatchNorm's statistics) is, by ``writeback.WriteBack``: See [Note: buffers
+written without a version bump] in ``writeback.py``.
 
 [Note: the one fast path] In the steady state a module's weights were all prefetched
 together (one ticket) while the module before it ran, and nothing wrote to them since (their
@@ -60,6 +61,7 @@ from .._engines.hoststore import (  # See [Note: slot states ...]
 from .._engines.stats import PagingStats
 from .._engines.transfer import Transfer
 from .._planning import Placement, Unit
+from .writeback import WriteBack
 
 __all__ = ["NoRoom", "SlotTable", "modes_on", "room_for_weights"]
 
@@ -141,7 +143,7 @@ class SlotTable:
         self.held = 0
         self.resident_bytes = 0
         self.packed = any(s.pack is not None for s in slots.values())
-        self._written: set[str] = set()  # buffers already reported as written in place
+        self.back = WriteBack(transfer, list(slots.values()))
         # A torch function mode was on when the current call began: See [Note: version
         # reads skip torch function modes].
         self.modes = False
@@ -232,6 +234,7 @@ class SlotTable:
         of their dtype and device): a tensor at rest adopts it as its master's values
         (``_adopt``), a loaded (resident) one as its device copy."""
         slots = [self.slots[name] for name in names]
+        self.back.before_read(slots)
         for s in slots:  # all or nothing
             new = s.tensor.data
             if new.shape != s.master.shape or new.dtype != s.master.dtype:
@@ -273,6 +276,7 @@ class SlotTable:
     def fetch(self, slots: Sequence[Slot], masters: Sequence[torch.Tensor] | None = None) -> None:
         """Start copying ``slots`` (all on the host) to the device (``masters``: theirs, when
         known)."""
+        self.back.before_read(slots)
         copies, ticket = self._start(masters or [s.master for s in slots], slots)
         if copies and type(copies[0]) is not torch.Tensor:
             _stand_in(slots, copies)  # See [Note: paging under a trace]
@@ -349,8 +353,8 @@ class SlotTable:
         for s in slots:
             s.refs -= 1
             if s.refs == 0 and not s.resident:  # unload, inline: see [Note: the one fast path]
-                if s.buffer and self._written_since_copy(s):
-                    self._write_back(s)
+                if s.buffer:  # See [Note: buffers written without a version bump]
+                    self.back.keep(s, self._written_since_copy(s))
                 s.tensor.data = s.master
                 s.copy = None
                 s.state = HOST
@@ -371,15 +375,13 @@ class SlotTable:
             if s.state is PENDING and id(s) not in kept:
                 self.unload(s)
 
-    def _write_back(self, s: Slot) -> None:
-        """The forward wrote a paged tensor in place (a cache kept in a buffer): keep what
-        it wrote, by copying the device copy into the host master before dropping it."""
-        if s.name not in self._written:
-            self._written.add(s.name)
-            logger.info("adaptmem page: %r was written in place during a forward; its device "
-                        "copy is copied back to the host after each use (keep it resident to "
-                        "avoid that: raise resident_bytes)", s.name)
-        s.master.copy_(s.copy)  # type: ignore[arg-type]
+    def end_call(self) -> None:
+        """The outermost call into the model ended: drop copies prefetched for modules it
+        did not reach, so none is left to serve weights edited before the next call, and
+        let the buffers copied back arrive."""
+        if self.held != self.resident_bytes:
+            self.drop_pending()
+        self.back.finish()
 
     def settle(self, block: bool) -> None:
         """Count the prefetch hits and misses the transfer has decided since last time."""
@@ -397,6 +399,7 @@ class SlotTable:
         """``{canonical name: [host master, device copy if resident]}``; see
         ``Pager.load_targets``."""
         self.settle(block=True)
+        self.back.finish()
         self.drop_pending()
         out = {}
         for name, s in self.slots.items():
