@@ -1,10 +1,22 @@
-"""Which engine holds which module (one handle per model at a time), and the checks every
-engine makes before it touches a model."""
+"""Which engine holds which module and which tensor (one handle per model, and per tensor, at
+a time), and the checks every engine makes before it touches a model.
+
+[Note: one engine per tensor]
+An engine records each tensor's state before placement as the one to put back (a host
+master, the original device and dtype) and swaps its ``.data``. A tensor two engines hold
+(one embedding shared by an encoder and a decoder placed separately, T5's shape) would be
+recorded by the second engine as the first one placed it: after both ``remove()`` calls it
+stayed on the device, and a chunked one refused its next call, blaming a conversion. So
+tensors are claimed as modules are, by identity, and a placement that would take a tensor
+another engine holds is refused before anything changes, naming the tensor, the other
+model and the way out: place a module containing both (its engine places the shared tensor
+once), or remove the first.
+"""
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -16,6 +28,12 @@ __all__ = ["Owner", "claim", "release", "holder", "holders", "held_for", "owner_
            "refuse_if_held", "check_placeable"]
 
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# id(tensor) -> (weak reference to the handle, the tensor's name in the handle's model): See
+# [Note: one engine per tensor]. Not a weak reference to the tensor, which would stop
+# torch.utils.swap_tensors (how a meta tensor is materialised in place); a claiming handle
+# holds its tensors, so while it lives their ids are theirs, and a dead one's entries are
+# stale.
+_TENSOR_CLAIMS: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 
 class Owner(Protocol):
@@ -42,17 +60,27 @@ def owner_of(handle: Any) -> Owner | None:
     return _OWNERS.get(handle)
 
 
-def claim(modules: Iterable[nn.Module], handle: Any) -> None:
-    """Mark every module of a model as held by ``handle``."""
+def claim(modules: Iterable[nn.Module], handle: Any,
+          tensors: Mapping[str, torch.Tensor] | None = None) -> None:
+    """Mark every module of a model, and its ``tensors`` (by name), as held by ``handle``,
+    which keeps the tensors alive until it calls ``release``."""
     for m in modules:
         _CLAIMS[m] = handle
+    ref = weakref.ref(handle)
+    for name, t in (tensors or {}).items():
+        _TENSOR_CLAIMS[id(t)] = (ref, name)
 
 
-def release(modules: Iterable[nn.Module], handle: Any) -> None:
+def release(modules: Iterable[nn.Module], handle: Any,
+            tensors: Iterable[torch.Tensor] = ()) -> None:
     """Drop ``handle``'s marks (and only its own)."""
     for m in modules:
         if _CLAIMS.get(m) is handle:
             del _CLAIMS[m]
+    for t in tensors:
+        held = _TENSOR_CLAIMS.get(id(t))
+        if held is not None and (held[0]() is handle or held[0]() is None):
+            del _TENSOR_CLAIMS[id(t)]
 
 
 def holder(model: nn.Module) -> Any:
@@ -74,33 +102,57 @@ def holders(model: nn.Module) -> list[Any]:
     return list(found.values())
 
 
+def _tensor_holder(model: nn.Module) -> tuple[Any, str, str] | None:
+    """``(handle, name in model, name in the handle's model)`` for the first tensor of
+    ``model`` another engine holds (See [Note: one engine per tensor]), or None."""
+    for name, t in _named_tensors(model, remove_duplicate=False):
+        held = _TENSOR_CLAIMS.get(id(t))
+        if held is None:
+            continue
+        handle = held[0]()
+        if handle is None:  # collected without remove(): the id may be another tensor's
+            del _TENSOR_CLAIMS[id(t)]
+            continue
+        return handle, name, held[1]
+    return None
+
+
 def refuse_if_held(model: nn.Module, owned_ok: bool = False) -> None:
-    """Raise PlacementError if a Pager, Chunker or Splitter already holds part of ``model``
-    (one held for a decorated function that was collected is given back first). With
-    ``owned_ok``, one held for a decorated function still alive passes: a decorator checks
-    again at its first call, when a function it replaces may have been collected."""
+    """Raise PlacementError if a Pager, Chunker or Splitter already holds part of ``model``,
+    or a tensor of it (one held for a decorated function that was collected is given back
+    first). With ``owned_ok``, one held for a decorated function still alive passes: a
+    decorator checks again at its first call, when a function it replaces may have been
+    collected."""
     handle = holder(model)
+    shared = None if handle is not None else _tensor_holder(model)
+    if shared is not None:
+        handle = shared[0]
     if handle is None:
         return
     owner = _OWNERS.get(handle)
     if owner is not None and owned_ok:
         return
     if owner is not None and owner.release_if_abandoned():
-        handle = holder(model)
-        if handle is None:
-            return
-        owner = _OWNERS.get(handle)
+        refuse_if_held(model, owned_ok)  # it let go: whatever else holds a part is refused
+        return
     kind = getattr(handle, "held_as", "placed")  # engines say what they hold a model as
     by = getattr(handle, "made_by", type(handle).__name__)
     held_model = getattr(handle, "model", None) or getattr(handle, "_model", None)
+    fix = (f"call .remove() on that {type(handle).__name__} first" if owner is None
+           else owner.fix())
+    if shared is not None:
+        _, name, theirs = shared
+        raise PlacementError(
+            f"tensor {name!r} of this model is also {theirs!r} of another model "
+            f"({type(held_model).__name__}) that {by} holds, and one engine holds a tensor "
+            f"at a time: place one module that contains both models instead (their common "
+            f"parent; its engine places the shared tensor once), or {fix}")
     if held_model is model:
         what = f"this model is already {kind} by {by}"
     elif held_model is not None and any(m is model for m in held_model.modules()):
         what = f"this model is part of a {kind} model (already {kind} by {by})"
     else:
         what = f"a submodule of this model is already {kind} by {by}"
-    fix = (f"call .remove() on that {type(handle).__name__} first" if owner is None
-           else owner.fix())
     raise PlacementError(f"{what}; {fix} (one engine holds a model at a time)")
 
 
@@ -158,6 +210,7 @@ def _tracks_versions(t: torch.Tensor) -> bool:
     return True
 
 
-def _named_tensors(model: nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    yield from model.named_parameters()
-    yield from model.named_buffers()
+def _named_tensors(model: nn.Module, remove_duplicate: bool = True
+                   ) -> Iterable[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters(remove_duplicate=remove_duplicate)
+    yield from model.named_buffers(remove_duplicate=remove_duplicate)

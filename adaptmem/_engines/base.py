@@ -1,7 +1,7 @@
 """What every placement engine is: the handle ``adaptive.page``, ``chunk`` and ``split`` return.
 
-An engine holds a model: it claims the model's modules (no other engine may place them
-until it lets go, see ``_common/claims.py``), registers forward hooks on them, keeps
+An engine holds a model: it claims the model's modules and tensors (no other engine may
+place them until it lets go, see ``_common/claims.py``), registers forward hooks on them, keeps
 statistics, and undoes all of it in ``remove()``, which leaving a ``with`` block calls. While
 it holds the model, the model is neither copied nor converted (see [Note: a placed model is
 neither copied nor converted] in ``guard.py``).
@@ -14,7 +14,7 @@ user's own handle.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -88,10 +88,12 @@ class Engine(NotCopyable, abc.ABC):
 
     model: nn.Module
 
-    def _hold(self, modules: Iterable[nn.Module]) -> None:
-        """Claim ``modules`` for this engine; raises if another engine holds one of them."""
+    def _hold(self, modules: Iterable[nn.Module], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Claim ``modules`` and ``tensors`` (by canonical name) for this engine; see [Note:
+        one engine per tensor] in ``_common/claims.py``."""
         self._held = tuple(modules)
-        claim(self._held, self)
+        self._held_tensors = tuple(tensors.values())
+        claim(self._held, self, tensors)
 
     @property
     def held_model(self) -> nn.Module | None:
@@ -101,8 +103,8 @@ class Engine(NotCopyable, abc.ABC):
 
     def _let_go(self) -> None:
         """Release what ``_hold`` claimed (safe to call twice)."""
-        release(getattr(self, "_held", ()), self)
-        self._held = ()
+        release(getattr(self, "_held", ()), self, getattr(self, "_held_tensors", ()))
+        self._held = self._held_tensors = ()
 
     @abc.abstractmethod
     def remove(self) -> None:

@@ -26,6 +26,7 @@ copies, copies in another dtype) and its hooks are the engine's bound methods.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
@@ -38,6 +39,8 @@ from .._common.errors import PlacementError
 from .._common.tree import registrations
 
 __all__ = ["NotCopyable", "PlacementGuard"]
+
+logger = logging.getLogger("adaptmem")
 
 
 class NotCopyable:
@@ -177,11 +180,17 @@ class PlacementGuard:
 
     def _refuse(self) -> NoReturn:
         what = "a tensor changed"
+        dropped = ""
         for registry, attr, t, label in zip(self._registries, self._attrs, self._registered,
                                             self._kinds, strict=True):
             if registry.get(attr) is not t:
                 what = (f"{label} was replaced by another object (a dtype or device "
-                        f"conversion, or an assignment)")
+                        f"conversion, an assignment, or load_state_dict(..., assign=True))")
+                dropped = (
+                    "; remove() registers the original objects again, which drops whatever "
+                    "was assigned in their place (weights loaded with assign=True too): to "
+                    "load weights into a placed model use adaptive.load(model, checkpoint) "
+                    "or load_state_dict(state_dict) without assign=True")
                 break
         changed = self._adopted_changed()
         if changed is not None:
@@ -199,17 +208,22 @@ class PlacementGuard:
             f"dtype or device given through .data (give new data the dtype and device the "
             f"tensor has between calls), so this call did not run. Call "
             f"{self._handle}.remove() first (it restores every tensor as it was "
-            f"before placement), then convert the model and place it again"
+            f"before placement), then convert the model and place it again{dropped}"
         )
 
     def put_back(self) -> None:
         """Register the original objects again and point every converted tensor back at
         the data it held at rest. Objects a forward registered are kept, in the dtype and
-        device the object they replaced had before placement."""
+        device the object they replaced had before placement; others registered since (a
+        conversion, ``load_state_dict(..., assign=True)``) are dropped, which is logged."""
+        dropped = []
         for i, (registry, attr, t) in enumerate(zip(self._registries, self._attrs,
                                                     self._registered, strict=True)):
             if t is None:
                 continue
+            now = registry.get(attr)
+            if now is not None and now is not t:
+                dropped.append(self._kinds[i])
             if i in self._adopted:
                 dtype, device = self._homes[i]
                 want = dtype if t.is_floating_point() and dtype.is_floating_point else t.dtype
@@ -220,6 +234,12 @@ class PlacementGuard:
                          if isinstance(t, nn.Parameter) else moved)
             if registry.get(attr) is not t:
                 registry[attr] = t
+        if dropped:
+            logger.warning(
+                "%s: remove() registered the original objects again in place of %d that "
+                "replaced them while the model was placed (first: %s), and dropped those: a "
+                "conversion, an assignment or load_state_dict(..., assign=True) is not kept",
+                self._engine, len(dropped), dropped[0])
         for t, data in zip(self._tensors, self._data.values(), strict=True):
             if (t.dtype is not data.dtype or t.get_device() != data.get_device()
                     or t.is_meta != data.is_meta):

@@ -26,7 +26,8 @@ reason a view of a paged weight or buffer that outlives the forward (part of an 
 the caller keeps, or saved for a backward) holds its unit's whole block, outside the
 pager's count of bytes held: clone what is kept (resident weights are on their own). The masters of
 a unit share one storage while the model is placed (``state_dict()`` then holds views of
-it; ``remove()`` gives every tensor memory of its own again). Building the packs copies
+it); ``remove()`` lays every tensor out in its storage as before placement (see [Note:
+storages rebuilt on restore] in ``storages.py``). Building the packs copies
 each tensor once, straight into pinned memory, where pinning tensor by tensor made a
 pageable CPU copy first for tensors on a device.
 """
@@ -43,6 +44,7 @@ from torch import nn
 
 from .._common.devices import stream_module
 from .._planning import ModuleSizes
+from .storages import StorageLayout
 
 __all__ = ["HOST", "LOADED", "PACK_ALIGN", "PENDING", "Slot", "SlotState", "make_slots",
            "packed_runs"]
@@ -109,17 +111,21 @@ class Slot:
                     and data.dtype == self.copy.dtype and data.device == self.copy.device):
                 self.copy = data
 
-    def restore(self) -> None:
-        """Put the data back on its original device and dtype, bitwise, and forget any
-        device copy. A loaded device copy is the live data (a resident weight edited in
-        place, through ``.data`` too, or given other data, which the pager adopted), so it
-        is copied into the master first."""
+    def restore(self, layout: StorageLayout) -> None:
+        """Put the data back on its original device and dtype, bitwise, laid out in its
+        storage as it was (see [Note: storages rebuilt on restore] in ``storages.py``), and
+        forget any device copy. A loaded device copy is the live data (a resident weight
+        edited in place, through ``.data`` too, or given other data, which the pager
+        adopted), so it is copied into the master first."""
         if self.state is LOADED and self.copy is not None:
             self.master.copy_(self.copy)
         if self.original is not None:
             self.tensor.data = self.original
         else:
-            self.tensor.data = torch.empty_like(self.master, device=self.origin).copy_(self.master)
+            home = layout.home(self.name, self.master.shape)
+            if home is None:
+                home = torch.empty_like(self.master, device=self.origin)
+            self.tensor.data = home.copy_(self.master)
         self.copy = self.ticket = None
         self.state = HOST
 

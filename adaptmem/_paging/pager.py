@@ -136,7 +136,7 @@ class Pager(Engine):
                                      self.made_by, self.handle_name)
         self._guard.on_new_data = self._adopt  # `weight.data = new` between calls
         # Nothing above touched the model; from here on it is paged, or put back on failure.
-        self._hold(self._modules.values())
+        self._hold(self._modules.values(), {n: s.tensor for n, s in slots.items()})
         try:
             for s in slots.values():
                 if s.original is None:

@@ -59,6 +59,7 @@ from .._engines.hoststore import (  # See [Note: slot states ...]
     packed_runs,
 )
 from .._engines.stats import PagingStats
+from .._engines.storages import StorageLayout
 from .._engines.transfer import Transfer
 from .._planning import Placement, Unit
 from .writeback import WriteBack
@@ -144,6 +145,7 @@ class SlotTable:
         self.resident_bytes = 0
         self.packed = any(s.pack is not None for s in slots.values())
         self.back = WriteBack(transfer, list(slots.values()))
+        self._layout = StorageLayout({n: s.tensor for n, s in slots.items()})  # as given
         # A torch function mode was on when the current call began: See [Note: version
         # reads skip torch function modes].
         self.modes = False
@@ -391,8 +393,11 @@ class SlotTable:
 
     def restore(self) -> None:
         """Every tensor back on its original device and dtype; nothing held on the device."""
-        for s in self.slots.values():
-            s.restore()
+        try:
+            for s in self.slots.values():
+                s.restore(self._layout)
+        finally:
+            self._layout.settle()
         self.held = 0
 
     def load_targets(self) -> dict[str, list[torch.Tensor]]:

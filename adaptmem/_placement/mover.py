@@ -2,7 +2,9 @@
 
 Placement swaps tensor storage only (``param.data = ...``): parameter identity, ``state_dict``
 keys and module classes never change. Where a unit's dtype differs from a tensor's own, the
-original is kept for ``remove()``; see [Note: writes to a converted copy].
+original is kept for ``remove()``; see [Note: writes to a converted copy]. Where only the
+device changes, it is not, and a tensor coming back is laid out in its storage as it was;
+see [Note: storages rebuilt on restore] in ``_engines/storages.py``.
 
 [Note: writes to a converted copy] A placed tensor may be written by the forward (a step
 counter, a running statistic) or by the user between calls (``p.data.fill_(0.5)``,
@@ -35,6 +37,7 @@ from torch import nn
 
 from .._common.errors import PlacementError
 from .._common.peak import fake_mode
+from .._engines.storages import StorageLayout
 from .._planning import Target, Unit
 
 __all__ = ["PlacedTensors", "set_data"]
@@ -48,6 +51,7 @@ class PlacedTensors:
                  ) -> None:
         self.tensors = dict(tensors)
         self.original = {n: (t.device, t.dtype) for n, t in self.tensors.items()}
+        self._layout = StorageLayout(self.tensors)
         self._targets = targets
         self._kept: dict[str, torch.Tensor] = {}  # originals a lossy dtype change replaced
         self._where: dict[str, str] = {}  # tensor -> label, for tensors that were moved
@@ -79,13 +83,18 @@ class PlacedTensors:
                         self._restore(name)
                         self._where.pop(name, None)
             raise
+        finally:
+            self._layout.settle()
 
     def restore_all(self) -> None:
         """Every moved tensor back, bitwise, on its original device and dtype."""
-        with torch.no_grad():
-            for name in list(self._where):
-                self._restore(name)
-                del self._where[name]
+        try:
+            with torch.no_grad():
+                for name in list(self._where):
+                    self._restore(name)
+                    del self._where[name]
+        finally:
+            self._layout.settle()
 
     def load_targets(self) -> dict[str, list[torch.Tensor]]:
         """See ``Splitter.load_targets``."""
@@ -110,8 +119,11 @@ class PlacedTensors:
             placed = source
         elif source.is_meta:
             placed = torch.empty_like(source, device=target.device, dtype=want)
-        else:
-            placed = source.to(device=target.device, dtype=want, copy=True)
+        else:  # back where it came from (a device_map edit): laid out as it was
+            home = (self._layout.home(name, source.shape)
+                    if (target.device, want) == (device, dtype) else None)
+            placed = (home.copy_(source) if home is not None
+                      else source.to(device=target.device, dtype=want, copy=True))
         if want != dtype or source.is_meta:
             self._kept.setdefault(name, source)
         else:
@@ -138,7 +150,9 @@ class PlacedTensors:
             set_data(t, kept)
         device, dtype = self.original[name]
         if t.device != device or t.dtype != dtype:
-            set_data(t, t.data.to(device=device, dtype=dtype))
+            home = None if t.is_meta else self._layout.home(name, t.shape)
+            set_data(t, home.copy_(t.data) if home is not None
+                     else t.data.to(device=device, dtype=dtype))
         grad = t.grad
         if grad is not None and (grad.dtype != t.dtype or grad.device != t.device):
             t.grad = grad.to(device=t.device, dtype=t.dtype)  # a backward ran while placed

@@ -97,7 +97,7 @@ class Splitter(BoundaryHooks, Engine):
         # See [Note: one place for statistics].
         report(self, f"{self.handle_name} ({type(model).__name__})", self.stats)
         self._guard = PlacementGuard(model, tensors, self.made_by, self.handle_name)
-        self._hold(self._modules.values())
+        self._hold(self._modules.values(), tensors)
         self._hooks.add(model,
                         model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
                         model.register_forward_hook(self._root_post, always_call=True))

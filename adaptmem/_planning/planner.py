@@ -81,7 +81,7 @@ def plan(
         >>> p.device_map
         {'0': 'cuda:0', '1': 'cpu'}
         >>> adaptive.plan(net, devices={"cuda:0@float16": "5MiB", "cpu": None}).device_map
-        {'': 'cuda:0'}
+        {'': 'cuda:0@float16'}
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")

@@ -51,9 +51,10 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def make_label(device: torch.device, dtype: torch.dtype | None, qualify: bool) -> str:
-    """``"cuda:0"``, or ``"cpu@bfloat16"`` when one device holds several dtypes."""
-    return f"{device}@{dtype_name(dtype)}" if qualify and dtype is not None else str(device)
+def make_label(device: torch.device, dtype: torch.dtype | None) -> str:
+    """``"cuda:0"``, or ``"cuda:0@float16"`` where the placement converts floating weights to
+    a dtype: a ``device_map`` of such labels places in that dtype again."""
+    return f"{device}@{dtype_name(dtype)}" if dtype is not None else str(device)
 
 
 def split_label(label: str) -> tuple[str, torch.dtype | None]:
@@ -63,11 +64,8 @@ def split_label(label: str) -> tuple[str, torch.dtype | None]:
 
 
 def qualify_labels(pairs: Sequence[tuple[torch.device, torch.dtype | None]]) -> list[str]:
-    """Labels for (device, dtype) pairs: plain device names unless a device repeats."""
-    counts: dict[torch.device, int] = {}
-    for device, _ in pairs:
-        counts[device] = counts.get(device, 0) + 1
-    labels = [make_label(d, t, counts[d] > 1) for d, t in pairs]
+    """Labels for (device, dtype) pairs: the device, with ``"@dtype"`` where there is one."""
+    labels = [make_label(d, t) for d, t in pairs]
     if len(set(labels)) != len(labels):
         raise ValueError(
             f"devices lists the same device and dtype twice: {labels}; give each (device, dtype) "

@@ -133,6 +133,36 @@ def test_a_conversion_of_a_placed_model_is_refused_and_remove_undoes_it(
     assert model.emb.weight.dtype == model.scale.dtype == torch.float16
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_load_state_dict_with_assign_while_placed_is_refused_saying_remove_drops_it(
+    engine: str, adaptmem_log: pytest.LogCaptureFixture
+) -> None:
+    model = _model()
+    before = _state(model)
+    loaded = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    handle = ENGINES[engine](model)
+    model(_X)
+    model.load_state_dict(loaded, assign=True)  # new objects in place of the placed ones
+    with pytest.raises(PlacementError, match=(
+            r"replaced by another object \(.*load_state_dict\(\.\.\., assign=True\)\).*this "
+            r"call did not run.*remove\(\) registers the original objects again, which drops "
+            r"whatever was assigned in their place \(weights loaded with assign=True too\): "
+            r"to load weights into a placed model use adaptive\.load\(model, checkpoint\) or "
+            r"load_state_dict\(state_dict\) without assign=True")):
+        model(_X)
+    handle.remove()
+    _assert_as_before(model, before)  # what was loaded is gone, as the message said
+    assert "dropped those: a conversion, an assignment or load_state_dict(..., assign=True)" \
+        in adaptmem_log.text
+    handle = ENGINES[engine](model)  # the way it names: loading without assign=True
+    model(_X)
+    model.load_state_dict(loaded)
+    model(_X)
+    handle.remove()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, loaded[key]), key
+
+
 @pytest.mark.parametrize("engine", ["page", "chunk, bfloat16 part", "split"])
 def test_a_part_called_on_its_own_after_a_conversion_is_refused(engine: str) -> None:
     model = _model()

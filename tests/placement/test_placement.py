@@ -315,6 +315,31 @@ def test_split_takes_an_accelerate_style_device_map() -> None:
     assert adaptive.split(model, device_map={"": "cpu"}).remove() is None
 
 
+@run_if(cuda=True)
+@pytest.mark.parametrize("placer", ["chunk", "split"])
+def test_a_device_map_names_the_dtype_a_placement_converts_to_and_places_in_it_again(
+    placer: str,
+) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).eval()
+    x = torch.randn(2, 64)
+    handle = (adaptive.chunk(model, "cuda", capacity="1MiB", dtype=torch.float16,
+                             example_inputs=x) if placer == "chunk"
+              else adaptive.split(model, {"cuda:0@bfloat16": None}, example_inputs=x))
+    label = "cuda:0@float16" if placer == "chunk" else "cuda:0@bfloat16"
+    dtype = torch.float16 if placer == "chunk" else torch.bfloat16
+    device_map = handle.device_map
+    assert device_map == {"": label} and model[0].weight.dtype == dtype
+    assert {u.placement for u in handle.plan.units} == {label}
+    assert f"totals: {label} " in str(handle.plan)
+    handle.remove()
+    with adaptive.split(model, device_map=device_map) as again:  # the map round-trips
+        with torch.no_grad():
+            model(x.cuda())
+        assert again.device_map == device_map
+        assert [(p.device.type, p.dtype) for p in model.parameters()] == [("cuda", dtype)] * 4
+    assert adaptive.plan(model, devices={label: None}, example_inputs=x).device_map == device_map
+
+
 def test_inputs_a_user_pre_hook_produces_are_converted_for_the_module() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)).eval()
     model[1].register_forward_pre_hook(lambda m, args: (args[0].float(),))
@@ -554,7 +579,7 @@ def test_split_over_cuda_and_cpu_with_fp16_matches() -> None:
     third = module_sizes(model).total_bytes // 3
     with adaptive.split(model, {"cuda:0": third, "cpu": None}, dtype={"cuda:0": torch.float16},
                         example_inputs=inputs) as splitter:
-        assert set(splitter.device_map.values()) == {"cuda:0", "cpu"}
+        assert set(splitter.device_map.values()) == {"cuda:0@float16", "cpu"}
         with torch.no_grad():
             out = model(**inputs)
         assert out["logits"].device.type == "cpu"

@@ -97,16 +97,16 @@ def test_plan_places_a_prefix_per_device_and_round_trips() -> None:
     # Capacity counts bytes in the dtype placed there: in fp16 twice as many layers fit.
     half = adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None},
                          dtype={"cuda:0": torch.float16})
-    assert half.device_map == {"": "cuda:0"}
+    assert half.device_map == {"": "cuda:0@float16"}  # the dtype it places in, too
     # ... and the plan reports them so: units, totals and the printed table.
     assert half.total_bytes == sum(u.nbytes for u in half.units) == 4 * layer // 2
-    assert half.bytes_by_placement()["cuda:0"] == 4 * layer // 2
-    assert "totals: cuda:0 514.0 KiB" in str(half)
+    assert half.bytes_by_placement()["cuda:0@float16"] == 4 * layer // 2
+    assert "totals: cuda:0@float16 514.0 KiB" in str(half)
     # A dtype key names a device as the devices do ("cuda" is cuda:0); one naming no device
     # is an error, not ignored.
     short = adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None},
                           dtype={"cuda": torch.float16})
-    assert short.device_map == {"": "cuda:0"}
+    assert short.device_map == {"": "cuda:0@float16"}
     with pytest.raises(ValueError, match=r"dtype names 'cuda:1', which is not among the "
                                          r"devices \('cuda:0', 'cpu'\)"):
         adaptive.plan(model, devices={"cuda:0": 2 * layer, "cpu": None},
