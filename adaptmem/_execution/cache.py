@@ -54,7 +54,12 @@ SETTLE_FRACTION = 0.9
 # a failed attempt leaves untouched is probed: a plain function or coroutine under
 # ``batch``, and ``chunked`` with ``output=``. A generator that already yielded cannot be
 # retried (the probe's failure would reach its consumer), and ``range`` and in-place
-# ``chunked`` steps redo a failed step's writes, so those never probe a size known to fail.
+# ``chunked`` steps redo a failed step's writes, so those never probe a size known to fail;
+# nor do they climb towards one: every size between what fits and what failed is untested
+# at this free memory, and the climb's failure would reach the caller (a generator's
+# error, an in-place write applied twice) as surely as the probe's. They run the largest
+# size that fitted until free memory grows (a bucket with more memory than any where a
+# size failed climbs again: see [Note: a quiet search]).
 PROBE_AFTER = 32
 PROBE_AFTER_MAX = 1 << 20
 
@@ -197,8 +202,9 @@ class SizeRecord:
 
     def next_size(self, initial: int, floor: int = 1, probe: bool = True) -> int:
         """The size a new call should try first: never above ``initial``, never below
-        ``floor``. ``probe=False`` for work a failed attempt would leave half-done (see
-        [Note: probing a failed size])."""
+        ``floor``. ``probe=False`` for work a failed attempt would leave half-done: it never
+        climbs above ``fits`` while a size is known to fail (see [Note: probing a failed
+        size])."""
         # Read without the lock: a torn read between two writers only changes one probe.
         # ``start`` first: after_success sets ``fits`` before it clears ``start``.
         start, fits, fails = self.start, self.fits, self.fails
@@ -206,6 +212,8 @@ class SizeRecord:
             if start is not None:
                 return max(floor, min(initial, start))
             return initial if fails is None else max(floor, min(initial, fails // 2))
+        if fails is not None and not probe:
+            return max(floor, min(fits, initial))  # see [Note: probing a failed size]
         if fails is not None and fails <= initial:
             ceiling, bounded = fails, True
         else:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from strategies import memory_schedules
 
 import adaptmem._execution.cache as cache_module
-from adaptmem import adaptive
+from adaptmem import OutOfMemoryError, adaptive
 from adaptmem._execution.cache import CallSite, SizeRecord
 from adaptmem.testing import MemoryCeiling
 
@@ -219,6 +219,72 @@ def test_a_predicted_start_runs_first_then_climbs_towards_the_predicted_failure(
     high.start_at(100, 140)
     low.start_at(3, 10)
     assert high.next_size(60) == 60 and low.next_size(1000, floor=5) == 5
+
+
+def test_a_generator_never_climbs_towards_a_size_that_failed_at_the_same_free_memory(
+        free) -> None:
+    # A generator's failure after its first item reaches its consumer: a climb between what
+    # fits and what failed would raise there as surely as a probe of the failed size.
+    ceiling = MemoryCeiling(2)
+
+    @adaptive.batch(initial_batchsize=4)
+    def batches(batchsize: int):
+        yield "first"
+        ceiling.require(batchsize)
+        yield "second"
+
+    outcomes: list[object] = []
+    for _ in range(6):
+        try:
+            outcomes.append(list(batches()))
+        except OutOfMemoryError:
+            outcomes.append("raised")
+    assert outcomes == ["raised"] + [["first", "second"]] * 5
+    assert ceiling.attempts == [4, 2, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("kind", ["range", "chunked"])
+def test_a_step_that_redoes_its_work_never_climbs_towards_a_size_that_failed(
+        free, kind: str) -> None:
+    # A range step, or an in-place chunked one, that runs out of memory is done again: a
+    # climb that fails applies ``chunk += 1`` twice over the failed step's elements.
+    ceiling = MemoryCeiling(5)
+
+    @adaptive.range(initial_step=8)
+    def fill(start: int, end: int, out: torch.Tensor) -> None:
+        out[start:end] += 1
+        ceiling.require(end - start)
+
+    @adaptive.chunked(initial_step=8)
+    def bump(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk += 1
+        ceiling.require(end - start)
+
+    wrong = []
+    for _ in range(6):
+        x = torch.zeros(40)
+        if kind == "range":
+            fill(0, 40, x)
+        else:
+            bump(x)
+        wrong.append(int((x != 1).sum()))
+    assert wrong == [8, 0, 0, 0, 0, 0]  # the first call's failed step, as documented
+    assert ceiling.failures == [8]
+
+
+def test_a_generator_climbs_again_when_free_memory_grows(free) -> None:
+    ceiling = MemoryCeiling(2)
+
+    @adaptive.batch(initial_batchsize=64, cache=adaptive.StacktraceMemoryBatchsizeCache(0.0))
+    def batches(batchsize: int):
+        ceiling.require(batchsize)  # before the first item: retried
+        yield batchsize
+
+    free["bytes"] = GIB
+    assert [next(batches()) for _ in range(4)] == [2, 2, 2, 2]
+    free["bytes"], ceiling.capacity = 4 * GIB, 8  # four times the memory: more fits
+    sizes = [next(batches()) for _ in range(6)]
+    assert sizes[0] > 2 and sizes == sorted(sizes) and 2 < sizes[-1] <= 8
 
 
 @pytest.mark.parametrize("kind", ["range", "chunked"])
