@@ -81,8 +81,14 @@ PROBE_AFTER_MAX = 1 << 20
 # - Share between the free-memory buckets of a call site: a size that failed with more
 #   free memory fails with less, one that fitted with less fits with more. A bucket's own
 #   evidence wins over a neighbour's that contradicts it (the reading did not predict the
-#   outcome there). A new bucket starts from that shared knowledge; with no bucket below
-#   it, it borrows the nearest bucket's fitting size as a guess. A bucket with more memory
+#   outcome there). A new bucket starts from that shared knowledge. With no size known to
+#   fit below it, it takes the size that fits in the nearest bucket above: as it is from
+#   the next bucket (within the noise of a reading); from RESET_BUCKETS or more away,
+#   scaled down by the memory it lacks, and climbing towards that bucket's failure scaled
+#   down alike. That is a guess, not a size known to fit here: if it fails the search
+#   halves from it (taken unscaled as a size that fits, a move to a bucket with a fifth of
+#   the memory tried the size that fitted above, then a tenth less, and so on: four
+#   failures, ending at half of what fits). A bucket with more memory
 #   than one where a size failed climbs towards that size scaled up by the extra memory
 #   (what a size that grows with free memory would allow), so jitter that flips between two
 #   buckets does not cost each of them its own failures.
@@ -166,14 +172,37 @@ class CallSite:
         above = [r.fails for b, r in self.records.items() if b > bucket and r.fails is not None]
         fits = max(below, default=None)
         fails = min(above, default=None)
-        if fits is None and self.records:  # less memory than any bucket seen: a guess
-            nearest = min(self.records, key=lambda b: abs(b - bucket))
-            fits = self.records[nearest].fits
+        start = None
+        if fits is None:  # less memory than any bucket where a size fitted
+            fits, start, fails = self.borrow(bucket, fails)
         if fits is not None and fails is not None and fits >= fails:
             fits = None  # the readings contradict each other: trust the failure
         record = SizeRecord(fits, fails, site=self, bucket=bucket)
+        record.start = start  # tried first, but not known to fit here
         self.records[bucket] = record
         return record
+
+    def borrow(self, bucket: int, fails: int | None
+               ) -> tuple[int | None, int | None, int | None]:
+        """What ``bucket``, with less free memory than any bucket where a size fitted, takes
+        from the nearest such bucket: (fits, a first size to try, fails). One bucket away is
+        within the noise of a reading: its size fits here too. Further away, its size that
+        fits and its smallest failure are scaled down by the memory this one lacks, a guess
+        to try first and a bound (see [Note: a quiet search])."""
+        known = [(b, r) for b, r in self.records.items() if b > bucket and r.fits is not None]
+        if not known:
+            return None, None, fails
+        nearest, record = min(known)
+        if nearest - bucket < RESET_BUCKETS:
+            return record.fits, None, fails
+        scale = 2 ** ((bucket - nearest) / BUCKETS_PER_OCTAVE)
+        start = max(1, int(record.fits * scale))  # type: ignore[operator]
+        if record.fails is not None:
+            bound = max(start + 1, int(record.fails * scale))
+            fails = bound if fails is None else min(fails, bound)
+        if fails is not None and start >= fails:
+            return None, None, fails  # what failed with more memory says less
+        return None, start, fails
 
 
 class SizeRecord:
@@ -327,7 +356,8 @@ class SizeRecord:
                 self.fits = size
 
     def __repr__(self) -> str:
-        return f"SizeRecord(fits={self.fits}, fails={self.fails})"
+        start = "" if self.start is None else f", start={self.start}"
+        return f"SizeRecord(fits={self.fits}, fails={self.fails}{start})"
 
 
 class BatchsizeCache:

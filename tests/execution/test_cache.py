@@ -112,12 +112,49 @@ def test_a_failure_with_more_memory_is_shared_with_buckets_that_have_less() -> N
     high.after_failure(80, 1)
     assert low.fails == 80  # it failed with more memory: it fails with less
     assert all(low.next_size(1000) < 80 for _ in range(20))
-    # A bucket with still less memory starts from both.
+    # A bucket with still less memory knows what failed above it, and tries first what
+    # fits there scaled down by the memory it lacks (half an octave), a guess not known to
+    # fit, climbing towards the failure scaled down alike.
     lower = site.seed(8)
-    assert (lower.fits, lower.fails) == (50, 80)
+    assert (lower.fits, lower.start, lower.fails) == (None, 35, 56)
     # A bucket in between knows what fitted below it and what failed above it.
     middle = site.seed(12)
     assert (middle.fits, middle.fails) == (50, 80)
+
+
+def test_a_bucket_with_much_less_memory_starts_from_what_fits_above_scaled_down(
+        free) -> None:
+    # 1 MiB per item: 256 fit with 256 MiB free, 56 with 56 MiB. The bucket with 56 MiB
+    # tried the 256 that fitted above, then 230, 115 and 57 (four failures) and settled at
+    # 28, half of what fits.
+    ceiling = MemoryCeiling(1)
+
+    @adaptive.batch(initial_batchsize=512, cache=adaptive.StacktraceMemoryBatchsizeCache(0.0))
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    sizes = []
+    for mib in [256] * 3 + [56] * 8:  # one call site
+        if mib == 56 and free["bytes"] != 56 << 20:
+            ceiling.reset()
+        free["bytes"], ceiling.capacity = mib << 20, mib
+        sizes.append(infer())
+    assert sizes[2] == 256
+    assert ceiling.attempts[0] <= 56 and len(ceiling.failures) <= 1
+    assert sizes[-1] >= 50  # within 10% of what fits
+
+
+def test_a_size_borrowed_from_a_bucket_with_more_memory_is_not_known_to_fit() -> None:
+    site = CallSite()
+    high = site.seed(40)
+    high.after_success(100)
+    high.after_failure(120, 1)
+    low = site.seed(32)  # two octaves less memory: a quarter of each
+    assert low.fits is None and low.next_size(1000) == 25 and low.fails == 30
+    # It failed: the search halves, as from any first size, not a tenth smaller as for a
+    # size that fitted here before.
+    assert low.after_failure(25, 1) == 12 and low.fits is None
 
 
 def test_a_bucket_keeps_its_own_evidence_over_a_neighbours() -> None:
