@@ -8,7 +8,8 @@ known to fail. Which key a call gets is what distinguishes the caches:
 - ``GlobalBatchsizeCache``: one record per decorated function.
 - ``NoBatchsizeCache``: nothing is remembered; every call starts from the initial size.
 
-One cache instance can serve many functions: records are keyed by the function's code too.
+One cache instance can serve many functions: records are keyed by the function too (its key,
+see [Note: function keys] in keys.py).
 """
 
 from __future__ import annotations
@@ -510,7 +511,9 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     def __init__(self, refresh_seconds: float = 0.5) -> None:
         super().__init__()
         self._buckets = _FreeMemoryBuckets(refresh_seconds)
-        self._codes: set[Any] = set()
+        # What the keys' ids name, kept alive: by id, since code objects compare by value
+        # (see [Note: function keys] in keys.py).
+        self._alive: dict[int, Any] = {}
         self._sites: dict[Any, CallSite] = {}
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
@@ -542,12 +545,13 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         key = self.key(function, context, device, caller)
         record = self._records.get(key)
         if record is None:
-            self._codes.add(function)
+            alive = self._alive
+            alive[id(function)] = function
             frame = user_frame(caller)
             for _ in range(4):
                 if frame is None:
                     break
-                self._codes.add(frame.f_code)
+                alive[id(frame.f_code)] = frame.f_code
                 frame = user_frame(frame.f_back)
             with self._lock:
                 record = self._records.get(key)

@@ -20,6 +20,7 @@ from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
 from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
+from .keys import code_key, function_key
 from .lazy import retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
@@ -77,35 +78,6 @@ def _checked(result: Any, name: str, kind: str, starts_only: bool) -> Any:
             f"'auto', and rebuild what it cached"
         )
     return result
-
-
-def _function_key(func: Any) -> Any:
-    """What the size caches key a decorated callable by: its code. Closures re-created per
-    call share their code, so they share sizes; and no key holds the callable itself, so a
-    ``functools.partial`` or a callable object (holding a model, say) is not kept alive."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    code = getattr(getattr(func, "__func__", func), "__code__", None)
-    if code is not None:
-        return code
-    # A callable object: its class (long-lived, unlike the object) with its __call__'s code;
-    # classes that inherit one __call__ (every nn.Module) stay apart.
-    call = getattr(type(func), "__call__", None)  # noqa: B004 (the class's method)
-    code = getattr(getattr(call, "__func__", call), "__code__", None)
-    if code is None:
-        return func
-    key = (type(func), code)
-    return _class_keys.setdefault(key, key)  # see [Note: one key object per class]
-
-
-# [Note: one key object per class] The default cache keys a call by the *identity* of its
-# function key (hashing a code object hashes its contents on every call), and keeps alive
-# only the keys of the sites it recorded. A (class, code) tuple made afresh for each
-# decoration (explicit.batch decorates at every call) dies with the decorated object, and
-# another class's tuple can then get its id: two classes would share sizes. So one tuple per
-# class lives here for good, as the class it names does in practice; equal keys are the
-# same object and different ones never collide.
-_class_keys: dict[tuple[type, Any], tuple[type, Any]] = {}
 
 
 def _is_lazy_function(func: Any) -> bool:
@@ -186,7 +158,7 @@ class _Adaptive:
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self.__wrapped__ = func
         self._func = func
-        self._key = _function_key(func)
+        self._key = function_key(func)  # see [Note: function keys] in keys.py
         self.initial = initial
         self.floor = floor
         self.cache = cache
@@ -1090,9 +1062,9 @@ def chunked(
 # so an "auto" initial size would be predicted (the function traced) at every call. The
 # decision (``AutoStart``: the size decided, or the calls counted so far while calls are too
 # small to tell, or a failed trace waiting for its call's outcome) is kept per function
-# code, call site and options, and a later call there goes on from it, as a decorated
-# function does; the call site's size record carries what was learnt since. The function
-# itself is never kept.
+# (its key: a partial's function, a wrapper's wrapped one), call site and options, and a
+# later call there goes on from it, as a decorated function does; the call site's size
+# record carries what was learnt since. The function itself is never kept.
 _decided: dict[Any, AutoStart] = {}
 
 
@@ -1103,8 +1075,9 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
         key = None
         if (isinstance(initial, str) and initial == AUTO and "model" not in options
                 and decorated._auto is not None):
-            key = (decorated.kind, getattr(func, "__code__", None) or type(func), caller.f_code,
-                   caller.f_lineno, tuple(sorted((k, repr(v)) for k, v in options.items())))
+            # Keys, not code objects, which compare by value (see [Note: function keys]).
+            key = (decorated.kind, decorated._key, code_key(caller.f_code), caller.f_lineno,
+                   tuple(sorted((k, repr(v)) for k, v in options.items())))
             known = _decided.get(key)
             if known is not None:
                 decorated._auto = known

@@ -384,7 +384,7 @@ def test_each_cuda_device_keeps_its_own_sizes_with_the_default_device() -> None:
 def test_callable_objects_decorated_anew_never_share_sizes() -> None:
     # explicit.batch decorates at every call; the key of a callable object must stay one
     # object per class, or a dead key's id is taken by another class's key.
-    from adaptmem._execution.decorators import _function_key
+    from adaptmem._execution.keys import function_key
 
     small, big = MemoryCeiling(4), MemoryCeiling(1000)
 
@@ -404,7 +404,7 @@ def test_callable_objects_decorated_anew_never_share_sizes() -> None:
             got.append((type(fn).__name__, adaptive.explicit.batch(fn, 512)))
     assert [size for name, size in got if name == "Big"] == [512] * 4
     assert small.attempts.count(512) == 1  # Small learned once that 512 does not fit
-    assert _function_key(Small()) is _function_key(Small())  # one key object per class
+    assert function_key(Small()) is function_key(Small())  # one key object per class
 
 
 def test_a_retry_of_an_outer_function_shares_the_inner_call_site() -> None:

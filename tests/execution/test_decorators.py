@@ -1136,11 +1136,11 @@ def test_a_range_that_gives_up_partway_says_where_it_stopped() -> None:
 
 def test_callable_objects_of_different_classes_keep_sizes_apart() -> None:
     # Every nn.Module shares one __call__: the key is the class with its __call__'s code.
-    from adaptmem._execution.decorators import _function_key
+    from adaptmem._execution.keys import function_key
 
     a, b, c = torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(3, 3)
-    assert _function_key(a) != _function_key(b)
-    assert _function_key(a) == _function_key(c)  # one class: one record, like closures
+    assert function_key(a) != function_key(b)
+    assert function_key(a) == function_key(c)  # one class: one record, like closures
 
 
 @pytest.mark.parametrize("capacity", ["100", None, True])
