@@ -14,11 +14,13 @@ see [Note: function keys] in keys.py).
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ __all__ = [
     "check_cache",
     "device_in_use",
     "user_frame",
+    "record_for",
 ]
 
 # Repeated calls stop probing once the size in use is within this fraction of the ceiling.
@@ -361,12 +364,89 @@ class SizeRecord:
         return f"SizeRecord(fits={self.fits}, fails={self.fails}{start})"
 
 
-class BatchsizeCache:
-    """Base class: override ``key`` to decide which calls share a record (a cache whose
-    class does not is refused where it is given)."""
+# [Note: records per instance] One decorated method serves every instance of its class, and
+# instances may need very different sizes (one holds a small model, another a large one):
+# sharing one record, they paid failed attempts as they alternated, and the one that fits
+# more ran at the other's size. So a call through an instance (a method read through it, a
+# bound method or a callable object given to a decorator) keeps records of its own, in the
+# cache, in a mapping by the instance's id whose entry a weak reference to the instance
+# drops when the instance is collected: records are not kept for instances that are gone,
+# nor do they keep an instance alive. A new instance's first record at a key starts from
+# the latest record another instance made there (its size that fits as a first size to
+# try, its smallest failure as a bound), so instances made anew for every request neither
+# search from the initial size again nor pile up records. An instance that cannot be
+# weakly referenced (a class with __slots__ and no __weakref__), or a class (a
+# classmethod), shares the records of calls made without an instance.
+
+
+class Records(dict[Any, "SizeRecord"]):
+    """Size records by key, of calls made without an instance or through one instance,
+    with the call sites' shared state (``sites``: the default cache's ``CallSite``s)."""
+
+    __slots__ = ("sites",)
 
     def __init__(self) -> None:
-        self._records: dict[Any, SizeRecord] = {}
+        super().__init__()
+        self.sites: dict[Any, CallSite] = {}
+
+
+class InstanceRecords:
+    """The records of calls through each instance, and the latest record made at each key
+    (see [Note: records per instance])."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, tuple[weakref.ref[Any], Records]] = {}
+        self.latest: dict[Any, SizeRecord] = {}
+
+    def of(self, owner: Any, shared: Records, lock: Any) -> Records:
+        """The records of calls through ``owner`` (``shared`` if it cannot be weakly
+        referenced); ``lock`` guards a new entry."""
+        entry = self.by_id.get(id(owner))
+        if entry is not None and entry[0]() is owner:
+            return entry[1]
+        if not type(owner).__weakrefoffset__:
+            return shared
+        ident, by_id = id(owner), self.by_id
+
+        def forget(ref: weakref.ref[Any]) -> None:  # the owner is being collected
+            if by_id.get(ident, (None,))[0] is ref:
+                by_id.pop(ident, None)
+
+        with lock:
+            entry = by_id.get(ident)
+            if entry is not None and entry[0]() is owner:
+                return entry[1]
+            records = Records()
+            by_id[ident] = (weakref.ref(owner, forget), records)
+        return records
+
+    def started(self, key: Any, record: SizeRecord) -> None:
+        """``record`` was made at ``key`` for an instance: if it knows nothing, it starts
+        from the latest record made there for another instance."""
+        latest = self.latest.get(key)
+        if latest is not None and record.fits is None and record.fails is None \
+                and record.start is None:
+            guess = latest.fits if latest.fits is not None else latest.start
+            if guess is not None:
+                record.start_at(guess, latest.fails)
+        self.latest[key] = record
+
+    def count(self) -> int:
+        return sum(len(records) for _, records in list(self.by_id.values()))
+
+    def clear(self) -> None:
+        self.by_id.clear()
+        self.latest.clear()
+
+
+class BatchsizeCache:
+    """Base class: override ``key`` to decide which calls share a record (a cache whose
+    class does not is refused where it is given). Calls through an instance keep records
+    of their own (see [Note: records per instance])."""
+
+    def __init__(self) -> None:
+        self._records = Records()
+        self._instances = InstanceRecords()
         self._lock = threading.Lock()
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
@@ -378,33 +458,47 @@ class BatchsizeCache:
         )
 
     def record(
-        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None,
+        owner: Any = None,
     ) -> SizeRecord:
-        """The record for the current call, created on first use."""
+        """The record for the current call, created on first use; ``owner`` is the instance
+        the call is made through, if any (see [Note: records per instance])."""
         key = self.key(function, context, device, caller)
-        record = self._records.get(key)
+        records = self._records if owner is None else self._records_of(owner)
+        record = records.get(key)
         if record is None:
-            with self._lock:
-                record = self._records.get(key)
-                if record is None:
-                    record = self._seed(key)
-                    self._records[key] = record
+            record = self._add(key, records)
         return record
 
-    def _seed(self, key: Any) -> SizeRecord:
+    def _records_of(self, owner: Any) -> Records:
+        return self._instances.of(owner, self._records, self._lock)
+
+    def _add(self, key: Any, records: Records) -> SizeRecord:
+        with self._lock:
+            record = records.get(key)
+            if record is None:
+                record = records[key] = self._seed(key, records)
+                if records is not self._records:
+                    self._instances.started(key, record)
+        return record
+
+    def _seed(self, key: Any, records: Records) -> SizeRecord:
         return SizeRecord()
 
     def clear(self) -> None:
         """Forget every size learned so far."""
         with self._lock:
             self._records.clear()
+            self._records.sites.clear()
+            self._instances.clear()
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._records) + self._instances.count()
 
 
 class GlobalBatchsizeCache(BatchsizeCache):
-    """One record per decorated function (and ``context``), wherever it is called from.
+    """One record per decorated function (and ``context``, and instance for a call through
+    one), wherever it is called from.
 
     It does not watch free memory: a size that once failed stays the ceiling until a probe
     of it (after 32, 64, 128, ... successful calls) fits again. Use the default cache where
@@ -419,7 +513,8 @@ class NoBatchsizeCache(BatchsizeCache):
     """Remembers nothing: every call starts at the initial size and halves from there."""
 
     def record(
-        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None,
+        owner: Any = None,
     ) -> SizeRecord:
         return SizeRecord()
 
@@ -514,7 +609,6 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         # What the keys' ids name, kept alive: by id, since code objects compare by value
         # (see [Note: function keys] in keys.py).
         self._alive: dict[int, Any] = {}
-        self._sites: dict[Any, CallSite] = {}
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
         f = user_frame(caller if caller is not None else sys._getframe(2))
@@ -538,12 +632,14 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         return site, self._buckets.bucket(device)
 
     def record(
-        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None,
+        owner: Any = None,
     ) -> SizeRecord:
         if caller is None:
             caller = sys._getframe(1)
         key = self.key(function, context, device, caller)
-        record = self._records.get(key)
+        records = self._records if owner is None else self._records_of(owner)
+        record = records.get(key)
         if record is None:
             alive = self._alive
             alive[id(function)] = function
@@ -553,23 +649,15 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
                     break
                 alive[id(frame.f_code)] = frame.f_code
                 frame = user_frame(frame.f_back)
-            with self._lock:
-                record = self._records.get(key)
-                if record is None:
-                    record = self._records[key] = self._seed(key)
+            record = self._add(key, records)
         return record
 
-    def _seed(self, key: Any) -> SizeRecord:
+    def _seed(self, key: Any, records: Records) -> SizeRecord:
         site, bucket = key
-        shared = self._sites.get(site)
+        shared = records.sites.get(site)
         if shared is None:
-            shared = self._sites[site] = CallSite()
+            shared = records.sites[site] = CallSite()
         return shared.seed(bucket)  # see [Note: a quiet search]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._records.clear()
-            self._sites.clear()
 
     def memory_changed(self) -> None:
         """Re-read free memory on the next call (called after an out-of-memory error)."""
@@ -608,6 +696,23 @@ def check_cache(cache: Any, name: str) -> None:
             f"device, caller) in {cls.__qualname__} to return what the calls that share a "
             f"size have in common"
         )
+
+
+_takes_owner: dict[type, bool] = {}
+
+
+def record_for(cache: BatchsizeCache, function: Any, context: Any,
+               device: torch.device | None, caller: Any, owner: Any) -> SizeRecord:
+    """``cache.record(...)`` for a call made through ``owner`` (an instance, or None): a
+    cache of your own whose ``record`` takes no ``owner`` keeps one record for all."""
+    if owner is not None:
+        cls = type(cache)
+        takes = _takes_owner.get(cls)
+        if takes is None:
+            takes = _takes_owner[cls] = "owner" in inspect.signature(cls.record).parameters
+        if takes:
+            return cache.record(function, context, device, caller, owner)
+    return cache.record(function, context, device, caller)
 
 
 def shared_cache(cls: type[BatchsizeCache]) -> BatchsizeCache:

@@ -19,8 +19,8 @@ from .._common.oom import is_oom, shrinks_size
 from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
-from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
-from .keys import code_key, function_key
+from .cache import BatchsizeCache, check_cache, record_for, resolve_cache, user_frame
+from .keys import code_key, function_key, instance_of
 from .lazy import retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
@@ -159,6 +159,7 @@ class _Adaptive:
         self.__wrapped__ = func
         self._func = func
         self._key = function_key(func)  # see [Note: function keys] in keys.py
+        self._instance = instance_of(func)  # see [Note: records per instance] in cache.py
         self.initial = initial
         self.floor = floor
         self.cache = cache
@@ -371,10 +372,10 @@ class _Adaptive:
              bound: tuple[Any, ...]) -> Any:
         raise NotImplementedError
 
-    def size_record(self, caller: Any) -> Any:
+    def size_record(self, caller: Any, bound: tuple[Any, ...] = ()) -> Any:
         """The ``SizeRecord`` a call from the frame ``caller`` uses now (its cache, context,
-        device and call site)."""
-        return self._record(caller)[1]
+        device, call site and instance, ``bound``)."""
+        return self._record(caller, bound)[1]
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._injected and self._injected in kwargs:
@@ -409,9 +410,10 @@ class _Adaptive:
             if progress is not None:
                 progress.close()
 
-    def _record(self, caller: Any) -> tuple[BatchsizeCache, Any]:
+    def _record(self, caller: Any, bound: tuple[Any, ...] = ()) -> tuple[BatchsizeCache, Any]:
         cache = resolve_cache(self.cache)
-        return cache, cache.record(self._key, self.context, self.device, caller)
+        owner = bound[0] if bound and self._binding != "class" else self._instance
+        return cache, record_for(cache, self._key, self.context, self.device, caller, owner)
 
 
 class _Batch(_Adaptive):
@@ -443,7 +445,9 @@ class _Batch(_Adaptive):
         if (limit is not None and len(args) > limit) or (kwargs and self._injected in kwargs):
             self._check_call(args, kwargs)
         cache = resolve_cache(self.cache)
-        record = cache.record(self._key, self.context, self.device, caller)
+        owner = bound[0] if bound and self._binding != "class" else self._instance
+        record = (cache.record(self._key, self.context, self.device, caller) if owner is None
+                  else record_for(cache, self._key, self.context, self.device, caller, owner))
         if self._deciding:
             return self._first_call(caller, args, kwargs, bound)
         # See [Note: a retried training step counts its gradients once].
@@ -489,7 +493,7 @@ class _Batch(_Adaptive):
         func = self._func
         return self._first(lambda s: func(*bound, s, *args, **kwargs),
                            lambda: self._run(caller, args, kwargs, bound),
-                           lambda: self._record(caller)[1])
+                           lambda: self._record(caller, bound)[1])
 
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -507,7 +511,7 @@ class _Batch(_Adaptive):
         # See [Note: ranks in step] in ranks.py.
         self._check_call(args, kwargs)
         ranks = self._ranks()
-        cache, record = self._record(caller)
+        cache, record = self._record(caller, bound)
         if self._deciding:
             return self._first_call(caller, args, kwargs, bound)
         # See [Note: a retried training step counts its gradients once].
@@ -549,13 +553,13 @@ class _Range(_Adaptive):
             raise ValueError(f"end ({end}) is before start ({start}); the range is [start, end)")
         self._check_call(tuple(rest), kwargs)
         ranks = self._ranks() if self.group is not None else None
-        cache, record = self._record(caller)
+        cache, record = self._record(caller, bound)
         func = self._func
         if self._deciding and end > start:
             return self._first(  # type: ignore[no-any-return]
                 lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
                 lambda: self._run(caller, args, kwargs, bound),
-                lambda: self._record(caller)[1])
+                lambda: self._record(caller, bound)[1])
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
 
@@ -617,7 +621,7 @@ class _Chunked(_Adaptive):
             )
         self._check_call(tuple(rest), kwargs)
         ranks = self._ranks() if self.group is not None else None
-        cache, record = self._record(caller)
+        cache, record = self._record(caller, bound)
         func = self._func
 
         def step(s: int, e: int) -> Any:
@@ -627,7 +631,7 @@ class _Chunked(_Adaptive):
         if self._deciding and length:
             return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
                                lambda: self._run(caller, args, kwargs, bound),
-                               lambda: self._record(caller)[1])
+                               lambda: self._record(caller, bound)[1])
         if self.output is None:
             self._steps(step, 0, length, record, cache, ranks)
             return tensor
@@ -744,7 +748,7 @@ class _BoundAdaptive:
         return self._adaptive._run(caller, args, kwargs, (self._obj,))
 
     def size_record(self, caller: Any) -> Any:
-        return self._adaptive.size_record(caller)
+        return self._adaptive.size_record(caller, (self._obj,))
 
     @property
     def stats(self) -> CallStats:

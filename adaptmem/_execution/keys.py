@@ -26,7 +26,7 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["FunctionKey", "function_key", "code_key", "unwrapped"]
+__all__ = ["FunctionKey", "function_key", "code_key", "unwrapped", "instance_of"]
 
 
 class FunctionKey:
@@ -91,3 +91,21 @@ def function_key(func: Any) -> Any:
     if code is None:
         return func
     return code_key(code, type(func))
+
+
+def instance_of(func: Any) -> Any:
+    """The instance a call of ``func`` is made through, whose records it keeps (see [Note:
+    records per instance] in cache.py): a bound method's instance, a callable object
+    itself; None for a function, a builtin, or a method bound to a class."""
+    while True:
+        while isinstance(func, functools.partial):
+            func = func.func
+        if inspect.ismethod(func):  # before unwrapping, which goes to the plain function
+            return None if isinstance(func.__self__, type) else func.__self__
+        inner = unwrapped(func)
+        if inner is func:
+            break
+        func = inner
+    if getattr(func, "__code__", None) is not None or isinstance(func, type):
+        return None
+    return None if function_key(func) is func else func

@@ -5,7 +5,9 @@ adaptmem/_execution/keys.py)."""
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,109 @@ def test_functions_written_alike_in_two_modules_keep_their_sizes_apart(
     sizes = [infer(ceiling) for _ in range(4)
              for infer, ceiling in ((infer_small, small), (infer_large, large))]
     assert sizes[1::2] == [64] * 4 and large.failures == []
+
+
+def _cache(kind: str) -> adaptive.BatchsizeCache:
+    return (adaptive.StacktraceMemoryBatchsizeCache() if kind == "default"
+            else adaptive.GlobalBatchsizeCache())
+
+
+@pytest.mark.parametrize("cache", ["default", "global"])
+def test_each_instance_learns_its_own_sizes(cache: str) -> None:
+    # One record for every instance: the large model's failures held the small one at 5.
+    chosen = _cache(cache)
+
+    class Runner:
+        def __init__(self, capacity: int) -> None:
+            self.ceiling = MemoryCeiling(capacity)
+
+        @adaptive.batch(initial_batchsize=64, cache=chosen)
+        def infer(self, batchsize: int, x: int) -> int:
+            self.ceiling.require(batchsize)
+            return batchsize
+
+    def call(runner: Runner, through_class: bool) -> int:
+        # Through the class, with the instance first: the same records (one call site).
+        infer = functools.partial(Runner.infer, runner) if through_class else runner.infer
+        return infer(1)  # type: ignore[no-any-return]
+
+    small, large = Runner(40), Runner(5)
+    sizes = [call(runner, i % 3 == 2) for i in range(12) for runner in (small, large)]
+    assert min(sizes[-8::2]) >= 36  # small: within 10% of its 40
+    assert max(sizes[1::2]) <= 5  # large
+    assert len(large.ceiling.failures) == 4  # 64, 32, 16, 8: its own search, once
+
+
+def test_an_instance_made_for_every_call_starts_where_the_last_one_ended() -> None:
+    cache = adaptive.StacktraceMemoryBatchsizeCache()
+
+    class Request:
+        ceiling = MemoryCeiling(8)
+
+        @adaptive.range(initial_step=64, cache=cache)
+        def fill(self, start: int, end: int) -> None:
+            self.ceiling.require(end - start)
+
+    for _ in range(20):
+        Request().fill(0, 100)
+    assert Request.ceiling.failures == [64, 32, 16]  # the first instance's search only
+    assert len(cache) <= 2  # the records of collected instances are gone
+
+
+def test_the_records_of_an_instance_do_not_keep_it_alive() -> None:
+    cache = adaptive.StacktraceMemoryBatchsizeCache()
+
+    class Model:
+        @adaptive.batch(initial_batchsize=8, cache=cache)
+        def infer(self, batchsize: int) -> int:
+            return batchsize
+
+    model = Model()
+    assert model.infer() == 8 and len(cache) == 1
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None and len(cache) == 0
+
+
+def test_bound_methods_and_callable_objects_keep_their_own_records() -> None:
+    cache = adaptive.StacktraceMemoryBatchsizeCache()
+
+    class Runner:
+        def __init__(self, capacity: int) -> None:
+            self.ceiling = MemoryCeiling(capacity)
+
+        def infer(self, batchsize: int) -> int:
+            self.ceiling.require(batchsize)
+            return batchsize
+
+        __call__ = infer
+
+    small, large = Runner(40), Runner(5)
+    decorated = {runner: adaptive.batch(initial_batchsize=64, cache=cache)(runner)
+                 for runner in (small, large)}
+    for _ in range(8):
+        for runner in (small, large):
+            adaptive.explicit.batch(runner.infer, 64)  # a bound method, decorated anew
+            decorated[runner]()  # a callable object
+    assert min(small.ceiling.attempts[-4:]) >= 36
+    assert max(large.ceiling.attempts[-4:]) <= 5
+
+
+def test_instances_that_cannot_be_weakly_referenced_share_one_record() -> None:
+    cache = adaptive.GlobalBatchsizeCache()
+
+    class Slotted:
+        __slots__ = ("ceiling",)
+
+        def __init__(self, capacity: int) -> None:
+            self.ceiling = MemoryCeiling(capacity)
+
+        @adaptive.batch(initial_batchsize=64, cache=cache)
+        def infer(self, batchsize: int) -> int:
+            self.ceiling.require(batchsize)
+            return batchsize
+
+    first, second = Slotted(8), Slotted(8)
+    assert first.infer() == 8 and second.infer() <= 8
+    assert 64 not in second.ceiling.attempts  # it went on from what the first learned
