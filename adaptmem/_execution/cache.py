@@ -8,16 +8,19 @@ known to fail. Which key a call gets is what distinguishes the caches:
 - ``GlobalBatchsizeCache``: one record per decorated function.
 - ``NoBatchsizeCache``: nothing is remembered; every call starts from the initial size.
 
-One cache instance can serve many functions: records are keyed by the function's code too.
+One cache instance can serve many functions: records are keyed by the function too (its key,
+see [Note: function keys] in keys.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -38,6 +41,7 @@ __all__ = [
     "check_cache",
     "device_in_use",
     "user_frame",
+    "record_for",
 ]
 
 # Repeated calls stop probing once the size in use is within this fraction of the ceiling.
@@ -54,7 +58,12 @@ SETTLE_FRACTION = 0.9
 # a failed attempt leaves untouched is probed: a plain function or coroutine under
 # ``batch``, and ``chunked`` with ``output=``. A generator that already yielded cannot be
 # retried (the probe's failure would reach its consumer), and ``range`` and in-place
-# ``chunked`` steps redo a failed step's writes, so those never probe a size known to fail.
+# ``chunked`` steps redo a failed step's writes, so those never probe a size known to fail;
+# nor do they climb towards one: every size between what fits and what failed is untested
+# at this free memory, and the climb's failure would reach the caller (a generator's
+# error, an in-place write applied twice) as surely as the probe's. They run the largest
+# size that fitted until free memory grows (a bucket with more memory than any where a
+# size failed climbs again: see [Note: a quiet search]).
 PROBE_AFTER = 32
 PROBE_AFTER_MAX = 1 << 20
 
@@ -76,8 +85,14 @@ PROBE_AFTER_MAX = 1 << 20
 # - Share between the free-memory buckets of a call site: a size that failed with more
 #   free memory fails with less, one that fitted with less fits with more. A bucket's own
 #   evidence wins over a neighbour's that contradicts it (the reading did not predict the
-#   outcome there). A new bucket starts from that shared knowledge; with no bucket below
-#   it, it borrows the nearest bucket's fitting size as a guess. A bucket with more memory
+#   outcome there). A new bucket starts from that shared knowledge. With no size known to
+#   fit below it, it takes the size that fits in the nearest bucket above: as it is from
+#   the next bucket (within the noise of a reading); from RESET_BUCKETS or more away,
+#   scaled down by the memory it lacks, and climbing towards that bucket's failure scaled
+#   down alike. That is a guess, not a size known to fit here: if it fails the search
+#   halves from it (taken unscaled as a size that fits, a move to a bucket with a fifth of
+#   the memory tried the size that fitted above, then a tenth less, and so on: four
+#   failures, ending at half of what fits). A bucket with more memory
 #   than one where a size failed climbs towards that size scaled up by the extra memory
 #   (what a size that grows with free memory would allow), so jitter that flips between two
 #   buckets does not cost each of them its own failures.
@@ -161,14 +176,37 @@ class CallSite:
         above = [r.fails for b, r in self.records.items() if b > bucket and r.fails is not None]
         fits = max(below, default=None)
         fails = min(above, default=None)
-        if fits is None and self.records:  # less memory than any bucket seen: a guess
-            nearest = min(self.records, key=lambda b: abs(b - bucket))
-            fits = self.records[nearest].fits
+        start = None
+        if fits is None:  # less memory than any bucket where a size fitted
+            fits, start, fails = self.borrow(bucket, fails)
         if fits is not None and fails is not None and fits >= fails:
             fits = None  # the readings contradict each other: trust the failure
         record = SizeRecord(fits, fails, site=self, bucket=bucket)
+        record.start = start  # tried first, but not known to fit here
         self.records[bucket] = record
         return record
+
+    def borrow(self, bucket: int, fails: int | None
+               ) -> tuple[int | None, int | None, int | None]:
+        """What ``bucket``, with less free memory than any bucket where a size fitted, takes
+        from the nearest such bucket: (fits, a first size to try, fails). One bucket away is
+        within the noise of a reading: its size fits here too. Further away, its size that
+        fits and its smallest failure are scaled down by the memory this one lacks, a guess
+        to try first and a bound (see [Note: a quiet search])."""
+        known = [(b, r) for b, r in self.records.items() if b > bucket and r.fits is not None]
+        if not known:
+            return None, None, fails
+        nearest, record = min(known)
+        if nearest - bucket < RESET_BUCKETS:
+            return record.fits, None, fails
+        scale = 2 ** ((bucket - nearest) / BUCKETS_PER_OCTAVE)
+        start = max(1, int(record.fits * scale))  # type: ignore[operator]
+        if record.fails is not None:
+            bound = max(start + 1, int(record.fails * scale))
+            fails = bound if fails is None else min(fails, bound)
+        if fails is not None and start >= fails:
+            return None, None, fails  # what failed with more memory says less
+        return None, start, fails
 
 
 class SizeRecord:
@@ -197,8 +235,9 @@ class SizeRecord:
 
     def next_size(self, initial: int, floor: int = 1, probe: bool = True) -> int:
         """The size a new call should try first: never above ``initial``, never below
-        ``floor``. ``probe=False`` for work a failed attempt would leave half-done (see
-        [Note: probing a failed size])."""
+        ``floor``. ``probe=False`` for work a failed attempt would leave half-done: it never
+        climbs above ``fits`` while a size is known to fail (see [Note: probing a failed
+        size])."""
         # Read without the lock: a torn read between two writers only changes one probe.
         # ``start`` first: after_success sets ``fits`` before it clears ``start``.
         start, fits, fails = self.start, self.fits, self.fails
@@ -206,6 +245,8 @@ class SizeRecord:
             if start is not None:
                 return max(floor, min(initial, start))
             return initial if fails is None else max(floor, min(initial, fails // 2))
+        if fails is not None and not probe:
+            return max(floor, min(fits, initial))  # see [Note: probing a failed size]
         if fails is not None and fails <= initial:
             ceiling, bounded = fails, True
         else:
@@ -319,15 +360,93 @@ class SizeRecord:
                 self.fits = size
 
     def __repr__(self) -> str:
-        return f"SizeRecord(fits={self.fits}, fails={self.fails})"
+        start = "" if self.start is None else f", start={self.start}"
+        return f"SizeRecord(fits={self.fits}, fails={self.fails}{start})"
+
+
+# [Note: records per instance] One decorated method serves every instance of its class, and
+# instances may need very different sizes (one holds a small model, another a large one):
+# sharing one record, they paid failed attempts as they alternated, and the one that fits
+# more ran at the other's size. So a call through an instance (a method read through it, a
+# bound method or a callable object given to a decorator) keeps records of its own, in the
+# cache, in a mapping by the instance's id whose entry a weak reference to the instance
+# drops when the instance is collected: records are not kept for instances that are gone,
+# nor do they keep an instance alive. A new instance's first record at a key starts from
+# the latest record another instance made there (its size that fits as a first size to
+# try, its smallest failure as a bound), so instances made anew for every request neither
+# search from the initial size again nor pile up records. An instance that cannot be
+# weakly referenced (a class with __slots__ and no __weakref__), or a class (a
+# classmethod), shares the records of calls made without an instance.
+
+
+class Records(dict[Any, "SizeRecord"]):
+    """Size records by key, of calls made without an instance or through one instance,
+    with the call sites' shared state (``sites``: the default cache's ``CallSite``s)."""
+
+    __slots__ = ("sites",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: dict[Any, CallSite] = {}
+
+
+class InstanceRecords:
+    """The records of calls through each instance, and the latest record made at each key
+    (see [Note: records per instance])."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, tuple[weakref.ref[Any], Records]] = {}
+        self.latest: dict[Any, SizeRecord] = {}
+
+    def of(self, owner: Any, shared: Records, lock: Any) -> Records:
+        """The records of calls through ``owner`` (``shared`` if it cannot be weakly
+        referenced); ``lock`` guards a new entry."""
+        entry = self.by_id.get(id(owner))
+        if entry is not None and entry[0]() is owner:
+            return entry[1]
+        if not type(owner).__weakrefoffset__:
+            return shared
+        ident, by_id = id(owner), self.by_id
+
+        def forget(ref: weakref.ref[Any]) -> None:  # the owner is being collected
+            if by_id.get(ident, (None,))[0] is ref:
+                by_id.pop(ident, None)
+
+        with lock:
+            entry = by_id.get(ident)
+            if entry is not None and entry[0]() is owner:
+                return entry[1]
+            records = Records()
+            by_id[ident] = (weakref.ref(owner, forget), records)
+        return records
+
+    def started(self, key: Any, record: SizeRecord) -> None:
+        """``record`` was made at ``key`` for an instance: if it knows nothing, it starts
+        from the latest record made there for another instance."""
+        latest = self.latest.get(key)
+        if latest is not None and record.fits is None and record.fails is None \
+                and record.start is None:
+            guess = latest.fits if latest.fits is not None else latest.start
+            if guess is not None:
+                record.start_at(guess, latest.fails)
+        self.latest[key] = record
+
+    def count(self) -> int:
+        return sum(len(records) for _, records in list(self.by_id.values()))
+
+    def clear(self) -> None:
+        self.by_id.clear()
+        self.latest.clear()
 
 
 class BatchsizeCache:
     """Base class: override ``key`` to decide which calls share a record (a cache whose
-    class does not is refused where it is given)."""
+    class does not is refused where it is given). Calls through an instance keep records
+    of their own (see [Note: records per instance])."""
 
     def __init__(self) -> None:
-        self._records: dict[Any, SizeRecord] = {}
+        self._records = Records()
+        self._instances = InstanceRecords()
         self._lock = threading.Lock()
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
@@ -339,33 +458,47 @@ class BatchsizeCache:
         )
 
     def record(
-        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None,
+        owner: Any = None,
     ) -> SizeRecord:
-        """The record for the current call, created on first use."""
+        """The record for the current call, created on first use; ``owner`` is the instance
+        the call is made through, if any (see [Note: records per instance])."""
         key = self.key(function, context, device, caller)
-        record = self._records.get(key)
+        records = self._records if owner is None else self._records_of(owner)
+        record = records.get(key)
         if record is None:
-            with self._lock:
-                record = self._records.get(key)
-                if record is None:
-                    record = self._seed(key)
-                    self._records[key] = record
+            record = self._add(key, records)
         return record
 
-    def _seed(self, key: Any) -> SizeRecord:
+    def _records_of(self, owner: Any) -> Records:
+        return self._instances.of(owner, self._records, self._lock)
+
+    def _add(self, key: Any, records: Records) -> SizeRecord:
+        with self._lock:
+            record = records.get(key)
+            if record is None:
+                record = records[key] = self._seed(key, records)
+                if records is not self._records:
+                    self._instances.started(key, record)
+        return record
+
+    def _seed(self, key: Any, records: Records) -> SizeRecord:
         return SizeRecord()
 
     def clear(self) -> None:
         """Forget every size learned so far."""
         with self._lock:
             self._records.clear()
+            self._records.sites.clear()
+            self._instances.clear()
 
     def __len__(self) -> int:
-        return len(self._records)
+        return len(self._records) + self._instances.count()
 
 
 class GlobalBatchsizeCache(BatchsizeCache):
-    """One record per decorated function (and ``context``), wherever it is called from.
+    """One record per decorated function (and ``context``, and instance for a call through
+    one), wherever it is called from.
 
     It does not watch free memory: a size that once failed stays the ceiling until a probe
     of it (after 32, 64, 128, ... successful calls) fits again. Use the default cache where
@@ -380,7 +513,8 @@ class NoBatchsizeCache(BatchsizeCache):
     """Remembers nothing: every call starts at the initial size and halves from there."""
 
     def record(
-        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None,
+        owner: Any = None,
     ) -> SizeRecord:
         return SizeRecord()
 
@@ -472,8 +606,9 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
     def __init__(self, refresh_seconds: float = 0.5) -> None:
         super().__init__()
         self._buckets = _FreeMemoryBuckets(refresh_seconds)
-        self._codes: set[Any] = set()
-        self._sites: dict[Any, CallSite] = {}
+        # What the keys' ids name, kept alive: by id, since code objects compare by value
+        # (see [Note: function keys] in keys.py).
+        self._alive: dict[int, Any] = {}
 
     def key(self, function: Any, context: Any, device: torch.device | None, caller: Any) -> Any:
         f = user_frame(caller if caller is not None else sys._getframe(2))
@@ -497,37 +632,32 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         return site, self._buckets.bucket(device)
 
     def record(
-        self, function: Any, context: Any, device: torch.device | None, caller: Any = None
+        self, function: Any, context: Any, device: torch.device | None, caller: Any = None,
+        owner: Any = None,
     ) -> SizeRecord:
         if caller is None:
             caller = sys._getframe(1)
         key = self.key(function, context, device, caller)
-        record = self._records.get(key)
+        records = self._records if owner is None else self._records_of(owner)
+        record = records.get(key)
         if record is None:
-            self._codes.add(function)
+            alive = self._alive
+            alive[id(function)] = function
             frame = user_frame(caller)
             for _ in range(4):
                 if frame is None:
                     break
-                self._codes.add(frame.f_code)
+                alive[id(frame.f_code)] = frame.f_code
                 frame = user_frame(frame.f_back)
-            with self._lock:
-                record = self._records.get(key)
-                if record is None:
-                    record = self._records[key] = self._seed(key)
+            record = self._add(key, records)
         return record
 
-    def _seed(self, key: Any) -> SizeRecord:
+    def _seed(self, key: Any, records: Records) -> SizeRecord:
         site, bucket = key
-        shared = self._sites.get(site)
+        shared = records.sites.get(site)
         if shared is None:
-            shared = self._sites[site] = CallSite()
+            shared = records.sites[site] = CallSite()
         return shared.seed(bucket)  # see [Note: a quiet search]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._records.clear()
-            self._sites.clear()
 
     def memory_changed(self) -> None:
         """Re-read free memory on the next call (called after an out-of-memory error)."""
@@ -566,6 +696,23 @@ def check_cache(cache: Any, name: str) -> None:
             f"device, caller) in {cls.__qualname__} to return what the calls that share a "
             f"size have in common"
         )
+
+
+_takes_owner: dict[type, bool] = {}
+
+
+def record_for(cache: BatchsizeCache, function: Any, context: Any,
+               device: torch.device | None, caller: Any, owner: Any) -> SizeRecord:
+    """``cache.record(...)`` for a call made through ``owner`` (an instance, or None): a
+    cache of your own whose ``record`` takes no ``owner`` keeps one record for all."""
+    if owner is not None:
+        cls = type(cache)
+        takes = _takes_owner.get(cls)
+        if takes is None:
+            takes = _takes_owner[cls] = "owner" in inspect.signature(cls.record).parameters
+        if takes:
+            return cache.record(function, context, device, caller, owner)
+    return cache.record(function, context, device, caller)
 
 
 def shared_cache(cls: type[BatchsizeCache]) -> BatchsizeCache:

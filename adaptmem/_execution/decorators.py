@@ -19,7 +19,8 @@ from .._common.oom import is_oom, shrinks_size
 from .._common.reporting import report
 from .accumulate import Accumulation, check_accumulate, refuse_accumulate
 from .auto import AUTO, DEFAULT_MAX_BATCHSIZE, AutoStart, has_fakes
-from .cache import BatchsizeCache, check_cache, resolve_cache, user_frame
+from .cache import BatchsizeCache, check_cache, record_for, resolve_cache, user_frame
+from .keys import code_key, function_key, instance_of
 from .lazy import iterated, retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
@@ -100,35 +101,6 @@ def _checked(result: Any, name: str, kind: str, starts_only: bool) -> Any:
             f"'auto', and rebuild what it cached"
         )
     return result
-
-
-def _function_key(func: Any) -> Any:
-    """What the size caches key a decorated callable by: its code. Closures re-created per
-    call share their code, so they share sizes; and no key holds the callable itself, so a
-    ``functools.partial`` or a callable object (holding a model, say) is not kept alive."""
-    while isinstance(func, functools.partial):
-        func = func.func
-    code = getattr(getattr(func, "__func__", func), "__code__", None)
-    if code is not None:
-        return code
-    # A callable object: its class (long-lived, unlike the object) with its __call__'s code;
-    # classes that inherit one __call__ (every nn.Module) stay apart.
-    call = getattr(type(func), "__call__", None)  # noqa: B004 (the class's method)
-    code = getattr(getattr(call, "__func__", call), "__code__", None)
-    if code is None:
-        return func
-    key = (type(func), code)
-    return _class_keys.setdefault(key, key)  # see [Note: one key object per class]
-
-
-# [Note: one key object per class] The default cache keys a call by the *identity* of its
-# function key (hashing a code object hashes its contents on every call), and keeps alive
-# only the keys of the sites it recorded. A (class, code) tuple made afresh for each
-# decoration (explicit.batch decorates at every call) dies with the decorated object, and
-# another class's tuple can then get its id: two classes would share sizes. So one tuple per
-# class lives here for good, as the class it names does in practice; equal keys are the
-# same object and different ones never collide.
-_class_keys: dict[tuple[type, Any], tuple[type, Any]] = {}
 
 
 def _is_lazy_function(func: Any) -> bool:
@@ -225,7 +197,8 @@ class _Adaptive:
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self.__wrapped__ = func
         self._func = func
-        self._key = _function_key(func)
+        self._key = function_key(func)  # see [Note: function keys] in keys.py
+        self._instance = instance_of(func)  # see [Note: records per instance] in cache.py
         self.initial = initial
         self.floor = floor
         self.cache = cache
@@ -440,10 +413,10 @@ class _Adaptive:
              bound: tuple[Any, ...]) -> Any:
         raise NotImplementedError
 
-    def size_record(self, caller: Any) -> Any:
+    def size_record(self, caller: Any, bound: tuple[Any, ...] = ()) -> Any:
         """The ``SizeRecord`` a call from the frame ``caller`` uses now (its cache, context,
-        device and call site)."""
-        return self._record(caller)[1]
+        device, call site and instance, ``bound``)."""
+        return self._record(caller, bound)[1]
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._injected and self._injected in kwargs:
@@ -478,9 +451,10 @@ class _Adaptive:
             if progress is not None:
                 progress.close()
 
-    def _record(self, caller: Any) -> tuple[BatchsizeCache, Any]:
+    def _record(self, caller: Any, bound: tuple[Any, ...] = ()) -> tuple[BatchsizeCache, Any]:
         cache = resolve_cache(self.cache)
-        return cache, cache.record(self._key, self.context, self.device, caller)
+        owner = bound[0] if bound and self._binding != "class" else self._instance
+        return cache, record_for(cache, self._key, self.context, self.device, caller, owner)
 
 
 class _Batch(_Adaptive):
@@ -512,7 +486,9 @@ class _Batch(_Adaptive):
         if (limit is not None and len(args) > limit) or (kwargs and self._injected in kwargs):
             self._check_call(args, kwargs)
         cache = resolve_cache(self.cache)
-        record = cache.record(self._key, self.context, self.device, caller)
+        owner = bound[0] if bound and self._binding != "class" else self._instance
+        record = (cache.record(self._key, self.context, self.device, caller) if owner is None
+                  else record_for(cache, self._key, self.context, self.device, caller, owner))
         if self._deciding:
             return self._first_call(caller, args, kwargs, bound)
         # See [Note: a retried training step counts its gradients once].
@@ -558,7 +534,7 @@ class _Batch(_Adaptive):
         func = self._func
         return self._first(lambda s: func(*bound, s, *args, **kwargs),
                            lambda: self._run(caller, args, kwargs, bound),
-                           lambda: self._record(caller)[1])
+                           lambda: self._record(caller, bound)[1])
 
     def _lazy(self, result: Any, size: int, record: Any, cache: BatchsizeCache,
               bound: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -581,7 +557,7 @@ class _Batch(_Adaptive):
         # See [Note: ranks in step] in ranks.py.
         self._check_call(args, kwargs)
         ranks = self._ranks()
-        cache, record = self._record(caller)
+        cache, record = self._record(caller, bound)
         if self._deciding:
             return self._first_call(caller, args, kwargs, bound)
         # See [Note: a retried training step counts its gradients once].
@@ -623,13 +599,13 @@ class _Range(_Adaptive):
             raise ValueError(f"end ({end}) is before start ({start}); the range is [start, end)")
         self._check_call(tuple(rest), kwargs)
         ranks = self._ranks() if self.group is not None else None
-        cache, record = self._record(caller)
+        cache, record = self._record(caller, bound)
         func = self._func
         if self._deciding and end > start:
             return self._first(  # type: ignore[no-any-return]
                 lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
                 lambda: self._run(caller, args, kwargs, bound),
-                lambda: self._record(caller)[1], end - start)
+                lambda: self._record(caller, bound)[1], end - start)
         return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
                            record, cache, ranks)
 
@@ -691,7 +667,7 @@ class _Chunked(_Adaptive):
             )
         self._check_call(tuple(rest), kwargs)
         ranks = self._ranks() if self.group is not None else None
-        cache, record = self._record(caller)
+        cache, record = self._record(caller, bound)
         func = self._func
 
         def step(s: int, e: int) -> Any:
@@ -701,7 +677,7 @@ class _Chunked(_Adaptive):
         if self._deciding and length:
             return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
                                lambda: self._run(caller, args, kwargs, bound),
-                               lambda: self._record(caller)[1], length)
+                               lambda: self._record(caller, bound)[1], length)
         if self.output is None:
             self._steps(step, 0, length, record, cache, ranks)
             return tensor
@@ -818,7 +794,7 @@ class _BoundAdaptive:
         return self._adaptive._run(caller, args, kwargs, (self._obj,))
 
     def size_record(self, caller: Any) -> Any:
-        return self._adaptive.size_record(caller)
+        return self._adaptive.size_record(caller, (self._obj,))
 
     @property
     def stats(self) -> CallStats:
@@ -1139,9 +1115,9 @@ def chunked(
 # at every call, so an "auto" initial size would be predicted (the function traced) at every
 # call. The decision (``AutoStart``: the size decided, or the calls counted so far while
 # calls are too small to tell, or a failed trace waiting for its call's outcome) is kept per
-# function code, call site and options, and a later call there goes on from it, as a
-# decorated function does; the call site's size record carries what was learnt since. The
-# function itself is never kept.
+# function (its key: a partial's function, a wrapper's wrapped one), call site and options,
+# and a later call there goes on from it, as a decorated function does; the call site's size
+# record carries what was learnt since. The function itself is never kept.
 _decided: dict[Any, AutoStart] = {}
 
 
@@ -1153,8 +1129,9 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
         key = None
         if (isinstance(initial, str) and initial == AUTO and "model" not in options
                 and decorated._auto is not None):
-            key = (decorated.kind, getattr(func, "__code__", None) or type(func), caller.f_code,
-                   caller.f_lineno, tuple(sorted((k, repr(v)) for k, v in options.items())))
+            # Keys, not code objects, which compare by value (see [Note: function keys]).
+            key = (decorated.kind, decorated._key, code_key(caller.f_code), caller.f_lineno,
+                   tuple(sorted((k, repr(v)) for k, v in options.items())))
             known = _decided.get(key)
             if known is not None:
                 decorated._auto = known

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from strategies import memory_schedules
 
 import adaptmem._execution.cache as cache_module
-from adaptmem import adaptive
+from adaptmem import OutOfMemoryError, adaptive
 from adaptmem._execution.cache import CallSite, SizeRecord
 from adaptmem.testing import MemoryCeiling
 
@@ -112,12 +112,49 @@ def test_a_failure_with_more_memory_is_shared_with_buckets_that_have_less() -> N
     high.after_failure(80, 1)
     assert low.fails == 80  # it failed with more memory: it fails with less
     assert all(low.next_size(1000) < 80 for _ in range(20))
-    # A bucket with still less memory starts from both.
+    # A bucket with still less memory knows what failed above it, and tries first what
+    # fits there scaled down by the memory it lacks (half an octave), a guess not known to
+    # fit, climbing towards the failure scaled down alike.
     lower = site.seed(8)
-    assert (lower.fits, lower.fails) == (50, 80)
+    assert (lower.fits, lower.start, lower.fails) == (None, 35, 56)
     # A bucket in between knows what fitted below it and what failed above it.
     middle = site.seed(12)
     assert (middle.fits, middle.fails) == (50, 80)
+
+
+def test_a_bucket_with_much_less_memory_starts_from_what_fits_above_scaled_down(
+        free) -> None:
+    # 1 MiB per item: 256 fit with 256 MiB free, 56 with 56 MiB. The bucket with 56 MiB
+    # tried the 256 that fitted above, then 230, 115 and 57 (four failures) and settled at
+    # 28, half of what fits.
+    ceiling = MemoryCeiling(1)
+
+    @adaptive.batch(initial_batchsize=512, cache=adaptive.StacktraceMemoryBatchsizeCache(0.0))
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    sizes = []
+    for mib in [256] * 3 + [56] * 8:  # one call site
+        if mib == 56 and free["bytes"] != 56 << 20:
+            ceiling.reset()
+        free["bytes"], ceiling.capacity = mib << 20, mib
+        sizes.append(infer())
+    assert sizes[2] == 256
+    assert ceiling.attempts[0] <= 56 and len(ceiling.failures) <= 1
+    assert sizes[-1] >= 50  # within 10% of what fits
+
+
+def test_a_size_borrowed_from_a_bucket_with_more_memory_is_not_known_to_fit() -> None:
+    site = CallSite()
+    high = site.seed(40)
+    high.after_success(100)
+    high.after_failure(120, 1)
+    low = site.seed(32)  # two octaves less memory: a quarter of each
+    assert low.fits is None and low.next_size(1000) == 25 and low.fails == 30
+    # It failed: the search halves, as from any first size, not a tenth smaller as for a
+    # size that fitted here before.
+    assert low.after_failure(25, 1) == 12 and low.fits is None
 
 
 def test_a_bucket_keeps_its_own_evidence_over_a_neighbours() -> None:
@@ -221,6 +258,72 @@ def test_a_predicted_start_runs_first_then_climbs_towards_the_predicted_failure(
     assert high.next_size(60) == 60 and low.next_size(1000, floor=5) == 5
 
 
+def test_a_generator_never_climbs_towards_a_size_that_failed_at_the_same_free_memory(
+        free) -> None:
+    # A generator's failure after its first item reaches its consumer: a climb between what
+    # fits and what failed would raise there as surely as a probe of the failed size.
+    ceiling = MemoryCeiling(2)
+
+    @adaptive.batch(initial_batchsize=4)
+    def batches(batchsize: int):
+        yield "first"
+        ceiling.require(batchsize)
+        yield "second"
+
+    outcomes: list[object] = []
+    for _ in range(6):
+        try:
+            outcomes.append(list(batches()))
+        except OutOfMemoryError:
+            outcomes.append("raised")
+    assert outcomes == ["raised"] + [["first", "second"]] * 5
+    assert ceiling.attempts == [4, 2, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("kind", ["range", "chunked"])
+def test_a_step_that_redoes_its_work_never_climbs_towards_a_size_that_failed(
+        free, kind: str) -> None:
+    # A range step, or an in-place chunked one, that runs out of memory is done again: a
+    # climb that fails applies ``chunk += 1`` twice over the failed step's elements.
+    ceiling = MemoryCeiling(5)
+
+    @adaptive.range(initial_step=8)
+    def fill(start: int, end: int, out: torch.Tensor) -> None:
+        out[start:end] += 1
+        ceiling.require(end - start)
+
+    @adaptive.chunked(initial_step=8)
+    def bump(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk += 1
+        ceiling.require(end - start)
+
+    wrong = []
+    for _ in range(6):
+        x = torch.zeros(40)
+        if kind == "range":
+            fill(0, 40, x)
+        else:
+            bump(x)
+        wrong.append(int((x != 1).sum()))
+    assert wrong == [8, 0, 0, 0, 0, 0]  # the first call's failed step, as documented
+    assert ceiling.failures == [8]
+
+
+def test_a_generator_climbs_again_when_free_memory_grows(free) -> None:
+    ceiling = MemoryCeiling(2)
+
+    @adaptive.batch(initial_batchsize=64, cache=adaptive.StacktraceMemoryBatchsizeCache(0.0))
+    def batches(batchsize: int):
+        ceiling.require(batchsize)  # before the first item: retried
+        yield batchsize
+
+    free["bytes"] = GIB
+    assert [next(batches()) for _ in range(4)] == [2, 2, 2, 2]
+    free["bytes"], ceiling.capacity = 4 * GIB, 8  # four times the memory: more fits
+    sizes = [next(batches()) for _ in range(6)]
+    assert sizes[0] > 2 and sizes == sorted(sizes) and 2 < sizes[-1] <= 8
+
+
 @pytest.mark.parametrize("kind", ["range", "chunked"])
 def test_a_range_shorter_than_its_step_leaves_later_calls_full_steps(kind: str) -> None:
     # A one-item range ran one item because the range ended, not because more did not fit:
@@ -281,7 +384,7 @@ def test_each_cuda_device_keeps_its_own_sizes_with_the_default_device() -> None:
 def test_callable_objects_decorated_anew_never_share_sizes() -> None:
     # explicit.batch decorates at every call; the key of a callable object must stay one
     # object per class, or a dead key's id is taken by another class's key.
-    from adaptmem._execution.decorators import _function_key
+    from adaptmem._execution.keys import function_key
 
     small, big = MemoryCeiling(4), MemoryCeiling(1000)
 
@@ -301,7 +404,7 @@ def test_callable_objects_decorated_anew_never_share_sizes() -> None:
             got.append((type(fn).__name__, adaptive.explicit.batch(fn, 512)))
     assert [size for name, size in got if name == "Big"] == [512] * 4
     assert small.attempts.count(512) == 1  # Small learned once that 512 does not fit
-    assert _function_key(Small()) is _function_key(Small())  # one key object per class
+    assert function_key(Small()) is function_key(Small())  # one key object per class
 
 
 def test_a_retry_of_an_outer_function_shares_the_inner_call_site() -> None:
