@@ -583,8 +583,8 @@ class Reader:
         filling new memory from the page cache]), the rest past it when ``address`` lies in a
         region made by ``empty_for``, else through it."""
         if fill and (region is None or self._direct.cached(name, offset, n)):
-            source = self._direct.source(name)
-            for a, b in self._new.fill(address, None if source is None else source + offset, n):
+            source = self._direct.source(name, offset, n)
+            for a, b in self._new.fill(address, source, n):
                 self._read_piece(name, fd, None, address + a, offset + a, b - a)
             return
         view = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
@@ -612,7 +612,9 @@ class Reader:
                             got = f.readinto(view[done:])  # type: ignore[attr-defined]
                     if not got:
                         raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes "
-                                        f"short while reading at offset {offset + done}")
+                                        f"short while reading at offset {offset + done}, "
+                                        f"though its header was whole when the load began: "
+                                        f"was it written during the load?")
                 done += got
         except OSError as exc:
             raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
@@ -776,6 +778,10 @@ class Reader:
         if mm is None:
             mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
             self._maps[entry.file] = mm
+        if entry.start + entry.nbytes > len(mm):  # it shrank since its header was read
+            raise LoadError(f"{entry.file!r} is truncated: it has {len(mm)} bytes now, and "
+                            f"tensor {entry.key!r} ends at byte {entry.start + entry.nbytes}; "
+                            f"was it written during the load?")
         _ask_for_first_page(f.fileno(), entry.start)
         with warnings.catch_warnings():
             # The mapping is writable (copy-on-write); torch warns for read-only buffers only,
