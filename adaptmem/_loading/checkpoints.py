@@ -282,13 +282,14 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     name = str(path)
     with open(path, "rb") as f:
         legacy = f.read(4) != b"PK\x03\x04"  # a zip archive, the format since torch 1.6
+    archive = None
     try:
         if legacy:
             # The pre-1.6 format stores no offsets; it can only be read whole.
             logger.info("adaptmem.load: %s is a legacy torch.save file; reading it whole", name)
             obj = torch.load(name, map_location="cpu", weights_only=True)
         else:
-            _check_archive(path)
+            archive = _check_archive(path)
             # On the meta device torch reads the pickle only and records where each storage
             # lies in the archive (`_checkpoint_offset`); no data is read or mapped.
             obj = torch.load(name, map_location="meta", weights_only=True)
@@ -305,15 +306,17 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     state = _state_dict_of(obj, name)
     entries: dict[str, Entry] = {}
     size = path.stat().st_size
+    where = None if archive is None else archive.where(obj, name)
     for key, t in state.items():
         shape, stride = tuple(t.shape), tuple(t.stride())
-        if legacy:
+        if legacy or where is None:
             entries[key] = Entry(key, name, shape, t.dtype, None, 0, stride, tensor=t)
             continue
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if offset is None:  # torch older than ~2.5 records no offsets on meta
             return _open_torch_mapped(path, single_key)
-        entry = Entry(key, name, shape, t.dtype, int(offset), int(t.storage_offset()), stride)
+        entry = Entry(key, name, shape, t.dtype, where[int(offset)], int(t.storage_offset()),
+                      stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
             raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies past the "
                             f"end of the file")
@@ -339,17 +342,107 @@ def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
     return Checkpoint(entries, [name], "torch (mmap)")
 
 
-def _check_archive(path: Path) -> None:
-    with zipfile.ZipFile(path) as z:
+def _check_archive(path: Path) -> _Archive:
+    """Refuse what cannot be read in place (another byte order, compressed tensors); return
+    where each tensor record's bytes lie (see [Note: where a record's bytes lie])."""
+    records: dict[str, tuple[int, int]] = {}
+    computed = False
+    with zipfile.ZipFile(path) as z, open(path, "rb", buffering=0) as f:
+        if _fadvise is not None:
+            # 30 bytes per tensor record, spread over the file: asked for all at once (one
+            # page each, no read-ahead), a cold file's are read together, not one by one.
+            with contextlib.suppress(OSError):
+                _fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                for info in z.infolist():
+                    if "/data/" in info.filename:
+                        _fadvise(f.fileno(), info.header_offset, 30, os.POSIX_FADV_WILLNEED)
         for info in z.infolist():
             if info.filename.endswith("/byteorder"):
                 order = z.read(info).decode().strip()
                 if order != sys.byteorder:
                     raise LoadError(f"{str(path)!r} was saved {order}-endian; this machine is "
                                     f"{sys.byteorder}-endian. Convert it with torch.load/save")
-            elif "/data/" in info.filename and info.compress_type != zipfile.ZIP_STORED:
-                raise LoadError(f"{str(path)!r} stores compressed tensors; save it again "
-                                f"with torch.save")
+            elif info.filename.endswith("/.format_version"):
+                computed = z.read(info) >= b"1"  # as torch.load decides
+            elif "/data/" in info.filename:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise LoadError(f"{str(path)!r} stores compressed tensors; save it again "
+                                    f"with torch.save")
+                head = os.pread(f.fileno(), 30, info.header_offset)
+                if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                    raise LoadError(f"{str(path)!r} is corrupt: the zip record "
+                                    f"{info.filename!r} has no local header where the "
+                                    f"archive's directory puts it")
+                start = (info.header_offset + 30 + int.from_bytes(head[26:28], "little")
+                         + int.from_bytes(head[28:30], "little"))
+                records[info.filename.rpartition("/data/")[2]] = (start, info.file_size)
+    return _Archive(records, computed)
+
+
+# [Note: where a record's bytes lie]
+# torch.load on the meta device records where each storage lies in the archive
+# (`_checkpoint_offset`), but since format version 1 it computes those offsets rather than
+# reading them: it assumes torch's own writer, which puts the records in key order, each
+# one's bytes aligned to 64 after a local header padded to reach that. An archive written
+# otherwise (copied record by record with Python's zipfile, say) is a valid checkpoint that
+# torch.load reads right, yet those offsets point into headers and padding: garbage loaded
+# silently. So each record's real offset is read from its local header (30 bytes, its name
+# and extra field lengths; the central directory's extra field may differ), and torch's
+# offsets are checked against them. Storages are loaded, and torch's offsets computed, in
+# key order ("0", "1", ...: torch.save numbers storages as it first meets them), so the
+# i-th smallest offset torch gives is record i's; where they differ, record i's real offset
+# is used, its size checked against the storage's. An archive whose storages cannot all be
+# found in what it holds, and whose offsets are not all real ones, is refused.
+@dataclass
+class _Archive:
+    """The tensor records of a zip ``torch.save`` archive: storage key -> (offset of its
+    bytes, size); ``computed``: torch computes offsets instead of reading them."""
+
+    records: dict[str, tuple[int, int]]
+    computed: bool
+
+    def where(self, obj: object, name: str) -> dict[int, int]:
+        """torch's offset of every storage in ``obj`` (loaded on meta) -> where its bytes
+        lie (see [Note: where a record's bytes lie])."""
+        storages = _storage_sizes(obj)
+        keys = [str(i) for i in range(len(storages))]
+        if self.computed and len(storages) == len(self.records) and all(
+                k in self.records for k in keys):
+            order = list(zip(sorted(storages), keys, strict=True))
+            if all(self.records[k][1] == storages[at] for at, k in order):
+                out = {at: self.records[k][0] for at, k in order}
+                if any(at != start for at, start in out.items()):
+                    logger.info("adaptmem.load: %s was not written by torch.save's writer; "
+                                "its tensors' offsets are read from the archive", name)
+                return out
+        else:  # torch read the offsets (format version 0), or not every storage was found
+            real = dict(self.records.values())
+            if all(real.get(at) == n for at, n in storages.items()):
+                return {at: at for at in storages}
+        raise LoadError(f"{name!r}: cannot tell where its tensors lie in the archive (it was "
+                        f"not written by torch.save, and its records do not match its "
+                        f"storages); load it with torch.load and save it again with torch.save")
+
+
+def _storage_sizes(obj: object) -> dict[int, int]:
+    """torch's offset -> size of every storage in ``obj``, a checkpoint loaded on meta."""
+    out: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            item = item.untyped_storage()
+        elif isinstance(item, torch.TypedStorage):  # torch.save of a storage itself
+            item = item._untyped_storage
+        if isinstance(item, torch.UntypedStorage):
+            at = getattr(item, "_checkpoint_offset", None)
+            if at is not None:
+                out[int(at)] = item.nbytes()
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return out
 
 
 # Where training code keeps the model's state dict inside a checkpoint of more things
