@@ -39,7 +39,9 @@ import torch
 from .._common.errors import LoadError
 from ..cpu_memory import map_file
 from .direct import DIRECT_PIECE, DirectReads, soft_limit
+from .entries import Entry, contiguous_stride
 from .new_memory import NewMemory, populate
+from .staging import Staging, copy_to
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -54,58 +56,6 @@ _SAFETENSORS_DTYPES = {
 }
 # A safetensors header above this is a corrupt length field, not a real header.
 _MAX_HEADER = 100 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a checkpoint: its file and where its bytes lie there.
-
-    ``offset`` is the byte offset of the tensor's storage in ``file``; the tensor starts
-    ``storage_offset`` elements into it with ``stride``. ``tensor`` is set instead for
-    checkpoints that can only be read whole (the legacy non-zip ``torch.save`` format).
-    """
-
-    key: str
-    file: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int | None
-    storage_offset: int = 0
-    stride: tuple[int, ...] = ()
-    tensor: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def contiguous(self) -> bool:
-        return self.stride == _contiguous_stride(self.shape)
-
-    @property
-    def span(self) -> int:
-        """Elements from the storage offset to the last element, inclusive."""
-        if self.numel == 0:
-            return 0
-        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
-
-    @property
-    def start(self) -> int:
-        """Byte offset of the tensor's first element in ``file``."""
-        assert self.offset is not None
-        return self.offset + self.storage_offset * self.dtype.itemsize
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
 
 
 @dataclass
@@ -264,7 +214,7 @@ def _open_safetensors(path: Path) -> Checkpoint:
                             f"{math.prod(shape) * dtype.itemsize}")
         spans.append((begin, end, key))
         entries[key] = Entry(key, name, shape, dtype, data_start + begin, 0,
-                             _contiguous_stride(shape))
+                             contiguous_stride(shape))
     covered = 0
     for begin, end, key in sorted(spans):
         if begin != covered:
@@ -525,9 +475,7 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # kernel's read-ahead running ahead. Asking for each mapped tensor's first page
 # (POSIX_FADV_WILLNEED, 4 KiB, not waited for) does the same: 0.29-0.32 s over five runs
 # against 0.81-0.99 s without, in the same minutes. It costs a system call per tensor.
-# A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes: a reader
-# thread fills one while the caller converts the other, so reading overlaps converting and
-# staging costs 2 * _CHUNK instead of a whole tensor.
+# A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes (`Staging`).
 _CHUNK = 16 * 2**20
 _AHEAD = 64 * 2**20
 _preadv = getattr(os, "preadv", None)
@@ -571,16 +519,6 @@ def _small_stacks() -> Any:
         threading.stack_size(stack)
 
 
-def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
-    """``target.copy_(src)``; an inference tensor (a model built under ``inference_mode``)
-    can only be written in inference mode."""
-    if target.is_inference() and not torch.is_inference_mode_enabled():
-        with torch.inference_mode():
-            target.copy_(src, non_blocking=non_blocking)
-    else:
-        target.copy_(src, non_blocking=non_blocking)
-
-
 def _ask_for_first_page(fd: int, offset: int) -> None:
     """Start reading the page of ``fd`` that holds ``offset``, without waiting ([Note: the
     first page of a mapped tensor])."""
@@ -598,10 +536,7 @@ class Reader:
         self._files: dict[str, object] = {}
         self._maps: dict[str, mmap.mmap] = {}
         self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
-        self._staging: torch.Tensor | None = None
-        self._chunks: list[torch.Tensor] = []
-        self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
-        self._pool: ThreadPoolExecutor | None = None
+        self._staging = Staging(self._fill, _CHUNK)
         # Four threads fault new memory in and read pieces (see _pool_of_workers).
         self._workers: ThreadPoolExecutor | None = None
         self._new = NewMemory()
@@ -628,12 +563,7 @@ class Reader:
             self._workers = None
         self._reads = []
         self._new.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for event in self._pending.values():
-            event.synchronize()  # device copies still reading a pinned chunk
-        self._pending.clear()
+        self._staging.close()
         for f in self._files.values():
             f.close()  # type: ignore[attr-defined]
         self._files.clear()
@@ -641,8 +571,6 @@ class Reader:
         self._advised.clear()
         # Tensors made by `mapped` keep their own reference to the mapping.
         self._maps.clear()
-        self._staging = None
-        self._chunks = []
 
     def _file(self, name: str):  # type: ignore[no-untyped-def]
         f = self._files.get(name)
@@ -799,66 +727,8 @@ class Reader:
 
     def copy_into(self, entry: Entry, targets: list[torch.Tensor]) -> None:
         """Read ``entry`` once and copy it into every target (any dtype, device and shape
-        with its number of elements), converting on the way."""
-        device = any(t.device.type != "cpu" for t in targets)
-        if (entry.tensor is not None or not entry.contiguous or entry.nbytes <= _CHUNK
-                or not all(t.is_contiguous() for t in targets)):
-            src = self.read(entry, pinned=device and torch.cuda.is_available())
-            for t in targets:
-                copy_to(t, src.reshape(t.shape) if src.shape != t.shape else src)
-            return
-        item = entry.dtype.itemsize
-        step = _CHUNK // item
-        pieces = [(a, min(a + step, entry.numel)) for a in range(0, entry.numel, step)]
-        chunks = self._chunk_buffers(pinned=device and torch.cuda.is_available())
-        flats = [t.view(-1) for t in targets]
-        start = entry.start
-
-        def fetch(i: int) -> None:
-            a, b = pieces[i]
-            event = self._pending.pop(i % 2, None)
-            if event is not None:  # a device copy still reads this chunk
-                event.synchronize()
-            self._fill(entry.file, start + a * item, chunks[i % 2][: (b - a) * item])
-
-        pool = self._pool
-        if pool is None:
-            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="adaptmem-load")
-        future = pool.submit(fetch, 0)
-        for i, (a, b) in enumerate(pieces):
-            future.result()
-            if i + 1 < len(pieces):
-                future = pool.submit(fetch, i + 1)
-            piece = chunks[i % 2][: (b - a) * item].view(entry.dtype)
-            for flat in flats:
-                copy_to(flat[a:b], piece, non_blocking=flat.device.type == "cuda")
-                if flat.device.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record()
-                    self._pending[i % 2] = event
-        future.result()
-
-    def _chunk_buffers(self, pinned: bool) -> list[torch.Tensor]:
-        if len(self._chunks) != 2 or (pinned and not self._chunks[0].is_pinned()):
-            self._chunks = []
-            self._chunks = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=pinned)
-                            for _ in range(2)]
-        return self._chunks
-
-    def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
-        """``entry`` as a CPU tensor in the staging buffer, valid until the next ``read``."""
-        if entry.tensor is not None:
-            return entry.tensor
-        size = entry.span * entry.dtype.itemsize
-        staging = self._staging
-        if staging is None or staging.numel() < size or (pinned and not staging.is_pinned()):
-            self._staging = None
-            staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
-            self._staging = staging
-        raw = staging[:size]
-        self._fill(entry.file, entry.start, raw)
-        flat = raw.view(entry.dtype) if size else torch.empty(0, dtype=entry.dtype)
-        return flat.as_strided(entry.shape, entry.stride) if entry.numel else flat.view(entry.shape)
+        with its number of elements), converting on the way (see ``Staging``)."""
+        self._staging.copy_into(entry, targets)
 
     def can_map(self, entry: Entry) -> bool:
         return (entry.tensor is None and entry.contiguous and entry.numel > 0
