@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -41,6 +41,7 @@ from ..cpu_memory import map_file
 from .direct import DIRECT_PIECE, DirectReads, soft_limit
 from .entries import Entry, contiguous_stride
 from .new_memory import NewMemory, populate
+from .open_files import OpenFiles
 from .staging import Staging, copy_to
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
@@ -533,7 +534,8 @@ class Reader:
     staging chunks for conversions (see [Note: reading speed])."""
 
     def __init__(self, files: int = 1) -> None:
-        self._files: dict[str, object] = {}
+        # See [Note: a directory of many files].
+        self._files = OpenFiles(self.wait, self._advice)
         self._maps: dict[str, mmap.mmap] = {}
         self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
         self._staging = Staging(self._fill, _CHUNK)
@@ -564,26 +566,26 @@ class Reader:
         self._reads = []
         self._new.close()
         self._staging.close()
-        for f in self._files.values():
-            f.close()  # type: ignore[attr-defined]
-        self._files.clear()
+        self._files.close()
         self._direct.close()
         self._advised.clear()
         # Tensors made by `mapped` keep their own reference to the mapping.
         self._maps.clear()
 
-    def _file(self, name: str):  # type: ignore[no-untyped-def]
-        f = self._files.get(name)
-        if f is None:
-            try:
-                f = open(name, "rb", buffering=0)
-            except OSError as exc:
-                raise LoadError(f"cannot open checkpoint file {name!r}: {exc}") from None
-            if hasattr(os, "posix_fadvise"):  # a larger read-ahead window for cold files
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            self._files[name] = f
-        return f
+    def _file(self, name: str) -> BinaryIO:
+        return self._files.get(name)
+
+    def _advice(self, name: str) -> int | None:
+        """A larger read-ahead window for cold files, none for those read past the cache
+        (small tensors read through it must not read ahead into large ones)."""
+        if _fadvise is None:
+            return None
+        return os.POSIX_FADV_RANDOM if self._direct.active(name) else os.POSIX_FADV_SEQUENTIAL
+
+    def check_files(self, names: list[str]) -> None:
+        """Open each file once before anything is written: one that cannot be opened fails
+        the load there (see [Note: a directory of many files])."""
+        self._files.check(names)
 
     def _fill(self, name: str, offset: int, dest: torch.Tensor) -> None:
         """Read ``dest.nbytes`` bytes at ``offset`` of ``name`` into contiguous CPU ``dest``."""
@@ -628,8 +630,8 @@ class Reader:
                         got = _preadv(fd, [view[done:]], offset + done)
                     else:
                         with self._lock:
-                            f = self._files[name]
-                            f.seek(offset + done)  # type: ignore[attr-defined]
+                            f = self._files.opened(name)
+                            f.seek(offset + done)
                             got = f.readinto(view[done:])  # type: ignore[attr-defined]
                     if not got:
                         raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes "
@@ -734,12 +736,23 @@ class Reader:
         return (entry.tensor is None and entry.contiguous and entry.numel > 0
                 and entry.start % entry.dtype.itemsize == 0)
 
+    def may_map(self, entry: Entry) -> bool:
+        """Whether ``mapped`` may back ``entry`` (``can_map``): a mapping keeps a descriptor
+        of its file open while its tensors live (Python's mmap holds one), so a load maps
+        files up to a quarter of the limit on open files and reads the rest."""
+        return self.can_map(entry) and (
+            entry.file in self._maps
+            or len(self._maps) < (soft_limit("RLIMIT_NOFILE") or sys.maxsize) // 4)
+
     def mapped(self, entry: Entry) -> torch.Tensor:
         """``entry`` as a tensor backed by a private (copy-on-write) mapping of its file."""
         f = self._file(entry.file)
         mm = self._maps.get(entry.file)
         if mm is None:
-            mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
+            try:
+                mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
+            except (OSError, ValueError) as exc:
+                raise LoadError(f"cannot map checkpoint file {entry.file!r}: {exc}") from None
             self._maps[entry.file] = mm
         if entry.start + entry.nbytes > len(mm):  # it shrank since its header was read
             raise LoadError(f"{entry.file!r} is truncated: it has {len(mm)} bytes now, and "

@@ -689,6 +689,9 @@ def _read_all(
 ) -> dict[str, torch.Tensor]:
     """Read every source once, in file order; return the new tensors to swap in."""
     order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
+    # Before the first write: a file that cannot be opened leaves the model as it was.
+    reader.check_files(list(dict.fromkeys(sources[n].file for n in order
+                                          if sources[n].tensor is None)))
     shared = _overlapping(sources, order) if not copy else set()
     pending: dict[str, torch.Tensor] = {}
     targets: dict[str, list[torch.Tensor]] = {}
@@ -802,7 +805,7 @@ def _mappable(reader: Reader, entry: Entry, dest: _Dest) -> bool:
     return (device is not None and device.type == "cpu" and not dest.pinned
             and (not dest.own or _whole_and_plain(dest.current)) and dest.dtype == entry.dtype
             and _memory_format(dest.current) is torch.contiguous_format
-            and reader.can_map(entry))
+            and reader.may_map(entry))
 
 
 def _read_one(reader: Reader, entry: Entry, dest: _Dest, into: list[torch.Tensor]) -> None:
