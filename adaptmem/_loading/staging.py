@@ -5,6 +5,17 @@ A conversion goes through two staging chunks: a reader thread fills one while th
 converts the other, so reading overlaps converting and staging costs two chunks instead of
 a whole tensor. A tensor that is not read in chunks (small, strided, or going to
 non-contiguous targets) is read whole into one staging buffer.
+
+[Note: a small view of a large storage]
+A checkpoint entry that is a view (`torch.save` of `t[::1000]` stores the whole storage)
+was read whole into staging memory: its span, from its first element to its last, 196 MiB
+above the load's start for a 0.2 MiB tensor, against the bound of the model, its largest
+tensor and 64 MiB. So an entry whose span exceeds its own size by more than a chunk is
+gathered instead: the staging buffer holds its elements only, contiguous, and its span is
+read a chunk at a time, in blocks along its dimensions from the largest stride down (as
+many blocks of the outermost dimension as fit in a chunk; one that does not fit is split
+along the next), each copied out of the chunk before the next is read. The disk reads as
+much as before; memory is the tensor and one chunk.
 """
 
 from __future__ import annotations
@@ -102,16 +113,62 @@ class Staging:
         return self._chunks
 
     def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
-        """``entry`` as a CPU tensor in the staging buffer, valid until the next ``read``."""
+        """``entry`` as a CPU tensor in the staging buffer, valid until the next ``read``: as
+        stored, or, for a view whose bytes are spread over more than a chunk beyond its own
+        size, gathered into a contiguous tensor (See [Note: a small view of a large
+        storage])."""
         if entry.tensor is not None:
             return entry.tensor
         size = entry.span * entry.dtype.itemsize
+        if size > entry.nbytes + self._chunk:
+            return self._gather(entry, pinned)
+        raw = self._buffer(size, pinned)
+        self._fill(entry.file, entry.start, raw)
+        flat = raw.view(entry.dtype) if size else torch.empty(0, dtype=entry.dtype)
+        return flat.as_strided(entry.shape, entry.stride) if entry.numel else flat.view(entry.shape)
+
+    def _buffer(self, size: int, pinned: bool) -> torch.Tensor:
+        """The first ``size`` bytes of the staging buffer, grown to hold them."""
         staging = self._staging
         if staging is None or staging.numel() < size or (pinned and not staging.is_pinned()):
             self._staging = None
             staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
             self._staging = staging
-        raw = staging[:size]
-        self._fill(entry.file, entry.start, raw)
-        flat = raw.view(entry.dtype) if size else torch.empty(0, dtype=entry.dtype)
-        return flat.as_strided(entry.shape, entry.stride) if entry.numel else flat.view(entry.shape)
+        return staging[:size]
+
+    def _gather(self, entry: Entry, pinned: bool) -> torch.Tensor:
+        """``entry``'s elements, contiguous in the staging buffer, read a chunk of the span at
+        a time (See [Note: a small view of a large storage])."""
+        assert entry.offset is not None
+        base = entry.offset
+        out = self._buffer(entry.nbytes, pinned).view(entry.dtype).view(entry.shape)
+        # Dimensions by decreasing stride: blocks of the outermost lie apart in the file.
+        order = sorted(range(len(entry.shape)), key=lambda d: -entry.stride[d])
+        chunk = self._chunk_buffers(pinned=False)[0]
+        event = self._pending.pop(0, None)
+        if event is not None:  # a device copy still reads this chunk
+            event.synchronize()
+        item = entry.dtype.itemsize
+
+        def block(dest: torch.Tensor, first: int, shape: tuple[int, ...],
+                  stride: tuple[int, ...]) -> None:
+            span = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
+            if span * item <= chunk.numel():
+                raw = chunk[: span * item]
+                self._fill(entry.file, base + first * item, raw)
+                dest.copy_(raw.view(entry.dtype).as_strided(shape, stride))
+                return
+            inner = span - (shape[0] - 1) * stride[0]  # the span of one block of dim 0
+            per = (chunk.numel() // item - inner) // stride[0] + 1 if inner * item <= (
+                chunk.numel()) else 0
+            for i in range(0, shape[0], max(per, 1)):
+                if per:  # ``per`` blocks of dim 0 fit in a chunk
+                    k = min(per, shape[0] - i)
+                    block(dest[i: i + k], first + i * stride[0], (k, *shape[1:]), stride)
+                else:  # one block does not: split it along the next dimension
+                    block(dest[i], first + i * stride[0], shape[1:], stride[1:])
+
+        if entry.numel:
+            block(out.permute(order), entry.storage_offset,
+                  tuple(entry.shape[d] for d in order), tuple(entry.stride[d] for d in order))
+        return out
