@@ -72,8 +72,9 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     """Read the headers of ``checkpoint`` (a file, an ``*.index.json``, or a directory).
 
     Raises:
-        LoadError: the path does not exist, a file is truncated, corrupt or not a
-            checkpoint, or an index names a shard that is missing.
+        LoadError: the path does not exist, a file is truncated, not a checkpoint or has
+            a corrupt header or layout (tensor data holds no checksum to check), or an
+            index names a shard that is missing.
     """
     path = Path(os.fspath(checkpoint))
     if not path.exists():
@@ -232,13 +233,14 @@ def _open_safetensors(path: Path) -> Checkpoint:
 def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     name = str(path)
     with open(path, "rb") as f:
-        legacy = f.read(4) != b"PK\x03\x04"  # a zip archive, the format since torch 1.6
+        head = f.read(16)
+    legacy = not head.startswith(b"PK\x03\x04")  # a zip archive, the format since torch 1.6
     archive = None
     try:
         if legacy:
             # The pre-1.6 format stores no offsets; it can only be read whole.
-            logger.info("adaptmem.load: %s is a legacy torch.save file; reading it whole", name)
             obj = torch.load(name, map_location="cpu", weights_only=True)
+            logger.info("adaptmem.load: %s is a legacy torch.save file; read it whole", name)
         else:
             archive = _check_archive(path)
             # On the meta device torch reads the pickle only and records where each storage
@@ -251,6 +253,8 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
         if "meta tensor" in why:  # torch rebuilds a sparse (or other packed) tensor eagerly
             why += (" (it holds a tensor torch rebuilds when loading, such as a sparse one: "
                     "adaptive.load reads dense tensors; load this file with torch.load)")
+        if legacy and not head.startswith(b"\x80"):  # not a pickle either
+            raise LoadError(_not_a_checkpoint(name, head)) from None
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
@@ -273,6 +277,16 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
                             f"end of the file")
         entries[key] = entry
     return Checkpoint(entries, [name], "torch")
+
+
+def _not_a_checkpoint(name: str, head: bytes) -> str:
+    """What was expected of ``name``, which begins with ``head`` and is no torch.save file."""
+    hint = ""
+    if len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little"):
+        hint = "; it looks like a safetensors file: give it the .safetensors suffix"
+    return (f"{name!r} is not a checkpoint: expected a torch.save file (a zip archive, or a "
+            f"pickle as torch.save wrote before torch 1.6) or a .safetensors file, but it "
+            f"begins with {head!r}{hint}")
 
 
 def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:

@@ -78,3 +78,24 @@ def test_an_archive_whose_records_do_not_match_its_storages_is_refused(tmp_path:
             zout.writestr(info.filename, data)
     with pytest.raises(LoadError, match="cannot tell where its tensors lie"):
         adaptive.load(_net, path)
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"hello world\n", "begins with b'hello world"),
+    (None, "it looks like a safetensors file: give it the .safetensors suffix"),
+])
+def test_a_file_that_is_no_checkpoint_says_what_was_expected(
+    content: bytes | None, expected: str, tmp_path: Path,
+) -> None:
+    path = tmp_path / "weights.bin"
+    if content is None:  # a safetensors file under a torch.save suffix
+        safetensors_torch = pytest.importorskip("safetensors.torch")
+        safetensors_torch.save_file(_net().state_dict(), path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(LoadError) as info:
+        adaptive.load(_net, path)
+    message = str(info.value)
+    assert "expected a torch.save file (a zip archive, or a pickle as torch.save wrote " \
+           "before torch 1.6) or a .safetensors file" in message
+    assert expected in message
