@@ -74,3 +74,21 @@ def test_a_small_view_of_a_large_storage_stages_its_elements_not_its_span(
     assert torch.equal(model.a, view)
     # One staging chunk (16 MiB) and the tensor, not the 46 MiB it spans.
     assert peak < 24 * 2**20, f"peak {peak / 2**20:.0f} MiB"
+
+
+@pytest.mark.gpu
+def test_gpu_a_strided_view_gathered_in_pieces_reaches_the_device_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Gathered through a pinned staging buffer, then copied to the device.
+    from adaptmem import adaptive
+    from adaptmem._loading import checkpoints
+
+    monkeypatch.setattr(checkpoints, "_CHUNK", 4096)
+    view = _views()["transposed corner"]
+    torch.save({"a": view}, tmp_path / "view.pt")
+    for dtype in (None, torch.float16):
+        got = adaptive.load(lambda: _One(tuple(view.shape)), tmp_path / "view.pt",
+                            device="cuda", dtype=dtype)
+        assert got.a.device.type == "cuda"
+        assert torch.equal(got.a.cpu(), view.to(got.a.dtype))
