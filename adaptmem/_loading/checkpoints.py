@@ -333,7 +333,8 @@ def _check_archive(path: Path) -> _Archive:
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise LoadError(f"{str(path)!r} stores compressed tensors; save it again "
                                     f"with torch.save")
-                head = os.pread(f.fileno(), 30, info.header_offset)
+                f.seek(info.header_offset)
+                head = f.read(30)
                 if len(head) < 30 or head[:4] != b"PK\x03\x04":
                     raise LoadError(f"{str(path)!r} is corrupt: the zip record "
                                     f"{info.filename!r} has no local header where the "
