@@ -32,14 +32,17 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from .._common.errors import LoadError
 from ..cpu_memory import map_file
 from .direct import DIRECT_PIECE, DirectReads, soft_limit
+from .entries import Entry, contiguous_stride
 from .new_memory import NewMemory, populate
+from .open_files import OpenFiles
+from .staging import Staging, copy_to
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -56,58 +59,6 @@ _SAFETENSORS_DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a checkpoint: its file and where its bytes lie there.
-
-    ``offset`` is the byte offset of the tensor's storage in ``file``; the tensor starts
-    ``storage_offset`` elements into it with ``stride``. ``tensor`` is set instead for
-    checkpoints that can only be read whole (the legacy non-zip ``torch.save`` format).
-    """
-
-    key: str
-    file: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int | None
-    storage_offset: int = 0
-    stride: tuple[int, ...] = ()
-    tensor: torch.Tensor | None = None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
-
-    @property
-    def contiguous(self) -> bool:
-        return self.stride == _contiguous_stride(self.shape)
-
-    @property
-    def span(self) -> int:
-        """Elements from the storage offset to the last element, inclusive."""
-        if self.numel == 0:
-            return 0
-        return 1 + sum((n - 1) * s for n, s in zip(self.shape, self.stride, strict=True))
-
-    @property
-    def start(self) -> int:
-        """Byte offset of the tensor's first element in ``file``."""
-        assert self.offset is not None
-        return self.offset + self.storage_offset * self.dtype.itemsize
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
-
-
 @dataclass
 class Checkpoint:
     """Every tensor of a checkpoint by key, the files that hold them, and the format."""
@@ -121,8 +72,9 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     """Read the headers of ``checkpoint`` (a file, an ``*.index.json``, or a directory).
 
     Raises:
-        LoadError: the path does not exist, a file is truncated, corrupt or not a
-            checkpoint, or an index names a shard that is missing.
+        LoadError: the path does not exist, a file is truncated, not a checkpoint or has
+            a corrupt header or layout (tensor data holds no checksum to check), or an
+            index names a shard that is missing.
     """
     path = Path(os.fspath(checkpoint))
     if not path.exists():
@@ -264,7 +216,7 @@ def _open_safetensors(path: Path) -> Checkpoint:
                             f"{math.prod(shape) * dtype.itemsize}")
         spans.append((begin, end, key))
         entries[key] = Entry(key, name, shape, dtype, data_start + begin, 0,
-                             _contiguous_stride(shape))
+                             contiguous_stride(shape))
     covered = 0
     for begin, end, key in sorted(spans):
         if begin != covered:
@@ -281,14 +233,16 @@ def _open_safetensors(path: Path) -> Checkpoint:
 def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     name = str(path)
     with open(path, "rb") as f:
-        legacy = f.read(4) != b"PK\x03\x04"  # a zip archive, the format since torch 1.6
+        head = f.read(16)
+    legacy = not head.startswith(b"PK\x03\x04")  # a zip archive, the format since torch 1.6
+    archive = None
     try:
         if legacy:
             # The pre-1.6 format stores no offsets; it can only be read whole.
-            logger.info("adaptmem.load: %s is a legacy torch.save file; reading it whole", name)
             obj = torch.load(name, map_location="cpu", weights_only=True)
+            logger.info("adaptmem.load: %s is a legacy torch.save file; read it whole", name)
         else:
-            _check_archive(path)
+            archive = _check_archive(path)
             # On the meta device torch reads the pickle only and records where each storage
             # lies in the archive (`_checkpoint_offset`); no data is read or mapped.
             obj = torch.load(name, map_location="meta", weights_only=True)
@@ -299,26 +253,40 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
         if "meta tensor" in why:  # torch rebuilds a sparse (or other packed) tensor eagerly
             why += (" (it holds a tensor torch rebuilds when loading, such as a sparse one: "
                     "adaptive.load reads dense tensors; load this file with torch.load)")
+        if legacy and not head.startswith(b"\x80"):  # not a pickle either
+            raise LoadError(_not_a_checkpoint(name, head)) from None
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
     state = _state_dict_of(obj, name)
     entries: dict[str, Entry] = {}
     size = path.stat().st_size
+    where = None if archive is None else archive.where(obj, name)
     for key, t in state.items():
         shape, stride = tuple(t.shape), tuple(t.stride())
-        if legacy:
+        if legacy or where is None:
             entries[key] = Entry(key, name, shape, t.dtype, None, 0, stride, tensor=t)
             continue
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if offset is None:  # torch older than ~2.5 records no offsets on meta
             return _open_torch_mapped(path, single_key)
-        entry = Entry(key, name, shape, t.dtype, int(offset), int(t.storage_offset()), stride)
+        entry = Entry(key, name, shape, t.dtype, where[int(offset)], int(t.storage_offset()),
+                      stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
             raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies past the "
                             f"end of the file")
         entries[key] = entry
     return Checkpoint(entries, [name], "torch")
+
+
+def _not_a_checkpoint(name: str, head: bytes) -> str:
+    """What was expected of ``name``, which begins with ``head`` and is no torch.save file."""
+    hint = ""
+    if len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little"):
+        hint = "; it looks like a safetensors file: give it the .safetensors suffix"
+    return (f"{name!r} is not a checkpoint: expected a torch.save file (a zip archive, or a "
+            f"pickle as torch.save wrote before torch 1.6) or a .safetensors file, but it "
+            f"begins with {head!r}{hint}")
 
 
 def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
@@ -339,17 +307,108 @@ def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
     return Checkpoint(entries, [name], "torch (mmap)")
 
 
-def _check_archive(path: Path) -> None:
-    with zipfile.ZipFile(path) as z:
+def _check_archive(path: Path) -> _Archive:
+    """Refuse what cannot be read in place (another byte order, compressed tensors); return
+    where each tensor record's bytes lie (see [Note: where a record's bytes lie])."""
+    records: dict[str, tuple[int, int]] = {}
+    computed = False
+    with zipfile.ZipFile(path) as z, open(path, "rb", buffering=0) as f:
+        if _fadvise is not None:
+            # 30 bytes per tensor record, spread over the file: asked for all at once (one
+            # page each, no read-ahead), a cold file's are read together, not one by one.
+            with contextlib.suppress(OSError):
+                _fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                for info in z.infolist():
+                    if "/data/" in info.filename:
+                        _fadvise(f.fileno(), info.header_offset, 30, os.POSIX_FADV_WILLNEED)
         for info in z.infolist():
             if info.filename.endswith("/byteorder"):
                 order = z.read(info).decode().strip()
                 if order != sys.byteorder:
                     raise LoadError(f"{str(path)!r} was saved {order}-endian; this machine is "
                                     f"{sys.byteorder}-endian. Convert it with torch.load/save")
-            elif "/data/" in info.filename and info.compress_type != zipfile.ZIP_STORED:
-                raise LoadError(f"{str(path)!r} stores compressed tensors; save it again "
-                                f"with torch.save")
+            elif info.filename.endswith("/.format_version"):
+                computed = z.read(info) >= b"1"  # as torch.load decides
+            elif "/data/" in info.filename:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise LoadError(f"{str(path)!r} stores compressed tensors; save it again "
+                                    f"with torch.save")
+                f.seek(info.header_offset)
+                head = f.read(30)
+                if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                    raise LoadError(f"{str(path)!r} is corrupt: the zip record "
+                                    f"{info.filename!r} has no local header where the "
+                                    f"archive's directory puts it")
+                start = (info.header_offset + 30 + int.from_bytes(head[26:28], "little")
+                         + int.from_bytes(head[28:30], "little"))
+                records[info.filename.rpartition("/data/")[2]] = (start, info.file_size)
+    return _Archive(records, computed)
+
+
+# [Note: where a record's bytes lie]
+# torch.load on the meta device records where each storage lies in the archive
+# (`_checkpoint_offset`), but since format version 1 it computes those offsets rather than
+# reading them: it assumes torch's own writer, which puts the records in key order, each
+# one's bytes aligned to 64 after a local header padded to reach that. An archive written
+# otherwise (copied record by record with Python's zipfile, say) is a valid checkpoint that
+# torch.load reads right, yet those offsets point into headers and padding: garbage loaded
+# silently. So each record's real offset is read from its local header (30 bytes, its name
+# and extra field lengths; the central directory's extra field may differ), and torch's
+# offsets are checked against them. Storages are loaded, and torch's offsets computed, in
+# key order ("0", "1", ...: torch.save numbers storages as it first meets them), so the
+# i-th smallest offset torch gives is record i's; where they differ, record i's real offset
+# is used, its size checked against the storage's. An archive whose storages cannot all be
+# found in what it holds, and whose offsets are not all real ones, is refused.
+@dataclass
+class _Archive:
+    """The tensor records of a zip ``torch.save`` archive: storage key -> (offset of its
+    bytes, size); ``computed``: torch computes offsets instead of reading them."""
+
+    records: dict[str, tuple[int, int]]
+    computed: bool
+
+    def where(self, obj: object, name: str) -> dict[int, int]:
+        """torch's offset of every storage in ``obj`` (loaded on meta) -> where its bytes
+        lie (see [Note: where a record's bytes lie])."""
+        storages = _storage_sizes(obj)
+        keys = [str(i) for i in range(len(storages))]
+        if self.computed and len(storages) == len(self.records) and all(
+                k in self.records for k in keys):
+            order = list(zip(sorted(storages), keys, strict=True))
+            if all(self.records[k][1] == storages[at] for at, k in order):
+                out = {at: self.records[k][0] for at, k in order}
+                if any(at != start for at, start in out.items()):
+                    logger.info("adaptmem.load: %s was not written by torch.save's writer; "
+                                "its tensors' offsets are read from the archive", name)
+                return out
+        else:  # torch read the offsets (format version 0), or not every storage was found
+            real = dict(self.records.values())
+            if all(real.get(at) == n for at, n in storages.items()):
+                return {at: at for at in storages}
+        raise LoadError(f"{name!r}: cannot tell where its tensors lie in the archive (it was "
+                        f"not written by torch.save, and its records do not match its "
+                        f"storages); load it with torch.load and save it again with torch.save")
+
+
+def _storage_sizes(obj: object) -> dict[int, int]:
+    """torch's offset -> size of every storage in ``obj``, a checkpoint loaded on meta."""
+    out: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            item = item.untyped_storage()
+        elif isinstance(item, torch.TypedStorage):  # torch.save of a storage itself
+            item = item._untyped_storage
+        if isinstance(item, torch.UntypedStorage):
+            at = getattr(item, "_checkpoint_offset", None)
+            if at is not None:
+                out[int(at)] = item.nbytes()
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return out
 
 
 # Where training code keeps the model's state dict inside a checkpoint of more things
@@ -432,9 +491,7 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # kernel's read-ahead running ahead. Asking for each mapped tensor's first page
 # (POSIX_FADV_WILLNEED, 4 KiB, not waited for) does the same: 0.29-0.32 s over five runs
 # against 0.81-0.99 s without, in the same minutes. It costs a system call per tensor.
-# A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes: a reader
-# thread fills one while the caller converts the other, so reading overlaps converting and
-# staging costs 2 * _CHUNK instead of a whole tensor.
+# A conversion (dtype, device) goes through two staging chunks of _CHUNK bytes (`Staging`).
 _CHUNK = 16 * 2**20
 _AHEAD = 64 * 2**20
 _preadv = getattr(os, "preadv", None)
@@ -478,16 +535,6 @@ def _small_stacks() -> Any:
         threading.stack_size(stack)
 
 
-def copy_to(target: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
-    """``target.copy_(src)``; an inference tensor (a model built under ``inference_mode``)
-    can only be written in inference mode."""
-    if target.is_inference() and not torch.is_inference_mode_enabled():
-        with torch.inference_mode():
-            target.copy_(src, non_blocking=non_blocking)
-    else:
-        target.copy_(src, non_blocking=non_blocking)
-
-
 def _ask_for_first_page(fd: int, offset: int) -> None:
     """Start reading the page of ``fd`` that holds ``offset``, without waiting ([Note: the
     first page of a mapped tensor])."""
@@ -502,13 +549,11 @@ class Reader:
     staging chunks for conversions (see [Note: reading speed])."""
 
     def __init__(self, files: int = 1) -> None:
-        self._files: dict[str, object] = {}
+        # See [Note: a directory of many files].
+        self._files = OpenFiles(self.wait, self._advice)
         self._maps: dict[str, mmap.mmap] = {}
         self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
-        self._staging: torch.Tensor | None = None
-        self._chunks: list[torch.Tensor] = []
-        self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
-        self._pool: ThreadPoolExecutor | None = None
+        self._staging = Staging(self._fill, _CHUNK)
         # Four threads fault new memory in and read pieces (see _pool_of_workers).
         self._workers: ThreadPoolExecutor | None = None
         self._new = NewMemory()
@@ -535,34 +580,27 @@ class Reader:
             self._workers = None
         self._reads = []
         self._new.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        for event in self._pending.values():
-            event.synchronize()  # device copies still reading a pinned chunk
-        self._pending.clear()
-        for f in self._files.values():
-            f.close()  # type: ignore[attr-defined]
-        self._files.clear()
+        self._staging.close()
+        self._files.close()
         self._direct.close()
         self._advised.clear()
         # Tensors made by `mapped` keep their own reference to the mapping.
         self._maps.clear()
-        self._staging = None
-        self._chunks = []
 
-    def _file(self, name: str):  # type: ignore[no-untyped-def]
-        f = self._files.get(name)
-        if f is None:
-            try:
-                f = open(name, "rb", buffering=0)
-            except OSError as exc:
-                raise LoadError(f"cannot open checkpoint file {name!r}: {exc}") from None
-            if hasattr(os, "posix_fadvise"):  # a larger read-ahead window for cold files
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            self._files[name] = f
-        return f
+    def _file(self, name: str) -> BinaryIO:
+        return self._files.get(name)
+
+    def _advice(self, name: str) -> int | None:
+        """A larger read-ahead window for cold files, none for those read past the cache
+        (small tensors read through it must not read ahead into large ones)."""
+        if _fadvise is None:
+            return None
+        return os.POSIX_FADV_RANDOM if self._direct.active(name) else os.POSIX_FADV_SEQUENTIAL
+
+    def check_files(self, names: list[str]) -> None:
+        """Open each file once before anything is written: one that cannot be opened fails
+        the load there (see [Note: a directory of many files])."""
+        self._files.check(names)
 
     def _fill(self, name: str, offset: int, dest: torch.Tensor) -> None:
         """Read ``dest.nbytes`` bytes at ``offset`` of ``name`` into contiguous CPU ``dest``."""
@@ -583,8 +621,8 @@ class Reader:
         filling new memory from the page cache]), the rest past it when ``address`` lies in a
         region made by ``empty_for``, else through it."""
         if fill and (region is None or self._direct.cached(name, offset, n)):
-            source = self._direct.source(name)
-            for a, b in self._new.fill(address, None if source is None else source + offset, n):
+            source = self._direct.source(name, offset, n)
+            for a, b in self._new.fill(address, source, n):
                 self._read_piece(name, fd, None, address + a, offset + a, b - a)
             return
         view = memoryview((ctypes.c_char * n).from_address(address)).cast("B")
@@ -607,12 +645,14 @@ class Reader:
                         got = _preadv(fd, [view[done:]], offset + done)
                     else:
                         with self._lock:
-                            f = self._files[name]
-                            f.seek(offset + done)  # type: ignore[attr-defined]
+                            f = self._files.opened(name)
+                            f.seek(offset + done)
                             got = f.readinto(view[done:])  # type: ignore[attr-defined]
                     if not got:
                         raise LoadError(f"{name!r} is truncated: it ended {n - done} bytes "
-                                        f"short while reading at offset {offset + done}")
+                                        f"short while reading at offset {offset + done}, "
+                                        f"though its header was whole when the load began: "
+                                        f"was it written during the load?")
                 done += got
         except OSError as exc:
             raise LoadError(f"cannot read checkpoint file {name!r}: {exc}") from None
@@ -704,78 +744,35 @@ class Reader:
 
     def copy_into(self, entry: Entry, targets: list[torch.Tensor]) -> None:
         """Read ``entry`` once and copy it into every target (any dtype, device and shape
-        with its number of elements), converting on the way."""
-        device = any(t.device.type != "cpu" for t in targets)
-        if (entry.tensor is not None or not entry.contiguous or entry.nbytes <= _CHUNK
-                or not all(t.is_contiguous() for t in targets)):
-            src = self.read(entry, pinned=device and torch.cuda.is_available())
-            for t in targets:
-                copy_to(t, src.reshape(t.shape) if src.shape != t.shape else src)
-            return
-        item = entry.dtype.itemsize
-        step = _CHUNK // item
-        pieces = [(a, min(a + step, entry.numel)) for a in range(0, entry.numel, step)]
-        chunks = self._chunk_buffers(pinned=device and torch.cuda.is_available())
-        flats = [t.view(-1) for t in targets]
-        start = entry.start
-
-        def fetch(i: int) -> None:
-            a, b = pieces[i]
-            event = self._pending.pop(i % 2, None)
-            if event is not None:  # a device copy still reads this chunk
-                event.synchronize()
-            self._fill(entry.file, start + a * item, chunks[i % 2][: (b - a) * item])
-
-        pool = self._pool
-        if pool is None:
-            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="adaptmem-load")
-        future = pool.submit(fetch, 0)
-        for i, (a, b) in enumerate(pieces):
-            future.result()
-            if i + 1 < len(pieces):
-                future = pool.submit(fetch, i + 1)
-            piece = chunks[i % 2][: (b - a) * item].view(entry.dtype)
-            for flat in flats:
-                copy_to(flat[a:b], piece, non_blocking=flat.device.type == "cuda")
-                if flat.device.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record()
-                    self._pending[i % 2] = event
-        future.result()
-
-    def _chunk_buffers(self, pinned: bool) -> list[torch.Tensor]:
-        if len(self._chunks) != 2 or (pinned and not self._chunks[0].is_pinned()):
-            self._chunks = []
-            self._chunks = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=pinned)
-                            for _ in range(2)]
-        return self._chunks
-
-    def read(self, entry: Entry, pinned: bool = False) -> torch.Tensor:
-        """``entry`` as a CPU tensor in the staging buffer, valid until the next ``read``."""
-        if entry.tensor is not None:
-            return entry.tensor
-        size = entry.span * entry.dtype.itemsize
-        staging = self._staging
-        if staging is None or staging.numel() < size or (pinned and not staging.is_pinned()):
-            self._staging = None
-            staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pinned)
-            self._staging = staging
-        raw = staging[:size]
-        self._fill(entry.file, entry.start, raw)
-        flat = raw.view(entry.dtype) if size else torch.empty(0, dtype=entry.dtype)
-        return flat.as_strided(entry.shape, entry.stride) if entry.numel else flat.view(entry.shape)
+        with its number of elements), converting on the way (see ``Staging``)."""
+        self._staging.copy_into(entry, targets)
 
     def can_map(self, entry: Entry) -> bool:
         return (entry.tensor is None and entry.contiguous and entry.numel > 0
                 and entry.start % entry.dtype.itemsize == 0)
+
+    def may_map(self, entry: Entry) -> bool:
+        """Whether ``mapped`` may back ``entry`` (``can_map``): a mapping keeps a descriptor
+        of its file open while its tensors live (Python's mmap holds one), so a load maps
+        files up to a quarter of the limit on open files and reads the rest."""
+        return self.can_map(entry) and (
+            entry.file in self._maps
+            or len(self._maps) < (soft_limit("RLIMIT_NOFILE") or sys.maxsize) // 4)
 
     def mapped(self, entry: Entry) -> torch.Tensor:
         """``entry`` as a tensor backed by a private (copy-on-write) mapping of its file."""
         f = self._file(entry.file)
         mm = self._maps.get(entry.file)
         if mm is None:
-            mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
+            try:
+                mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
+            except (OSError, ValueError) as exc:
+                raise LoadError(f"cannot map checkpoint file {entry.file!r}: {exc}") from None
             self._maps[entry.file] = mm
+        if entry.start + entry.nbytes > len(mm):  # it shrank since its header was read
+            raise LoadError(f"{entry.file!r} is truncated: it has {len(mm)} bytes now, and "
+                            f"tensor {entry.key!r} ends at byte {entry.start + entry.nbytes}; "
+                            f"was it written during the load?")
         _ask_for_first_page(f.fileno(), entry.start)
         with warnings.catch_warnings():
             # The mapping is writable (copy-on-write); torch warns for read-only buffers only,

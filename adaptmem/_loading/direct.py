@@ -54,6 +54,20 @@ logger = logging.getLogger("adaptmem")
 # older kernels, some FUSE file systems), the file is read through the page cache as before.
 # A file read this way is not left in the page cache: loading it again reads the disk again,
 # at the same speed.
+#
+# [Note: a file that shrinks during a load]
+# The file is mapped (`_view`) at the length it has when its first large tensor is made,
+# which is not the length its header was checked against: a trainer saving over the same
+# path truncates it first. Nothing reads the mapping from this process (mincore reads
+# nothing), but bytes past its end are other memory: a copy from there (UFFDIO_COPY) put
+# unrelated bytes into weights, and unmapping its source (MADV_DONTNEED) zapped unrelated
+# pages, Python's heap among them (a crash). So every range is checked against the
+# mapping's length: one past it is not copied from (`source`) nor taken for cached
+# (`cached`), and the ordinary read says the file is truncated (a LoadError) or reads what
+# was written back meanwhile. A file that shrinks after it is mapped leaves pages of the
+# mapping past its new end: a user-mode access there would raise SIGBUS, but only the kernel
+# touches them, and UFFDIO_COPY then fails with EFAULT, which leaves the piece to the
+# ordinary read too.
 _DIRECT_ALIGN = 4096  # offsets, lengths and addresses of O_DIRECT reads (512-byte sectors too)
 _DIRECT_MIN = 2**20  # smaller tensors (biases, norms) are ordinary memory, read buffered
 DIRECT_PIECE = 64 * 2**20
@@ -164,20 +178,26 @@ class DirectReads:
         self._views[name] = (address, size)
         return True
 
-    def source(self, name: str) -> int | None:
-        """The address of ``name``'s shared read-only mapping (byte 0 of the file), where
-        there is one: cached bytes can be copied from it."""
+    def source(self, name: str, offset: int, n: int) -> int | None:
+        """The address of bytes ``[offset, offset + n)`` of ``name`` in its shared read-only
+        mapping, where there is one and it holds them all: cached bytes can be copied from
+        there. None past the mapping's end (see [Note: a file that shrinks during a load])."""
         view = self._views.get(name)
-        return None if view is None else view[0]
+        if view is None or offset < 0 or offset + n > view[1]:
+            return None
+        return view[0] + offset
 
     def cached(self, name: str, offset: int, n: int) -> bool:
-        """Whether the page cache holds every page of bytes ``[offset, offset + n)``."""
+        """Whether the page cache holds every page of bytes ``[offset, offset + n)``; False
+        for bytes past the end of the mapping (the read finds out what is there)."""
         view = self._views.get(name)
         if view is None:
             return True
         address, size = view
+        if offset + n > size:  # See [Note: a file that shrinks during a load]
+            return False
         first = offset // _PAGE * _PAGE
-        pages = -(-(min(offset + n, size) - first) // _PAGE)
+        pages = -(-(offset + n - first) // _PAGE)
         if pages <= 0:
             return True
         flags = resident_pages(address + first, pages * _PAGE)

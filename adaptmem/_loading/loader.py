@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,31 +47,68 @@ __all__ = ["load", "empty_model"]
 logger = logging.getLogger("adaptmem")
 
 
+# [Note: one patch for every empty_model]
+# Parameters are sent to meta from inside `nn.Module.register_parameter`, the one place every
+# parameter passes through, so that function is patched while a factory runs. Patching it
+# per call was not thread-safe: with two calls at once, the second saved the first's patch
+# as "the original" and, ending last, put it back for good (every module built afterwards
+# in the process got meta parameters). So one patch serves every call running: the first
+# installs it, the last removes it (a count under a lock), and it acts only in the threads
+# that are inside `empty_model` (a thread-local depth), so modules other threads build
+# meanwhile keep real parameters. The dispatch mode that skips initialisation and
+# `inference_mode` are thread-local already.
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patches: list[tuple[Any, Any]] = []  # (original, patch) while installed
+_building = threading.local()  # .depth: empty_model calls this thread is inside
+
+
+def _register_on_meta(original: Any) -> Any:
+    """``nn.Module.register_parameter`` that sends parameters to meta in threads inside
+    ``empty_model`` (See [Note: one patch for every empty_model])."""
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        # Lazy modules' UninitializedParameter holds no memory and builds itself later.
+        if (getattr(_building, "depth", 0) and param is not None
+                and param.device.type != "meta"
+                and not isinstance(param, nn.UninitializedParameter)):
+            module._parameters[name] = _reparameter(param, param.to("meta"))
+
+    return register_parameter
+
+
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator[None]:
-    """Send every parameter registered inside the block to the meta device.
+    """Send every parameter this thread registers inside the block to the meta device.
 
     Buffers stay real: constructors compute non-persistent buffers (rotary ``inv_freq``,
     ``position_ids``, causal masks) that no checkpoint holds, and once made on meta their
     values are lost. accelerate's ``init_empty_weights(include_buffers=False)`` does the same.
     """
-    original = nn.Module.register_parameter
-
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        # Lazy modules' UninitializedParameter holds no memory and builds itself later.
-        if (param is not None and param.device.type != "meta"
-                and not isinstance(param, nn.UninitializedParameter)):
-            module._parameters[name] = _reparameter(param, param.to("meta"))
-
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign,assignment]
+    global _patch_users
+    with _patch_lock:
+        if _patch_users == 0:
+            original = nn.Module.register_parameter
+            patch = _register_on_meta(original)
+            nn.Module.register_parameter = patch  # type: ignore[method-assign]
+            _patches.append((original, patch))
+        _patch_users += 1
+    _building.depth = getattr(_building, "depth", 0) + 1
     try:
         # Ordinary tensors even when called in inference mode: placement refuses
         # inference tensors (they track no versions).
         with torch.inference_mode(False), _SkipWritesToMeta():
             yield
     finally:
-        nn.Module.register_parameter = original  # type: ignore[method-assign]
+        _building.depth -= 1
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                original, patch = _patches.pop()
+                # Another library's patch made on top of ours stays, ours inert under it.
+                if nn.Module.register_parameter is patch:
+                    nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def _reparameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
@@ -150,8 +188,8 @@ def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
     ``_init_weights``) returns at once without computing anything, while ops on real
     tensors (the buffers) run normally. The checkpoint fills the parameters; one it does not
     hold (``strict=False``) is left uninitialised by ``load``, with a warning naming it.
-    Pass the result to ``adaptive.load`` or ``adaptive.plan``. Not thread-safe: modules
-    built by other threads while ``factory`` runs get meta parameters too.
+    Pass the result to ``adaptive.load`` or ``adaptive.plan``. Thread-safe: several calls
+    may run at once, and modules other threads build meanwhile keep real parameters.
 
     Args:
         factory: a zero-argument callable returning an ``nn.Module`` (a class, a lambda).
@@ -339,13 +377,16 @@ def load(
 
     Raises:
         LoadError: missing keys, unexpected keys (strict) and shape mismatches, reported
-            together in ``load_state_dict``'s wording; a checkpoint that is missing,
-            truncated or corrupt, or a missing shard (the message names the file); a
+            together in ``load_state_dict``'s wording; a checkpoint that is missing, not a
+            checkpoint, truncated or with a corrupt header or layout (tensor data carries no
+            checksum: a flipped byte in it loads silently, as with ``torch.load``), or a
+            missing shard (the message names the file); a
             non-persistent buffer on meta that no checkpoint can fill; the model is
             unchanged. Running out of memory while the load makes tensors leaves it
             unchanged too. Also a checkpoint tensor that cannot be copied into its target
-            (naming both): a built model's tensors filled in place before it keep their
-            new values.
+            (naming both), a file that fails or changes while it is read, or an interrupt
+            (``KeyboardInterrupt``): a built model's tensors filled in place before it keep
+            their new values.
         TypeError / ValueError: an argument of the wrong kind or value (named in the message),
             such as ``strict``, ``copy`` or ``return_stats`` that is not a bool.
 
@@ -651,6 +692,9 @@ def _read_all(
 ) -> dict[str, torch.Tensor]:
     """Read every source once, in file order; return the new tensors to swap in."""
     order = sorted(sources, key=lambda n: (sources[n].file, sources[n].offset or 0))
+    # Before the first write: a file that cannot be opened leaves the model as it was.
+    reader.check_files(list(dict.fromkeys(sources[n].file for n in order
+                                          if sources[n].tensor is None)))
     shared = _overlapping(sources, order) if not copy else set()
     pending: dict[str, torch.Tensor] = {}
     targets: dict[str, list[torch.Tensor]] = {}
@@ -764,7 +808,7 @@ def _mappable(reader: Reader, entry: Entry, dest: _Dest) -> bool:
     return (device is not None and device.type == "cpu" and not dest.pinned
             and (not dest.own or _whole_and_plain(dest.current)) and dest.dtype == entry.dtype
             and _memory_format(dest.current) is torch.contiguous_format
-            and reader.can_map(entry))
+            and reader.may_map(entry))
 
 
 def _read_one(reader: Reader, entry: Entry, dest: _Dest, into: list[torch.Tensor]) -> None:
