@@ -275,7 +275,8 @@ def to_device(
     non_blocking: bool = False,
 ) -> Any:
     """Move every tensor in ``obj`` (nested) to ``device``; floating tensors also to ``dtype``
-    when given (integer and bool tensors keep theirs). Tensors already there are untouched."""
+    when given (integer and bool tensors keep theirs). Tensors already there are untouched;
+    a tensor met twice gives one moved tensor (See [Note: aliased arguments])."""
 
     def move(t: torch.Tensor) -> torch.Tensor:
         target = dtype if dtype is not None and t.is_floating_point() else t.dtype

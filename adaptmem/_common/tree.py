@@ -13,6 +13,7 @@ names agree.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from operator import is_not
 from typing import Any, NamedTuple
 
 import torch
@@ -74,32 +75,68 @@ def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 # Nested call arguments and outputs: tuples (namedtuples too), lists and dicts, walked by
 # hand rather than with pytree because these run at every hooked call.
+#
+# [Note: aliased arguments]
+# One tensor passed twice (``attn(h, h, h)``) is one tensor to the callee:
+# ``nn.MultiheadAttention`` takes its packed self-attention path only when ``query is key is
+# value``. So a walk maps each distinct tensor once and hands every place it appears the same
+# result (``memo``); a list or dict met twice is likewise copied once. Views of one tensor
+# passed separately are mapped separately: rebuilding them as views would mean moving their
+# whole base, which may be far larger than the views.
 
 
-def map_tensors(obj: Any, fn: Any) -> Any:
+def map_tensors(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
     """Apply ``fn`` to every tensor in nested tuples, lists, dicts and namedtuples; other
-    values come back as they were (the same object when nothing inside changed)."""
+    values come back as they were (the same object when nothing inside changed).
+
+    Each distinct tensor (and list or dict) is mapped once: See [Note: aliased arguments].
+    ``memo`` collects ``id(original) -> (original, replacement)`` for every tensor and
+    container replaced.
+    """
+    return _map(obj, fn, {} if memo is None else memo)
+
+
+def _map(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        done = memo.get(id(obj)) if memo else None
+        if done is not None:
+            return done[1]
+        out = fn(obj)
+        if out is not obj:
+            memo[id(obj)] = (obj, out)
+        return out
     if isinstance(obj, tuple):
-        items = [map_tensors(x, fn) for x in obj]
+        items = [_map(x, fn, memo) for x in obj]
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):  # the same list when nothing changed: a forward may fill it
-        items = [map_tensors(x, fn) for x in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
-            return obj
-        return items
-    if isinstance(obj, dict):
-        out = {k: map_tensors(v, fn) for k, v in obj.items()}
-        if all(out[k] is v for k, v in obj.items()):
-            return obj
-        try:
-            return type(obj)(out)
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return out
+    if isinstance(obj, (list, dict)):
+        done = memo.get(id(obj))
+        return done[1] if done is not None else _map_container(obj, fn, memo)
     return obj
+
+
+def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
+    """A list or dict mapped: the same object when nothing inside changed (a forward may
+    fill it), else a copy."""
+    if isinstance(obj, list):
+        before: Any = tuple(obj)
+        after: Any = tuple([_map(x, fn, memo) for x in before])
+        changed = any(map(is_not, after, before))
+        out: Any = list(after) if changed else obj
+    else:
+        before = dict(obj)
+        after = {k: _map(v, fn, memo) for k, v in before.items()}
+        changed = any(after[k] is not v for k, v in before.items())
+        out = obj
+        if changed:
+            try:
+                out = type(obj)(after)
+            except TypeError:  # a mapping type that cannot be built from a dict
+                out = dict(after)
+    if changed:
+        memo[id(obj)] = (obj, out)
+    return out
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
