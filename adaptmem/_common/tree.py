@@ -12,6 +12,8 @@ names agree.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Iterator, Sequence
 from operator import is_not
 from typing import Any, NamedTuple
@@ -24,6 +26,7 @@ __all__ = [
     "registrations",
     "canonical_tensors",
     "join_name",
+    "dataclass_fields",
     "map_tensors",
     "tensors_in",
     "first_tensor_device",
@@ -73,8 +76,8 @@ def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {r.name: r.tensor for r in registrations(model) if r.name == r.canonical}
 
 
-# Nested call arguments and outputs: tuples (namedtuples too), lists and dicts, walked by
-# hand rather than with pytree because these run at every hooked call.
+# Nested call arguments and outputs: tuples (namedtuples too), lists, dicts and dataclass
+# instances, walked by hand rather than with pytree because these run at every hooked call.
 #
 # [Note: aliased arguments]
 # One tensor passed twice (``attn(h, h, h)``) is one tensor to the callee:
@@ -85,11 +88,20 @@ def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 # whole base, which may be far larger than the views.
 
 
-def map_tensors(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and namedtuples; other
-    values come back as they were (the same object when nothing inside changed).
+def dataclass_fields(obj: Any) -> tuple[dataclasses.Field[Any], ...] | None:
+    """The fields of a dataclass instance (None for anything else, a dataclass type too)."""
+    if hasattr(type(obj), "__dataclass_fields__"):
+        return dataclasses.fields(obj)
+    return None
 
-    Each distinct tensor (and list or dict) is mapped once: See [Note: aliased arguments].
+
+def map_tensors(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, dicts, namedtuples and dataclass
+    instances; other values come back as they were (the same object when nothing inside
+    changed). A dataclass instance that changes is copied without calling ``__init__``
+    (frozen ones too); a dict whose type cannot be built from a dict becomes a dict.
+
+    Each distinct tensor (and container) is mapped once: See [Note: aliased arguments].
     ``memo`` collects ``id(original) -> (original, replacement)`` for every tensor and
     container replaced.
     """
@@ -110,21 +122,21 @@ def _map(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, (list, dict)):
+    if isinstance(obj, (list, dict)) or dataclass_fields(obj) is not None:
         done = memo.get(id(obj))
         return done[1] if done is not None else _map_container(obj, fn, memo)
     return obj
 
 
 def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
-    """A list or dict mapped: the same object when nothing inside changed (a forward may
-    fill it), else a copy."""
+    """A list, dict or dataclass instance mapped: the same object when nothing inside
+    changed (a forward may fill it), else a copy."""
     if isinstance(obj, list):
         before: Any = tuple(obj)
         after: Any = tuple([_map(x, fn, memo) for x in before])
         changed = any(map(is_not, after, before))
         out: Any = list(after) if changed else obj
-    else:
+    elif isinstance(obj, dict):
         before = dict(obj)
         after = {k: _map(v, fn, memo) for k, v in before.items()}
         changed = any(after[k] is not v for k, v in before.items())
@@ -134,6 +146,16 @@ def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
                 out = type(obj)(after)
             except TypeError:  # a mapping type that cannot be built from a dict
                 out = dict(after)
+    else:
+        names = [f.name for f in dataclasses.fields(obj)]
+        before = tuple([getattr(obj, n) for n in names])
+        after = tuple([_map(v, fn, memo) for v in before])
+        changed = any(map(is_not, after, before))
+        out = obj
+        if changed:
+            out = copy.copy(obj)  # no __init__ (nor __post_init__) runs
+            for name, value in zip(names, after, strict=True):
+                object.__setattr__(out, name, value)  # frozen ones too
     if changed:
         memo[id(obj)] = (obj, out)
     return out
@@ -149,6 +171,10 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for x in obj.values():
             yield from tensors_in(x)
+    else:
+        fields = dataclass_fields(obj)
+        for f in fields or ():
+            yield from tensors_in(getattr(obj, f.name))
 
 
 def first_tensor_device(obj: Any) -> torch.device | None:

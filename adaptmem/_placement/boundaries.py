@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._common.tree import map_tensors
+from .._common.tree import dataclass_fields, map_tensors
 from .._engines.base import HookSet
 from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats
@@ -207,11 +207,13 @@ class BoundaryHooks:
 
 def _first_device_and_float(obj: Any) -> tuple[torch.device | None, torch.dtype | None]:
     """The first tensor's device and the first floating tensor's dtype in nested ``obj``
-    (tuples, lists, dicts, as ``map_tensors`` walks them); a hot path, so no pytree."""
+    (tuples, lists, dicts, dataclass instances, as ``map_tensors`` walks them); a hot path,
+    so no pytree."""
     if isinstance(obj, torch.Tensor):
         return obj.device, (obj.dtype if obj.is_floating_point() else None)
     device = dtype = None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) \
+        else _field_values(obj)
     for item in items:
         d, t = _first_device_and_float(item)
         device, dtype = device or d, dtype or t
@@ -229,4 +231,9 @@ def needs_move(obj: Any, device: torch.device, dtype: torch.dtype | None) -> boo
         return any(needs_move(v, device, dtype) for v in obj.values())
     if isinstance(obj, (tuple, list)):
         return any(needs_move(v, device, dtype) for v in obj)
-    return False
+    return any(needs_move(v, device, dtype) for v in _field_values(obj))
+
+
+def _field_values(obj: Any) -> list[Any]:
+    """The field values of a dataclass instance; nothing for other objects."""
+    return [getattr(obj, f.name) for f in dataclass_fields(obj) or ()]

@@ -3,9 +3,13 @@ the walk every engine uses to move inputs and hand outputs back."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+from typing import Any, ClassVar
+
 import torch
 
-from adaptmem._common.tree import map_tensors
+from adaptmem._common.tree import map_tensors, tensors_in
 
 
 def _double(t: torch.Tensor) -> torch.Tensor:
@@ -35,3 +39,34 @@ def test_one_list_met_twice_is_copied_once() -> None:
 def test_what_holds_no_tensor_to_change_comes_back_as_it_was() -> None:
     args = ([1, "a"], {"k": None}, torch.ones(2))
     assert map_tensors(args, lambda t: t) is args
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    made: ClassVar[int] = 0
+    h: torch.Tensor
+    name: str = "x"
+
+    def __post_init__(self) -> None:
+        type(self).made += 1
+
+
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def test_dataclass_instances_are_walked_and_copied_without_running_init() -> None:
+    value = _Frozen(torch.ones(2), "kept")
+    made = _Frozen.made
+    out = map_tensors(Pair(value, [value]), _double)
+    assert _Frozen.made == made
+    assert type(out) is Pair and type(out.a) is _Frozen
+    assert out.a is out.b[0] and out.a is not value
+    assert torch.equal(out.a.h, torch.full((2,), 2.0)) and out.a.name == "kept"
+    assert torch.equal(value.h, torch.ones(2))  # the original is untouched
+    assert [t.tolist() for t in tensors_in(value)] == [[1.0, 1.0]]
+
+
+def test_a_dataclass_type_is_not_taken_for_an_instance() -> None:
+    args: Any = (_Frozen, torch.ones(1))
+    out = map_tensors(args, _double)
+    assert out[0] is _Frozen and list(tensors_in(args)) == [args[1]]

@@ -1,11 +1,14 @@
-"""What page, chunk and split do with a forward's inputs and outputs, for every engine: one
-tensor passed twice stays one tensor. Models run on the simulated GPU with their inputs on
-the CPU, so every engine moves them."""
+"""What page, chunk and split do with a forward's inputs and outputs, for every engine:
+dataclass outputs come back where the inputs came from, and one tensor passed twice stays
+one tensor. Models run on the simulated GPU with their inputs on the CPU, so every engine
+moves them."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -25,6 +28,102 @@ ENGINES: dict[str, Callable[[nn.Module], Any]] = {
 def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
     torch.manual_seed(0)
     return make().eval()
+
+
+# -- dataclass outputs --------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    hidden: torch.Tensor
+    built: ClassVar[int] = 0  # instances made, counted by __post_init__
+
+    def __post_init__(self) -> None:
+        type(self).built += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Frozen:
+    h: torch.Tensor
+
+
+_Pair = collections.namedtuple("_Pair", "a b")
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> _Frozen:
+        return _Frozen(self.lin(x))
+
+
+class _DataclassNet(nn.Module):
+    """Children return a frozen dataclass, combined in a residual; the model returns a
+    dataclass and a namedtuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.b1, self.b2 = _Block(), _Block()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[_Output, Any]:
+        h = self.b1(x).h
+        h = h + self.b2(h).h
+        return _Output(self.head(h), h), _Pair(h, h.sum())
+
+
+@run_if(cuda=True)
+@pytest.mark.parametrize("engine", [*ENGINES, "chunk, the first block alone"])
+def test_dataclass_outputs_come_back_where_the_inputs_came_from(engine: str) -> None:
+    x = torch.randn(3, 8)
+    model = _seeded(_DataclassNet)
+    place = ENGINES.get(engine) or (lambda m: adaptive.chunk(m, "cuda", capacity=300))
+    with torch.no_grad():
+        (expected, pair) = model(x)
+        with place(model):
+            model(x)  # chunk and split record their first forward on a copy
+            _Output.built = 0
+            out, placed_pair = model(x)
+            built = _Output.built
+    assert type(out) is _Output and built == 1  # copied, not built again
+    for got, want in ((out.logits, expected.logits), (out.hidden, expected.hidden),
+                      (placed_pair.a, pair.a), (placed_pair.b, pair.b)):
+        assert got.device.type == "cpu"
+        assert torch.equal(got, want)
+    assert type(placed_pair) is _Pair
+
+
+def test_dataclass_outputs_come_back_in_the_dtype_the_inputs_had() -> None:
+    x = torch.randn(3, 8)
+    model = _seeded(_DataclassNet)
+    with torch.no_grad(), adaptive.chunk(model, "cpu", capacity="1MiB", dtype=torch.float64):
+        out, pair = model(x)
+    assert out.logits.dtype == out.hidden.dtype == pair.a.dtype == torch.float32
+
+
+@run_if(cuda=True)
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_a_model_output_of_transformers_still_comes_back(engine: str) -> None:
+    modeling = pytest.importorskip("transformers.modeling_outputs")
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            return modeling.BaseModelOutput(last_hidden_state=self.lin(x))
+
+    model = _seeded(Net)
+    x = torch.randn(3, 8)
+    with torch.no_grad(), ENGINES[engine](model):
+        out = model(x)
+    assert isinstance(out, modeling.BaseModelOutput)
+    assert out.last_hidden_state.device.type == "cpu"
+    assert out["last_hidden_state"] is out.last_hidden_state
 
 
 # -- aliased inputs -----------------------------------------------------------------------
