@@ -95,7 +95,8 @@ def dataclass_fields(obj: Any) -> tuple[dataclasses.Field[Any], ...] | None:
     return None
 
 
-def map_tensors(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
+def map_tensors(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]] | None = None,
+                containers: list[Any] | None = None) -> Any:
     """Apply ``fn`` to every tensor in nested tuples, lists, dicts, namedtuples and dataclass
     instances; other values come back as they were (the same object when nothing inside
     changed). A dataclass instance that changes is copied without calling ``__init__``
@@ -103,12 +104,14 @@ def map_tensors(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]] | None = Non
 
     Each distinct tensor (and container) is mapped once: See [Note: aliased arguments].
     ``memo`` collects ``id(original) -> (original, replacement)`` for every tensor and
-    container replaced.
+    container replaced. With ``containers``, every list, dict and dataclass instance met is
+    appended as ``(original, passed on, its items as passed on, its original items)``, for
+    ``MovedInputs`` to find what a forward put into them.
     """
-    return _map(obj, fn, {} if memo is None else memo)
+    return _map(obj, fn, {} if memo is None else memo, containers)
 
 
-def _map(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
+def _map(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]], seen: list[Any] | None) -> Any:
     if isinstance(obj, torch.Tensor):
         done = memo.get(id(obj)) if memo else None
         if done is not None:
@@ -118,27 +121,28 @@ def _map(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
             memo[id(obj)] = (obj, out)
         return out
     if isinstance(obj, tuple):
-        items = [_map(x, fn, memo) for x in obj]
+        items = [_map(x, fn, memo, seen) for x in obj]
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     if isinstance(obj, (list, dict)) or dataclass_fields(obj) is not None:
         done = memo.get(id(obj))
-        return done[1] if done is not None else _map_container(obj, fn, memo)
+        return done[1] if done is not None else _map_container(obj, fn, memo, seen)
     return obj
 
 
-def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
+def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]],
+                   seen: list[Any] | None) -> Any:
     """A list, dict or dataclass instance mapped: the same object when nothing inside
     changed (a forward may fill it), else a copy."""
     if isinstance(obj, list):
         before: Any = tuple(obj)
-        after: Any = tuple([_map(x, fn, memo) for x in before])
+        after: Any = tuple([_map(x, fn, memo, seen) for x in before])
         changed = any(map(is_not, after, before))
         out: Any = list(after) if changed else obj
     elif isinstance(obj, dict):
         before = dict(obj)
-        after = {k: _map(v, fn, memo) for k, v in before.items()}
+        after = {k: _map(v, fn, memo, seen) for k, v in before.items()}
         changed = any(after[k] is not v for k, v in before.items())
         out = obj
         if changed:
@@ -149,7 +153,7 @@ def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
     else:
         names = [f.name for f in dataclasses.fields(obj)]
         before = tuple([getattr(obj, n) for n in names])
-        after = tuple([_map(v, fn, memo) for v in before])
+        after = tuple([_map(v, fn, memo, seen) for v in before])
         changed = any(map(is_not, after, before))
         out = obj
         if changed:
@@ -158,6 +162,8 @@ def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]]) -> Any:
                 object.__setattr__(out, name, value)  # frozen ones too
     if changed:
         memo[id(obj)] = (obj, out)
+    if seen is not None:
+        seen.append((obj, out, after, before))
     return out
 
 

@@ -70,3 +70,15 @@ def test_a_dataclass_type_is_not_taken_for_an_instance() -> None:
     args: Any = (_Frozen, torch.ones(1))
     out = map_tensors(args, _double)
     assert out[0] is _Frozen and list(tensors_in(args)) == [args[1]]
+
+
+def test_containers_met_are_listed_with_their_items_before_and_after() -> None:
+    t = torch.ones(2)
+    memo: dict[int, tuple[Any, Any]] = {}
+    seen: list[Any] = []
+    state: list[Any] = [t, "x"]
+    out = map_tensors((state,), _double, memo, seen)
+    ((original, passed, after, before),) = seen
+    assert original is state and passed is out[0]
+    assert after[0] is out[0][0] and before[0] is t and after[1] == before[1] == "x"
+    assert memo[id(t)] == (t, out[0][0]) and memo[id(state)] == (state, out[0])
