@@ -82,16 +82,18 @@ class MovedInputs:
         """Whether anything was replaced."""
         return self.args is not self._given[0] or self.kwargs is not self._given[1]
 
-    def hand_back(self, output: Any, back: Move | None) -> Any:
+    def hand_back(self, output: Any, back: Move | None,
+                  memo: dict[int, tuple[Any, Any]] | None = None) -> Any:
         """``output`` with its tensors moved by ``back`` (kept where they are for None); a
-        moved input in it comes back as the caller's own object."""
+        moved input in it comes back as the caller's own object. Calls sharing ``memo``
+        hand one tensor back once."""
         originals = self._originals
 
         def home(t: torch.Tensor) -> torch.Tensor:
             t = originals.get(id(t), t)
             return t if back is None else back(t)
 
-        return map_tensors(output, home, dict(self._returned))
+        return map_tensors(output, home, dict(self._returned) if memo is None else memo)
 
     def write_back(self, back: Move | None) -> None:
         """Hand back what the forward wrote into its inputs: tensors written in place, then
@@ -100,10 +102,11 @@ class MovedInputs:
             if moved._version != version:
                 self._copy_back(orig, moved, stride, offset)
         done: set[int] = set()
+        memo = dict(self._returned)  # one tensor put in two places comes back as one
         for orig, passed, after, before in self._containers:
             if id(orig) not in done:  # a container met twice is one
                 done.add(id(orig))
-                self._fill_back(orig, passed, after, before, back)
+                self._fill_back(orig, passed, after, before, (back, memo))
 
     # -- tensors ---------------------------------------------------------------------------
 
@@ -131,9 +134,10 @@ class MovedInputs:
             raise PlacementError(
                 f"the forward changed the shape or strides of {self._name(orig)} (from "
                 f"{tuple(orig.shape)} to {tuple(moved.shape)}, strides {tuple(moved.stride())}) "
-                f"in the copy adaptmem moved to {moved.device}, and the caller's tensor on "
-                f"{orig.device} cannot follow ({exc}); pass it on {moved.device} already, or "
-                f"let the forward return the new tensor instead of changing its argument"
+                f"in the copy adaptmem moved to {moved.device} ({moved.dtype}), and the "
+                f"caller's tensor on {orig.device} cannot follow ({exc}); pass it there "
+                f"already, or let the forward return the new tensor instead of changing its "
+                f"argument"
             ) from exc
 
     def _name(self, target: torch.Tensor) -> str:
@@ -148,7 +152,7 @@ class MovedInputs:
     # -- containers ------------------------------------------------------------------------
 
     def _fill_back(self, orig: Any, passed: Any, after: Any, before: Any,
-                   back: Move | None) -> None:
+                   back: tuple[Move | None, dict[int, tuple[Any, Any]]]) -> None:
         """Put what the forward placed in ``passed`` (the list, dict or dataclass instance it
         got, ``orig`` or a copy of it) into the caller's ``orig``."""
         if isinstance(passed, list):
@@ -181,11 +185,12 @@ class MovedInputs:
                     object.__setattr__(orig, name, value)  # frozen ones too
 
     def _items_back(self, now: tuple[Any, ...], after: tuple[Any, ...],
-                    before: tuple[Any, ...], back: Move | None) -> list[Any]:
+                    before: tuple[Any, ...],
+                    back: tuple[Move | None, dict[int, tuple[Any, Any]]]) -> list[Any]:
         """The items ``now`` as the caller gets them: its own where they were passed on,
-        what the forward put there handed back."""
+        what the forward put there handed back (by ``back``'s function, sharing its memo)."""
         own = {id(a): b for a, b in zip(after, before, strict=True)}
-        return [own[id(x)] if id(x) in own else self.hand_back(x, back) for x in now]
+        return [own[id(x)] if id(x) in own else self.hand_back(x, *back) for x in now]
 
 
 def _paths(obj: Any, target: torch.Tensor, path: str) -> Iterator[str]:

@@ -168,6 +168,7 @@ class _Appends(nn.Module):
         del cache.extra["old"]
         log.append(x)  # an input: the caller's own tensor comes back, not a copy
         log.append("called")
+        log.append(h)  # in two places: one tensor comes back
         return h
 
 
@@ -191,7 +192,7 @@ def test_items_the_forward_puts_into_its_containers_come_back_to_the_callers_dev
     assert list(cache.extra) == ["last"]
     assert cache.extra["last"].device.type == "cpu"
     assert torch.equal(cache.extra["last"], plain.extra["last"])
-    assert log[0] is x and log[1] == "called"
+    assert log[0] is x and log[1] == "called" and log[2] is cache.keys[1]
 
 
 class _Unsqueezes(nn.Module):
