@@ -8,6 +8,7 @@ import operator
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ __all__ = [
     "parse_size",
     "whole_number",
     "format_bytes",
+    "mover",
     "to_device",
     "stream_module",
 ]
@@ -270,14 +272,12 @@ def stream_module(device: torch.device) -> Any:
     return module if all(hasattr(module, n) for n in needed) else None
 
 
-def to_device(
-    obj: Any,
+def mover(
     device: torch.device,
     dtype: torch.dtype | None = None,
     non_blocking: bool = False,
-) -> Any:
-    """Move every tensor in ``obj`` (nested) to ``device``; floating tensors also to ``dtype``
-    when given (integer and bool tensors keep theirs). Tensors already there are untouched."""
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What ``to_device`` does to one tensor, as a function (for ``map_tensors``)."""
 
     def move(t: torch.Tensor) -> torch.Tensor:
         target = dtype if dtype is not None and t.is_floating_point() else t.dtype
@@ -285,4 +285,16 @@ def to_device(
             return t
         return t.to(device=device, dtype=target, non_blocking=non_blocking)
 
-    return map_tensors(obj, move)
+    return move
+
+
+def to_device(
+    obj: Any,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    non_blocking: bool = False,
+) -> Any:
+    """Move every tensor in ``obj`` (nested) to ``device``; floating tensors also to ``dtype``
+    when given (integer and bool tensors keep theirs). Tensors already there are untouched;
+    a tensor met twice gives one moved tensor (See [Note: aliased arguments])."""
+    return map_tensors(obj, mover(device, dtype, non_blocking))

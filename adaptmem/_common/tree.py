@@ -12,7 +12,10 @@ names agree.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Iterator, Sequence
+from operator import is_not
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +26,7 @@ __all__ = [
     "registrations",
     "canonical_tensors",
     "join_name",
+    "dataclass_fields",
     "map_tensors",
     "tensors_in",
     "first_tensor_device",
@@ -72,34 +76,95 @@ def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {r.name: r.tensor for r in registrations(model) if r.name == r.canonical}
 
 
-# Nested call arguments and outputs: tuples (namedtuples too), lists and dicts, walked by
-# hand rather than with pytree because these run at every hooked call.
+# Nested call arguments and outputs: tuples (namedtuples too), lists, dicts and dataclass
+# instances, walked by hand rather than with pytree because these run at every hooked call.
+#
+# [Note: aliased arguments]
+# One tensor passed twice (``attn(h, h, h)``) is one tensor to the callee:
+# ``nn.MultiheadAttention`` takes its packed self-attention path only when ``query is key is
+# value``. So a walk maps each distinct tensor once and hands every place it appears the same
+# result (``memo``); a list or dict met twice is likewise copied once. Views of one tensor
+# passed separately are mapped separately: rebuilding them as views would mean moving their
+# whole base, which may be far larger than the views.
 
 
-def map_tensors(obj: Any, fn: Any) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and namedtuples; other
-    values come back as they were (the same object when nothing inside changed)."""
+def dataclass_fields(obj: Any) -> tuple[dataclasses.Field[Any], ...] | None:
+    """The fields of a dataclass instance (None for anything else, a dataclass type too)."""
+    if hasattr(type(obj), "__dataclass_fields__"):
+        return dataclasses.fields(obj)
+    return None
+
+
+def map_tensors(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]] | None = None,
+                containers: list[Any] | None = None) -> Any:
+    """Apply ``fn`` to every tensor in nested tuples, lists, dicts, namedtuples and dataclass
+    instances; other values come back as they were (the same object when nothing inside
+    changed). A dataclass instance that changes is copied without calling ``__init__``
+    (frozen ones too); a dict whose type cannot be built from a dict becomes a dict.
+
+    Each distinct tensor (and container) is mapped once: See [Note: aliased arguments].
+    ``memo`` collects ``id(original) -> (original, replacement)`` for every tensor and
+    container replaced. With ``containers``, every list, dict and dataclass instance met is
+    appended as ``(original, passed on, its items as passed on, its original items)``, for
+    ``MovedInputs`` to find what a forward put into them.
+    """
+    return _map(obj, fn, {} if memo is None else memo, containers)
+
+
+def _map(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]], seen: list[Any] | None) -> Any:
     if isinstance(obj, torch.Tensor):
-        return fn(obj)
+        done = memo.get(id(obj)) if memo else None
+        if done is not None:
+            return done[1]
+        out = fn(obj)
+        if out is not obj:
+            memo[id(obj)] = (obj, out)
+        return out
     if isinstance(obj, tuple):
-        items = [map_tensors(x, fn) for x in obj]
+        items = [_map(x, fn, memo, seen) for x in obj]
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):  # the same list when nothing changed: a forward may fill it
-        items = [map_tensors(x, fn) for x in obj]
-        if all(a is b for a, b in zip(items, obj, strict=True)):
-            return obj
-        return items
-    if isinstance(obj, dict):
-        out = {k: map_tensors(v, fn) for k, v in obj.items()}
-        if all(out[k] is v for k, v in obj.items()):
-            return obj
-        try:
-            return type(obj)(out)
-        except TypeError:  # a mapping type that cannot be built from a dict
-            return out
+    if isinstance(obj, (list, dict)) or dataclass_fields(obj) is not None:
+        done = memo.get(id(obj))
+        return done[1] if done is not None else _map_container(obj, fn, memo, seen)
     return obj
+
+
+def _map_container(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]],
+                   seen: list[Any] | None) -> Any:
+    """A list, dict or dataclass instance mapped: the same object when nothing inside
+    changed (a forward may fill it), else a copy."""
+    if isinstance(obj, list):
+        before: Any = tuple(obj)
+        after: Any = tuple([_map(x, fn, memo, seen) for x in before])
+        changed = any(map(is_not, after, before))
+        out: Any = list(after) if changed else obj
+    elif isinstance(obj, dict):
+        before = dict(obj)
+        after = {k: _map(v, fn, memo, seen) for k, v in before.items()}
+        changed = any(after[k] is not v for k, v in before.items())
+        out = obj
+        if changed:
+            try:
+                out = type(obj)(after)
+            except TypeError:  # a mapping type that cannot be built from a dict
+                out = dict(after)
+    else:
+        names = [f.name for f in dataclasses.fields(obj)]
+        before = tuple([getattr(obj, n) for n in names])
+        after = tuple([_map(v, fn, memo, seen) for v in before])
+        changed = any(map(is_not, after, before))
+        out = obj
+        if changed:
+            out = copy.copy(obj)  # no __init__ (nor __post_init__) runs
+            for name, value in zip(names, after, strict=True):
+                object.__setattr__(out, name, value)  # frozen ones too
+    if changed:
+        memo[id(obj)] = (obj, out)
+    if seen is not None:
+        seen.append((obj, out, after, before))
+    return out
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -112,6 +177,10 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, dict):
         for x in obj.values():
             yield from tensors_in(x)
+    else:
+        fields = dataclass_fields(obj)
+        for f in fields or ():
+            yield from tensors_in(getattr(obj, f.name))
 
 
 def first_tensor_device(obj: Any) -> torch.device | None:

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._common.devices import format_bytes, synchronize, to_device
+from .._common.devices import format_bytes, mover, synchronize, to_device
 from .._common.errors import PlacementError
+from .._common.inputs import MovedInputs
 from .._common.reporting import report
 from .._common.tree import calls_in_progress, first_tensor_device
 from .._engines.base import Engine
@@ -68,6 +69,19 @@ def _running(stack: list[Frame], frame: Frame,
     """The modules running around ``frame``, with the paged bytes each holds."""
     return [(name(f.module), sum(s.nbytes for s in f.slots if not s.resident))
             for f in stack if f is not frame]
+
+
+def _hand_back(inputs: MovedInputs | None, output: Any, device: torch.device,
+               home: torch.device | None, output_device: torch.device | None) -> Any:
+    """The end of the model's call: what its forward wrote into the inputs goes back to the
+    caller (See [Note: what a forward writes into its inputs]); the outputs (None after a
+    failure) go to ``output_device``, else where the inputs came from (``home``)."""
+    if inputs is not None:
+        inputs.write_back(None if home is None or home == device else mover(home))
+    target = output_device or home
+    if output is None or target is None or target == device:
+        return None
+    return inputs.hand_back(output, mover(target)) if inputs else to_device(output, target)
 
 
 def _allowance(resident_bytes: int | None, device: torch.device, budget: int | None,
@@ -115,6 +129,7 @@ class Pager(Engine):
         self._modules = dict(model.named_modules())
         self._name_of = {id(m): n for n, m in self._modules.items()}
         self._input_device: torch.device | None = None
+        self._inputs: MovedInputs | None = None  # the outermost call's, while it runs
         self._removed = False
         self._stack = CallStack()
         self._quiet = Quiet()  # entered while the pager moves weights: the probe looks away
@@ -183,7 +198,9 @@ class Pager(Engine):
             self._begin_call()
             self._stats.forwards += 1
             self._input_device = first_tensor_device((args, kwargs))
-            args, kwargs = to_device((args, kwargs), self.device)
+            # See [Note: what a forward writes into its inputs]
+            self._inputs = inputs = MovedInputs(args, kwargs, mover(self.device))
+            args, kwargs = inputs.args, inputs.kwargs
         elif not stack:  # a submodule called on its own (an encoder, say)
             self._begin_call()
         mid = id(module)
@@ -233,12 +250,9 @@ class Pager(Engine):
         self._end_call()
         failed = output is None and sys.exc_info()[1] is not None
         self._end_forward(failed)
-        if failed:
-            return None
-        target = self.output_device or self._input_device
-        if target is not None and target != self.device:
-            output = to_device(output, target)
-        return output
+        inputs, self._inputs = self._inputs, None
+        return _hand_back(inputs, None if failed else output, self.device, self._input_device,
+                          self.output_device)
 
     def _begin_call(self) -> None:
         """An outermost call into the model begins: of the model, or of a submodule on its

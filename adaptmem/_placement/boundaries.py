@@ -30,7 +30,7 @@ output that was not handed back (see above) may reach it in the converted dtype.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._common.tree import map_tensors
+from .._common.inputs import MovedInputs
+from .._common.tree import dataclass_fields, map_tensors
 from .._engines.base import HookSet
 from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats
@@ -62,6 +63,7 @@ class _Frame:
     received: tuple[torch.device | None, torch.dtype | None]
     where: tuple[torch.device | None, torch.dtype | None]
     passthrough: bool
+    inputs: MovedInputs | None = None  # what its pre-hook moved, when anything
 
 
 def module_specs(units: Sequence[Unit], sizes: ModuleSizes, modules: Mapping[str, nn.Module],
@@ -146,9 +148,15 @@ class BoundaryHooks:
         if spec is None or spec.device is None:
             stack.append(_Frame(name, received, enclosing.where if enclosing else received, True))
             return None
-        stack.append(_Frame(name, received, (spec.device, spec.dtype), False))
-        moved = self._convert((args, kwargs), spec.device, spec.dtype)
-        return moved if moved[0] is not args or moved[1] is not kwargs else None
+        frame = _Frame(name, received, (spec.device, spec.dtype), False)
+        stack.append(frame)
+        if not needs_move((args, kwargs), spec.device, spec.dtype):
+            return None
+        converted = self.stats.bytes_converted
+        # See [Note: what a forward writes into its inputs]
+        frame.inputs = inputs = MovedInputs(args, kwargs, self._mover(spec.device, spec.dtype))
+        self._count(converted)
+        return (inputs.args, inputs.kwargs) if inputs.moved else None
 
     def _post(self, name: str, module: nn.Module, args: Any, output: Any) -> Any:
         stack = self._stack()
@@ -160,6 +168,10 @@ class BoundaryHooks:
             return None
         if not stack:  # an outermost call ended
             self._guard.adopt_replacements()
+        if frame.inputs is not None:  # See [Note: what a forward writes into its inputs]
+            converted = self.stats.bytes_converted
+            frame.inputs.write_back(self._mover(*frame.received))
+            self._count(converted)
         if stack and stack[-1].passthrough:
             return None  # the next child of a plain Sequential converts what it needs
         if stack and name in self._stays:
@@ -173,7 +185,7 @@ class BoundaryHooks:
             device = self._output_device
         if device is None or output is None:
             return None
-        moved = self._convert(output, device, dtype)
+        moved = self._convert(output, device, dtype, frame.inputs)
         return None if moved is output else moved
 
     def _received(self, obj: Any, enclosing: _Frame | None
@@ -185,33 +197,47 @@ class BoundaryHooks:
             return device or self._home_device, None
         return device or self._home_device, dtype or self._home_dtype
 
-    def _convert(self, obj: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-        if not needs_move(obj, device, dtype):
+    def _convert(self, obj: Any, device: torch.device, dtype: torch.dtype | None,
+                 inputs: MovedInputs | None = None) -> Any:
+        """``obj`` moved to ``device`` (floating tensors to ``dtype``); a moved input of
+        ``inputs`` in it comes back as the caller's own."""
+        if inputs is None and not needs_move(obj, device, dtype):
             return obj
-        moved_bytes = 0
+        converted = self.stats.bytes_converted
+        move = self._mover(device, dtype)
+        out = map_tensors(obj, move) if inputs is None else inputs.hand_back(obj, move)
+        self._count(converted)
+        return out
+
+    def _mover(self, device: torch.device | None,
+               dtype: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A tensor moved to ``device`` (floating ones to ``dtype``), its bytes counted."""
+        stats = self.stats
 
         def move(t: torch.Tensor) -> torch.Tensor:
-            nonlocal moved_bytes
             want = dtype if dtype is not None and t.is_floating_point() else t.dtype
-            if t.device == device and t.dtype == want:
+            if (device is None or t.device == device) and t.dtype == want:
                 return t
-            moved_bytes += t.numel() * t.element_size()
+            stats.bytes_converted += t.numel() * t.element_size()
             return t.to(device=device, dtype=want)
 
-        out = map_tensors(obj, move)
-        if moved_bytes:
+        return move
+
+    def _count(self, converted: int) -> None:
+        """One crossing more when bytes were converted since ``converted``."""
+        if self.stats.bytes_converted != converted:
             self.stats.boundary_crossings += 1
-            self.stats.bytes_converted += moved_bytes
-        return out
 
 
 def _first_device_and_float(obj: Any) -> tuple[torch.device | None, torch.dtype | None]:
     """The first tensor's device and the first floating tensor's dtype in nested ``obj``
-    (tuples, lists, dicts, as ``map_tensors`` walks them); a hot path, so no pytree."""
+    (tuples, lists, dicts, dataclass instances, as ``map_tensors`` walks them); a hot path,
+    so no pytree."""
     if isinstance(obj, torch.Tensor):
         return obj.device, (obj.dtype if obj.is_floating_point() else None)
     device = dtype = None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) \
+        else _field_values(obj)
     for item in items:
         d, t = _first_device_and_float(item)
         device, dtype = device or d, dtype or t
@@ -229,4 +255,9 @@ def needs_move(obj: Any, device: torch.device, dtype: torch.dtype | None) -> boo
         return any(needs_move(v, device, dtype) for v in obj.values())
     if isinstance(obj, (tuple, list)):
         return any(needs_move(v, device, dtype) for v in obj)
-    return False
+    return any(needs_move(v, device, dtype) for v in _field_values(obj))
+
+
+def _field_values(obj: Any) -> list[Any]:
+    """The field values of a dataclass instance; nothing for other objects."""
+    return [getattr(obj, f.name) for f in dataclass_fields(obj) or ()]

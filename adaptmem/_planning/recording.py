@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from .._common.claims import holder
 from .._common.errors import PlacementError
-from .._common.tree import canonical_tensors
+from .._common.tree import canonical_tensors, tensors_in
 
 __all__ = ["Recording", "meta_copy", "record_execution_order", "record_forward"]
 
@@ -195,10 +195,9 @@ class _UseRecorder(TorchFunctionMode):
         self.alive: list[torch.Tensor] = []  # keeps ids of tagged tensors from being reused
 
     def tag(self, obj: Any, caller: str, sources: frozenset[str]) -> None:
-        for leaf in pytree.tree_leaves(obj):
-            if isinstance(leaf, torch.Tensor):
-                self.tags[id(leaf)] = (caller, sources)
-                self.alive.append(leaf)
+        for leaf in tensors_in(obj):  # as the engines walk outputs: dataclasses too
+            self.tags[id(leaf)] = (caller, sources)
+            self.alive.append(leaf)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
