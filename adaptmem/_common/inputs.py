@@ -22,7 +22,9 @@ raised) the writes are handed back:
 
 Only version counters and the identity of container items are compared, so a forward that
 writes nothing costs a read per moved tensor and a look at each container passed. Writes
-through ``.data`` move no version counter and are not seen.
+through ``.data`` move no version counter and are not seen. Under ``torch.inference_mode``
+the copies are made outside it, as ordinary tensors: an inference tensor has no version
+counter, and an ordinary one written inside inference mode still moves its own.
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ def _unchanged(now: Any, passed: Any) -> bool:
     return len(now) == len(passed) and all(map(is_, now, passed))
 
 
+def _versioned(move: Move) -> Move:
+    """``move`` making tensors that keep a version counter: a copy made under
+    ``torch.inference_mode`` is an inference tensor, which has none, so what the forward
+    wrote into it could not be told (the forward, in inference mode, may still write into
+    an ordinary tensor, and the write moves its counter)."""
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(False), torch.no_grad():
+            return move(t)
+    return plain
+
+
 class MovedInputs:
     """One call's ``args`` and ``kwargs`` with every tensor moved by ``move`` (``.args``,
     ``.kwargs``; the given objects when nothing moved), and the way back: See [Note: what a
@@ -56,6 +69,8 @@ class MovedInputs:
                  "_containers")
 
     def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any], move: Move) -> None:
+        if torch.is_inference_mode_enabled():
+            move = _versioned(move)
         memo: dict[int, tuple[Any, Any]] = {}
         containers: list[Any] = []
         self._given = (args, kwargs)
