@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from conftest import run_if
+from conftest import REAL_CUDA, run_if
 from torch import nn
 
 from adaptmem import PlacementError, adaptive
@@ -28,6 +28,15 @@ ENGINES: dict[str, Callable[[nn.Module], Any]] = {
 # split places on two devices: a one-GPU machine skips it
 ENGINE_NAMES = [*(e for e in ENGINES if e != "split"),
                 pytest.param("split", marks=run_if(cuda=True, min_gpus=2))]
+
+
+def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """``got``, computed where the engine placed the model, against ``want``, computed on the
+    CPU: bitwise on the simulated device (the CPU's kernels); close on a real GPU, whose
+    kernels round differently (a lost write would leave zeros or the old values)."""
+    if REAL_CUDA:
+        return got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    return torch.equal(got, want)
 
 
 def _seeded(make: Callable[[], nn.Module]) -> nn.Module:
@@ -68,9 +77,9 @@ def test_a_state_list_the_forward_updates_is_the_callers_after_every_step(engine
         expected, expected_state = _stream(copy.deepcopy(model), steps)
         with ENGINES[engine](model):
             outputs, state = _stream(model, steps)
-    assert torch.equal(outputs, expected)
+    assert _matches(outputs, expected)
     assert state[0].device.type == "cpu"
-    assert torch.equal(state[0], expected_state[0])
+    assert _matches(state[0], expected_state[0])
 
 
 class _Fails(_Streaming):
@@ -101,7 +110,7 @@ def test_what_a_forward_wrote_before_it_raised_reaches_the_caller(engine: str) -
             with pytest.raises(ValueError, match="after the update"):
                 model(x, state)
     assert [t.device.type for t in state] == ["cpu", "cpu"]
-    assert torch.equal(state[0], expected[0]) and torch.equal(state[1], expected[1])
+    assert _matches(state[0], expected[0]) and _matches(state[1], expected[1])
 
 
 class _Reads(nn.Module):
@@ -152,7 +161,7 @@ def test_an_out_tensor_the_forward_fills_is_the_callers_and_comes_back_itself(
         with ENGINES[engine](model):
             returned = model(x, buffer)
     assert returned is buffer
-    assert torch.equal(buffer, expected)
+    assert _matches(buffer, expected)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,10 +204,10 @@ def test_items_the_forward_puts_into_its_containers_come_back_to_the_callers_dev
             model(x, cache, log)
     assert cache.keys is keys and cache.extra is extra
     assert cache.keys[0] is first
-    assert cache.keys[1].device.type == "cpu" and torch.equal(cache.keys[1], expected)
+    assert cache.keys[1].device.type == "cpu" and _matches(cache.keys[1], expected)
     assert list(cache.extra) == ["last"]
     assert cache.extra["last"].device.type == "cpu"
-    assert torch.equal(cache.extra["last"], plain.extra["last"])
+    assert _matches(cache.extra["last"], plain.extra["last"])
     assert log[0] is x and log[1] == "called" and log[2] is cache.keys[1]
 
 
@@ -294,7 +303,7 @@ def test_dataclass_outputs_come_back_where_the_inputs_came_from(engine: str) -> 
     for got, want in ((out.logits, expected.logits), (out.hidden, expected.hidden),
                       (placed_pair.a, pair.a), (placed_pair.b, pair.b)):
         assert got.device.type == "cpu"
-        assert torch.equal(got, want)
+        assert _matches(got, want)
     assert type(placed_pair) is _Pair
 
 
