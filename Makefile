@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1
-	# bench too: tests check that accelerate and optimem run on the simulated CUDA device.
-	$(PY) -m pip install -q -e '.[dev,bench]'
+	# One resolver pass: torch pinned beside the project (bench too: tests check that
+	# accelerate and optimem run on the simulated CUDA device).
+	$(PY) -m pip install -q torch==2.14.1 torchvision==0.29.1 -e '.[dev,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)
