@@ -87,9 +87,11 @@ PROBE_AFTER_MAX = 1 << 20
 #   evidence wins over a neighbour's that contradicts it (the reading did not predict the
 #   outcome there). A new bucket starts from that shared knowledge. With no size known to
 #   fit below it, it takes the size that fits in the nearest bucket above: as it is from
-#   the next bucket (within the noise of a reading); from RESET_BUCKETS or more away,
-#   scaled down by the memory it lacks, and climbing towards that bucket's failure scaled
-#   down alike. That is a guess, not a size known to fit here: if it fails the search
+#   less than an octave away (at least half the free memory: readings move that much with
+#   what the process's own allocator keeps for the next call, as the demo's capped CPU
+#   batch search showed, where a scaled guess started at 135 for a 192 that fitted and the
+#   climb back ran into the next drift); from an octave or more away, scaled down by the
+#   memory it lacks, and climbing towards that bucket's failure scaled down alike. That is a guess, not a size known to fit here: if it fails the search
 #   halves from it (taken unscaled as a size that fits, a move to a bucket with a fifth of
 #   the memory tried the size that fitted above, then a tenth less, and so on: four
 #   failures, ending at half of what fits). A bucket with more memory
@@ -189,15 +191,15 @@ class CallSite:
     def borrow(self, bucket: int, fails: int | None
                ) -> tuple[int | None, int | None, int | None]:
         """What ``bucket``, with less free memory than any bucket where a size fitted, takes
-        from the nearest such bucket: (fits, a first size to try, fails). One bucket away is
-        within the noise of a reading: its size fits here too. Further away, its size that
-        fits and its smallest failure are scaled down by the memory this one lacks, a guess
-        to try first and a bound (see [Note: a quiet search])."""
+        from the nearest such bucket: (fits, a first size to try, fails). Less than an octave
+        away its size fits here too. Further away, its size that fits and its smallest
+        failure are scaled down by the memory this one lacks, a guess to try first and a
+        bound (see [Note: a quiet search])."""
         known = [(b, r) for b, r in self.records.items() if b > bucket and r.fits is not None]
         if not known:
             return None, None, fails
         nearest, record = min(known)
-        if nearest - bucket < RESET_BUCKETS:
+        if nearest - bucket < BUCKETS_PER_OCTAVE:
             return record.fits, None, fails
         scale = 2 ** ((bucket - nearest) / BUCKETS_PER_OCTAVE)
         start = max(1, int(record.fits * scale))  # type: ignore[operator]
