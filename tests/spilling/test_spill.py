@@ -638,7 +638,10 @@ def test_spill_statistics_count_a_backward_after_the_handle_is_gone() -> None:
     spilled = after["tensors_spilled"] - before["tensors_spilled"]
     assert spilled > 0
     assert after["tensors_restored"] - before["tensors_restored"] == spilled
-    assert after["bytes_in"] - before["bytes_in"] == after["bytes_out"] - before["bytes_out"]
+    # A storage whose copy out had not landed when backward asked for it comes back from
+    # memory, unread (docs of SpillStats.bytes_in): on a busy machine, fewer bytes in.
+    bytes_out = after["bytes_out"] - before["bytes_out"]
+    assert bytes_out > 0 and 0 <= after["bytes_in"] - before["bytes_in"] <= bytes_out
 
 
 @pytest.mark.gpu
