@@ -4,6 +4,7 @@ import gc
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -1090,6 +1091,24 @@ def test_a_failed_attempt_leaves_no_frame_that_holds_its_tensors() -> None:
     assert kept[0]() is None, "the failed attempt's tensor is still alive"
 
 
+def _raised_from_the_original(layer: Callable[[int], None],
+                              error: type[torch.OutOfMemoryError]) -> Callable[[int], int]:
+    """A forward that runs ``layer`` and, when it runs out of memory, handles another error
+    and raises ``error`` from the original: linked through __cause__ alone."""
+    def forward(batchsize: int) -> int:
+        try:
+            layer(batchsize)
+            return batchsize
+        except torch.OutOfMemoryError as oom:
+            saved = oom
+        try:
+            raise ValueError("cleanup failed")
+        except ValueError:
+            raise error("layer ran out") from saved
+
+    return forward
+
+
 def test_an_oom_raised_from_the_original_frees_the_original_attempts_memory() -> None:
     # An OOM re-raised ``from`` the original while another error is handled links the
     # original through __cause__ alone (its __context__ is the other error): its frames, and
@@ -1108,18 +1127,8 @@ def test_an_oom_raised_from_the_original_frees_the_original_attempts_memory() ->
         refs.append(weakref.ref(activation))
         ceiling.require(batchsize)
 
-    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
-    def forward(batchsize: int) -> int:
-        try:
-            layer(batchsize)
-            return batchsize
-        except torch.OutOfMemoryError as oom:
-            saved = oom
-        try:
-            raise ValueError("cleanup failed")
-        except ValueError:
-            raise LayerOOM("layer ran out") from saved
-
+    forward = adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)(
+        _raised_from_the_original(layer, LayerOOM))
     assert forward() == 4
     assert alive_at_retry == [False, False, False]  # at 8: 16's; at 4: 16's and 8's
 
@@ -1136,17 +1145,7 @@ def test_a_simulated_device_retry_fits_once_an_oom_chained_by_cause_is_dropped()
         activation = torch.empty(batchsize * 10 * mib // 4, device="cuda")  # noqa: F841
         more = torch.empty(batchsize * 10 * mib // 4, device="cuda")  # noqa: F841
 
-    def forward(batchsize: int) -> int:
-        try:
-            layer(batchsize)
-            return batchsize
-        except torch.OutOfMemoryError as oom:
-            saved = oom
-        try:
-            raise ValueError("cleanup failed")
-        except ValueError:
-            raise LayerOOM("layer ran out") from saved
-
+    forward = _raised_from_the_original(layer, LayerOOM)
     with simulated_cuda(total_memory="100MiB"):
         # 8 needs 160 MiB; 4 needs 80 MiB, which fits once 8's first 80 MiB are gone.
         assert adaptive.batch(initial_batchsize=8, cache=adaptive.NoBatchsizeCache)(forward)() == 4
