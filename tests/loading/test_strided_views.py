@@ -10,19 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+from adaptmem.cpu_memory import _status_kib  # the one reader of /proc/self/status (bytes)
+
 
 class _One(nn.Module):
     def __init__(self, shape: tuple[int, ...]) -> None:
         super().__init__()
         self.a = nn.Parameter(torch.zeros(shape), requires_grad=False)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise AssertionError(f"no {field} in /proc/self/status")
 
 
 def _views() -> dict[str, torch.Tensor]:
@@ -70,7 +64,7 @@ def test_a_small_view_of_a_large_storage_stages_its_elements_not_its_span(
         f.write("5")  # reset VmHWM
     before = _status_kib("VmRSS")
     adaptive.load(model, tmp_path / "strided.pt")
-    peak = (_status_kib("VmHWM") - before) * 1024
+    peak = _status_kib("VmHWM") - before  # bytes
     assert torch.equal(model.a, view)
     # One staging chunk (16 MiB) and the tensor, not the 46 MiB it spans.
     assert peak < 24 * 2**20, f"peak {peak / 2**20:.0f} MiB"
