@@ -89,7 +89,8 @@ def canonical_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def dataclass_fields(obj: Any) -> tuple[dataclasses.Field[Any], ...] | None:
-    """The fields of a dataclass instance (None for anything else, a dataclass type too)."""
+    """The fields of a dataclass instance (None for anything else, a dataclass type too).
+    ``_map`` asks only the type's attribute: it meets every leaf of every hooked call."""
     if hasattr(type(obj), "__dataclass_fields__"):
         return dataclasses.fields(obj)
     return None
@@ -125,7 +126,7 @@ def _map(obj: Any, fn: Any, memo: dict[int, tuple[Any, Any]], seen: list[Any] | 
         if all(a is b for a, b in zip(items, obj, strict=True)):
             return obj
         return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, (list, dict)) or dataclass_fields(obj) is not None:
+    if isinstance(obj, (list, dict)) or hasattr(type(obj), "__dataclass_fields__"):
         done = memo.get(id(obj))
         return done[1] if done is not None else _map_container(obj, fn, memo, seen)
     return obj
