@@ -6,7 +6,7 @@ import functools
 import inspect
 from typing import Any
 
-__all__ = ["lazy_body"]
+__all__ = ["is_lazy_function", "lazy_body"]
 
 
 def lazy_body(func: Any) -> Any:
@@ -19,7 +19,11 @@ def lazy_body(func: Any) -> Any:
         inner = inner.func
     if not inspect.isroutine(inner) and callable(inner):
         inner = type(inner).__call__  # a callable object: its class's method
-    if (inspect.isgeneratorfunction(inner) or inspect.iscoroutinefunction(inner)
-            or inspect.isasyncgenfunction(inner)):
-        return inner
-    return None
+    return inner if is_lazy_function(inner) else None
+
+
+def is_lazy_function(func: Any) -> bool:
+    """Whether ``func`` itself is a generator, coroutine or async generator function (no
+    unwrapping: ``lazy_body`` looks through what wraps it)."""
+    return (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
+            or inspect.isasyncgenfunction(func))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .._common.callables import is_lazy_function
 from .._common.devices import resolve_device, whole_number
 from .._common.errors import AdaptmemError
 from .._common.oom import is_oom, shrinks_size
@@ -103,11 +104,6 @@ def _checked(result: Any, name: str, kind: str, starts_only: bool) -> Any:
     return result
 
 
-def _is_lazy_function(func: Any) -> bool:
-    return (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
-            or inspect.isasyncgenfunction(func))
-
-
 _INJECTED = {1: "batch size", 2: "start and end", 3: "chunk, start and end"}
 
 
@@ -186,7 +182,7 @@ class _Adaptive:
             "class" if isinstance(func, classmethod) else "")
         if self._binding:
             func = func.__func__
-        if not self.accepts_lazy and _is_lazy_function(func):
+        if not self.accepts_lazy and is_lazy_function(func):
             raise TypeError(
                 f"adaptive.{self.kind} runs each step to completion and retries it while it "
                 f"runs, so it cannot take {_name_of(func)!r}, a generator "
@@ -227,7 +223,7 @@ class _Adaptive:
         self._class_body = scope.get("__qualname__") if "__module__" in scope else None
         if inspect.iscoroutinefunction(func):
             _mark_coroutine_function(self)
-        if group is not None and _is_lazy_function(func):
+        if group is not None and is_lazy_function(func):
             raise TypeError(
                 f"adaptive.{self.kind}(group=...) runs every rank's attempt in step and needs "
                 f"it to finish before the ranks compare outcomes; {self._name!r} is a "
@@ -240,7 +236,7 @@ class _Adaptive:
         self.stats = CallStats(self.kind, self._name, self.what)
         self._watch = Watch(self.stats, on_adapt, self.device)
         report(self, f"{self.kind} {self._name}", self.stats)
-        if auto_ceiling is not None and _is_lazy_function(func):
+        if auto_ceiling is not None and is_lazy_function(func):
             raise TypeError(
                 f"an 'auto' initial size is predicted by tracing the function's work, but "
                 f"{self._name!r} is a generator or async function, whose work happens after it "
@@ -307,7 +303,7 @@ class _Adaptive:
         if self._auto is not None:
             self._trace_guard = guard
             return True
-        if (_is_lazy_function(self._func) or self._accumulation is not None
+        if (is_lazy_function(self._func) or self._accumulation is not None
                 or self.initial <= self.floor):
             return False  # untraceable, or nothing to choose
         self._auto = AutoStart(self._name, self.floor, self.initial, self.device,
