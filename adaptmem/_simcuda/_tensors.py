@@ -1170,6 +1170,10 @@ class Functions(TorchFunctionMode):
             torch.Tensor.__getitem__: self._on_backing,
             torch.Tensor.__setitem__: self._on_backing,
             torch.Tensor.__invert__: self._on_backing,
+            # Its composite picks a fused kernel by the device type, past the dispatcher:
+            # where torch has real CUDA, a CUDA-only one (memory-efficient, flash) that the
+            # host cannot run. On the backings it takes the CPU's choice and values.
+            torch.nn.functional.scaled_dot_product_attention: self._on_backing,
             # torch prints with every mode popped, and refuses tolist() for subclasses and
             # formats a 0-dim one by value only when its type is exactly Tensor.
             torch.Tensor.__repr__: _repr,

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torchvision
 from torch import nn
+from torch.nn import functional as F
 
 from adaptmem.testing import SimulatedCudaError, StreamRaceError, simulated_cuda
 
@@ -36,16 +37,20 @@ def test_devices_are_reported_as_asked() -> None:
 
 def test_nothing_of_torch_is_changed_after_the_block_even_when_it_raised() -> None:
     before = (torch.cuda.is_available, torch.cuda.Stream, torch.cuda.memory_allocated)
+    real_cuda = torch.cuda.is_available()  # a real GPU beside the simulation stays usable
     with pytest.raises(ValueError, match="boom"), simulated_cuda():
         torch.ones(3, device="cuda")
         raise ValueError("boom")
-    assert not torch.cuda.is_available()
+    assert torch.cuda.is_available() == real_cuda
     assert (torch.cuda.is_available, torch.cuda.Stream, torch.cuda.memory_allocated) == before
     assert torch.overrides._get_current_function_mode() is None
     assert not torch._C._is_torch_function_mode_enabled()
     assert torch._C._len_torch_dispatch_stack() == 0
-    with pytest.raises((RuntimeError, AssertionError)):
-        torch.ones(1, device="cuda")
+    if real_cuda:
+        assert type(torch.ones(1, device="cuda")) is torch.Tensor
+    else:
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.ones(1, device="cuda")
 
 
 def test_cuda_autocast_is_refused_with_an_error_instead_of_ending_the_process() -> None:
@@ -211,9 +216,15 @@ def test_copy_and_pickle_of_a_device_tensor_give_device_tensors_as_on_cuda() -> 
             assert restored.tolist() == source.tolist()
         assert isinstance(pickle.loads(pickle.dumps(weight)), nn.Parameter)
         pickled = pickle.dumps(t)
-    # As on a machine without CUDA: the bytes say cuda:0.
-    with pytest.raises(RuntimeError, match="CUDA"):
-        pickle.loads(pickled)
+    # The bytes say cuda:0: after the block they load as on a machine without CUDA, or onto
+    # the real GPU where there is one.
+    if torch.cuda.is_available():
+        restored = pickle.loads(pickled)
+        assert type(restored) is torch.Tensor and restored.device == torch.device("cuda", 0)
+        assert restored.tolist() == [10.0, 1.0, 2.0, 3.0]
+    else:
+        with pytest.raises(RuntimeError, match="CUDA"):
+            pickle.loads(pickled)
     with pytest.raises(RuntimeError, match="after its `with adaptmem.testing.simulated_cuda"):
         copy.copy(alias)
 
@@ -244,6 +255,27 @@ def test_autograd_is_off_for_simulated_tensors() -> None:
         attention = nn.MultiheadAttention(16, 2).cuda()
         q = torch.randn(3, 1, 16, device="cuda", requires_grad=True)
         assert attention(q, q, q)[0].device.type == "cuda"
+
+
+@pytest.mark.parametrize("kind", ["plain", "causal", "mask"])
+def test_scaled_dot_product_attention_gives_the_cpus_values(kind: str) -> None:
+    # Its composite picks a kernel by device type, not through the dispatcher: where torch
+    # has real CUDA it picked memory-efficient attention, which the host cannot run; where
+    # not, the math kernel, whose values differ from the CPU's own choice.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 33, 16) for _ in range(3))
+    mask = torch.rand(33, 33) > 0.3
+    extra: dict[str, Any] = {"plain": {}, "causal": {"is_causal": True},
+                             "mask": {"attn_mask": mask}}[kind]
+    expected = F.scaled_dot_product_attention(q, k, v, **extra)
+    with simulated_cuda():
+        on_device = {name: t.cuda() if isinstance(t, torch.Tensor) else t
+                     for name, t in extra.items()}
+        out = F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), **on_device)
+        assert out.device.type == "cuda"
+        assert torch.equal(out.cpu(), expected)
+        with pytest.raises(RuntimeError, match="cpu"):  # a host mask, as CUDA refuses it
+            F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), attn_mask=mask)
 
 
 # -- memory ----------------------------------------------------------------------------------
@@ -579,7 +611,9 @@ def test_writing_a_pinned_source_before_its_copy_completed_raises() -> None:
 
 
 def test_writing_a_pinned_parameter_or_list_or_second_output_in_flight_raises() -> None:
-    with simulated_cuda(bandwidth=0.01):  # 256 KiB at 10 MB/s: 26 ms
+    # 256 KiB at 1 MB/s: 262 ms. At 26 ms it failed in a run of 16 workers on an H200 host
+    # (no race seen): most likely the copy completed before the busy host reached the write.
+    with simulated_cuda(bandwidth=0.001):
         weight = nn.Parameter(torch.ones(1 << 16).pin_memory(), requires_grad=False)
         order = torch.arange(1 << 16).pin_memory()
         weight.to("cuda", non_blocking=True)
@@ -1025,7 +1059,7 @@ def test_gpt2_generate_runs_and_matches_the_cpu() -> None:
 def test_the_pytest_fixture_runs_a_test_on_the_simulated_device(pytester: pytest.Pytester
                                                                 ) -> None:
     pytester.makeconftest('pytest_plugins = ["adaptmem.testing_plugin"]')
-    pytester.makepyfile("""
+    pytester.makepyfile(f"""
         import pytest, torch
 
         @pytest.mark.simulated_cuda(devices=2, total_memory="1GiB")
@@ -1037,10 +1071,12 @@ def test_the_pytest_fixture_runs_a_test_on_the_simulated_device(pytester: pytest
         def test_positional(simulated_cuda_device):
             assert torch.cuda.device_count() == 2
 
-        def test_without():
-            assert not torch.cuda.is_available()
+        def test_without():  # outside the mark: the machine's own devices
+            assert torch.cuda.device_count() == {torch.cuda.device_count()}
     """)
-    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)
+    # pytest-benchmark, where installed, warns under xdist: an error in this suite.
+    pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark"
+                                 ).assert_outcomes(passed=3)
 
 
 def test_memory_summary_and_stats_read_as_cudas_do() -> None:
