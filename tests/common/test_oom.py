@@ -77,7 +77,9 @@ def test_a_numpy_allocation_failure_at_the_smallest_size_prints_its_message() ->
 
     @adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)
     def prepare(batchsize: int) -> object:
-        return np.empty((batchsize, 2**46), dtype=np.uint8)  # NumPy's _ArrayMemoryError
+        # 2**60 bytes a row: more than any address space, so no overcommit setting lets it
+        # through (2**46 did, on a host that overcommits always).
+        return np.empty((batchsize, 2**60), dtype=np.uint8)  # NumPy's _ArrayMemoryError
 
     with pytest.raises(MemoryError) as info:
         prepare()

@@ -719,10 +719,11 @@ def test_load_is_the_same_where_the_system_cannot_fault_ahead(
     torch.manual_seed(0)
     source = BigNet()
     path = _save(fmt, source.state_dict(), tmp_path)
-    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path, device="cpu"), source)
     assert calls, "the load never asked to fault ahead"
     assert new_memory._madvise is None  # asked once, then never again
-    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path, dtype=torch.float64),
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path, dtype=torch.float64,
+                               device="cpu"),
                  source.double())
 
 
@@ -818,14 +819,16 @@ def test_a_file_out_of_the_page_cache_is_read_past_it_and_left_out_of_it(
     real = Reader._read_ahead
     monkeypatch.setattr(Reader, "_read_ahead",
                         lambda self, *a: (hints.append(a[-1]), real(self, *a))[1])
-    model, stats = adaptive.load(adaptive.empty_model(BigNet), path, return_stats=True)
+    model, stats = adaptive.load(adaptive.empty_model(BigNet), path,
+                                 return_stats=True, device="cpu")
     _assert_same(model, source)
     assert stats.bytes_direct == 0, "a cached file was read from the disk"
     assert not hints, "a cached file asked for read-ahead"
 
     _evict(path)
     assert _cached_fraction(path) < 0.01
-    model, stats = adaptive.load(adaptive.empty_model(BigNet), path, return_stats=True)
+    model, stats = adaptive.load(adaptive.empty_model(BigNet), path,
+                                 return_stats=True, device="cpu")
     _assert_same(model, source)
     assert stats.bytes_direct == large
     assert not hints, "read-ahead pulled the file into the page cache anyway"
@@ -835,7 +838,7 @@ def test_a_file_out_of_the_page_cache_is_read_past_it_and_left_out_of_it(
         assert p.untyped_storage().nbytes() == p.nbytes and p.storage_offset() == 0
     model.emb.weight.data.mul_(2)  # ordinary memory: writable, and not the file's
     _evict(path)
-    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path), source)
+    _assert_same(adaptive.load(adaptive.empty_model(BigNet), path, device="cpu"), source)
 
 
 @_LINUX_EVICTION
@@ -847,7 +850,7 @@ def test_direct_reads_at_unaligned_offsets_are_exact(fmt: str, tmp_path: Path) -
         p.data = (torch.randn(p.shape) * 100).to(p.dtype)
     path = _save(fmt, source.state_dict(), tmp_path)
     _evict(path)
-    model, stats = adaptive.load(OddOffsets, path, return_stats=True)
+    model, stats = adaptive.load(OddOffsets, path, return_stats=True, device="cpu")
     _assert_same(model, source)
     if _takes_direct_reads(tmp_path):
         assert stats.bytes_direct == source.b.nbytes + source.d.nbytes + source.e.nbytes
@@ -891,7 +894,8 @@ def test_a_file_system_without_direct_reads_reads_through_the_cache_with_read_ah
     path = _save("safetensors", source.state_dict(), tmp_path)
     _evict(path)
     with caplog.at_level(logging.INFO, logger="adaptmem"):
-        model, stats = adaptive.load(adaptive.empty_model(BigNet), path, return_stats=True)
+        model, stats = adaptive.load(adaptive.empty_model(BigNet), path, return_stats=True,
+                                     device="cpu")
     _assert_same(model, source)
     assert stats.bytes_direct == 0
     assert hints, "the evicted file was read without asking for read-ahead"
@@ -1138,7 +1142,8 @@ class _Flagged(nn.Module):
 @pytest.mark.parametrize("into", ["factory", "built"])
 def test_parameter_classes_and_attributes_survive_the_load(into: str, tmp_path: Path) -> None:
     torch.save({"w": torch.ones(3), "v": torch.full((3,), 2.0)}, tmp_path / "m.pt")
-    model = adaptive.load(_Flagged if into == "factory" else _Flagged(), tmp_path / "m.pt")
+    model = adaptive.load(_Flagged if into == "factory" else _Flagged(), tmp_path / "m.pt",
+                          device="cpu")
     assert type(model.w) is _FlagParam and model.w.flag == "x"
     assert not model.w.requires_grad and model.v.requires_grad and model.v.no_decay
     assert torch.equal(model.w, torch.ones(3)) and torch.equal(model.v, torch.full((3,), 2.0))
@@ -1201,7 +1206,7 @@ def test_parameters_a_state_dict_leaves_out_are_left_uninitialised_with_a_warnin
     source = _Adapter()
     torch.save(source.state_dict(), tmp_path / "m.pt")
     with caplog.at_level(logging.WARNING, logger="adaptmem"):
-        model = adaptive.load(_Adapter, tmp_path / "m.pt")
+        model = adaptive.load(_Adapter, tmp_path / "m.pt", device="cpu")
     assert "base.weight, base.bias" in caplog.text and "uninitialised" in caplog.text
     assert torch.equal(model.adapter.weight, source.adapter.weight)
     assert model.base.weight.device.type == "cpu"
@@ -1254,7 +1259,7 @@ def test_a_batchnorm_checkpoint_from_before_num_batches_tracked_loads(tmp_path: 
     state = {k: v for k, v in source.state_dict().items() if "num_batches" not in k}
     torch.save(state, tmp_path / "v1.pt")
     model = adaptive.load(lambda: nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
-                          tmp_path / "v1.pt")
+                          tmp_path / "v1.pt", device="cpu")
     assert torch.equal(model[1].running_mean, torch.full((3,), 0.5))
     assert model[1].num_batches_tracked.item() == 0
 
@@ -1491,7 +1496,7 @@ _THREADS_UNDER_CAP = textwrap.dedent(
     build = lambda: nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(4)])
     meta = adaptive.empty_model(build)  # before the cap
     set_cpu_memory_limit((held_bytes() + (48 << 20)) / 2**30)
-    model = adaptive.load(meta, sys.argv[1])  # 16 MiB of new tensors, faulted ahead
+    model = adaptive.load(meta, sys.argv[1], device="cpu")  # 16 MiB of new tensors, faulted ahead
     room = torch.empty(24 << 20, dtype=torch.uint8)  # 48 - 16 leaves 32 MiB
     print("ok", float(model[3].weight[0, 0]))
     """
