@@ -83,6 +83,8 @@ class PeakTracker(TorchDispatchMode):
         self._owners: dict[int, int] = {}  # storage -> how many tracked tensors use it
         self._bytes: dict[int, int] = {}  # storage -> its bytes
         self._seen: set[int] = set()  # ids of the live tensors counted
+        # Devices of the tensors ops made that it does not count (given a ``device``).
+        self.elsewhere: set[torch.device] = set()
 
     def __enter__(self) -> PeakTracker:
         entered = super().__enter__()
@@ -101,7 +103,11 @@ class PeakTracker(TorchDispatchMode):
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         known = {id(t) for t in inputs}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or not self._counts(t.device):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if not self._counts(t.device):
+                if id(t) not in known:
+                    self.elsewhere.add(t.device)
                 continue
             if id(t) not in known and id(t) not in self._seen:
                 key, nbytes = _allocation(t)  # one per storage, shared by its views

@@ -67,6 +67,11 @@ gathers its results on the host (or whose model's engine hands outputs back ther
 resident model the pager's device copies of the paged units are made under the fake mode
 too (fake tensors, no transfer), so the traces count them as the real call will; the
 resident weights are on the device before the traces and are in the free memory already.
+A function whose traces make no tensor on its device at all, only on others (host work on a
+machine with a GPU, where the device defaults to the accelerator), never shows growth there:
+the first call says so with a warning naming where its tensors were and the ``device=`` to
+pass, and the search starts at the largest size, instead of tracing again at every call
+while the memory looks flat (``Elsewhere``).
 
 [Note: one fake per real tensor] The fake mode turns each real tensor an op reads (a weight,
 the data) into a fake, and remembers the fake only while something holds it (torch's memo is
@@ -127,6 +132,11 @@ class Flat(NotPredictable):
 class TooFewItems(Flat):
     """The call has fewer items than the sizes traced: it runs only what it has, so a trace
     asked for more measures less than it was asked (see [Note: sizes a call can fill])."""
+
+
+class Elsewhere(NotPredictable):
+    """The traces made no tensor on the device the decorator watches, only on others: its
+    memory is not what bounds the size (see [Note: counting the device's bytes only])."""
 
 
 class TraceFailed(NotPredictable):
@@ -199,8 +209,10 @@ def _guard_module_changes() -> None:
         torch.nn.Module._apply = _apply  # type: ignore[method-assign]
 
 
-def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
-    """Bytes ``call(size)`` allocates on ``device`` at its peak, run on fake tensors."""
+def _trace(call: Callable[[int], Any], size: int, device: torch.device,
+           elsewhere: set[torch.device] | None = None) -> int:
+    """Bytes ``call(size)`` allocates on ``device`` at its peak, run on fake tensors; the
+    devices of the tensors it made on others are added to ``elsewhere``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _guard_module_changes()
@@ -229,6 +241,8 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device) -> int:
         _quiet_fake_tensor_log(False)
         _tracing.on = outer
         kept.clear()
+    if elsewhere is not None:
+        elsewhere |= tracker.elsewhere
     return tracker.peak
 
 
@@ -277,7 +291,16 @@ def _keep_conversions(mode: Any) -> dict[int, Any]:
 
 def _fit(call: Callable[[int], Any], small: int, large: int, device: torch.device
          ) -> tuple[dict[int, int], Any]:
-    peaks = {small: _trace(call, small, device), large: _trace(call, large, device)}
+    elsewhere: set[torch.device] = set()
+    peaks = {small: _trace(call, small, device, elsewhere),
+             large: _trace(call, large, device, elsewhere)}
+    if not peaks[small] and not peaks[large] and elsewhere:
+        # No call will show growth on this device: say where the memory is, at once.
+        where = ", ".join(sorted({str(d) for d in elsewhere}))
+        raise Elsewhere(
+            f"it made no tensor on {device}, the device whose memory it watches, and made "
+            f"them on {where}: pass device={where.split(', ')[0]!r} to size it by that "
+            f"memory")
     prediction = fit((small, large), (peaks[small], peaks[large]))
     if prediction.per_item_bytes <= 0:
         raise Flat(
@@ -459,6 +482,10 @@ class AutoStart:
             logger.info("%s: %s could not trace the function on fake tensors in %d calls "
                         "(%s); the search starts at %s",
                         self.name, self.asked, self._early, exc, self.largest)
+            return self.ceiling
+        except Elsewhere as exc:
+            logger.warning("%s: %s sees no memory of its own grow: %s; the search starts at %s",
+                           self.name, self.asked, exc, self.largest)
             return self.ceiling
         except TraceFailed as exc:
             self._failed = str(exc)  # logged once the call shows it runs: see ran()

@@ -104,7 +104,8 @@ def test_auto_traces_once_at_the_first_call_and_then_runs_like_a_fixed_size(
         caplog: pytest.LogCaptureFixture) -> None:
     runs: list[bool] = []
 
-    @adaptive.batch(initial_batchsize="auto", max_batchsize=64)
+    # device="cpu": host work, as on a machine with a GPU too (where it defaults to that).
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=64, device="cpu")
     def total(batchsize: int, data: torch.Tensor) -> torch.Tensor:
         from torch._subclasses.fake_tensor import FakeTensor
 
@@ -147,7 +148,7 @@ def test_a_first_call_that_fails_for_real_leaves_the_decision_to_the_next_call(
         caplog: pytest.LogCaptureFixture) -> None:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)).eval()
 
-    @adaptive.batch(initial_batchsize="auto", max_batchsize=256)
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=256, device="cpu")
     def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return torch.cat([model(c) for c in data.split(batchsize)])
@@ -239,7 +240,7 @@ def test_auto_options_are_checked_where_they_are_given() -> None:
 def test_range_and_chunked_start_where_their_steps_fit_and_the_traces_write_nothing() -> None:
     out = torch.zeros(200)
 
-    @adaptive.range(initial_step="auto", max_step=50)
+    @adaptive.range(initial_step="auto", max_step=50, device="cpu")
     def fill(start: int, end: int, out: torch.Tensor) -> int:
         out[start:end] += torch.ones(end - start, 256).sum(1)  # 1 KiB of scratch per item
         return end - start
@@ -250,7 +251,7 @@ def test_range_and_chunked_start_where_their_steps_fit_and_the_traces_write_noth
 
     tensor = torch.ones(3, 40)
 
-    @adaptive.chunked(initial_step="auto", max_step=16, dimension=-1)
+    @adaptive.chunked(initial_step="auto", max_step=16, dimension=-1, device="cpu")
     def double(chunk: torch.Tensor, start: int, end: int) -> None:
         chunk.mul_(2)
 
@@ -292,7 +293,7 @@ def test_a_function_that_keeps_a_traced_tensor_gets_a_clear_error() -> None:
 
 
 def test_calls_too_small_to_tell_leave_the_decision_to_a_later_call() -> None:
-    @adaptive.batch(initial_batchsize="auto", max_batchsize=4096)
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=4096, device="cpu")
     def scaled(batchsize: int, data: torch.Tensor) -> torch.Tensor:
         return torch.stack([(chunk * 2).sum() for chunk in data.split(batchsize)]).sum()
 
@@ -308,7 +309,7 @@ def test_a_long_loop_is_traced_at_larger_sizes_instead_of_op_by_op() -> None:
     model = torch.nn.Sequential(*[m for _ in range(3)
                                   for m in (torch.nn.Linear(8, 64), torch.nn.Linear(64, 8))]).eval()
 
-    @adaptive.batch(initial_batchsize="auto", max_batchsize=8192)
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=8192, device="cpu")
     def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return torch.cat([model(c).sum(1) for c in data.split(batchsize)])
@@ -451,7 +452,7 @@ def test_the_decorate_and_run_form_stops_tracing_calls_too_small_to_tell() -> No
     counts = []
     for _ in range(6):
         runs.clear()
-        adaptive.execute.batch(initial_batchsize="auto")(work)
+        adaptive.execute.batch(initial_batchsize="auto", device="cpu")(work)
         counts.append(len(runs))
     assert all(n > 1 for n in counts[:3]) and counts[3:] == [1, 1, 1], counts
 
@@ -616,3 +617,36 @@ def test_the_call_forms_predict_once_per_call_site() -> None:
             call()
             counts.append(len(runs))
         assert counts[0] > 1 and counts[1:] == [1, 1], (kind, counts)  # traced once
+
+
+def test_host_work_where_the_device_is_a_gpu_says_which_device_to_watch_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # With a GPU the device defaults to it; a function that allocates only on the host
+    # never shows growth there. It was traced at three calls before giving up, silently.
+    from adaptmem.testing import simulated_cuda
+
+    traced: list[int] = []
+
+    def work(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        scratch = torch.zeros(batchsize, 1024)
+        if isinstance(scratch, FakeTensor):
+            traced.append(batchsize)
+        return torch.cat([c.exp().sum(1) for c in data.split(batchsize)]) + 0 * scratch.sum()
+
+    data = torch.randn(256, 64)
+    want = data.exp().sum(1)
+    with simulated_cuda(), caplog.at_level(logging.INFO, logger="adaptmem"):
+        on_gpu = adaptive.batch(initial_batchsize="auto", max_batchsize=256)(work)
+        for _ in range(3):
+            torch.testing.assert_close(on_gpu(data), want)
+        first = len(traced)
+        on_host = adaptive.batch(initial_batchsize="auto", max_batchsize=256, device="cpu")(work)
+        torch.testing.assert_close(on_host(data), want)
+    assert first == 2  # the two sizes of the first call, not again
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and on_gpu.prediction is None
+    assert "made no tensor on cuda:0" in warned[0].getMessage()
+    assert "device='cpu'" in warned[0].getMessage()
+    assert on_host.prediction is not None and on_host.prediction.per_item_bytes > 0
