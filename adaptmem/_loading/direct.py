@@ -36,9 +36,10 @@ logger = logging.getLogger("adaptmem")
 # that keeps the weights, the page cache gets nothing. Aligning a read's start down and its
 # end up writes the file's own bytes into the same places, or into the mapping's slack
 # around the tensor, never into other memory. The storage has exactly the tensor's bytes
-# (`torch.frombuffer`), and it is freed with the tensor. Reads run on the loader's four
-# threads (one per core under a cap on the data segment, where each thread costs cap), in
-# pieces of up to _DIRECT_PIECE, so that the disk has enough requests in flight: on the VM,
+# (`torch.frombuffer`), and it is freed with the tensor. Reads run on the loader's threads
+# (at least four, see [Note: the loader's pool]; one per core, at most four, under a cap on
+# the data segment, where each thread costs cap), in pieces of up to _DIRECT_PIECE, so
+# that the disk has enough requests in flight: on the VM,
 # 16 MiB reads reached 1.1-1.2 GB/s from one thread, 1.4 GB/s from two and 1.5-1.7 from
 # four, 64 MiB reads 1.3-1.4 and 1.6-1.7 GB/s from one and two, the buffered floor 1.7-1.8
 # GB/s; GPT-2 small, whose tensors are mostly 2-9 MiB, loaded cold in 0.36-0.45 s with four
