@@ -68,86 +68,35 @@ def _allocation(t: torch.Tensor) -> tuple[int, int]:
     return storage._cdata, storage.nbytes()
 
 
-class PeakTracker(TorchDispatchMode):
-    """Counts the bytes of the storages ops create while it is active and the highest total
-    alive at once (``peak``); storages that existed before are not counted. Works on any
-    device; on meta it is what a real run would allocate. Given a ``device``, only storages
-    on that device count (see [Note: counting the device's bytes only] in
-    ``_execution/auto.py``)."""
+class _Account:
+    """Live and peak bytes of the storages counted on one device: each storage once, while
+    a tensor counted over it lives."""
 
-    def __init__(self, device: torch.device | None = None) -> None:
-        super().__init__()
-        self.device = device
+    def __init__(self) -> None:
         self.live = 0
         self.peak = 0
         self._owners: dict[int, int] = {}  # storage -> how many tracked tensors use it
         self._bytes: dict[int, int] = {}  # storage -> its bytes
         self._seen: set[int] = set()  # ids of the live tensors counted
-        # Devices of the tensors ops made that it does not count (given a ``device``).
-        self.elsewhere: set[torch.device] = set()
 
-    def __enter__(self) -> PeakTracker:
-        entered = super().__enter__()
-        trackers = getattr(_active, "trackers", None)
-        if trackers is None:
-            trackers = _active.trackers = []
-        trackers.append(self)
-        return entered
-
-    def __exit__(self, *exc: Any) -> None:
-        _active.trackers.remove(self)
-        super().__exit__(*exc)
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        known = {id(t) for t in inputs}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            if not self._counts(t.device):
-                if id(t) not in known:
-                    self.elsewhere.add(t.device)
-                continue
-            if id(t) not in known and id(t) not in self._seen:
-                key, nbytes = _allocation(t)  # one per storage, shared by its views
-                if key in self._owners:  # a view of a storage made while tracking
-                    self._hold(t, key, 0)
-                elif not self._existing(key, nbytes, inputs):  # new
-                    self._hold(t, key, nbytes)
-                # else a view of (or in-place result in) memory that existed before: not counted
-        return out
+    def take(self, t: torch.Tensor, inputs: list[torch.Tensor]) -> None:
+        """``t``, an op's output that is none of its inputs: new memory unless it is a view
+        of a storage counted already or of one that existed before."""
+        if id(t) in self._seen:
+            return
+        key, nbytes = _allocation(t)  # one per storage, shared by its views
+        if key in self._owners:  # a view of a storage made while tracking
+            self._hold(t, key, 0)
+        elif not _existing(key, nbytes, inputs):  # new
+            self._hold(t, key, nbytes)
+        # else a view of (or in-place result in) memory that existed before: not counted
 
     def count(self, t: torch.Tensor) -> None:
-        """Count ``t`` as new memory (See ``count_allocation``), a view of memory counted
-        already as nothing more."""
-        if id(t) in self._seen or not self._counts(t.device):
+        """Count ``t`` as new memory, a view of memory counted already as nothing more."""
+        if id(t) in self._seen:
             return
         key, nbytes = _allocation(t)
         self._hold(t, key, 0 if key in self._owners else nbytes)
-
-    @staticmethod
-    def _existing(key: int, nbytes: int, inputs: list[torch.Tensor]) -> bool:
-        """Whether storage ``key`` (of ``nbytes``) is one of the inputs', or (under a fake
-        mode) that of the fake a real input of that size became: a view of a real tensor the
-        traced call was given (a batch sliced from its data) is a view of that fake, not new
-        memory."""
-        if any(_allocation(i)[0] == key for i in inputs):
-            return True
-        mode = fake_mode()
-        if mode is None:
-            return False
-        # Plain tensors only (a tensor subclass, the simulated device's, is its own
-        # business), and only of the same size: converting is the costly part.
-        return any(mode.from_tensor(i).untyped_storage()._cdata == key for i in inputs
-                   if i.__class__ in _PLAIN and i.untyped_storage().nbytes() == nbytes)
-
-    def _counts(self, device: torch.device) -> bool:
-        wanted = self.device
-        if wanted is None:
-            return True
-        return device.type == wanted.type and (wanted.index is None or device.index is None
-                                               or device.index == wanted.index)
 
     def _hold(self, t: torch.Tensor, key: int, nbytes: int) -> None:
         self._seen.add(id(t))
@@ -168,6 +117,89 @@ class PeakTracker(TorchDispatchMode):
             return
         if self._owners.pop(key, None) is not None:
             self.live -= self._bytes.pop(key, 0)
+
+
+def _existing(key: int, nbytes: int, inputs: list[torch.Tensor]) -> bool:
+    """Whether storage ``key`` (of ``nbytes``) is one of the inputs', or (under a fake mode)
+    that of the fake a real input of that size became: a view of a real tensor the traced
+    call was given (a batch sliced from its data) is a view of that fake, not new memory."""
+    if any(_allocation(i)[0] == key for i in inputs):
+        return True
+    mode = fake_mode()
+    if mode is None:
+        return False
+    # Plain tensors only (a tensor subclass, the simulated device's, is its own business),
+    # and only of the same size: converting is the costly part.
+    return any(mode.from_tensor(i).untyped_storage()._cdata == key for i in inputs
+               if i.__class__ in _PLAIN and i.untyped_storage().nbytes() == nbytes)
+
+
+class PeakTracker(TorchDispatchMode):
+    """Counts the bytes of the storages ops create while it is active and the highest total
+    alive at once (``peak``); storages that existed before are not counted. Works on any
+    device; on meta it is what a real run would allocate. Given a ``device``, only storages
+    on that device count toward ``peak``; the peaks of other devices are kept apart in
+    ``elsewhere`` (see [Note: counting the device's bytes only] in ``_execution/auto.py``)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.device = device
+        self._account = _Account()
+        self._others: dict[torch.device, _Account] = {}  # given a device: the rest
+
+    @property
+    def live(self) -> int:
+        return self._account.live
+
+    @property
+    def peak(self) -> int:
+        return self._account.peak
+
+    @property
+    def elsewhere(self) -> dict[torch.device, int]:
+        """Given a ``device``: the peak bytes of new storages on each other device."""
+        return {d: a.peak for d, a in self._others.items() if a.peak}
+
+    def __enter__(self) -> PeakTracker:
+        entered = super().__enter__()
+        trackers = getattr(_active, "trackers", None)
+        if trackers is None:
+            trackers = _active.trackers = []
+        trackers.append(self)
+        return entered
+
+    def __exit__(self, *exc: Any) -> None:
+        _active.trackers.remove(self)
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        known = {id(t) for t in inputs}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or id(t) in known:
+                continue
+            if self._counts(t.device):
+                self._account.take(t, inputs)
+            else:
+                account = self._others.get(t.device)
+                if account is None:
+                    account = self._others[t.device] = _Account()
+                account.take(t, inputs)
+        return out
+
+    def count(self, t: torch.Tensor) -> None:
+        """Count ``t`` as new memory (See ``count_allocation``), a view of memory counted
+        already as nothing more."""
+        if self._counts(t.device):
+            self._account.count(t)
+
+    def _counts(self, device: torch.device) -> bool:
+        wanted = self.device
+        if wanted is None:
+            return True
+        return device.type == wanted.type and (wanted.index is None or device.index is None
+                                               or device.index == wanted.index)
 
 
 def fake_mode() -> Any:

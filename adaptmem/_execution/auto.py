@@ -67,11 +67,13 @@ gathers its results on the host (or whose model's engine hands outputs back ther
 resident model the pager's device copies of the paged units are made under the fake mode
 too (fake tensors, no transfer), so the traces count them as the real call will; the
 resident weights are on the device before the traces and are in the free memory already.
-A function whose traces make no tensor on its device at all, only on others (host work on a
-machine with a GPU, where the device defaults to the accelerator), never shows growth there:
-the first call says so with a warning naming where its tensors were and the ``device=`` to
-pass, and the search starts at the largest size, instead of tracing again at every call
-while the memory looks flat (``Elsewhere``).
+A function whose traces allocate nothing new on its device while its memory on another grows
+with the size (host work on a machine with a GPU, where the device defaults to the
+accelerator) never shows growth on its device: the first call says so with a warning naming
+that other device and the ``device=`` to pass, and the search starts at the largest size,
+instead of tracing again at three calls while the memory looks flat (``Elsewhere``). A
+function that only fills memory that existed before (``dev[s:e].copy_(host[s:e])``) grows
+nowhere and is put off as a flat one.
 
 [Note: one fake per real tensor] The fake mode turns each real tensor an op reads (a weight,
 the data) into a fake, and remembers the fake only while something holds it (torch's memo is
@@ -210,9 +212,9 @@ def _guard_module_changes() -> None:
 
 
 def _trace(call: Callable[[int], Any], size: int, device: torch.device,
-           elsewhere: set[torch.device] | None = None) -> int:
-    """Bytes ``call(size)`` allocates on ``device`` at its peak, run on fake tensors; the
-    devices of the tensors it made on others are added to ``elsewhere``."""
+           elsewhere: dict[torch.device, int] | None = None) -> int:
+    """Bytes ``call(size)`` allocates on ``device`` at its peak, run on fake tensors; its
+    peak on each other device goes into ``elsewhere``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     _guard_module_changes()
@@ -242,7 +244,7 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device,
         _tracing.on = outer
         kept.clear()
     if elsewhere is not None:
-        elsewhere |= tracker.elsewhere
+        elsewhere.update(tracker.elsewhere)
     return tracker.peak
 
 
@@ -291,16 +293,20 @@ def _keep_conversions(mode: Any) -> dict[int, Any]:
 
 def _fit(call: Callable[[int], Any], small: int, large: int, device: torch.device
          ) -> tuple[dict[int, int], Any]:
-    elsewhere: set[torch.device] = set()
-    peaks = {small: _trace(call, small, device, elsewhere),
-             large: _trace(call, large, device, elsewhere)}
-    if not peaks[small] and not peaks[large] and elsewhere:
-        # No call will show growth on this device: say where the memory is, at once.
-        where = ", ".join(sorted({str(d) for d in elsewhere}))
+    at_small: dict[torch.device, int] = {}
+    at_large: dict[torch.device, int] = {}
+    peaks = {small: _trace(call, small, device, at_small),
+             large: _trace(call, large, device, at_large)}
+    grew = {d: n - at_small.get(d, 0) for d, n in at_large.items() if n > at_small.get(d, 0)}
+    if not peaks[small] and not peaks[large] and grew:
+        # No call will show growth on this device, and memory elsewhere grows: say so now.
+        where = max(grew, key=lambda d: grew[d])
         raise Elsewhere(
-            f"it made no tensor on {device}, the device whose memory it watches, and made "
-            f"them on {where}: pass device={where.split(', ')[0]!r} to size it by that "
-            f"memory")
+            f"it allocated nothing new on {device}, the device whose memory it watches, "
+            f"while its memory on {where} grew with the size "
+            f"({format_bytes(at_small.get(where, 0))} at {small} items, "
+            f"{format_bytes(at_large[where])} at {large}): pass device={str(where)!r} to "
+            f"size it by that memory")
     prediction = fit((small, large), (peaks[small], peaks[large]))
     if prediction.per_item_bytes <= 0:
         raise Flat(

@@ -499,9 +499,18 @@ _fadvise = getattr(os, "posix_fadvise", None)
 
 
 def _usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, where the system has one)."""
+    """The cores this process may run on: its affinity mask (where the system has one),
+    within its control group's CPU quota (cgroup v2 ``cpu.max``, a container's limit)."""
     affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota to read
+    return cores
 
 
 # [Note: the loader's pool]
@@ -510,8 +519,11 @@ def _usable_cores() -> int:
 # scales with cores: on a 16-core GPU host (2026-11-27, GPT-2 small, warm, fresh processes)
 # 16 threads made a ready model in 0.11-0.15 s against 0.16-0.17 s with 4 (1.18-1.68x the
 # recipe against 1.66-1.87x, three rounds), and GPT-2 large in 0.55 s against 0.71-0.78 s
-# (one and two samples); an earlier visit had 16 beat 4 in two of three pairs. So one
-# thread per usable core, at least four, at most 16 (not measured beyond).
+# (one and two samples); an earlier visit had 16 beat 4 in two of three pairs (8 threads,
+# tried once, beat both). So one thread per usable core, at least four, at most 16 (counts
+# between 5 and 15 and beyond 16 not measured). Each thread maps at most new_memory._STEP
+# (4 MiB) of the file at once while it fills: 64 MiB at 16 threads, inside the guarantee
+# of the model + its largest tensor + 64 MiB (a warm copying load stages no tensor).
 _WORKERS = max(4, min(16, _usable_cores()))
 _CORES = max(1, min(4, _usable_cores()))  # under a cap on the data segment
 _THREAD_STACK = 256 * 2**10  # faulting and reading threads only call madvise and preadv
@@ -570,7 +582,7 @@ class Reader:
         self._maps: dict[str, mmap.mmap] = {}
         self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
         self._staging = Staging(self._fill, _CHUNK)
-        # Four threads fault new memory in and read pieces (see _pool_of_workers).
+        # Threads that fault new memory in and read pieces (see [Note: the loader's pool]).
         self._workers: ThreadPoolExecutor | None = None
         self._new = NewMemory()
         self._reads: list[Future[None]] = []

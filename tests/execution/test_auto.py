@@ -622,7 +622,8 @@ def test_the_call_forms_predict_once_per_call_site() -> None:
 def test_host_work_where_the_device_is_a_gpu_says_which_device_to_watch_at_once(
         caplog: pytest.LogCaptureFixture) -> None:
     # With a GPU the device defaults to it; a function that allocates only on the host
-    # never shows growth there. It was traced at three calls before giving up, silently.
+    # never shows growth there. It was traced at three calls before giving up, silently. A
+    # function that only fills memory that existed before grows nowhere: no warning.
     from adaptmem.testing import simulated_cuda
 
     traced: list[int] = []
@@ -647,6 +648,40 @@ def test_host_work_where_the_device_is_a_gpu_says_which_device_to_watch_at_once(
     assert first == 2  # the two sizes of the first call, not again
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1 and on_gpu.prediction is None
-    assert "made no tensor on cuda:0" in warned[0].getMessage()
-    assert "device='cpu'" in warned[0].getMessage()
+    message = warned[0].getMessage()
+    assert "nothing new on cuda:0" in message and "its memory on cpu grew" in message
+    assert "device='cpu'" in message
     assert on_host.prediction is not None and on_host.prediction.per_item_bytes > 0
+
+    caplog.clear()
+    with simulated_cuda(), caplog.at_level(logging.INFO, logger="adaptmem"):
+        buffer = torch.zeros(256, 64, device="cuda")
+
+        @adaptive.range(initial_step="auto", max_step=256)
+        def upload(start: int, end: int) -> None:
+            buffer[start:end].copy_(data[start:end])
+
+        upload(0, 256)
+        assert torch.equal(buffer.cpu(), data)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_filling_device_memory_that_existed_from_host_data_is_flat_not_elsewhere() -> None:
+    # "meta" stands in for a GPU: the fake mode makes fakes of both alike. Only views of the
+    # host data are made, so nothing grows on the host: no advice to watch it instead.
+    from adaptmem._execution import auto
+
+    device_buffer = torch.zeros(4096, 256, device="meta")
+    host = torch.randn(4096, 256)
+
+    def upload(batchsize: int) -> None:
+        for start in range(0, 64, batchsize):
+            device_buffer[start:start + batchsize].copy_(host[start:start + batchsize])
+
+    def on_host(batchsize: int) -> torch.Tensor:
+        return host[:batchsize].exp()
+
+    with pytest.raises(auto.Flat):
+        auto._fit(upload, 8, 16, torch.device("meta"))
+    with pytest.raises(auto.Elsewhere, match="its memory on cpu grew"):
+        auto._fit(on_host, 8, 16, torch.device("meta"))

@@ -271,11 +271,14 @@ def test_scaled_dot_product_attention_gives_the_cpus_values(kind: str) -> None:
     with simulated_cuda():
         on_device = {name: t.cuda() if isinstance(t, torch.Tensor) else t
                      for name, t in extra.items()}
-        out = F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), **on_device)
+        q, k, v = q.cuda(), k.cuda(), v.cuda()
+        before = torch.cuda.memory_allocated()
+        out = F.scaled_dot_product_attention(q, k, v, **on_device)
         assert out.device.type == "cuda"
+        assert torch.cuda.memory_allocated() == before + out.nbytes  # 33 blocks of 512 bytes
         assert torch.equal(out.cpu(), expected)
         with pytest.raises(RuntimeError, match="cpu"):  # a host mask, as CUDA refuses it
-            F.scaled_dot_product_attention(q.cuda(), k.cuda(), v.cuda(), attn_mask=mask)
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 # -- memory ----------------------------------------------------------------------------------
