@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from adaptmem._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from adaptmem.testing import simulated_cuda
 from adaptmem.testing_plugin import pytest_configure as _plugin_configure
 from adaptmem.testing_plugin import simulated_cuda_device  # noqa: F401 - a fixture
@@ -52,6 +53,17 @@ def _gpu_on_the_simulation(request: pytest.FixtureRequest) -> Iterator[None]:
                **kwargs}
     with simulated_cuda(**options):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_free_memory_reading() -> None:
+    """The default cache reads free memory anew at each test's first call. It keeps a reading
+    for half a second, across tests too: the test before's (its patched free memory, or the
+    simulated device's) put a test's first record in another bucket than its later ones, so
+    what a test learned depended on which test ran just before it."""
+    cache = resolve_cache(None)
+    if isinstance(cache, StacktraceMemoryBatchsizeCache):
+        cache.memory_changed()
 
 
 @pytest.fixture

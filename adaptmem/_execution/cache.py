@@ -174,6 +174,18 @@ class CallSite:
 
     def seed(self, bucket: int) -> SizeRecord:
         """A record for a bucket not seen before, from what the others learned."""
+        fits, start, fails = self.estimate(bucket)
+        record = SizeRecord(fits, fails, site=self, bucket=bucket)
+        record.start = start  # tried first, but not known to fit here
+        self.records[bucket] = record
+        return record
+
+    def estimate(self, bucket: int) -> tuple[int | None, int | None, int | None]:
+        """What a record for ``bucket`` starts from: (fits, a first size to try, fails),
+        its own if it has one, else from what the other buckets learned."""
+        own = self.records.get(bucket)
+        if own is not None:
+            return own.fits, own.start, own.fails
         below = [r.fits for b, r in self.records.items() if b < bucket and r.fits is not None]
         above = [r.fails for b, r in self.records.items() if b > bucket and r.fails is not None]
         fits = max(below, default=None)
@@ -183,10 +195,7 @@ class CallSite:
             fits, start, fails = self.borrow(bucket, fails)
         if fits is not None and fails is not None and fits >= fails:
             fits = None  # the readings contradict each other: trust the failure
-        record = SizeRecord(fits, fails, site=self, bucket=bucket)
-        record.start = start  # tried first, but not known to fit here
-        self.records[bucket] = record
-        return record
+        return fits, start, fails
 
     def borrow(self, bucket: int, fails: int | None
                ) -> tuple[int | None, int | None, int | None]:
@@ -376,7 +385,12 @@ class SizeRecord:
 # nor do they keep an instance alive. A new instance's first record at a key starts from
 # the latest record another instance made there (its size that fits as a first size to
 # try, its smallest failure as a bound), so instances made anew for every request neither
-# search from the initial size again nor pile up records. An instance that cannot be
+# search from the initial size again nor pile up records. Under the default cache, where
+# no instance made a record at that key (free memory moved to another bucket since), it
+# starts from what the latest instance called from that site learned in its buckets, as
+# a bucket of its own would start (see [Note: a quiet search]): keyed by bucket alone, a
+# new instance searched from the initial size again whenever free memory had moved a
+# bucket since the last instance's call. An instance that cannot be
 # weakly referenced (a class with __slots__ and no __weakref__), or a class (a
 # classmethod), shares the records of calls made without an instance.
 
@@ -399,6 +413,7 @@ class InstanceRecords:
     def __init__(self) -> None:
         self.by_id: dict[int, tuple[weakref.ref[Any], Records]] = {}
         self.latest: dict[Any, SizeRecord] = {}
+        self.latest_sites: dict[Any, CallSite] = {}  # the default cache's, by call site
 
     def of(self, owner: Any, shared: Records, lock: Any) -> Records:
         """The records of calls through ``owner`` (``shared`` if it cannot be weakly
@@ -433,12 +448,28 @@ class InstanceRecords:
                 record.start_at(guess, latest.fails)
         self.latest[key] = record
 
+    def started_at_site(self, site: Any, own: CallSite, key: Any, record: SizeRecord) -> None:
+        """``record`` was made at ``key`` (in call site ``site``, whose state for this
+        instance is ``own``): if no instance made a record at ``key`` and it knows
+        nothing, it starts from what the latest instance at ``site`` learned in its
+        buckets. Called before ``started``."""
+        other = self.latest_sites.get(site)
+        self.latest_sites[site] = own
+        if other is None or other is own or key in self.latest or record.fits is not None \
+                or record.fails is not None or record.start is not None:
+            return
+        fits, start, fails = other.estimate(record.bucket)
+        guess = fits if fits is not None else start
+        if guess is not None:
+            record.start_at(guess, fails)
+
     def count(self) -> int:
         return sum(len(records) for _, records in list(self.by_id.values()))
 
     def clear(self) -> None:
         self.by_id.clear()
         self.latest.clear()
+        self.latest_sites.clear()
 
 
 class BatchsizeCache:
@@ -659,7 +690,10 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
         shared = records.sites.get(site)
         if shared is None:
             shared = records.sites[site] = CallSite()
-        return shared.seed(bucket)  # see [Note: a quiet search]
+        record = shared.seed(bucket)  # see [Note: a quiet search]
+        if records is not self._records:  # see [Note: records per instance]
+            self._instances.started_at_site(site, shared, key, record)
+        return record
 
     def memory_changed(self) -> None:
         """Re-read free memory on the next call (called after an out-of-memory error)."""

@@ -187,6 +187,30 @@ def test_an_instance_made_for_every_call_starts_where_the_last_one_ended() -> No
     assert len(cache) <= 2  # the records of collected instances are gone
 
 
+def test_an_instance_made_after_free_memory_moved_starts_where_the_last_one_ended(
+        monkeypatch) -> None:
+    # A new instance's record was seeded only from a record made in the same free-memory
+    # bucket: once free memory had moved a bucket, the next instance searched from the
+    # initial size again.
+    cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0)
+    free = {"bytes": 8 << 30}
+    monkeypatch.setattr(cache_module, "free_memory", lambda device: free["bytes"])
+    ceiling = MemoryCeiling(4)
+
+    class Request:
+        @adaptive.batch(initial_batchsize=512, cache=cache)
+        def infer(self, batchsize: int) -> int:
+            ceiling.require(batchsize)
+            return batchsize
+
+    sizes = []
+    for gib in (8, 10, 6, 16, 8):  # another bucket at every call but the last
+        free["bytes"] = gib << 30
+        sizes.append(Request().infer())
+    assert sizes == [4] * 5
+    assert ceiling.failures == [512, 256, 128, 64, 32, 16, 8]  # the first instance's search
+
+
 def test_the_records_of_an_instance_do_not_keep_it_alive() -> None:
     cache = adaptive.StacktraceMemoryBatchsizeCache()
 
