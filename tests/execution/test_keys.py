@@ -188,7 +188,7 @@ def test_an_instance_made_for_every_call_starts_where_the_last_one_ended() -> No
 
 
 def test_an_instance_made_after_free_memory_moved_starts_where_the_last_one_ended(
-        monkeypatch) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # A new instance's record was seeded only from a record made in the same free-memory
     # bucket: once free memory had moved a bucket, the next instance searched from the
     # initial size again.
