@@ -1141,6 +1141,10 @@ def _plain_arguments(args: Any, kwargs: dict[str, Any]) -> bool:
     return True
 
 
+def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    return func(*args, **kwargs)
+
+
 def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
@@ -1159,6 +1163,8 @@ class Functions(TorchFunctionMode):
         self.sim = sim
         self.handlers = {
             torch.Tensor.to: self._to,
+            # Parses ``Module.to``'s arguments; with ``device=`` it would look like a factory.
+            torch._C._nn._parse_to: _call,
             torch.Tensor.cuda: self._cuda,
             torch.Tensor.copy_: self._copy,
             torch.Tensor.record_stream: self._record_stream,
