@@ -683,7 +683,11 @@ class Dispatch(TorchDispatchMode):
                                 else kwargs.get("non_blocking", False))
             if func is aten.is_pinned.default:
                 return sim.is_pinned(args[0])
-            if func is aten._pin_memory.default:
+            if func is aten.pin_memory.default or func is aten._pin_memory.default:
+                # pin_memory itself arrives here only under inference_mode (elsewhere it
+                # decomposes first); its CPU kernel would ask the CUDA runtime.
+                if func is aten.pin_memory.default and sim.is_pinned(args[0]):
+                    return args[0]
                 if args[0].is_cuda:  # as CUDA: only host memory is pinned
                     raise RuntimeError(
                         f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned "

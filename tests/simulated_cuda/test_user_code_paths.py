@@ -71,3 +71,22 @@ def test_accumulated_memory_stats_reset_and_read_nested() -> None:
         assert stats["num_ooms"] == 0
         del kept
         assert torch.cuda.memory_stats()["allocation.all.current"] == 0
+
+
+def test_pinning_under_inference_mode_as_a_dataloader_does() -> None:
+    # Under inference_mode, Tensor.pin_memory reaches the dispatch mode undecomposed, and
+    # its CPU kernel asked the CUDA runtime ("Found no NVIDIA driver").
+    from torch.utils.data import DataLoader, TensorDataset
+
+    data = TensorDataset(torch.randn(8, 3), torch.arange(8))
+    with simulated_cuda(), torch.inference_mode():
+        host = torch.randn(4)
+        pinned = host.pin_memory()
+        assert pinned.is_pinned() and not host.is_pinned()
+        assert pinned.pin_memory() is pinned
+        assert torch.equal(pinned, host)
+        with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+            torch.ones(2, device="cuda").pin_memory()
+        for x, _ in DataLoader(data, batch_size=4, pin_memory=True):
+            assert x.is_pinned()
+            assert x.to("cuda", non_blocking=True).is_cuda
