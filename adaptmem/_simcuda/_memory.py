@@ -84,6 +84,7 @@ class Allocator:
         self.num_ooms = 0
         self.num_allocs = 0
         self.num_frees = 0
+        self.count = 0  # allocations alive
         self.peak_count = 0
         self.allocated_total = 0  # bytes ever allocated and freed, for memory_stats()
         self.freed_total = 0
@@ -121,8 +122,9 @@ class Allocator:
             self.allocated += block
             self.allocated_total += block
             self.num_allocs += 1
+            self.count += 1
             self.peak_allocated = max(self.peak_allocated, self.allocated)
-            self.peak_count = max(self.peak_count, self.num_allocs - self.num_frees)
+            self.peak_count = max(self.peak_count, self.count)
         return block
 
     def _release_cached(self) -> None:
@@ -136,6 +138,7 @@ class Allocator:
             self.allocated -= block
             self.freed_total += block
             self.num_frees += 1
+            self.count -= 1
 
     def empty_cache(self) -> None:
         with self._lock:
@@ -168,6 +171,15 @@ class Allocator:
         with self._lock:
             self.peak_allocated = self.allocated
             self.peak_reserved = self.reserved
+            self.peak_count = self.count
+
+    def reset_accumulated(self) -> None:
+        """``torch.cuda.reset_accumulated_memory_stats``: the counts of what was allocated
+        and freed (bytes, blocks, segments) and of OOMs start again from 0."""
+        with self._lock:
+            self.num_allocs = self.num_frees = self.num_ooms = 0
+            self.allocated_total = self.freed_total = 0
+            self.reserved_total = self.released_total = 0
 
     def _oom_message(self, block: int) -> str:
         free = max(0, self.total - self.reserved)
@@ -194,7 +206,7 @@ class Allocator:
         pool (the simulation does not tell small blocks from large, so the small pool stays
         empty), nothing split or oversize; segments counted in 2 MiB."""
         with self._lock:
-            count = self.num_allocs - self.num_frees
+            count = self.count
             reserved = (self.reserved, self.peak_reserved, self.reserved_total,
                         self.released_total)
             allocated = (self.allocated, self.peak_allocated, self.allocated_total,

@@ -109,6 +109,11 @@ class SimStream(torch.Stream):
     def priority(self) -> int:  # type: ignore[override]
         return self._priority
 
+    @staticmethod
+    def priority_range() -> tuple[int, int]:
+        """(least, greatest): torch's range on CUDA, whose greatest it caps at -3."""
+        return 0, -3
+
     def __eq__(self, other: object) -> bool:
         return self is other
 

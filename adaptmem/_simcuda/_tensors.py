@@ -683,7 +683,11 @@ class Dispatch(TorchDispatchMode):
                                 else kwargs.get("non_blocking", False))
             if func is aten.is_pinned.default:
                 return sim.is_pinned(args[0])
-            if func is aten._pin_memory.default:
+            if func is aten.pin_memory.default or func is aten._pin_memory.default:
+                # pin_memory itself arrives here only under inference_mode (elsewhere it
+                # decomposes first); its CPU kernel would ask the CUDA runtime.
+                if func is aten.pin_memory.default and sim.is_pinned(args[0]):
+                    return args[0]
                 if args[0].is_cuda:  # as CUDA: only host memory is pinned
                     raise RuntimeError(
                         f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned "
@@ -1141,6 +1145,10 @@ def _plain_arguments(args: Any, kwargs: dict[str, Any]) -> bool:
     return True
 
 
+def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    return func(*args, **kwargs)
+
+
 def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
@@ -1159,6 +1167,8 @@ class Functions(TorchFunctionMode):
         self.sim = sim
         self.handlers = {
             torch.Tensor.to: self._to,
+            # Parses ``Module.to``'s arguments; with ``device=`` it would look like a factory.
+            torch._C._nn._parse_to: _call,
             torch.Tensor.cuda: self._cuda,
             torch.Tensor.copy_: self._copy,
             torch.Tensor.record_stream: self._record_stream,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ._errors import SimulatedCudaError
 from ._state import SimState
 from ._streams import SimEvent, SimStream
 
@@ -46,7 +47,8 @@ class Patches:
 
 
 class _Properties:
-    """What ``torch.cuda.get_device_properties`` returns for a simulated device."""
+    """What ``torch.cuda.get_device_properties`` returns for a simulated device: every
+    field of torch's, with an H100 SXM's figures but the memory asked for."""
 
     def __init__(self, index: int, total: int) -> None:
         self.name = f"adaptmem simulated CUDA device {index}"
@@ -55,7 +57,14 @@ class _Properties:
         self.multi_processor_count = 132
         self.is_integrated = False
         self.is_multi_gpu_board = False
+        self.max_threads_per_multi_processor = 2048
+        self.warp_size = 32
         self.L2_cache_size = 50 * 1024**2
+        self.clock_rate = 1_980_000  # kHz
+        self.memory_clock_rate = 2_619_000  # kHz
+        self.memory_bus_width = 5120  # bits
+        self.shared_memory_per_block = 48 * 1024
+        self.shared_memory_per_multiprocessor = 228 * 1024
         self.gcnArchName = ""
         self.uuid = f"simulated-{index}"
 
@@ -152,6 +161,37 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
     def memory_stats(device: Any = None) -> dict[str, int]:
         return alloc(device).stats()
 
+    def memory_stats_as_nested_dict(device: Any = None) -> dict[str, Any]:
+        nested: dict[str, Any] = {}
+        for key, value in alloc(device).stats().items():
+            *path, last = key.split(".")
+            level = nested
+            for part in path:
+                level = level.setdefault(part, {})
+            level[last] = value
+        return nested
+
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        state.device_index(device)  # an index beyond the devices raises, as on CUDA
+        return 9, 0
+
+    def refuse_graphs(what: str) -> SimulatedCudaError:
+        return SimulatedCudaError(
+            f"simulated CUDA: {what}: CUDA graphs are not simulated (capture records kernels "
+            f"on a real device). Test the path without graphs under simulated_cuda "
+            f"(torch.cuda.is_current_stream_capturing() is False there), and graph capture "
+            f"on a real GPU")
+
+    class CUDAGraph:
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            raise refuse_graphs("torch.cuda.CUDAGraph()")
+
+    def make_graphed_callables(*args: Any, **kwargs: Any) -> Any:
+        raise refuse_graphs("torch.cuda.make_graphed_callables")
+
+    def graph_pool_handle() -> Any:
+        raise refuse_graphs("torch.cuda.graph_pool_handle()")
+
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
@@ -198,7 +238,7 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
             state.device_index(device), alloc(device).total),
         "get_device_name": lambda device=None: _Properties(
             state.device_index(device), 0).name,
-        "get_device_capability": lambda device=None: (9, 0),
+        "get_device_capability": get_device_capability,
         "is_bf16_supported": lambda including_emulation=True: True,
         "synchronize": synchronize,
         "memory_allocated": lambda device=None: alloc(device).allocated,
@@ -208,6 +248,8 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
         "reset_peak_memory_stats": lambda device=None: alloc(device).reset_peaks(),
         "reset_max_memory_allocated": lambda device=None: alloc(device).reset_peaks(),
         "memory_stats": memory_stats,
+        "memory_stats_as_nested_dict": memory_stats_as_nested_dict,
+        "reset_accumulated_memory_stats": lambda device=None: alloc(device).reset_accumulated(),
         "empty_cache": empty_cache,
         "mem_get_info": mem_get_info,
         "set_per_process_memory_fraction": set_per_process_memory_fraction,
@@ -231,6 +273,10 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
             state.device_index(device)],
         "stream": stream,
         "set_stream": set_stream,
+        "is_current_stream_capturing": lambda: False,
+        "CUDAGraph": CUDAGraph,
+        "make_graphed_callables": make_graphed_callables,
+        "graph_pool_handle": graph_pool_handle,
     }
 
 
@@ -257,6 +303,7 @@ def accelerator_functions(state: SimState, cuda: dict[str, Any]) -> dict[str, An
         "memory_reserved": cuda["memory_reserved"],
         "max_memory_reserved": cuda["max_memory_reserved"],
         "reset_peak_memory_stats": cuda["reset_peak_memory_stats"],
+        "reset_accumulated_memory_stats": cuda["reset_accumulated_memory_stats"],
         "memory_stats": cuda["memory_stats"],
         "get_memory_info": cuda["mem_get_info"],
     }
@@ -297,9 +344,10 @@ def install(state: SimState, patches: Patches) -> None:
     memory = getattr(torch.cuda, "memory", None)
     streams = getattr(torch.cuda, "streams", None)
     random = getattr(torch.cuda, "random", None)
+    graphs = getattr(torch.cuda, "graphs", None)
     for name, value in cuda.items():
         patches.set(torch.cuda, name, value)
-        for module in (memory, streams, random):
+        for module in (memory, streams, random, graphs):
             if module is not None and name in module.__dict__:
                 patches.set(module, name, value)
     accelerator = getattr(torch, "accelerator", None)
