@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import gc
 import inspect
+import math
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from ._common.devices import format_bytes, resolve_device
+from ._common.errors import CommandLineError
 from ._common.oom import drop_frames, is_oom
 from ._spilling import fixed_mmap_threshold, memory_stats, spill
 
@@ -29,17 +31,22 @@ def add_example_parser(sub: Any) -> None:
         description="Train one step of a torchvision model on synthetic images, first "
                     "without spilling and then with adaptive.spill, and print the memory "
                     "statistics. --cap makes the CPU run out for real.")
-    train.add_argument("--model", default="resnet50", help="torchvision model name")
-    train.add_argument("--image-size", type=int, default=224)
-    train.add_argument("--batch", type=int, default=16)
+    train.add_argument("--model", default="resnet50",
+                       help="torchvision image classifier name (default resnet50; random "
+                            "weights, nothing is downloaded)")
+    train.add_argument("--image-size", type=int, default=224,
+                       help="side of the synthetic square images in pixels (default 224)")
+    train.add_argument("--batch", type=int, default=16,
+                       help="images in the step, 2 or more (default 16)")
     train.add_argument("--device", default=None, help="default: the GPU if any, else the CPU")
-    train.add_argument("--cap", type=float, default=None, metavar="GIB",
-                       help="CPU only: the memory this process may hold, in GiB "
+    train.add_argument("--cap", default=None, metavar="SIZE",
+                       help="CPU only: the memory this process may hold, in GiB (1.5) or "
+                            "with a unit (1.5GiB, 1600MB) "
                             "(adaptive.cpu_memory.set_cpu_memory_limit)")
     train.add_argument("--threshold", default="1MiB", help="adaptive.spill threshold")
     train.add_argument("--limit", default="auto", help="adaptive.spill limit (bytes, 'auto')")
     train.add_argument("--to", default=None, help="adaptive.spill tier: 'host' or a directory")
-    train.set_defaults(func=_cmd_train)
+    train.set_defaults(func=_cmd_train, prog=train.prog)
 
 
 def _step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
@@ -74,54 +81,80 @@ def _classifies(model: nn.Module) -> bool:
         (".detection.", ".segmentation.", ".video.", ".optical_flow.", ".quantization."))
 
 
+def _cap_gib(text: str) -> float:
+    """``--cap``: a number of GiB (``1.5``) or a size with a unit (``1.5GiB``, ``1600MB``)."""
+    from ._common.devices import parse_size
+
+    try:
+        gib = float(text)
+    except ValueError:
+        try:
+            gib = parse_size(text, "--cap") / 2**30
+        except ValueError:
+            raise CommandLineError(
+                f"--cap {text!r} is not a memory size; give GiB as a number (1.5) or a size "
+                f"with a unit (1.5GiB, 1600MB)") from None
+    if not (gib > 0 and math.isfinite(gib)):
+        raise CommandLineError(f"--cap must be a positive, finite memory size, got {text!r}; "
+                               f"give GiB as a number (1.5) or a size with a unit (1.5GiB)")
+    return gib
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     try:
         import torchvision
     except ImportError:
-        raise SystemExit("adaptmem example train: it trains a torchvision model, but "
-                         "torchvision is not installed; install it (pip install torchvision, "
-                         "the build that matches your torch)") from None
+        raise CommandLineError(
+            "it trains a torchvision model, but torchvision is not installed; install it "
+            "(pip install torchvision, the build that matches your torch)") from None
 
     from .cpu_memory import set_cpu_memory_limit
 
     if args.batch < 2:  # a training step of these models normalises over the batch
-        raise SystemExit(f"adaptmem example train: --batch must be 2 or more images (batch "
-                         f"norm needs more than one value per channel), got {args.batch}")
+        raise CommandLineError(f"--batch must be 2 or more images (batch norm needs more "
+                               f"than one value per channel), got {args.batch}")
     if args.image_size < 1:
-        raise SystemExit(f"adaptmem example train: --image-size must be a positive number of "
-                         f"pixels, got {args.image_size}")
+        raise CommandLineError(f"--image-size must be a positive number of pixels, got "
+                               f"{args.image_size}")
+    cap = None if args.cap is None else _cap_gib(args.cap)
     try:
         device = resolve_device(args.device, "--device")
         handle = spill(args.threshold, args.limit, args.to)
-        builder = torchvision.models.get_model_builder(args.model)
-        # Detection and segmentation builders download a pretrained backbone unless told
-        # not to: every weights argument is None, so nothing is downloaded.
-        model = builder(**{name: None for name in inspect.signature(builder).parameters
-                           if name.startswith("weights")})
     except (TypeError, ValueError) as exc:
-        raise SystemExit(f"adaptmem example train: {exc}") from None
+        raise CommandLineError(exc) from None
+    try:
+        builder = torchvision.models.get_model_builder(args.model)
+    except ValueError:
+        raise CommandLineError(
+            f"--model {args.model!r} is not a torchvision model; give an image classifier's "
+            f"name, e.g. resnet50 or efficientnet_b0 (torchvision.models.list_models() "
+            f"lists them)") from None
+    # Detection and segmentation builders download a pretrained backbone unless told
+    # not to: every weights argument is None, so nothing is downloaded.
+    model = builder(**{name: None for name in inspect.signature(builder).parameters
+                       if name.startswith("weights")})
     if not _classifies(model):
-        raise SystemExit(f"adaptmem example train: {args.model!r} is not an image classifier "
-                         f"(its step takes images and class labels); try resnet50 or "
-                         f"efficientnet_b0")
-    if args.cap is not None and device.type != "cpu":
-        raise SystemExit("adaptmem example train: --cap is for the CPU; on a GPU the step "
-                         "runs against the device's own memory")
+        raise CommandLineError(f"--model {args.model!r} is not an image classifier (its step "
+                               f"takes images and class labels); try resnet50 or "
+                               f"efficientnet_b0")
+    if cap is not None and device.type != "cpu":
+        raise CommandLineError("--cap is for the CPU; on a GPU the step runs against the "
+                               "device's own memory (leave out --cap, or give --device cpu)")
     model = model.to(device).train()
     torch.manual_seed(0)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, 1000, (args.batch,), device=device)
-    where = f"{device}" + (f", this process capped at {args.cap} GiB" if args.cap else "")
+    where = f"{device}" + (f", this process capped at {cap:g} GiB" if cap else "")
     print(f"adaptmem example train: {args.model}, {args.batch} images of "
           f"{args.image_size}x{args.image_size} on {where}; {handle}")
-    if args.cap is not None:
+    if cap is not None:
         try:
-            set_cpu_memory_limit(args.cap)
-        except ValueError as exc:
-            raise SystemExit(f"adaptmem example train: --cap: {exc}") from None
+            set_cpu_memory_limit(cap)
+        except ValueError as exc:  # below what the process already holds
+            raise CommandLineError(f"--cap {args.cap}: {exc}") from None
     # A cap counts address space, which glibc's heap keeps after a free: under one, both
     # steps map large tensors of their own (see adaptive.spill's mmap_threshold).
-    with fixed_mmap_threshold(1 << 20) if args.cap is not None else contextlib.nullcontext():
+    with fixed_mmap_threshold(1 << 20) if cap is not None else contextlib.nullcontext():
         _attempt("step without spilling", lambda: _step(model, images, labels))
         while True:  # limit="auto" keeps more memory free after a step ran out
             keep_free = handle.keep_free

@@ -20,16 +20,13 @@ import torch
 from torch import nn
 
 from ._common.devices import format_bytes
+from ._common.errors import CommandLineError as _UsageError
 
 __all__ = ["main"]
 
 # Options whose values may start with "-" ("--budget -5MiB" must reach the size parser, which
 # says what is wrong with it, rather than argparse's "expected one argument").
 _DASH_VALUE_OPTIONS = ("--budget", "--image-size")
-
-
-class _UsageError(Exception):
-    """A mistake in what the user asked for: reported in one line, exit status 2."""
 
 
 def _one_line(text: object) -> str:
@@ -415,7 +412,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except _UsageError as exc:
-        parser.exit(2, f"adaptmem {args.command}: error: {_one_line(exc)}\n")
+        # The subcommand's own name ("adaptmem example train"), as argparse's errors give it.
+        prog = getattr(args, "prog", f"adaptmem {args.command}")
+        parser.exit(2, f"{prog}: error: {_one_line(exc)}\n")
     except BrokenPipeError:  # `adaptmem plan ... | head`: the reader left, which is fine
         devnull = os.open(os.devnull, os.O_WRONLY)  # no second error flushing stdout at exit
         os.dup2(devnull, sys.stdout.fileno())

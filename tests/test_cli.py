@@ -239,6 +239,13 @@ def test_the_demo_refuses_a_time_it_cannot_run_in(capsys: pytest.CaptureFixture[
         (["--batch", "0"], "--batch must be 2 or more images"),  # once "done ... loss nan"
         (["--image-size", "0"], "--image-size must be a positive number of pixels"),
         (["--model", "fasterrcnn_mobilenet_v3_large_fpn"], "is not an image classifier"),
+        (["--model", "no_such_model"], "--model 'no_such_model' is not a torchvision model"),
+        (["--cap", "-1"], "--cap must be a positive"),  # once refused after the header
+        (["--cap", "nan"], "--cap must be a positive"),
+        (["--cap", "lots"], "--cap 'lots' is not a memory size"),
+        (["--threshold", "lots"], "threshold='lots' is not a size"),
+        (["--device", "warp"], "not a device"),
+        (["--to", "/no/such/dir"], "does not exist"),
     ],
 )
 def test_example_train_refuses_what_its_step_cannot_run(
@@ -248,8 +255,22 @@ def test_example_train_refuses_what_its_step_cannot_run(
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))  # a download would fail, not be waited on
     with pytest.raises(SystemExit) as info:
         main(["example", "train", "--model", "resnet18", "--image-size", "32", *argv])
-    assert message in str(info.value.code)
-    assert "Downloading" not in capsys.readouterr().err
+    # As plan's and demo's mistakes: exit status 2 and one line (once status 1, no "error:").
+    assert info.value.code == 2
+    out = capsys.readouterr()
+    err = out.err.strip()
+    assert err.startswith("adaptmem example train: error: ") and "\n" not in err, err
+    assert message in err and "Traceback" not in err
+    assert "Downloading" not in err
+    assert out.out == ""  # refused before it starts: no header line first
+
+
+def test_example_train_cap_takes_a_size_with_a_unit_as_other_sizes_do() -> None:
+    from adaptmem._example_train import _cap_gib
+
+    assert _cap_gib("1.5") == _cap_gib("1.5GiB") == 1.5
+    assert _cap_gib("1536MiB") == 1.5
+    assert _cap_gib("2GB") == pytest.approx(2e9 / 2**30)
 
 
 def test_python_dash_m_adaptmem_runs_the_command_line() -> None:

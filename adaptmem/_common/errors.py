@@ -10,6 +10,7 @@ from .enums import TextEnum
 __all__ = [
     "Phase",
     "AdaptmemError",
+    "CommandLineError",
     "OutOfMemoryError",
     "PlacementError",
     "LoadError",
@@ -20,6 +21,11 @@ __all__ = [
 
 class AdaptmemError(RuntimeError):
     """Root of every error adaptmem raises on its own account."""
+
+
+class CommandLineError(Exception):
+    """A mistake in what was asked on the ``adaptmem`` command line: the console script
+    reports it in one line on stderr with exit status 2, never a traceback."""
 
 
 class Phase(TextEnum):
