@@ -19,6 +19,7 @@ __all__ = ["run_demo"]
 IMAGE_SIZE = 96
 IMAGES = 384
 HEADROOM = 384 * 2**20  # memory left for activations under the cap
+MAX_CALLS = 12  # of the batch-size phase, however long --seconds allows
 
 
 def _say(text: str) -> None:
@@ -90,26 +91,32 @@ def _run(seconds: float, simulated: bool) -> int:
         # see [Note: glibc heap] (the cap would count what glibc keeps otherwise).
         with fixed_mmap_threshold(128 * 1024):
             limit = _cap_memory(device)
-            _say(f"2. @adaptive.batch(initial_batchsize={IMAGES}) under {limit}")
-            start = time.perf_counter()
-            labels = None
-            calls = 0
-            settled = False
-            # Until two calls in a row use one size with no retry, within time and call limits.
-            while not settled and time.perf_counter() - start < seconds and calls < 12:
-                before = len(sizes)
-                tick = time.perf_counter()
-                labels = classify(images)  # one call site: what it learns carries to the next call
-                took = time.perf_counter() - tick
-                calls += 1
-                retries = len(sizes) - before - 1
-                settled = calls > 1 and not retries and sizes[-1] == sizes[before - 1]
-                _say(f"   call {calls}: batch size {sizes[-1]}"
-                     + (f" after {retries} out-of-memory retries" if retries
-                        else f", {IMAGES / took:.0f} images/s"))
-            _say(f"   {'settled' if settled else 'stopped (time limit)'} at batch size {sizes[-1]}")
-            _uncap_memory(device)
-        torch.backends.mkldnn.enabled = mkldnn  # type: ignore[assignment]
+            try:  # the cap and kernels are put back on Ctrl-C too
+                _say(f"2. @adaptive.batch(initial_batchsize={IMAGES}) under {limit}")
+                start = time.perf_counter()
+                labels = None
+                calls = 0
+                settled = False
+                # Until two calls in a row use one size with no retry, within the limits.
+                while not settled and time.perf_counter() - start < seconds and calls < MAX_CALLS:
+                    before = len(sizes)
+                    tick = time.perf_counter()
+                    labels = classify(images)  # one call site: learned sizes carry over
+                    took = time.perf_counter() - tick
+                    calls += 1
+                    retries = len(sizes) - before - 1
+                    settled = calls > 1 and not retries and sizes[-1] == sizes[before - 1]
+                    _say(f"   call {calls}: batch size {sizes[-1]}"
+                         + (f" after {retries} out-of-memory "
+                            f"{'retry' if retries == 1 else 'retries'}" if retries
+                            else f", {IMAGES / took:.0f} images/s"))
+                why = "settled" if settled else (
+                    f"stopped ({MAX_CALLS} calls)" if calls == MAX_CALLS
+                    else f"stopped (--seconds {seconds:g} reached)")
+                _say(f"   {why} at batch size {sizes[-1]}")
+            finally:
+                _uncap_memory(device)
+                torch.backends.mkldnn.enabled = mkldnn  # type: ignore[assignment]
 
         # 3. Paging: weights streamed to the device unit by unit, outputs unchanged.
         budget = sum(p.numel() * p.element_size() for p in model.parameters()) // 4

@@ -1,4 +1,5 @@
-"""The ``adaptmem`` console script: ``adaptmem demo`` and ``adaptmem plan MODEL``.
+"""The ``adaptmem`` console script: ``adaptmem demo``, ``adaptmem plan MODEL`` and
+``adaptmem example train``.
 
 Mistakes on the command line (a bad size, a factory that cannot build a model, an input size
 the model rejects) end with one line on stderr and exit status 2, never a traceback.
@@ -296,6 +297,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.mode == "page":
             if args.device or args.dtype:
                 raise _UsageError("--device and --dtype are for --mode chunk or split")
+            if args.budget is not None and args.budget.strip() == "auto":
+                # adaptive.page's "auto" reads the device's free memory; a plan has none.
+                raise _UsageError("--budget 'auto' is for --mode chunk; with --mode page "
+                                  "--budget is the unit size: give one such as 64MiB, or "
+                                  "leave it out for the whole model as one unit")
             unit_bytes = None if args.budget is None else _size(args.budget, "--budget")
         else:
             targets, options = _placement_targets(args)
@@ -369,10 +375,15 @@ def _join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the console script on ``argv`` (default ``sys.argv[1:]``) and return its exit
-    status; mistakes in the request exit with status 2 and one line on stderr."""
-    parser = argparse.ArgumentParser(prog="adaptmem", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    """The console script's parser: every subcommand and option, with its help."""
+    parser = argparse.ArgumentParser(
+        prog="adaptmem",
+        description="Run PyTorch inference on whatever memory a machine has: 'adaptmem demo' "
+                    "shows the levers on this machine, 'adaptmem plan MODEL' prints what would "
+                    "go where, 'adaptmem example train' spills a training step's activations. "
+                    "Mistakes on the command line end with one line on stderr and exit status "
+                    "2, never a traceback.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="classify synthetic images under a memory cap")
@@ -386,14 +397,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("plan", help="print how a model would be paged or placed")
     p.add_argument("model", help="torchvision model name (built with random weights, nothing "
                                  "is downloaded) or 'package.module:factory'")
-    p.add_argument("--mode", choices=("page", "chunk", "split"), default="page")
+    p.add_argument("--mode", choices=("page", "chunk", "split"), default="page",
+                   help="page: the units adaptive.page streams (default); chunk: what "
+                        "adaptive.chunk keeps on one device; split: adaptive.split over "
+                        "several --device")
     p.add_argument("--device", action="append", default=None,
                    metavar="DEVICE[@DTYPE][=CAPACITY]",
                    help="chunk: the resident device (default cuda:0); split: repeat in order, "
                         "e.g. --device cuda:0=20GiB --device cpu@bfloat16=8GiB --device cpu")
     p.add_argument("--budget", default=None,
-                   help="unit size (page) or resident capacity (chunk), e.g. 100MiB; chunk "
-                        "defaults to 'auto' (free memory minus a reserve; needs the device)")
+                   help="page: the largest unit, e.g. 64MiB (default: the whole model as "
+                        "one unit, as adaptive.plan; 0 for the finest units); chunk: the "
+                        "resident capacity, e.g. 100MiB (default 'auto': free memory minus a "
+                        "reserve; needs the device); not for split (sizes go in --device)")
     p.add_argument("--dtype", default=None, help="dtype weights take on the placed device(s), "
                    "e.g. float16 or bfloat16 (chunk: the resident device only)")
     p.add_argument("--image-size", type=int, default=224,
@@ -408,13 +424,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ._example_train import add_example_parser
 
     add_example_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the console script on ``argv`` (default ``sys.argv[1:]``) and return its exit
+    status; mistakes in the request exit with status 2 and one line on stderr."""
+    parser = _parser()
     args = parser.parse_args(_join_dash_values(list(sys.argv[1:] if argv is None else argv)))
+    # The subcommand's own name ("adaptmem example train"), as argparse's errors give it.
+    prog = getattr(args, "prog", f"adaptmem {args.command}")
     try:
         return int(args.func(args))
     except _UsageError as exc:
-        # The subcommand's own name ("adaptmem example train"), as argparse's errors give it.
-        prog = getattr(args, "prog", f"adaptmem {args.command}")
         parser.exit(2, f"{prog}: error: {_one_line(exc)}\n")
+    except KeyboardInterrupt:  # Ctrl-C: the user's choice, not a crash to show a traceback of
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
     except BrokenPipeError:  # `adaptmem plan ... | head`: the reader left, which is fine
         devnull = os.open(os.devnull, os.O_WRONLY)  # no second error flushing stdout at exit
         os.dup2(devnull, sys.stdout.fileno())

@@ -90,6 +90,8 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
         # Sizes starting with "-" reach the size check instead of argparse's "expected one
         # argument", and are refused there.
         (["plan", "resnet18", "--budget", "-5MiB"], "--budget must be zero or more bytes"),
+        # 'auto' is chunk's default; in page mode it once read "'auto' is not a size".
+        (["plan", "resnet18", "--budget", "auto"], "--budget 'auto' is for --mode chunk"),
         (["plan", "resnet18", "--mode", "chunk", "--device", "cpu", "--budget", "-1.5GiB"],
          "--budget must be zero or more bytes"),
         *([] if torch.cuda.is_available() else [
@@ -271,6 +273,46 @@ def test_example_train_cap_takes_a_size_with_a_unit_as_other_sizes_do() -> None:
     assert _cap_gib("1.5") == _cap_gib("1.5GiB") == 1.5
     assert _cap_gib("1536MiB") == 1.5
     assert _cap_gib("2GB") == pytest.approx(2e9 / 2**30)
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    import adaptmem._demo
+
+    def interrupted(**kwargs: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(adaptmem._demo, "run_demo", interrupted)
+    assert main(["demo", "--seconds", "1"]) == 130  # once a 40-line traceback
+    err = capsys.readouterr().err
+    assert err.strip() == "adaptmem demo: interrupted"
+
+
+def _subcommands(parser: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    import argparse
+
+    found = [(path, parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found += _subcommands(child, (*path, name))
+    return found
+
+
+def test_every_option_of_every_subcommand_says_what_it_is_for() -> None:
+    from adaptmem.cli import _parser
+
+    commands = _subcommands(_parser())
+    assert {path for path, _ in commands} >= {("demo",), ("plan",), ("example",),
+                                              ("example", "train")}
+    missing = [f"adaptmem {' '.join(path)} {action.option_strings or action.dest}"
+               for path, parser in commands for action in parser._actions
+               if action.option_strings and not action.help]
+    assert not missing, f"options without help: {missing}"  # once --mode, --batch, ...
+    # What the top level lists is every subcommand there is.
+    description = _parser().description or ""
+    assert all(f"adaptmem {name}" in description for name in ("demo", "plan", "example train"))
 
 
 def test_python_dash_m_adaptmem_runs_the_command_line() -> None:

@@ -38,7 +38,7 @@ def test_the_demo_loads_adapts_and_pages_on_the_cpu_and_on_a_simulated_gpu() -> 
     # Quiet once it has settled: at most one retry after the second call (however many
     # calls the time limit allows on a loaded machine).
     retries = {int(n): int(k or 0) for n, k in re.findall(
-        r"call (\d+): batch size \d+(?: after (\d+) out-of-memory retries)?", out)}
+        r"call (\d+): batch size \d+(?: after (\d+) out-of-memory retr(?:y|ies))?", out)}
     assert 1 in retries, out
     assert sum(k for n, k in retries.items() if n > 2) <= 1, out
 
@@ -52,3 +52,34 @@ def test_the_demo_loads_adapts_and_pages_on_the_cpu_and_on_a_simulated_gpu() -> 
     assert "ran out of memory at batchsize=384" in out  # the simulated allocator said no
     assert "outputs identical" in out
     assert " 0 transfers" not in out
+
+
+_INTERRUPTED_IN_THE_CAPPED_PHASE = """
+import resource, torch
+import adaptmem._demo as demo
+
+before = resource.getrlimit(resource.RLIMIT_DATA), torch.backends.mkldnn.enabled
+say = demo._say
+
+def say_then_interrupt(text):
+    say(text)
+    if text.startswith("   call 1:"):
+        raise KeyboardInterrupt
+
+demo._say = say_then_interrupt
+try:
+    demo.run_demo(seconds=30)
+except KeyboardInterrupt:
+    print("interrupted")
+after = resource.getrlimit(resource.RLIMIT_DATA), torch.backends.mkldnn.enabled
+print("restored" if after == before else f"NOT RESTORED: {before} -> {after}")
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_capped_phase_puts_the_cap_and_kernels_back() -> None:
+    # Once Ctrl-C there left the process under the demo's memory cap, oneDNN off.
+    run = subprocess.run([sys.executable, "-c", _INTERRUPTED_IN_THE_CAPPED_PHASE],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.splitlines()[-2:] == ["interrupted", "restored"], run.stdout
