@@ -119,6 +119,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cap = None if args.cap is None else _cap_gib(args.cap)
     try:
         device = resolve_device(args.device, "--device")
+    except ValueError as exc:  # its advice "or None" is the API's: here, leave --device out
+        said, api_advice = str(exc), "; use 'cpu' or None"
+        if said.endswith(api_advice):
+            said = (said[:-len(api_advice)] + "; give --device cpu, or leave --device out for "
+                    "the GPU if any, else the CPU")
+        raise CommandLineError(said) from None
+    try:
         handle = spill(args.threshold, args.limit, args.to)
     except (TypeError, ValueError) as exc:
         raise CommandLineError(exc) from None

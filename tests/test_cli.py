@@ -247,6 +247,8 @@ def test_the_demo_refuses_a_time_it_cannot_run_in(capsys: pytest.CaptureFixture[
         (["--cap", "lots"], "--cap 'lots' is not a memory size"),
         (["--threshold", "lots"], "threshold='lots' is not a size"),
         (["--device", "warp"], "not a device"),
+        *([] if torch.cuda.is_available() else [  # once "use 'cpu' or None": the API's words
+            (["--device", "cuda"], "CUDA is not available here; give --device cpu, or leave")]),
         (["--to", "/no/such/dir"], "does not exist"),
     ],
 )
