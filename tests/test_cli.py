@@ -52,6 +52,8 @@ def test_plan_split_over_repeated_devices_with_a_dtype(capsys: pytest.CaptureFix
 def test_plan_page_mode_still_works(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "resnet18", "--budget", "5MiB"]) == 0
     assert "adaptmem plan (page)" in capsys.readouterr().out
+    assert main(["plan", "resnet18"]) == 0  # the whole model as one unit
+    assert capsys.readouterr().out.startswith("adaptmem plan (page): 1 unit, ")
 
 
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -136,7 +136,8 @@ class Plan:
         head = ("#", "unit", "bytes", "placement")
         widths = [max(len(r[c]) for r in [head, *rows]) for c in range(4)]
         fmt = "  ".join(f"{{:{'>' if c in (0, 2) else '<'}{w}}}" for c, w in enumerate(widths))
-        lines = [f"adaptmem plan ({self.mode}): {len(self.units)} units, "
+        count = len(self.units)
+        lines = [f"adaptmem plan ({self.mode}): {count} unit{'' if count == 1 else 's'}, "
                  f"{format_bytes(self.total_bytes)}", fmt.format(*head)]
         lines += [fmt.format(*r) for r in rows]
         lines.append("totals: " + ", ".join(
