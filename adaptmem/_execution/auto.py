@@ -103,6 +103,7 @@ from .._common.peak import (
     PeakTracker,
     fake_mode,
     fit,
+    is_fake,
 )
 from .retry import is_lazy
 
@@ -156,8 +157,6 @@ class _Guard(TorchDispatchMode):
         self.ops = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        from torch._subclasses.fake_tensor import FakeTensor
-
         kwargs = kwargs or {}
         self.ops += 1
         if self.ops > OP_BUDGET:
@@ -166,7 +165,7 @@ class _Guard(TorchDispatchMode):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = args[i] if i < len(args) else kwargs.get(arg.name)
-            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+            if isinstance(value, torch.Tensor) and not is_fake(value):
                 raise NotPredictable(
                     f"{func} writes into a tensor that existed before the call (a counter, "
                     f"a running statistic, an output buffer): tracing would change it")
