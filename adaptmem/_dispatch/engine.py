@@ -47,6 +47,12 @@ rates measured under the old engine, but not the residency given back in the epo
 back under chunking, paging it needs more device memory still; given back under paging,
 chunking it might fit, so the limit is cautious there: a possible gain forgone, never an
 out-of-memory error.
+
+A weight that paging can never hold (larger than the device or its memory fraction, or as
+large with nothing beside it: the pager's error says ``beyond_device``) leaves no choice:
+the models are chunked at once, the choice made for good, and the call runs again
+(``PlacedModels.chunk_instead``). Measuring first would page again and fail every call
+from the third on wherever the link is fast enough for paging to win.
 """
 
 from __future__ import annotations

@@ -366,6 +366,20 @@ class PlacedModels:
             self._place(list(self.resident))
             self.changes.engine_switches += 1
 
+    def chunk_instead(self, reason: str) -> None:
+        """Paging cannot hold a weight at all (``reason``, the pager's error): chunk the
+        models from now on, their resident bytes as they were, the host computing what the
+        device cannot hold (see [Note: paging or chunking] in engine.py)."""
+        if self._clock is not None:
+            self._clock.remove()
+            self._clock = None
+        self.engine, self.choice, self._choosing = CHUNK, None, MADE
+        self._place(list(self.resident))
+        self.changes.engine_switches += 1
+        logger.info("%s: paging cannot hold a weight on %s (%s); the models are chunked "
+                    "from now on, the host computing what the device cannot hold, and the "
+                    "call runs again", self.name, self.device, reason)
+
     def fix(self) -> str:
         """Whom the models are held for and how to free them (``claims.Owner``)."""
         short = self.name.rsplit(".", 1)[-1]

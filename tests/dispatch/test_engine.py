@@ -281,41 +281,56 @@ def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> 
 @pytest.mark.parametrize(("total", "fraction"), [("20MiB", None), ("80MiB", 0.5),
                                                   ("64MiB", None)],
                          ids=["device", "memory-fraction", "exactly-the-device"])
-def test_a_weight_that_never_fits_ends_the_call_at_once_with_the_pagers_error(
-        total: str, fraction: float | None) -> None:
+@pytest.mark.parametrize("kind", ["function", "coroutine"])
+def test_a_weight_that_never_fits_is_chunked_at_once_and_stays_chunked(
+        total: str, fraction: float | None, kind: str) -> None:
     # Shrinking and giving residency back cannot make room for a weight larger than the
-    # device (or than its memory fraction), nor for one as large, with nothing beside it:
-    # the error that ends the call is the pager's, naming the weight, raised at the first
-    # attempt with the resident model left alone.
+    # device (or than its memory fraction), nor for one as large, with nothing beside it;
+    # chunking computes it on the host. The first call used to end with the pager's error,
+    # the second (the timed chunked call) to run, and every call after it to fail again
+    # when the link was fast enough for paging to be chosen.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024),
-                          nn.Linear(4096, 4096, bias=False)).eval()  # 4, 64 MiB
+    big = nn.Sequential(nn.Linear(256, 4096),
+                        nn.Linear(4096, 4096, bias=False)).eval()  # 4, 64 MiB
+    data = torch.randn(8, 256)
+    with torch.no_grad():
+        want = big(data)
     sizes: list[int] = []
+
+    def body(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            outs = []
+            for chunk in data.split(batchsize):
+                if float(chunk.abs().sum()) < 0:  # data-dependent: cannot be traced
+                    raise AssertionError
+                sizes.append(batchsize)  # real attempts only
+                outs.append(big(chunk))
+            return torch.cat(outs)
+
+    got = []
     with simulated_cuda(total_memory=total, bandwidth=100):
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, 0)
             torch.cuda.empty_cache()
+        if kind == "function":
+            run = adaptive.batch(initial_batchsize=8, model=big, device="cuda")(body)
+        else:
+            async def coroutine(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+                return body(batchsize, data)
 
-        @adaptive.batch(initial_batchsize=8, model=model, device="cuda")
-        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                for chunk in data.split(batchsize):
-                    if float(chunk.abs().sum()) < 0:  # data-dependent: cannot be traced
-                        raise AssertionError
-                    sizes.append(batchsize)  # real attempts only
-                    model[1](torch.randn(len(chunk), 4096, device="cuda"))
-            return data
-
-        with pytest.raises(torch.OutOfMemoryError) as info:
-            run(torch.randn(8, 1024))
-        placement = dict(run.placement)
+            run = adaptive.batch(initial_batchsize=8, model=big, device="cuda")(coroutine)
+        for _ in range(4):  # past the choice between paging and chunking
+            result = run(data)
+            got.append(asyncio.run(result) if kind == "coroutine" else result)
+        placement, stats = dict(run.placement), run.stats
         run.remove()
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    error = info.value
-    assert error.phase == "transfer" and error.beyond_device  # type: ignore[attr-defined]
-    assert "'1.weight', 64.0 MiB" in str(error) and "cannot be split" in str(error)
-    assert sizes == [8]  # no smaller batch tried: it could not help
-    assert placement["residency_given_back"] == 0 and placement["resident_bytes"][0] > 0
+    for result in got:
+        torch.testing.assert_close(result, want)
+    assert sizes == [8] * 5  # the paged attempt, then each call chunked at the same size
+    assert placement["engine"] == "chunk" and placement["engine_switches"] == 1
+    assert placement["residency_given_back"] == 0
+    assert stats.calls == 4 and stats.failed_attempts == 1 and stats.retries == 1
 
 
 def test_another_pagers_weight_that_never_fits_leaves_the_placement_alone() -> None:
