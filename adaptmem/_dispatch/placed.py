@@ -419,6 +419,11 @@ class PlacedModels:
             self._running -= 1
 
     def _place(self, resident: list[int]) -> None:
+        # Placing again registers the original objects: weights loaded with assign=True (or a
+        # conversion) since the last call would be dropped, and the call would run the old
+        # ones. Refused as the engine refuses that call, nothing moved.
+        for handle in self.handles:
+            handle.check_unchanged()
         self.remove(forget_choice=False)
         for i, model in enumerate(self.models):
             holder = _holders.get(model)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from adaptmem import adaptive
+from adaptmem import PlacementError, adaptive
 from adaptmem._common.peak import fake_mode
 from adaptmem.testing import simulated_cuda
 
@@ -525,3 +525,23 @@ def test_with_two_models_paging_and_chunking_are_compared_per_batch(
     assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (3.0, 2.0, "chunk")
     choice = engine.Choice([1, 0], 1.0, clock.seconds, clock.counts)
     assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (1.0, 2.0, "page")
+
+
+def test_weights_assigned_between_calls_are_refused_where_placing_again_would_drop_them(
+) -> None:
+    # The second call runs chunked (the timed call): placing the model again registers the
+    # original objects, so weights loaded with assign=True after the first call were
+    # dropped and the call silently ran the old ones. It is refused, as the engine refuses
+    # a call after such a load, and the model runs again once given back.
+    model = _model()
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    data = torch.randn(64, 512)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+        run = _decorated(model, 64)
+        run(data)
+        model.load_state_dict(new, assign=True)
+        with pytest.raises(PlacementError, match="assign=True"):
+            run(data)
+        run.remove()
+    with torch.no_grad():
+        model(data)  # usable: the original objects registered again
