@@ -19,7 +19,9 @@ the calls themselves, and keeps the cheaper per forward:
   resident is computed there whole, and timed between its root's hooks.
 
 Chunking is kept when its host seconds per forward are below the paged bytes over the
-measured bandwidth, else the model is paged again from the third call on. With several
+measured bandwidth, else the model is paged again from the third call on. A timed call
+that completed no forward (it raised, or was interrupted) measured nothing: the next call
+is timed instead, up to ``TIMING_TRIES`` calls in all, then paging is chosen. With several
 models both sides are counted over what the timed call ran: each forward of a model would
 page that model's bytes, and the host time is that of all the models' host units; per
 forward means per batch (the forwards of the model that ran most), so a call running an

@@ -257,10 +257,12 @@ def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_lazy_functions_too(
 
 
 def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> None:
-    # Three calls made first (as asyncio.gather would), then awaited: the decorator places
-    # its model anew between calls (chunked at the second, paged again at the third), so
-    # the pager that fails a coroutine's weight is not the one in place when that coroutine
-    # was made. It is still the decorator's, and the batch shrinks.
+    # Five calls made first (as asyncio.gather would), then awaited: the decorator places
+    # its model anew between calls (chunked at the second; none of the timed calls has
+    # run a forward yet, so the third and fourth are timed again, and the fifth pages
+    # again: see TIMING_TRIES), so the pager that fails a coroutine's weight is not the
+    # one in place when that coroutine was made. It is still the decorator's, and the
+    # batch shrinks.
     model, data, want = _wide_first_layer()
     with simulated_cuda(total_memory="24MiB", bandwidth=100):
 
@@ -269,7 +271,7 @@ def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> 
             with torch.no_grad():
                 return torch.cat([model(c) for c in data.split(batchsize)])
 
-        made = [run(data) for _ in range(3)]
+        made = [run(data) for _ in range(5)]
         got = [asyncio.run(coroutine) for coroutine in made]
         size, failed = run.stats.last_size, run.stats.failed_attempts
         run.remove()
@@ -545,3 +547,36 @@ def test_weights_assigned_between_calls_are_refused_where_placing_again_would_dr
         run.remove()
     with torch.no_grad():
         model(data)  # usable: the original objects registered again
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_a_timed_call_that_ran_no_forward_leaves_the_choice_to_the_next_call(
+        error: type[BaseException]) -> None:
+    # The second call runs chunked to time the host. One that raised before a forward
+    # ended was taken as timed: 0 s paged against infinite host time, so paging was chosen
+    # for good, whatever the link (here a slow one, where chunking wins).
+    model = _model()
+    data = torch.randn(64, 512)
+    with torch.no_grad():
+        want = model(data)
+    fail: list[BaseException] = []
+
+    def body(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if fail:
+                raise fail.pop()
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    with simulated_cuda(total_memory=DEVICE, bandwidth=0.05):
+        run = adaptive.batch(initial_batchsize=64, model=model, device="cuda")(body)
+        run(data)
+        fail.append(error("stopped"))
+        with pytest.raises(error):
+            run(data)
+        got = [run(data) for _ in range(3)]
+        placement = dict(run.placement)
+        run.remove()
+    for result in got:
+        torch.testing.assert_close(result, want)
+    assert placement["engine_choice"]["forwards_timed"] >= 1
+    assert placement["engine"] == "chunk"
