@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["PeakTracker", "PeakPrediction", "NotPredictable", "NotYet", "fake_mode", "fit",
-           "count_allocation", "register_allocations"]
+           "count_allocation", "register_allocations", "register_fakes", "is_fake"]
 
 
 class NotPredictable(Exception):
@@ -47,6 +47,28 @@ def register_allocations(cls: type,
     """Tensors of ``cls`` belong to the allocation ``allocation(t)`` names, as (a key that
     tells it apart while it lives, its bytes), or to their storage where it returns None."""
     _ALLOCATIONS[cls] = allocation
+
+
+# A tensor subclass that wraps other tensors (the simulated device's) holds a fake tensor
+# under a trace, but is no FakeTensor itself: it says which of its tensors a trace made.
+_FAKES: dict[type, Callable[[torch.Tensor], bool]] = {}
+
+
+def register_fakes(cls: type, made_by_trace: Callable[[torch.Tensor], bool]) -> None:
+    """Tensors of ``cls`` for which ``made_by_trace(t)`` is True are fake (made under a fake
+    mode, holding no memory), though no ``FakeTensor``."""
+    _FAKES[cls] = made_by_trace
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` was made by a trace on fake tensors (a FakeTensor, or a registered
+    subclass's tensor that wraps one)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(t, FakeTensor):
+        return True
+    made_by_trace = _FAKES.get(type(t))
+    return made_by_trace is not None and made_by_trace(t)
 
 
 def count_allocation(t: torch.Tensor) -> None:

@@ -121,13 +121,17 @@ class Dispatched:
                 with transfer_errors_shrink(lambda: placed.handles):
                     result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
-                if not self._gives_back(exc):
+                instead = self._chunks_instead(exc)
+                if not instead and not self._gives_back(exc):
                     raise
                 # The failed attempt's memory goes before giving back: free memory is read
                 # then, and what it held is not held by anything now.
                 drop_frames(exc)
                 del exc
-                self._give_back(caller, target)
+                if instead:
+                    self._chunk_instead(instead)
+                else:
+                    self._give_back(caller, target)
                 self._runs_again()
                 again = True
                 continue
@@ -154,6 +158,24 @@ class Dispatched:
         return any(self.placed.held()) and not (exc.phase is Phase.TRANSFER and (
             exc.beyond_device or not raised_by(exc, self.placed.handles)))
 
+    def _chunks_instead(self, exc: OutOfMemoryError) -> str:
+        """What ``exc`` says when one of our pagers can never hold a weight (beyond the
+        device or its memory fraction) on an accelerator, where chunking computes it on the
+        host (see [Note: paging or chunking]); "" otherwise."""
+        placed = self.placed
+        if (exc.phase is Phase.TRANSFER and exc.beyond_device and placed.engine == PAGE
+                and placed.device is not None and placed.device.type != "cpu"
+                and raised_by(exc, placed.handles)):
+            return str(exc).split("\n", 1)[0]
+        return ""
+
+    def _chunk_instead(self, reason: str) -> None:
+        """Chunk the models for good (the failed attempt is gone: collected here)."""
+        gc.collect()
+        self.inner.stats.failed_attempts += 1  # the paged attempt ran out of memory
+        self.placed.chunk_instead(reason)
+        self.explorer.switched(self.placed.changes.placements)
+
     def _give_back(self, caller: Any, target: Any) -> None:
         """Give residency back to activations (the failed attempt is gone: collected here)."""
         placed, explorer, inner = self.placed, self.explorer, self.inner
@@ -179,11 +201,15 @@ class Dispatched:
         try:
             return await coroutine
         except OutOfMemoryError as exc:
-            if not self._gives_back(exc):
+            instead = self._chunks_instead(exc)
+            if not instead and not self._gives_back(exc):
                 raise
             drop_frames(exc)
         del coroutine
-        self._give_back(caller, target)
+        if instead:
+            self._chunk_instead(instead)
+        else:
+            self._give_back(caller, target)
         self._runs_again()
         # Awaited the same way: a further failure gives back again, down to nothing.
         return await self.run(caller, target, args, kwargs, again=True)
@@ -396,7 +422,8 @@ MODEL_DOC = """
     back as it was and the prediction dropped);
     an out-of-memory error in compute shrinks the size, one at the smallest size
     gives resident bytes back to activations and runs again, one while weights move makes
-    the pager's units finer. A model left partly resident on an accelerator runs its second
+    the pager's units finer; a weight the device can never hold chunks the models at once,
+    for good, and runs again. A model left partly resident on an accelerator runs its second
     call chunked (``adaptive.chunk``, the rest computed on the host) and stays chunked when
     that host compute per forward costs less than moving the rest over the link, timed
     once. Then it measures items per second at the placement in force, tries twice (else

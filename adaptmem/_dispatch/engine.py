@@ -19,7 +19,9 @@ the calls themselves, and keeps the cheaper per forward:
   resident is computed there whole, and timed between its root's hooks.
 
 Chunking is kept when its host seconds per forward are below the paged bytes over the
-measured bandwidth, else the model is paged again from the third call on. With several
+measured bandwidth, else the model is paged again from the third call on. A timed call
+that completed no forward (it raised, or was interrupted) measured nothing: the next call
+is timed instead, up to ``TIMING_TRIES`` calls in all, then paging is chosen. With several
 models both sides are counted over what the timed call ran: each forward of a model would
 page that model's bytes, and the host time is that of all the models' host units; per
 forward means per batch (the forwards of the model that ran most), so a call running an
@@ -47,6 +49,12 @@ rates measured under the old engine, but not the residency given back in the epo
 back under chunking, paging it needs more device memory still; given back under paging,
 chunking it might fit, so the limit is cautious there: a possible gain forgone, never an
 out-of-memory error.
+
+A weight that paging can never hold (larger than the device or its memory fraction, or as
+large with nothing beside it: the pager's error says ``beyond_device``) leaves no choice:
+the models are chunked at once, the choice made for good, and the call runs again
+(``PlacedModels.chunk_instead``). Measuring first would page again and fail every call
+from the third on wherever the link is fast enough for paging to win.
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ logger = logging.getLogger("adaptmem")
 WEIGHT_SHARE = 0.5  # of free memory given to resident weights at the first call
 RESTORE_EVERY = 16  # calls between checks whether memory given back can be taken again
 RESTORE_GROWTH = 1.25  # free memory must have grown this much since it was given back
+TIMING_TRIES = 3  # chunked calls timed, while none completes a forward, before choosing
 
 
 @dataclass
@@ -219,6 +220,7 @@ class PlacedModels:
         self._choosing: str | None = None
         self._clock: HostClock | None = None
         self._paged_bytes: list[int] = []  # what paging moved per forward of each model
+        self._untimed = 0  # timed calls that completed no forward, in a row
         self.weights = [module_sizes(m).total_bytes for m in models]
         self.resident = [0 for _ in models]
         self.changes = PlacementChanges()
@@ -346,6 +348,14 @@ class PlacedModels:
             self._choosing = MADE  # nothing was timed: keep the engine in force
             return
         clock.remove()
+        if clock.forwards == 0 and self._untimed < TIMING_TRIES - 1:
+            # The timed call ran no forward to its end (it raised, a KeyboardInterrupt
+            # stopped it, or it ran no model): time the next one instead of choosing by
+            # nothing (0 s paged against infinite host time: paging, whatever the link).
+            self._untimed += 1
+            self._clock = HostClock(self.models, self.handles)
+            return
+        self._untimed = 0
         paged = self._paged_bytes
         bandwidth = link_bandwidth(self.device)
         if bandwidth is None:  # no copy fitted to time: keep the engine in force
@@ -365,6 +375,20 @@ class PlacedModels:
             self.engine = PAGE
             self._place(list(self.resident))
             self.changes.engine_switches += 1
+
+    def chunk_instead(self, reason: str) -> None:
+        """Paging cannot hold a weight at all (``reason``, the pager's error): chunk the
+        models from now on, their resident bytes as they were, the host computing what the
+        device cannot hold (see [Note: paging or chunking] in engine.py)."""
+        if self._clock is not None:
+            self._clock.remove()
+            self._clock = None
+        self.engine, self.choice, self._choosing = CHUNK, None, MADE
+        self._place(list(self.resident))
+        self.changes.engine_switches += 1
+        logger.info("%s: paging cannot hold a weight on %s (%s); the models are chunked "
+                    "from now on, the host computing what the device cannot hold, and the "
+                    "call runs again", self.name, self.device, reason)
 
     def fix(self) -> str:
         """Whom the models are held for and how to free them (``claims.Owner``)."""
@@ -405,6 +429,11 @@ class PlacedModels:
             self._running -= 1
 
     def _place(self, resident: list[int]) -> None:
+        # Placing again registers the original objects: weights loaded with assign=True (or a
+        # conversion) since the last call would be dropped, and the call would run the old
+        # ones. Refused as the engine refuses that call, nothing moved.
+        for handle in self.handles:
+            handle.check_unchanged()
         self.remove(forget_choice=False)
         for i, model in enumerate(self.models):
             holder = _holders.get(model)
@@ -449,6 +478,7 @@ class PlacedModels:
         self.resident = [0 for _ in self.models]
         if forget_choice:
             self.engine, self.choice, self._choosing = PAGE, None, None
+            self._untimed = 0
 
     def check_no_fakes(self) -> None:
         """Refuse models that an 'auto' trace left holding fake tensors (a lazy module or a

@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._common.claims import claim, release
-from .guard import NotCopyable
+from .guard import NotCopyable, PlacementGuard
 
 __all__ = ["Engine", "HookSet", "LoadTargets"]
 
@@ -87,6 +87,14 @@ class Engine(NotCopyable, abc.ABC):
     """
 
     model: nn.Module
+    _guard: PlacementGuard  # set by each subclass when it places the model
+
+    def check_unchanged(self) -> None:
+        """Raise the ``PlacementError`` the model's next call would raise when its tensors
+        were replaced or converted since placement (see [Note: a placed model is neither
+        copied nor converted] in guard.py): for code about to place the model again, which
+        would drop the change (``remove()`` registers the original objects)."""
+        self._guard.check()
 
     def _hold(self, modules: Iterable[nn.Module], tensors: Mapping[str, torch.Tensor]) -> None:
         """Claim ``modules`` and ``tensors`` (by canonical name) for this engine; see [Note:

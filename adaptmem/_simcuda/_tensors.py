@@ -89,7 +89,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from .._common.peak import count_allocation, fake_mode, register_allocations
+from .._common.peak import count_allocation, fake_mode, register_allocations, register_fakes
 from ._errors import no_cpu_kernel, refuse_layout
 from ._kernels import CPU_EQUIVALENT, pack_padded_sequence
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
@@ -248,7 +248,20 @@ def _allocation(t: torch.Tensor) -> tuple[int, int] | None:
     return sim.allocation(t)
 
 
+def _made_by_trace(t: torch.Tensor) -> bool:
+    """Whether simulated tensor ``t`` holds a fake backing (a trace made it): in-place ops
+    on it change nothing real."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    sim = _current
+    if sim is None or sim.closed:
+        return False
+    entry = sim.entries.get(t.untyped_storage()._cdata)
+    return entry is not None and isinstance(entry[0], FakeTensor)
+
+
 register_allocations(SimTensor, _allocation)
+register_fakes(SimTensor, _made_by_trace)
 
 
 def _after_the_block(func: Any) -> RuntimeError:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from adaptmem import adaptive
+from adaptmem import PlacementError, adaptive
 from adaptmem._common.peak import fake_mode
 from adaptmem.testing import simulated_cuda
 
@@ -257,10 +257,12 @@ def test_a_weight_that_does_not_fit_beside_the_batch_shrinks_lazy_functions_too(
 
 
 def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> None:
-    # Three calls made first (as asyncio.gather would), then awaited: the decorator places
-    # its model anew between calls (chunked at the second, paged again at the third), so
-    # the pager that fails a coroutine's weight is not the one in place when that coroutine
-    # was made. It is still the decorator's, and the batch shrinks.
+    # Five calls made first (as asyncio.gather would), then awaited: the decorator places
+    # its model anew between calls (chunked at the second; none of the timed calls has
+    # run a forward yet, so the third and fourth are timed again, and the fifth pages
+    # again: see TIMING_TRIES), so the pager that fails a coroutine's weight is not the
+    # one in place when that coroutine was made. It is still the decorator's, and the
+    # batch shrinks.
     model, data, want = _wide_first_layer()
     with simulated_cuda(total_memory="24MiB", bandwidth=100):
 
@@ -269,7 +271,7 @@ def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> 
             with torch.no_grad():
                 return torch.cat([model(c) for c in data.split(batchsize)])
 
-        made = [run(data) for _ in range(3)]
+        made = [run(data) for _ in range(5)]
         got = [asyncio.run(coroutine) for coroutine in made]
         size, failed = run.stats.last_size, run.stats.failed_attempts
         run.remove()
@@ -281,41 +283,56 @@ def test_coroutines_made_before_they_run_shrink_for_the_placement_in_force() -> 
 @pytest.mark.parametrize(("total", "fraction"), [("20MiB", None), ("80MiB", 0.5),
                                                   ("64MiB", None)],
                          ids=["device", "memory-fraction", "exactly-the-device"])
-def test_a_weight_that_never_fits_ends_the_call_at_once_with_the_pagers_error(
-        total: str, fraction: float | None) -> None:
+@pytest.mark.parametrize("kind", ["function", "coroutine"])
+def test_a_weight_that_never_fits_is_chunked_at_once_and_stays_chunked(
+        total: str, fraction: float | None, kind: str) -> None:
     # Shrinking and giving residency back cannot make room for a weight larger than the
-    # device (or than its memory fraction), nor for one as large, with nothing beside it:
-    # the error that ends the call is the pager's, naming the weight, raised at the first
-    # attempt with the resident model left alone.
+    # device (or than its memory fraction), nor for one as large, with nothing beside it;
+    # chunking computes it on the host. The first call used to end with the pager's error,
+    # the second (the timed chunked call) to run, and every call after it to fail again
+    # when the link was fast enough for paging to be chosen.
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(1024, 1024),
-                          nn.Linear(4096, 4096, bias=False)).eval()  # 4, 64 MiB
+    big = nn.Sequential(nn.Linear(256, 4096),
+                        nn.Linear(4096, 4096, bias=False)).eval()  # 4, 64 MiB
+    data = torch.randn(8, 256)
+    with torch.no_grad():
+        want = big(data)
     sizes: list[int] = []
+
+    def body(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            outs = []
+            for chunk in data.split(batchsize):
+                if float(chunk.abs().sum()) < 0:  # data-dependent: cannot be traced
+                    raise AssertionError
+                sizes.append(batchsize)  # real attempts only
+                outs.append(big(chunk))
+            return torch.cat(outs)
+
+    got = []
     with simulated_cuda(total_memory=total, bandwidth=100):
         if fraction is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, 0)
             torch.cuda.empty_cache()
+        if kind == "function":
+            run = adaptive.batch(initial_batchsize=8, model=big, device="cuda")(body)
+        else:
+            async def coroutine(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+                return body(batchsize, data)
 
-        @adaptive.batch(initial_batchsize=8, model=model, device="cuda")
-        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
-            with torch.no_grad():
-                for chunk in data.split(batchsize):
-                    if float(chunk.abs().sum()) < 0:  # data-dependent: cannot be traced
-                        raise AssertionError
-                    sizes.append(batchsize)  # real attempts only
-                    model[1](torch.randn(len(chunk), 4096, device="cuda"))
-            return data
-
-        with pytest.raises(torch.OutOfMemoryError) as info:
-            run(torch.randn(8, 1024))
-        placement = dict(run.placement)
+            run = adaptive.batch(initial_batchsize=8, model=big, device="cuda")(coroutine)
+        for _ in range(4):  # past the choice between paging and chunking
+            result = run(data)
+            got.append(asyncio.run(result) if kind == "coroutine" else result)
+        placement, stats = dict(run.placement), run.stats
         run.remove()
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
-    error = info.value
-    assert error.phase == "transfer" and error.beyond_device  # type: ignore[attr-defined]
-    assert "'1.weight', 64.0 MiB" in str(error) and "cannot be split" in str(error)
-    assert sizes == [8]  # no smaller batch tried: it could not help
-    assert placement["residency_given_back"] == 0 and placement["resident_bytes"][0] > 0
+    for result in got:
+        torch.testing.assert_close(result, want)
+    assert sizes == [8] * 5  # the paged attempt, then each call chunked at the same size
+    assert placement["engine"] == "chunk" and placement["engine_switches"] == 1
+    assert placement["residency_given_back"] == 0
+    assert stats.calls == 4 and stats.failed_attempts == 1 and stats.retries == 1
 
 
 def test_another_pagers_weight_that_never_fits_leaves_the_placement_alone() -> None:
@@ -510,3 +527,56 @@ def test_with_two_models_paging_and_chunking_are_compared_per_batch(
     assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (3.0, 2.0, "chunk")
     choice = engine.Choice([1, 0], 1.0, clock.seconds, clock.counts)
     assert (choice.page_seconds, choice.chunk_seconds, choice.engine) == (1.0, 2.0, "page")
+
+
+def test_weights_assigned_between_calls_are_refused_where_placing_again_would_drop_them(
+) -> None:
+    # The second call runs chunked (the timed call): placing the model again registers the
+    # original objects, so weights loaded with assign=True after the first call were
+    # dropped and the call silently ran the old ones. It is refused, as the engine refuses
+    # a call after such a load, and the model runs again once given back.
+    model = _model()
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    data = torch.randn(64, 512)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+        run = _decorated(model, 64)
+        run(data)
+        model.load_state_dict(new, assign=True)
+        with pytest.raises(PlacementError, match="assign=True"):
+            run(data)
+        run.remove()
+    with torch.no_grad():
+        model(data)  # usable: the original objects registered again
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_a_timed_call_that_ran_no_forward_leaves_the_choice_to_the_next_call(
+        error: type[BaseException]) -> None:
+    # The second call runs chunked to time the host. One that raised before a forward
+    # ended was taken as timed: 0 s paged against infinite host time, so paging was chosen
+    # for good, whatever the link (here a slow one, where chunking wins).
+    model = _model()
+    data = torch.randn(64, 512)
+    with torch.no_grad():
+        want = model(data)
+    fail: list[BaseException] = []
+
+    def body(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if fail:
+                raise fail.pop()
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    with simulated_cuda(total_memory=DEVICE, bandwidth=0.05):
+        run = adaptive.batch(initial_batchsize=64, model=model, device="cuda")(body)
+        run(data)
+        fail.append(error("stopped"))
+        with pytest.raises(error):
+            run(data)
+        got = [run(data) for _ in range(3)]
+        placement = dict(run.placement)
+        run.remove()
+    for result in got:
+        torch.testing.assert_close(result, want)
+    assert placement["engine_choice"]["forwards_timed"] >= 1
+    assert placement["engine"] == "chunk"

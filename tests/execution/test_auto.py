@@ -685,3 +685,37 @@ def test_filling_device_memory_that_existed_from_host_data_is_flat_not_elsewhere
         auto._fit(upload, 8, 16, torch.device("meta"))
     with pytest.raises(auto.Elsewhere, match="its memory on cpu grew"):
         auto._fit(on_host, 8, 16, torch.device("meta"))
+
+
+def test_in_place_ops_on_traced_tensors_of_the_simulated_device_are_predicted() -> None:
+    # ``nn.ReLU(inplace=True)`` (ResNet's) writes into a tensor the trace made: a simulated
+    # tensor holding a fake one, no FakeTensor itself. The guard took it for a real tensor
+    # and refused to trace any model with an in-place op on the simulated device; a real
+    # tensor there written in place (a counter) is still refused.
+    from adaptmem.testing import simulated_cuda
+
+    with simulated_cuda(total_memory="64MiB"):
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(inplace=True),
+                              nn.Linear(256, 8)).cuda().eval()
+        counter = torch.zeros((), device="cuda")
+
+        @adaptive.batch(initial_batchsize="auto", max_batchsize=4096)
+        def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        @adaptive.batch(initial_batchsize="auto", max_batchsize=16)
+        def count(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            counter.add_(1)
+            return data[:batchsize] * 2
+
+        data = torch.randn(64, 64, device="cuda")
+        got = infer(data).cpu()
+        with torch.no_grad():
+            want = model(data).cpu()
+        count(data)
+        counted = float(counter)
+    torch.testing.assert_close(got, want)
+    assert infer.prediction is not None
+    assert infer.prediction.per_item_bytes > 0
+    assert count.prediction is None and counted == 1.0
