@@ -985,11 +985,15 @@ def test_the_train_example_runs_a_step_without_and_with_spilling(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_train_example_refuses_bad_arguments() -> None:
+def test_the_train_example_refuses_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     from adaptmem.cli import main
 
-    with pytest.raises(SystemExit, match="threshold"):
+    with pytest.raises(SystemExit) as info:
         main(["example", "train", "--threshold", "-1"])
+    assert info.value.code == 2  # a usage error, in one line, as the other commands give
+    err = capsys.readouterr().err
+    assert err.startswith("adaptmem example train: error: ") and "threshold" in err
+    assert err.count("\n") == 1
 
 
 class _Done:
