@@ -637,33 +637,9 @@ def test_a_trace_through_a_placed_function_leaves_its_sizes_and_engine_choice_al
     assert (record.fits, record.fails) == before
 
 
-def test_range_predicts_its_first_step_with_a_model_too() -> None:
-    model = _linear_stack()
-    data = torch.randn(2048, 512)
-    with torch.no_grad():
-        want = model(data)
-    with simulated_cuda(total_memory="12MiB"):
-
-        @adaptive.range(initial_step=2048, model=model, device="cuda")
-        def infer(start: int, end: int) -> torch.Tensor:
-            with torch.no_grad():
-                return model(data[start:end])
-
-        got = torch.cat(infer(0, 2048))
-        failed, prediction = infer.stats.failed_attempts, infer.prediction
-        infer.remove()
-    torch.testing.assert_close(got, want)
-    assert prediction is not None and failed == 0
-
-
-def test_a_range_over_a_partly_paged_model_predicts_its_memory_per_item(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    # A range step runs one forward, so the library's trace sizes (8 and 16) are traced. The
-    # first trace is the pagers' first forward, which prefetches nothing: one 1 MiB unit
-    # copy fewer than the second trace held, read as 128 KiB more per item, and the first
-    # call ran in steps of a few dozen items where hundreds fit (see [Note: a model's first
-    # forward under a pager] in auto.py).
-    monkeypatch.setattr(auto, "TRACE_SIZES", (8, 16))
+def _range_over_a_linear_stack() -> tuple[Any, Any]:
+    """A range(model=...) over a stack of linear layers on a 12 MiB simulated device, its
+    output checked: (its stats, its prediction)."""
     model = _linear_stack()
     data = torch.randn(2048, 512)
     with torch.no_grad():
@@ -679,6 +655,23 @@ def test_a_range_over_a_partly_paged_model_predicts_its_memory_per_item(
         stats, prediction = infer.stats, infer.prediction
         infer.remove()
     torch.testing.assert_close(got, want)
+    return stats, prediction
+
+
+def test_range_predicts_its_first_step_with_a_model_too() -> None:
+    stats, prediction = _range_over_a_linear_stack()
+    assert prediction is not None and stats.failed_attempts == 0
+
+
+def test_a_range_over_a_partly_paged_model_predicts_its_memory_per_item(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A range step runs one forward, so the library's trace sizes (8 and 16) are traced. The
+    # first trace is the pagers' first forward, which prefetches nothing: one 1 MiB unit
+    # copy fewer than the second trace held, read as 128 KiB more per item, and the first
+    # call ran in steps of a few dozen items where hundreds fit (see [Note: a model's first
+    # forward under a pager] in auto.py).
+    monkeypatch.setattr(auto, "TRACE_SIZES", (8, 16))
+    stats, prediction = _range_over_a_linear_stack()
     assert prediction is not None and prediction.sizes == (8, 16)
     assert prediction.per_item_bytes <= 8 * 1024  # 2 KiB in and out, 2 KiB per layer
     assert stats.failed_attempts == 0 and stats.attempts <= 8
