@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._common.devices import format_bytes, resolve_device
+from ._common.devices import format_bytes, parse_size, resolve_device
 from ._common.errors import CommandLineError
 from ._common.oom import drop_frames, is_oom
 from ._spilling import fixed_mmap_threshold, memory_stats, spill
@@ -83,8 +83,6 @@ def _classifies(model: nn.Module) -> bool:
 
 def _cap_gib(text: str) -> float:
     """``--cap``: a number of GiB (``1.5``) or a size with a unit (``1.5GiB``, ``1600MB``)."""
-    from ._common.devices import parse_size
-
     try:
         gib = float(text)
     except ValueError:

@@ -138,8 +138,9 @@ class TooFewItems(Flat):
 
 
 class Elsewhere(NotPredictable):
-    """The traces made no tensor on the device the decorator watches, only on others: its
-    memory is not what bounds the size (see [Note: counting the device's bytes only])."""
+    """The traces allocated nothing new on the device the decorator watches while memory on
+    another grew with the size: the watched memory is not what bounds the size (see
+    [Note: counting the device's bytes only])."""
 
 
 class TraceFailed(NotPredictable):

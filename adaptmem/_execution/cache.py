@@ -455,8 +455,8 @@ class InstanceRecords:
         buckets. Called before ``started``."""
         other = self.latest_sites.get(site)
         self.latest_sites[site] = own
-        if other is None or other is own or key in self.latest or record.fits is not None \
-                or record.fails is not None or record.start is not None:
+        if (other is None or other is own or key in self.latest or record.fits is not None
+                or record.fails is not None or record.start is not None):
             return
         fits, start, fails = other.estimate(record.bucket)
         guess = fits if fits is not None else start

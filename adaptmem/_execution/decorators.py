@@ -300,18 +300,15 @@ class _Adaptive:
         step); nothing changes for an ``"auto"`` function, which predicts anyway. ``guard``
         makes a context manager entered around the traces, which yields a list of what the
         traces left behind that it put back: anything in it drops the prediction."""
-        if self._auto is not None:
-            self._trace_guard = guard
-            self._auto.warm_up = True  # see [Note: a model's first forward under a pager]
-            return True
-        if (is_lazy_function(self._func) or self._accumulation is not None
-                or self.initial <= self.floor):
-            return False  # untraceable, or nothing to choose
-        self._auto = AutoStart(self._name, self.floor, self.initial, self.device,
-                               asked=f"{self.kind}(model=...)",
-                               largest=f"the initial size, {self.initial}")
+        if self._auto is None:
+            if (is_lazy_function(self._func) or self._accumulation is not None
+                    or self.initial <= self.floor):
+                return False  # untraceable, or nothing to choose
+            self._auto = AutoStart(self._name, self.floor, self.initial, self.device,
+                                   asked=f"{self.kind}(model=...)",
+                                   largest=f"the initial size, {self.initial}")
+            self._starts_only = self._deciding = True
         self._auto.warm_up = True  # see [Note: a model's first forward under a pager]
-        self._starts_only = self._deciding = True
         self._trace_guard = guard
         return True
 

@@ -524,8 +524,9 @@ def _usable_cores() -> int:
 # between 5 and 15 and beyond 16 not measured). Each thread maps at most new_memory._STEP
 # (4 MiB) of the file at once while it fills: 64 MiB at 16 threads, inside the guarantee
 # of the model + its largest tensor + 64 MiB (a warm copying load stages no tensor).
-_WORKERS = max(4, min(16, _usable_cores()))
-_CORES = max(1, min(4, _usable_cores()))  # under a cap on the data segment
+_USABLE_CORES = _usable_cores()
+_WORKERS = max(4, min(16, _USABLE_CORES))
+_CORES = min(4, _USABLE_CORES)  # under a cap on the data segment
 _THREAD_STACK = 256 * 2**10  # faulting and reading threads only call madvise and preadv
 _PAGE = mmap.PAGESIZE
 
