@@ -16,8 +16,10 @@ round, for the page cache warm and cold (the file evicted with ``posix_fadvise(D
 first), every method runs in a fresh process, each round starting one method later than the
 last, and reports:
 
-- build s: building the model (on meta, or with ``adaptive.empty_model``);
-- load s: reading the checkpoint into it;
+- build s: building the model on meta (the recipe and the other baselines);
+- load s: reading the checkpoint into it; adaptmem's rows pass the factory to
+  ``adaptive.load``, which builds the model too (``adaptive.empty_model``), so their load s
+  covers building and their build s is 0;
 - touch s: reading every distinct weight once (``tensor.sum()``), so that methods that map
   the file and read lazily pay for their reads too;
 - total s: build + load + touch, the time to a ready model (interpreter start and imports,
@@ -192,10 +194,10 @@ def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
     if method.startswith("adaptmem"):
         from adaptmem import adaptive
 
-        model = adaptive.empty_model(build)
-        built = time.perf_counter() - t0
+        # The factory, as users load: the load builds the model (empty_model) and may start
+        # reading meanwhile ([Note: reading before the plan]), so its build s is 0.
         path = per if "per-tensor" in method else st if "safetensors" in method else pt
-        return adaptive.load(model, path, device=device, copy="copy=False" not in method), built
+        return adaptive.load(build, path, device=device, copy="copy=False" not in method), 0.0
     raise SystemExit(f"unknown method {method!r}")
 
 
@@ -715,14 +717,18 @@ def against(other: Path, args: argparse.Namespace, device: str) -> None:
     here = Path(__file__).resolve().parents[1]
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; this checkout {here} "
           f"against {other}; command: python benchmarks/loading.py {' '.join(sys.argv[1:])}")
-    print("\n| model | file | cache | other s | this s | this / other |\n|---|---|---|---:|---:|---:|")
+    counts = [int(n) for n in args.threads.split(",")] if args.threads else [None]
+    print("\n| model | file | cache | threads | other s | this s | this / other |\n"
+          "|---|---|---|---:|---:|---:|---:|")
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         work = Path(tempfile.mkdtemp(prefix="adaptmem-bench-", dir=args.workdir))
         try:
             _prepare(model, work, False)
             for cache in [c.strip() for c in args.cache.split(",") if c.strip()]:
-                for kind in ("pt", "safetensors"):
+                for kind, count in ((k, n) for k in ("pt", "safetensors") for n in counts):
                     path, method = work / f"model.{kind}", f"adaptmem (.{kind})"
+                    if count is not None:  # the loader's pool, as --threads sets it
+                        method += f", {count} threads"
                     got: dict[Path, list[float]] = {here: [], other: []}
                     for rnd in range(args.rounds):
                         for tree in (here, other) if rnd % 2 == 0 else (other, here):
@@ -738,7 +744,8 @@ def against(other: Path, args: argparse.Namespace, device: str) -> None:
                                 raise SystemExit(f"{tree}: wrong values in {r['wrong_tensors']}")
                             got[tree].append(float(r["total_s"]))
                     ratio = [a / b for a, b in zip(got[here], got[other], strict=True)]
-                    print(f"| {model} | .{kind} | {cache} | {_spread(got[other])} | "
+                    print(f"| {model} | .{kind} | {cache} | {count or 'default'} | "
+                          f"{_spread(got[other])} | "
                           f"{_spread(got[here])} | {_spread(ratio)} |", flush=True)
         finally:
             shutil.rmtree(work, ignore_errors=True)
