@@ -194,8 +194,8 @@ def _build_and_load(method: str, build: Callable[[], nn.Module], work: Path,
     if method.startswith("adaptmem"):
         from adaptmem import adaptive
 
-        # The factory, as users load: the load builds the model (empty_model) and may start
-        # reading meanwhile ([Note: reading before the plan]), so its build s is 0.
+        # The factory, as users load: the load builds the model (empty_model) itself, so
+        # its build s is 0.
         path = per if "per-tensor" in method else st if "safetensors" in method else pt
         return adaptive.load(build, path, device=device, copy="copy=False" not in method), 0.0
     raise SystemExit(f"unknown method {method!r}")

@@ -523,11 +523,7 @@ def _usable_cores() -> int:
 # tried once, beat both). So one thread per usable core, at least four, at most 16 (counts
 # between 5 and 15 and beyond 16 not measured). Each thread maps at most new_memory._STEP
 # (4 MiB) of the file at once while it fills: 64 MiB at 16 threads, inside the guarantee
-# of the model + its largest tensor + 64 MiB (a warm copying load stages no tensor). The
-# pool starts all its threads before it takes any work: started one per piece submitted,
-# as ThreadPoolExecutor does, each new thread waited for a core the running ones kept busy,
-# and the submitting thread with it (7-35 ms to submit GPT-2 small's first tensor on the
-# 2-core VM, 1-2 ms with the threads started first).
+# of the model + its largest tensor + 64 MiB (a warm copying load stages no tensor).
 _USABLE_CORES = _usable_cores()
 _WORKERS = max(4, min(16, _USABLE_CORES))
 _CORES = min(4, _USABLE_CORES)  # under a cap on the data segment
@@ -576,74 +572,6 @@ def _ask_for_first_page(fd: int, offset: int) -> None:
             _fadvise(fd, offset - offset % _PAGE, _PAGE, os.POSIX_FADV_WILLNEED)
 
 
-def _pool_size() -> int:
-    # Under a cap on the data segment (set_cpu_memory_limit, ulimit -d) each thread's stack
-    # and malloc arena count for good: one thread per core then.
-    return _WORKERS if soft_limit("RLIMIT_DATA") is None else _CORES
-
-
-def _started_pool(n: int) -> ThreadPoolExecutor:
-    """A pool of ``n`` reader threads, every one started before it takes any work (see
-    [Note: the loader's pool])."""
-    pool = ThreadPoolExecutor(n, thread_name_prefix="adaptmem-load-io")
-    ready = threading.Barrier(n + 1, timeout=10)
-    try:
-        with _small_stacks():
-            for _ in range(n):
-                pool.submit(ready.wait)
-        ready.wait()
-    except threading.BrokenBarrierError:
-        pass  # a thread that took 10 s to start: the reads wait for it instead
-    finally:
-        ready.abort()  # no thread waits on if one failed to start (submit raised)
-    return pool
-
-
-class _Early:
-    """The tensors ``Reader.read_early`` made, by the bytes they hold (as stored), with their
-    reads: ``pending`` until ``take`` hands one out, then ``handed``, by address."""
-
-    def __init__(self) -> None:
-        self.pending: dict[tuple[Any, ...], tuple[torch.Tensor, list[Future[None]]]] = {}
-        self.handed: dict[int, list[Future[None]]] = {}
-
-    @staticmethod
-    def _key(entry: Entry) -> tuple[Any, ...]:
-        return entry.file, entry.offset, entry.storage_offset, entry.shape, entry.dtype
-
-    def holds(self, entry: Entry) -> bool:
-        return self._key(entry) in self.pending
-
-    def add(self, entry: Entry, tensor: torch.Tensor, reads: list[Future[None]]) -> None:
-        self.pending[self._key(entry)] = (tensor, reads)
-
-    def take(self, entry: Entry) -> torch.Tensor | None:
-        """The tensor made for ``entry``'s bytes, if any; its reads go to ``handed``."""
-        got = self.pending.pop(self._key(entry), None)
-        if got is None:
-            return None
-        self.handed[got[0].data_ptr()] = got[1]
-        return got[0]
-
-    def let_go(self) -> list[torch.Tensor]:
-        """Forget the pending tensors, returned to be released: reads not started are
-        cancelled, running ones waited for, errors ignored."""
-        pending, self.pending = self.pending, {}
-        for _, reads in pending.values():
-            for future in reads:
-                future.cancel()
-        self.settle(pending)
-        return [tensor for tensor, _ in pending.values()]
-
-    def settle(self, pending: dict[tuple[Any, ...], Any] | None = None) -> None:
-        """Wait for the reads of the pending tensors, ignoring their errors (a read the load
-        needs raises when the tensor is handed out and waited for)."""
-        for _, reads in (self.pending if pending is None else pending).values():
-            for future in reads:
-                with contextlib.suppress(Exception):
-                    future.result()
-
-
 class Reader:
     """Reads checkpoint tensors: one open file per checkpoint file, worker threads that fault
     new memory in and read pieces, direct reads for cold files, and a reader thread with two
@@ -659,7 +587,6 @@ class Reader:
         self._workers: ThreadPoolExecutor | None = None
         self._new = NewMemory()
         self._reads: list[Future[None]] = []
-        self._early = _Early()
         self._direct = DirectReads(files)
         self._lock = threading.Lock()
 
@@ -681,7 +608,6 @@ class Reader:
             self._workers.shutdown(wait=True, cancel_futures=failed)
             self._workers = None
         self._reads = []
-        self._early = _Early()
         self._new.close()
         self._staging.close()
         self._files.close()
@@ -785,20 +711,10 @@ class Reader:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
         no autograd, no version-counter bump. With ``wait=False`` the pieces are read on
         the reader threads and ``dest`` is complete once ``wait()`` returns; a tensor made
-        by ``empty_for`` is read past the page cache where the cache does not hold it. A
-        tensor ``read_early`` made and ``empty_for`` handed out is being read already."""
-        started = self._early.handed.get(dest.data_ptr())
-        if started is not None:
-            for future in started if wait else ():
-                future.result()
-            return
+        by ``empty_for`` is read past the page cache where the cache does not hold it."""
         if wait:
             self._fill(entry.file, entry.start, dest)
             return
-        self._reads.extend(self._submit(entry, dest))
-
-    def _submit(self, entry: Entry, dest: torch.Tensor) -> list[Future[None]]:
-        """Start reading ``entry`` into ``dest`` on the reader threads, piece by piece."""
         fd = self._file(entry.file).fileno()
         region = self._direct.region(dest.data_ptr())
         fill = self._new.fills(dest.data_ptr())
@@ -810,49 +726,11 @@ class Reader:
         piece = _CHUNK if region is None else DIRECT_PIECE
         cuts = [0, *range(piece - start % piece, n, piece), n]
         with _small_stacks():
-            return [workers.submit(self._read_piece_of, dest, entry.file, fd, region, a,
-                                   start + a, b - a, fill)
-                    for a, b in zip(cuts, cuts[1:], strict=False) if b > a]
-
-    def read_early(self, entries: list[Entry], budget: int) -> int:
-        """Start filling new CPU memory with the large ``entries`` that the page cache holds,
-        as they are stored, in file order and up to ``budget`` bytes, before the model's
-        destinations are known; ``empty_for`` hands them out (see [Note: reading before
-        the plan]). Returns the bytes started: none where the reader threads outnumber the
-        cores (they would take the core that builds the model), nor where new memory is not
-        filled from the page cache."""
-        started = 0
-        if _USABLE_CORES < _pool_size():
-            return started
-        for entry in sorted((e for e in entries if self.can_map(e) and e.offset is not None),
-                            key=lambda e: (e.file, e.start)):
-            if self._early.holds(entry):
-                continue
-            if started + entry.nbytes > budget:
-                break
-            try:
-                new = self._direct.empty(entry.file, self._file(entry.file).fileno(),
-                                         entry.start, entry.shape, entry.dtype)
-            except (OSError, RuntimeError, MemoryError, LoadError):
-                break  # the load proper reads it and says what is wrong
-            if new is None or self._direct.region(new.data_ptr()) is not None:
-                if new is not None:
-                    self._direct.forget(new.data_ptr())
-                continue  # small, or partly on the disk only: read once the plan wants it
-            if not self._new.fill_later(new):
-                break  # no filling here: new memory is faulted in ahead with the rest
-            self._early.add(entry, new, self._submit(entry, new))
-            started += entry.nbytes
-        return started
-
-    def drop_early(self) -> None:
-        """Let go of the tensors ``read_early`` made that ``empty_for`` did not hand out:
-        reads not started are dropped, running ones waited for (their errors ignored: the
-        load does not need these bytes), and their pages given back to the system before
-        the load makes more."""
-        for tensor in self._early.let_go():
-            self._direct.forget(tensor.data_ptr())
-            self._new.release(tensor)
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                if b > a:
+                    self._reads.append(workers.submit(
+                        self._read_piece_of, dest, entry.file, fd, region, a, start + a, b - a,
+                        fill))
 
     def _read_piece_of(self, dest: torch.Tensor, name: str, fd: int,
                        region: tuple[int, int] | None, at: int, offset: int, n: int,
@@ -862,14 +740,14 @@ class Reader:
 
     def _pool_of_workers(self) -> ThreadPoolExecutor:
         if self._workers is None:
-            self._workers = _started_pool(_pool_size())
+            # Under a cap on the data segment (set_cpu_memory_limit, ulimit -d) each thread's
+            # stack and malloc arena count for good: one thread per core then.
+            n = _WORKERS if soft_limit("RLIMIT_DATA") is None else _CORES
+            self._workers = ThreadPoolExecutor(n, thread_name_prefix="adaptmem-load-io")
         return self._workers
 
     def wait(self) -> None:
-        """Wait for the reads ``read_into(..., wait=False)`` started, and those ``read_early``
-        started (their descriptors stay open until then); raise the first error of the
-        former."""
-        self._early.settle()
+        """Wait for the reads ``read_into(..., wait=False)`` started; raise the first error."""
         reads, self._reads = self._reads, []
         for future in reads:
             future.result()
@@ -878,12 +756,7 @@ class Reader:
         """A new CPU tensor to read ``entry`` into as it is stored (shape, dtype): when it is
         large, laid out for O_DIRECT where the page cache lacks some of it (see [Note: reading
         past the page cache]) and filled from the cache where it holds it (see [Note: filling
-        new memory from the page cache]); else ordinary memory, faulted in ahead. A tensor
-        ``read_early`` made for ``entry`` comes with its reads, already started."""
-        early = self._early.take(entry)
-        if early is not None:
-            self._reads.extend(self._early.handed[early.data_ptr()])
-            return early
+        new memory from the page cache]); else ordinary memory, faulted in ahead."""
         new = None
         if self.can_map(entry):
             new = self._direct.empty(entry.file, self._file(entry.file).fileno(), entry.start,

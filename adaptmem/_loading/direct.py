@@ -132,11 +132,6 @@ class DirectReads:
         """The mapping behind a tensor made by ``empty`` that starts at ``address``."""
         return self._regions.get(address)
 
-    def forget(self, address: int) -> None:
-        """Forget the tensor at ``address``, freed unread: another tensor made later may lie
-        there, in memory not laid out for O_DIRECT."""
-        self._regions.pop(address, None)
-
     def empty(self, name: str, fileno: int, start: int, shape: tuple[int, ...],
               dtype: torch.dtype) -> torch.Tensor | None:
         """A new CPU tensor for the contiguous bytes at ``start`` of ``name``, when they are

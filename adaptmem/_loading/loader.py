@@ -18,7 +18,6 @@ error.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import threading
@@ -295,43 +294,6 @@ def _placements(sizes: ModuleSizes, device: Any, making: bool) -> Callable[[str]
     return lambda name: (dev, False, None)
 
 
-# [Note: reading before the plan]
-# A load's destinations are known only once the model is built (a factory) and matched with
-# the checkpoint: 20-45 ms of Python for GPT-2 small on the 2-core VM, while the reader
-# threads had nothing to do. So where the load will make new CPU tensors in the
-# checkpoint's own dtype (a factory or a model built on meta, going to the CPU, copy=True,
-# no dtype), the reader starts filling the checkpoint's first large tensors that the page
-# cache holds (file order) before building and matching, into new tensors that `empty_for`
-# hands out for the same bytes later. Warm ones only: a cold tensor the model then does not
-# take (a tied model whose file stores both copies) would be read from the disk twice.
-# What it reads early is at most the checkpoint's largest tensor, and what the plan does
-# not take (a model in another dtype, a key left out) is let go (`Reader.drop_early`)
-# before the load makes or faults in any other new memory: the peak stays the model + the
-# largest tensor + the reader's mappings. It pays only where the build keeps a core: with
-# more reader threads than cores (the 2-core VM's four) the threads took the build's core,
-# the build took as much longer (empty_model 43-95 ms instead of 20) and the load gained
-# nothing (1.00x and 1.02x the previous loader, 8 fresh-process pairs, `.pt` and
-# `.safetensors`). So the reader starts early only where there are at least as many usable
-# cores as reader threads (16 on a 16-core machine). On the VM with one reader thread (a
-# core left for the build, as on such a machine): 0.29 s against 0.32 s to a ready model,
-# 0.88x, and 0.34 s against 0.41 s, 0.81x (`benchmarks/loading.py --models small --cache
-# warm --rounds 8 --threads 1,4 --against <previous>`, 2026-11-28).
-def _reads_early(model: nn.Module | None, device: Any, dtype: torch.dtype | None,
-                 copy: bool) -> bool:
-    """Whether a load (of a factory when ``model`` is None) will make new CPU tensors in
-    the checkpoint's dtypes, so that ``Reader.read_early`` may start before the plan."""
-    if not copy or dtype is not None or isinstance(device, (Plan, LoadTargets)):
-        return False
-    if model is not None and not any(t.device.type == "meta" for t in
-                                     itertools.chain(model.parameters(), model.buffers())):
-        return False  # a built model is filled in place
-    try:
-        target = default_device() if device is None else resolve_device(device)
-    except (TypeError, ValueError, RuntimeError):
-        return False  # the plan says what is wrong with it
-    return target.type == "cpu"
-
-
 def _plan_target(plan: Plan, label: str) -> tuple[torch.device, bool, torch.dtype | None]:
     """(device, pinned, dtype) of a plan's placement ``label`` (``"cuda:0"``,
     ``"cpu@bfloat16"``): the dtype is the one the plan sized that device's units in."""
@@ -459,40 +421,32 @@ def load(
                 f"dtype={dtype} conflicts with the plan, which sized its units in "
                 f"{', '.join(sorted(str(d) for d in planned))}; leave dtype out to load "
                 f"each tensor in its placement's dtype, or make the plan with dtype={dtype}")
-    model: nn.Module | None = None
     if isinstance(model_or_factory, nn.Module):
         model = model_or_factory
-        device = _through_holder(model, device, dtype, copy)
     elif callable(model_or_factory):
         if isinstance(device, LoadTargets):
             raise TypeError("a placement handle manages a built model: pass that model, not a "
                             "factory, together with device=handle")
+        model = empty_model(model_or_factory)
     else:
         raise TypeError(f"model_or_factory must be an nn.Module or a zero-argument factory, "
                         f"got {type(model_or_factory).__name__}")
 
+    device = _through_holder(model, device, dtype, copy)
     ckpt = open_checkpoint(checkpoint)
-    with Reader(files=len(ckpt.files)) as reader:
-        if _reads_early(model, device, dtype, copy):
-            reader.read_early(list(ckpt.entries.values()),
-                              max((e.nbytes for e in ckpt.entries.values()), default=0))
-        if model is None:
-            model = empty_model(model_or_factory)
-            device = _through_holder(model, device, dtype, copy)
-        sizes = module_sizes(model)
-        dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
-        # Model tensors are written in place (a built model, a handle's copies): outside
-        # autograd, or a leaf that requires grad refuses every converting copy. New tensors
-        # are ordinary ones even when the caller is in inference mode (placement refuses
-        # inference tensors, which track no versions); an inference tensor is written in
-        # inference mode.
-        with torch.inference_mode(False), torch.no_grad():
-            # Everything new is made before the model changes (tensors filled in place are
-            # written by the reads): an allocation that fails (out of memory on the device)
-            # leaves the model as it was.
-            unloaded = _unloaded(model, dests, sources, stats)
-            pending = _read_all(reader, ckpt, dests, sources, copy, stats)
+    sizes = module_sizes(model)
+    dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
+    # Model tensors are written in place (a built model, a handle's copies): outside
+    # autograd, or a leaf that requires grad refuses every converting copy. New tensors are
+    # ordinary ones even when the caller is in inference mode (placement refuses inference
+    # tensors, which track no versions); an inference tensor is written in inference mode.
     with torch.inference_mode(False), torch.no_grad():
+        # Everything new is made before the model changes (tensors filled in place are
+        # written by the reads): an allocation that fails (out of memory on the device)
+        # leaves the model as it was.
+        unloaded = _unloaded(model, dests, sources, stats)
+        with Reader(files=len(ckpt.files)) as reader:
+            pending = _read_all(reader, ckpt, dests, sources, copy, stats)
         _commit(model, sizes, {**pending, **unloaded})
     stats.seconds = time.perf_counter() - start
     # Shown while the model lives, returned or not: see [Note: one place for statistics].
@@ -750,7 +704,6 @@ def _read_all(
         if new is not None:
             pending[name] = new
         targets[name] = into
-    reader.drop_early()  # before any new memory is faulted in: see [Note: reading before the plan]
     # Only tensors made here: a built model's tensors were written by its constructor.
     reader.fault_ahead([t for name in order if not dests[name].into for t in targets[name]])
     for name in order:

@@ -281,15 +281,6 @@ class NewMemory:
         self._filled.add(tensor.data_ptr())
         return True
 
-    def release(self, tensor: torch.Tensor) -> None:
-        """Give the pages of ``tensor``, a new tensor about to be freed unused, back to the
-        system now (MADV_DONTNEED on its whole pages: the C library may keep freed memory
-        for reuse), and forget it: new memory made later may lie at its address."""
-        self._filled.discard(tensor.data_ptr())
-        start, end = _whole_pages(tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes)
-        if _drop is not None and end > start:
-            _drop(start, end - start, _MADV_DONTNEED)
-
     def fills(self, address: int) -> bool:
         """Whether the tensor at ``address`` is filled from the page cache."""
         return address in self._filled

@@ -5,7 +5,6 @@ refuses, and nothing of the file left mapped or needed afterwards."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import json
@@ -14,20 +13,16 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
-import weakref
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from models import OddOffsets
 from torch import nn
 
-from adaptmem import LoadError, adaptive
+from adaptmem import adaptive
 from adaptmem._loading import new_memory
 from adaptmem._loading.new_memory import NewMemory
-from adaptmem.testing import simulated_cuda
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -336,187 +331,3 @@ def test_a_copying_load_needs_its_file_no_more(tmp_path: Path) -> None:
                          timeout=120)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
     assert out.stdout.split() == ["same", "model.pt", "same", "model.safetensors"]
-
-
-# -- reading before the plan ([Note: reading before the plan]) ------------------------------
-
-@pytest.fixture
-def early(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
-    """Reading before the plan on this machine too (it needs a core per reader thread): per
-    load, the bytes ``read_early`` started, and whether each tensor it let go was freed at
-    once."""
-    from adaptmem._loading import checkpoints
-
-    monkeypatch.setattr(checkpoints, "_USABLE_CORES", 64)
-    seen: dict[str, list[Any]] = {"started": [], "freed": []}
-    real_early, real_drop = checkpoints.Reader.read_early, checkpoints.Reader.drop_early
-
-    def read_early(self: Any, entries: list, budget: int) -> int:
-        seen["started"].append(real_early(self, entries, budget))
-        return seen["started"][-1]
-
-    def drop_early(self: Any) -> None:
-        left = [weakref.ref(t) for t, _ in self._early.pending.values()]
-        real_drop(self)
-        seen["freed"].append([ref() is None for ref in left])
-
-    monkeypatch.setattr(checkpoints.Reader, "read_early", read_early)
-    monkeypatch.setattr(checkpoints.Reader, "drop_early", drop_early)
-    return seen
-
-
-def _evicted(path: Path) -> bool:
-    """Drop ``path`` from the page cache; whether none of it is left there."""
-    from adaptmem._common.libc import resident_pages
-    from adaptmem._loading.direct import _mmap, _munmap
-
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())  # dirty pages cannot be evicted
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        address = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
-    try:
-        return resident_pages(address, size) == bytes(-(-size // _PAGE))
-    finally:
-        _munmap(address, size)
-
-
-def _load_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("adaptmem-load-io")]
-
-
-@FILLS
-@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
-def test_a_factory_load_starts_filling_before_the_model_is_built(
-    fmt: str, tmp_path: Path, early: dict[str, list[Any]],
-) -> None:
-    path = _save(fmt, _source(), tmp_path)
-    started_at_build = []
-
-    def build() -> OddOffsets:
-        started_at_build.extend(early["started"])
-        return OddOffsets()
-
-    model = adaptive.load(build, path, device="cpu")
-    # Up to the largest tensor's bytes, in file order: b (2 MiB) in the .pt file, where b
-    # and d do not fit together; d (24 MiB) first in the .safetensors one.
-    assert started_at_build == [model.b.nbytes if fmt == "pt" else model.d.nbytes]
-    assert early["freed"] == [[]]  # the model took what was read early
-    _assert_same(model, _source())
-    assert not _load_threads()
-
-
-class TiedPair(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Parameter(torch.empty(8, 2**20), requires_grad=False)  # 32 MiB
-        self.b = self.a
-
-
-def _peak_of_a_fresh_load(path: Path, factory: str, early: bool) -> int:
-    """VmHWM growth of ``adaptive.load(factory, path)`` in a new process, reading early or
-    not. glibc there serves allocations up to 64 MiB from its heap, as it does up to 32 MiB
-    once a process has freed a tensor that large, and keeps what is freed there."""
-    script = textwrap.dedent(f"""
-        import ctypes
-        ctypes.CDLL(None).mallopt(-3, 64 << 20)  # M_MMAP_THRESHOLD
-        import torch
-        from adaptmem import adaptive
-        from adaptmem._loading import checkpoints
-        from test_new_memory import TiedPair, Wide
-        if {early!r}:
-            checkpoints._USABLE_CORES = 64
-        def kib(field):
-            for line in open("/proc/self/status"):
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-        open({str(path)!r}, "rb").read()
-        open("/proc/self/clear_refs", "w").write("5")
-        before = kib("VmRSS")
-        adaptive.load({factory}, {str(path)!r}, device="cpu")
-        print("PEAK", kib("VmHWM") - before)
-    """)
-    paths = os.pathsep.join([str(ROOT), str(ROOT / "tests"), str(Path(__file__).parent)])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, PYTHONPATH=paths))
-    assert out.returncode == 0, out.stderr[-3000:]
-    return int(out.stdout.split("PEAK ", 1)[1])
-
-
-@FILLS
-@pytest.mark.parametrize("case", ["tied", "float64"])
-def test_what_the_model_does_not_take_is_freed_before_the_rest_is_made(
-    case: str, tmp_path: Path, early: dict[str, list[Any]],
-) -> None:
-    # Read early and not taken: the file stores a tied pair twice and the model reads the
-    # last copy (as load_state_dict does); a model in float64 takes no float32 tensor as it
-    # is stored. Either way the tensor is freed, its pages given back, before the load
-    # fills the model's own: reading early adds nothing to the peak.
-    torch.manual_seed(0)
-    source = TiedPair() if case == "tied" else Wide()
-    for p in source.parameters():
-        p.data.normal_()
-    path = _save("safetensors", source, tmp_path)  # _save clones: a and b stored apart
-    factory = "TiedPair" if case == "tied" else "lambda: Wide().double()"
-    model = adaptive.load(eval(factory), path, device="cpu")
-    first = source.a if case == "tied" else source.v  # the first in file order
-    assert early["started"] == [first.nbytes] and early["freed"] == [[True]]
-    assert case != "tied" or model.a is model.b
-    _assert_same(model, source if case == "tied" else source.double())
-    plain = _peak_of_a_fresh_load(path, factory, early=False)
-    read_early = _peak_of_a_fresh_load(path, factory, early=True)
-    assert read_early <= plain + first.nbytes // 2, (read_early / 2**20, plain / 2**20)
-
-
-@FILLS
-def test_a_load_that_fails_after_reading_early_leaves_no_reads_behind(
-    tmp_path: Path, early: dict[str, list[Any]],
-) -> None:
-    path = _save("pt", _source(), tmp_path)
-
-    class Bigger(OddOffsets):
-        def __init__(self) -> None:
-            super().__init__()
-            self.extra = nn.Parameter(torch.empty(3))
-
-    with pytest.raises(LoadError, match='Missing key.*"extra"'):
-        adaptive.load(Bigger, path, device="cpu")
-
-    def broken() -> nn.Module:
-        raise RuntimeError("the factory failed")
-
-    with pytest.raises(RuntimeError, match="the factory failed"):
-        adaptive.load(broken, path, device="cpu")
-    assert early["started"] == [_source().b.nbytes] * 2
-    assert not _load_threads()
-
-
-@FILLS
-@pytest.mark.parametrize("case", ["built model", "copy=False", "dtype", "simulated GPU",
-                                  "cold file"])
-def test_loads_that_make_no_new_host_tensors_as_stored_read_nothing_early(
-    case: str, tmp_path: Path, early: dict[str, list[Any]],
-) -> None:
-    # Each would read early what it then throws away: in place, mapped, converted, on a
-    # device; a cold file is read from the disk once the plan wants it, never twice.
-    path = _save("pt", _source(), tmp_path)
-    kwargs: dict[str, Any] = {"device": "cpu"}
-    model: Any = OddOffsets
-    if case == "built model":
-        model = OddOffsets()
-    elif case == "copy=False":
-        kwargs["copy"] = False
-    elif case == "dtype":
-        kwargs["dtype"] = torch.float64
-    elif case == "simulated GPU":
-        kwargs = {}
-    elif not _evicted(path):
-        pytest.skip(f"the page cache keeps {path}'s pages (tmpfs?)")
-    with simulated_cuda() if case == "simulated GPU" else contextlib.nullcontext():
-        loaded = adaptive.load(model, path, **kwargs)
-        assert early["started"] in ([], [0])
-        want = _source()
-        if case == "dtype":
-            want = want.double()
-        assert all(torch.equal(a.cpu(), b) for a, b in zip(
-            loaded.state_dict().values(), want.state_dict().values(), strict=True))
