@@ -99,3 +99,79 @@ def test_a_file_that_is_no_checkpoint_says_what_was_expected(
     assert "expected a torch.save file (a zip archive, or a pickle as torch.save wrote " \
            "before torch 1.6) or a .safetensors file" in message
     assert expected in message
+
+
+# -- the pickle read without torch.load ([Note: reading a state dict's pickle]) -------------
+
+def _state() -> dict[str, torch.Tensor]:
+    """Ties, views (offset, transposed, every other element), dtypes, sizes 0 and 0-d."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 8)
+    return {"a": w, "tied": w, "tail": w[2:], "t": w.t(), "strided": w.view(-1)[::2],
+            "i64": torch.arange(5), "mask": torch.rand(3) > 0.5, "bf16": w.bfloat16(),
+            "f16": w.half(), "empty": torch.empty(0, 4), "scalar": torch.tensor(3.0),
+            "c64": torch.randn(2, dtype=torch.complex64), "i8": torch.arange(4).to(torch.int8)}
+
+
+CHECKPOINTS = {
+    "state dict": lambda: _state(),
+    "training checkpoint": lambda: {"epoch": 3, "state_dict": _state(), "optimizer": {
+        "state": {0: {"step": torch.tensor(7.0)}}, "param_groups": [{"lr": 0.1}]}},
+    "parameters (keep_vars)": lambda: nn.Linear(4, 3).state_dict(keep_vars=True),
+    "module state dict": lambda: nn.TransformerEncoderLayer(16, 2, 32).state_dict(),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CHECKPOINTS))
+def test_the_pickle_read_here_gives_the_entries_torch_load_gives(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from adaptmem._loading import checkpoints
+
+    path = tmp_path / "model.pt"
+    torch.save(CHECKPOINTS[kind](), path)
+    read = []
+    real = checkpoints.read_state
+    monkeypatch.setattr(checkpoints, "read_state", lambda *a: read.append(real(*a)) or read[-1])
+    here = checkpoints.open_checkpoint(path)
+    assert read and read[0] is not None, "read by torch.load, not here"
+    monkeypatch.setattr(checkpoints, "read_state", lambda *a: None)
+    by_torch = checkpoints.open_checkpoint(path)
+    assert here.entries == by_torch.entries
+    assert here.entries  # tensors were found
+
+
+def test_an_archive_the_pickle_reader_leaves_to_torch_load_loads_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # uint16 has no storage type: torch.save pickles it otherwise, and torch.load reads it.
+    from adaptmem._loading import checkpoints
+
+    torch.manual_seed(0)
+    source = nn.Linear(512, 1024)
+    state = {**source.state_dict(), "ids": torch.arange(7).to(torch.uint16)}
+    path = tmp_path / "model.pt"
+    torch.save(state, path)
+    read = []
+    real = checkpoints.read_state
+    monkeypatch.setattr(checkpoints, "read_state", lambda *a: read.append(real(*a)) or read[-1])
+
+    class WithIds(nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(512, 1024)
+            self.register_buffer("ids", torch.zeros(7, dtype=torch.uint16))
+
+    model = adaptive.load(WithIds, path, device="cpu")
+    assert read == [None]
+    assert torch.equal(model.weight, source.weight) and torch.equal(model.ids, state["ids"])
+
+
+def test_a_pickle_naming_anything_else_is_refused_as_torch_load_refuses_it(
+    tmp_path: Path,
+) -> None:
+    import argparse
+
+    path = tmp_path / "model.pt"
+    torch.save({"state_dict": _net().state_dict(), "args": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(LoadError, match=r"(?s)not a readable torch.save checkpoint.*Namespace"):
+        adaptive.load(_net(), path)
