@@ -1,9 +1,8 @@
 """Checkpoint readers: where each tensor lies in which file, and reading it into memory.
 
 Opening a checkpoint reads headers only: a safetensors header, the pickle of a ``torch.save``
-archive (read with a restricted unpickler into meta tensors, or loaded by torch onto the
-meta device, which records each storage's byte offset; no data is read), or a Hugging Face
-``*.index.json``. Every file is checked (present, complete, readable)
+archive (loaded onto the meta device, which records each storage's byte offset and reads no
+data), or a Hugging Face ``*.index.json``. Every file is checked (present, complete, readable)
 before any tensor is read, so a load can refuse a bad checkpoint before it changes a model.
 
 Reading puts a tensor's bytes straight into the memory that keeps them (``Reader.read_into``,
@@ -44,7 +43,6 @@ from .entries import Entry, contiguous_stride
 from .new_memory import NewMemory, populate
 from .open_files import OpenFiles
 from .staging import Staging, copy_to
-from .torch_pickle import read_state
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
 
@@ -245,13 +243,9 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
             logger.info("adaptmem.load: %s is a legacy torch.save file; read it whole", name)
         else:
             archive = _check_archive(path)
-            # See [Note: reading a state dict's pickle]. Else, on the meta device torch
-            # reads the pickle only and records where each storage lies in the archive
-            # (`_checkpoint_offset`); no data is read or mapped.
-            obj = read_state(archive.pickle, archive.records) if archive.pickle else None
-            if obj is None:
-                archive.pickle = None  # torch's offsets, to be checked
-                obj = torch.load(name, map_location="meta", weights_only=True)
+            # On the meta device torch reads the pickle only and records where each storage
+            # lies in the archive (`_checkpoint_offset`); no data is read or mapped.
+            obj = torch.load(name, map_location="meta", weights_only=True)
     except LoadError:
         raise
     except Exception as exc:
@@ -267,8 +261,7 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     state = _state_dict_of(obj, name)
     entries: dict[str, Entry] = {}
     size = path.stat().st_size
-    where = None if archive is None else (
-        {at: at for at in _storage_sizes(obj)} if archive.pickle else archive.where(obj, name))
+    where = None if archive is None else archive.where(obj, name)
     for key, t in state.items():
         shape, stride = tuple(t.shape), tuple(t.stride())
         if legacy or where is None:
@@ -319,7 +312,6 @@ def _check_archive(path: Path) -> _Archive:
     where each tensor record's bytes lie (see [Note: where a record's bytes lie])."""
     records: dict[str, tuple[int, int]] = {}
     computed = False
-    pickled = None
     with zipfile.ZipFile(path) as z, open(path, "rb", buffering=0) as f:
         if _fadvise is not None:
             # 30 bytes per tensor record, spread over the file: asked for all at once (one
@@ -337,8 +329,6 @@ def _check_archive(path: Path) -> _Archive:
                                     f"{sys.byteorder}-endian. Convert it with torch.load/save")
             elif info.filename.endswith("/.format_version"):
                 computed = z.read(info) >= b"1"  # as torch.load decides
-            elif info.filename.endswith("/data.pkl") and info.filename.count("/") == 1:
-                pickled = z.read(info)
             elif "/data/" in info.filename:
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise LoadError(f"{str(path)!r} stores compressed tensors; save it again "
@@ -352,7 +342,7 @@ def _check_archive(path: Path) -> _Archive:
                 start = (info.header_offset + 30 + int.from_bytes(head[26:28], "little")
                          + int.from_bytes(head[28:30], "little"))
                 records[info.filename.rpartition("/data/")[2]] = (start, info.file_size)
-    return _Archive(records, computed, pickled)
+    return _Archive(records, computed)
 
 
 # [Note: where a record's bytes lie]
@@ -372,12 +362,10 @@ def _check_archive(path: Path) -> _Archive:
 @dataclass
 class _Archive:
     """The tensor records of a zip ``torch.save`` archive: storage key -> (offset of its
-    bytes, size); ``computed``: torch computes offsets instead of reading them; ``pickle``:
-    the archive's ``data.pkl``, for ``read_state``."""
+    bytes, size); ``computed``: torch computes offsets instead of reading them."""
 
     records: dict[str, tuple[int, int]]
     computed: bool
-    pickle: bytes | None = None
 
     def where(self, obj: object, name: str) -> dict[int, int]:
         """torch's offset of every storage in ``obj`` (loaded on meta) -> where its bytes

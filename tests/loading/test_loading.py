@@ -1088,9 +1088,6 @@ def test_torch_without_storage_offsets_falls_back_to_mmap(
         return obj
 
     monkeypatch.setattr(checkpoints.torch, "load", load_without_offsets)
-    # An archive the loader's own pickle reader leaves to torch.load (which then gives no
-    # offsets): see [Note: reading a state dict's pickle].
-    monkeypatch.setattr(checkpoints, "read_state", lambda *args: None)
     model, stats = adaptive.load(Net, path, device="cpu", return_stats=True)
     _assert_same(model, source)
     assert stats.format == "torch (mmap)"
