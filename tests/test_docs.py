@@ -77,3 +77,62 @@ def test_readme_links_every_lever_page_and_each_links_its_limitations() -> None:
         # What the lever is for comes first, then the example, then the reference.
         headings = re.findall(r"^## (.+)$", _FENCE.sub("", page.read_text()), re.M)
         assert headings[:2] == ["Example", "Reference"], (name, headings)
+
+
+# -- docs/architecture.md against the code ---------------------------------------------------
+
+_NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+
+
+def _notes_written() -> dict[str, str]:
+    """Every ``[Note: ...]`` written in adaptmem -> the file it is written in: a note begins
+    a comment block or a docstring paragraph (``# [Note: x]`` or ``[Note: x]`` at the start
+    of a line after a blank one); elsewhere the name refers to it."""
+    written: dict[str, str] = {}
+    for path in sorted((ROOT / "adaptmem").rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            match = re.match(r"\s*(# )?\[Note: ([^\]]+)\]", line)
+            if not match:
+                continue
+            before = lines[i - 1].strip() if i else ""
+            if (before.lstrip("#").strip() == "" or before.endswith('"""')
+                    or (match.group(1) and not before.startswith("#"))):
+                assert match.group(2) not in written, f"[Note: {match.group(2)}] written twice"
+                written[match.group(2)] = str(path.relative_to(ROOT))
+    return written
+
+
+def test_every_note_named_is_written_somewhere() -> None:
+    written = _notes_written()
+    here = Path(__file__).resolve()  # whose patterns name no note
+    sources = [*(ROOT / "adaptmem").rglob("*.py"),
+               *(p for p in (ROOT / "tests").rglob("*.py") if p.resolve() != here), *PAGES]
+    missing = set()
+    for path in sources:
+        for name in _NOTE.findall(path.read_text()):
+            name = re.sub(r"\s*\n\s*(#\s*)?", " ", name)  # a name wrapped over lines
+            if name not in written and not name.endswith("..."):
+                missing.add(f"[Note: {name}] in {path.relative_to(ROOT)}")
+    assert not missing, f"named but written nowhere: {sorted(missing)}"
+
+
+def test_the_architecture_page_lists_every_note_where_it_is_written() -> None:
+    table = {}
+    for row in re.findall(r"^\| (\[Note: .*) \| `([^`]+)` \|$",
+                          (ROOT / "docs" / "architecture.md").read_text(), re.M):
+        for name in _NOTE.findall(row[0]):
+            table[name] = row[1]
+    assert table == _notes_written()
+
+
+def test_the_architecture_page_describes_every_module_of_each_package() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    undescribed = []
+    for package in sorted(p for p in (ROOT / "adaptmem").iterdir()
+                          if p.is_dir() and p.name.startswith("_")):
+        match = re.search(rf"^\*\*`{package.name}/`\*\*(.*?)(?=^\*\*|^## )", page, re.S | re.M)
+        assert match, f"docs/architecture.md has no paragraph for {package.name}/"
+        undescribed += [f"{package.name}/{m.name}" for m in sorted(package.glob("*.py"))
+                        if m.name != "__init__.py" and f"`{m.name}`" not in match.group(1)]
+    assert not undescribed, f"docs/architecture.md does not describe {undescribed}"

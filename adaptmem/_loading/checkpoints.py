@@ -480,6 +480,7 @@ def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
 # disk less busy than buffered reads with read-ahead, and with two cores, copying from the
 # cache, converting and faulting in the new tensors already use both. Worth measuring again
 # on a machine with more cores and a faster disk (a GPU host).
+#
 # [Note: the first page of a mapped tensor]
 # A tensor of a copy=False load is read when it is first touched, through page faults on the
 # file's mapping. Where the kernel caches files in large folios and maps them whole (ext4 and
