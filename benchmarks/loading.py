@@ -624,7 +624,8 @@ def main() -> None:
     ap.add_argument("--against", default=None, metavar="PATH",
                     help="instead of the table: the adaptmem methods of this checkout against "
                     "those of another checkout at PATH, in fresh processes, alternating which "
-                    "runs first, --rounds pairs per cell (back to back: new memory is reused)")
+                    "runs first, --rounds pairs per cell (back to back: new memory is reused); "
+                    "with --threads, once per count of reader threads")
     ap.add_argument("--limits", default="every", choices=["every", "first", "none"],
                     help="when to measure the bandwidth limits (each in fresh processes): "
                     "every round (default), the first round only, or never (load / floor "
