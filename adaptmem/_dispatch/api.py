@@ -121,17 +121,14 @@ class Dispatched:
                 with transfer_errors_shrink(lambda: placed.handles):
                     result = target.call_from(caller, args, kwargs)
             except OutOfMemoryError as exc:
-                instead = self._chunks_instead(exc)
-                if not instead and not self._gives_back(exc):
+                recover = self._recovery(exc, caller, target)
+                if recover is None:
                     raise
                 # The failed attempt's memory goes before giving back: free memory is read
                 # then, and what it held is not held by anything now.
                 drop_frames(exc)
                 del exc
-                if instead:
-                    self._chunk_instead(instead)
-                else:
-                    self._give_back(caller, target)
+                recover()
                 self._runs_again()
                 again = True
                 continue
@@ -149,6 +146,19 @@ class Dispatched:
             else:
                 explorer.tick(placed.changes.placements)
             return result
+
+    def _recovery(self, exc: OutOfMemoryError, caller: Any, target: Any
+                  ) -> Callable[[], None] | None:
+        """What makes room before the call runs again after ``exc``: chunking the models for
+        good where paging can never hold a weight, giving residency back where that can
+        help; None where neither can (``exc`` propagates). Run it once the failed attempt's
+        frames are dropped."""
+        reason = self._chunks_instead(exc)
+        if reason:
+            return functools.partial(self._chunk_instead, reason)
+        if self._gives_back(exc):
+            return functools.partial(self._give_back, caller, target)
+        return None
 
     def _gives_back(self, exc: OutOfMemoryError) -> bool:
         """Whether giving residency back can help ``exc``, memory that ran out at the smallest
@@ -201,15 +211,12 @@ class Dispatched:
         try:
             return await coroutine
         except OutOfMemoryError as exc:
-            instead = self._chunks_instead(exc)
-            if not instead and not self._gives_back(exc):
+            recover = self._recovery(exc, caller, target)
+            if recover is None:
                 raise
             drop_frames(exc)
         del coroutine
-        if instead:
-            self._chunk_instead(instead)
-        else:
-            self._give_back(caller, target)
+        recover()
         self._runs_again()
         # Awaited the same way: a further failure gives back again, down to nothing.
         return await self.run(caller, target, args, kwargs, again=True)
