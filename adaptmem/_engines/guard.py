@@ -251,6 +251,7 @@ class PlacementGuard:
         self._registries, self._attrs, self._registered, self._kinds = [], [], [], []
         self._homes = []
         self._adopted, self._data, self._ptrs = {}, {}, []
+        self._modules, self.on_new_data = {}, None
 
 
 _dtype_of = operator.attrgetter("dtype")

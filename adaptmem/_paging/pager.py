@@ -57,6 +57,20 @@ __all__ = ["Pager"]
 # a second ``Module._call_impl`` of it is among the callers.
 
 
+# [Note: a removed pager holds nothing] ``remove()`` lets go of the host masters at once (on
+# an accelerator, a pinned copy of every paged weight: pinned memory is scarce), and of the
+# bound methods its hooks, its probe and its guard hold, which made the pager a reference
+# cycle with itself. Users keep a handle after removing it (``pager = adaptive.page(...)``
+# at the top of a script), and ``model=`` replaces its pagers each time it gives residency
+# back: without this the masters of a removed pager stayed until the handle was dropped,
+# and then until the garbage collector's next full pass, the model's weights held twice in
+# host memory meanwhile. A removed pager keeps its plan and stats, and its model.
+
+
+def _ignore(*args: Any) -> None:
+    """What a removed pager's hooks and probe call: nothing."""
+
+
 def _pack_groups(units: list[Unit]) -> list[list[str]]:
     """The tensors whose masters share a pinned buffer, one group per unit: those it owns
     that no unit borrows (see [Note: packed masters] in ``hoststore.py``)."""
@@ -119,8 +133,7 @@ class Pager(Engine):
                  prefetch: int, resident_bytes: int | None, device_budget: int | None,
                  pin_memory: bool, output_device: torch.device | None,
                  transfer: Transfer | None = None) -> None:
-        self.model = model
-        self.device = device
+        self.model, self.device = model, device
         self.prefetch = prefetch
         self.budget = device_budget
         self.output_device = output_device
@@ -369,6 +382,10 @@ class Pager(Engine):
             self._table.restore()
         self._guard.release()
         self._let_go()
+        self._table.forget()  # See [Note: a removed pager holds nothing]
+        self._needs, self._schedule = Needs(), Schedule(self.prefetch, self._table)
+        self._hooks, self._learner = Hooks(_ignore, _ignore), Learner({}, _ignore, self._quiet)
+        self._modules, self._name_of, self._inputs = {}, {}, None
 
     def load_targets(self) -> dict[str, list[torch.Tensor]]:
         """Where checkpoint values go, for ``adaptive.load`` on a paged model.

@@ -400,6 +400,13 @@ class SlotTable:
             self._layout.settle()
         self.held = 0
 
+    def forget(self) -> None:
+        """Let go of every slot, after ``restore``: see [Note: a removed pager holds nothing]
+        in pager.py."""
+        self.slots, self.by_id = {}, {}
+        self.back = WriteBack(self.transfer, [])
+        self._layout = StorageLayout({})
+
     def load_targets(self) -> dict[str, list[torch.Tensor]]:
         """``{canonical name: [host master, device copy if resident]}``; see
         ``Pager.load_targets``."""

@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import logging
 import math
+import weakref
 from typing import Any
 
 import pytest
@@ -243,6 +245,28 @@ def test_remove_restores_every_tensor_bitwise_with_device_and_dtype() -> None:
         assert t.data_ptr() == ptr, name  # on the CPU the master is the original storage
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert torch.equal(model(x), expected)
+
+
+@pytest.mark.gpu
+def test_remove_lets_go_of_the_pinned_masters_and_a_dropped_pager_goes_at_once() -> None:
+    # See [Note: a removed pager holds nothing]: users keep handles, and model= replaces its
+    # pagers each time it gives residency back.
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).eval()
+    pager = adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0)
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    masters = [weakref.ref(targets[0]) for targets in pager.load_targets().values()]
+    assert len(masters) == 8 and all(m().is_pinned() for m in masters)  # type: ignore[union-attr]
+    gc.disable()  # nothing may wait for the collector
+    try:
+        pager.remove()
+        assert [m() for m in masters] == [None] * 8  # while the handle lives
+        assert model[0].weight.device.type == "cpu" and not model[0].weight.is_pinned()
+        handle, weights = weakref.ref(pager), weakref.ref(model)
+        del pager, model
+        assert handle() is None and weights() is None
+    finally:
+        gc.enable()
 
 
 def test_state_dict_keys_and_parameter_identity_unchanged_while_paged() -> None:
