@@ -77,7 +77,7 @@ class PlacementGuard:
 
     __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
                  "_registered", "_kinds", "_homes", "_adopted", "_passed", "_data", "_engine",
-                 "_handle", "_modules", "_ptrs", "on_new_data")
+                 "_handle", "_modules", "_ptrs", "on_new_data", "_released")
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
                  handle: str) -> None:
@@ -105,6 +105,7 @@ class PlacementGuard:
         # Called by check() with the names of tensors given other data of their dtype and
         # device since (``t.data = new``); None: such data is not looked for.
         self.on_new_data: Any = None
+        self._released = False
         self.expect({n: t.data for n, t in tensors.items()})
 
     def expect(self, data: Mapping[str, torch.Tensor]) -> None:
@@ -115,7 +116,12 @@ class PlacementGuard:
         self._ptrs = _pointers(list(self._data.values()))
 
     def check(self) -> None:
-        """Raise ``PlacementError`` if a tensor was replaced or converted since placement."""
+        """Raise ``PlacementError`` if a tensor was replaced or converted since placement, or
+        the handle was removed (a removed handle places nothing again)."""
+        if self._released:
+            raise PlacementError(
+                f"this {self._handle} was removed, and the model is no longer placed; "
+                f"{self._engine}(model, ...) places it again")
         # This runs at every call. Metadata reads, with torch function modes off: a mode (a
         # simulated device's) would otherwise see two calls per tensor, and has nothing to
         # change.
@@ -251,7 +257,7 @@ class PlacementGuard:
         self._registries, self._attrs, self._registered, self._kinds = [], [], [], []
         self._homes = []
         self._adopted, self._data, self._ptrs = {}, {}, []
-        self._modules, self.on_new_data = {}, None
+        self._modules, self.on_new_data, self._released = {}, None, True
 
 
 _dtype_of = operator.attrgetter("dtype")

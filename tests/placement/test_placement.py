@@ -430,6 +430,22 @@ def test_remove_restores_every_tensor_bitwise_and_keeps_identity() -> None:
     assert model._forward_pre_hooks == {} and model.layer1[0].conv1._forward_hooks == {}
 
 
+
+def test_a_removed_handle_places_the_model_nowhere_again() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
+    chunker = adaptive.chunk(model, "cpu", capacity="1MiB", dtype=torch.float16,
+                             example_inputs=torch.randn(1, 4))
+    chunker.remove()
+    model.train()  # the model is the user's again, training included
+    for move in (lambda: setattr(chunker, "device_map", {"": "cpu@float16"}),
+                 lambda: chunker.place(device_map={"": "cpu@float16"})):
+        with pytest.raises(adaptive.PlacementError, match=r"removed.*adaptive\.chunk\(model"):
+            move()
+        # Not converted again behind the user's back, with no hooks to undo it.
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert model._forward_pre_hooks == {}
+
+
 def test_a_forward_that_raises_passes_through_and_the_next_call_works() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).eval()
     splitter = adaptive.split(model, {"cpu@bfloat16": 40, "cpu": None},
