@@ -255,12 +255,15 @@ def test_remove_lets_go_of_the_pinned_masters_and_a_dropped_pager_goes_at_once()
     pager = adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0)
     with torch.no_grad():
         model(torch.randn(2, 64))
-    masters = [weakref.ref(targets[0]) for targets in pager.load_targets().values()]
-    assert len(masters) == 8 and all(m().is_pinned() for m in masters)  # type: ignore[union-attr]
+    slots = pager._table.slots.values()
+    assert len(slots) == 8 and all(s.master.is_pinned() for s in slots)
+    # A unit's masters are views of one pinned buffer: the buffer must go, not the views.
+    pinned = [weakref.ref(s.pack if s.pack is not None else s.master) for s in slots]
+    del slots
     gc.disable()  # nothing may wait for the collector
     try:
         pager.remove()
-        assert [m() for m in masters] == [None] * 8  # while the handle lives
+        assert [p() for p in pinned] == [None] * 8  # while the handle lives
         assert model[0].weight.device.type == "cpu" and not model[0].weight.is_pinned()
         handle, weights = weakref.ref(pager), weakref.ref(model)
         del pager, model
