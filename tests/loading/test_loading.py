@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import subprocess
 import sys
@@ -688,7 +689,9 @@ def test_new_tensors_are_faulted_in_ahead_of_reading_without_writing_them() -> N
     # [Note: faulting new memory ahead]: the pages exist before the reader copies into them.
     from adaptmem._loading.checkpoints import Reader
 
-    fresh = torch.empty(64 * 2**20, dtype=torch.uint8)  # untouched: no pages yet
+    # Untouched: no pages yet. A mapping of its own, since torch.empty may reuse a block an
+    # earlier test freed inside glibc's heap, its pages resident already.
+    fresh = torch.frombuffer(mmap.mmap(-1, 64 * 2**20), dtype=torch.uint8)
     marked = torch.full((4096,), 7, dtype=torch.uint8)
     before = _rss()
     with Reader() as reader:
