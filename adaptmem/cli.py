@@ -313,7 +313,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             result = plan_placement(model, module_sizes(model), targets, recording,
                                     mode=args.mode, options=options)
-        if example and args.mode != "page":  # not predicted on meta: says why, as plan() does
+        if example:  # as adaptive.plan(..., example_inputs=...) reports them, or why not
             _report_activations(result, model, args)
     except (TypeError, ValueError, AdaptmemError) as exc:
         raise _UsageError(exc) from None

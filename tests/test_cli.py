@@ -32,6 +32,24 @@ def test_plan_prints_a_chunk_table_for_resnet101_with_a_100mib_budget(
     assert 90 < resident <= 100
 
 
+
+def test_plan_in_page_mode_reports_activations_as_adaptive_plan_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None).eval()
+    want = adaptive.plan(model, example_inputs=torch.randn(1, 3, 64, 64))
+    assert main(["plan", "resnet18", "--image-size", "64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("adaptmem plan (page):")
+    assert lines[-1] == str(want).splitlines()[-1]
+    assert lines[-1].startswith("activations (predicted on meta): ")
+    assert main(["plan", "resnet18", "--image-size", "64", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["options"]["activations"]
+    assert got == want.options["activations"]
+
+
 def test_plan_json_is_valid_and_names_every_unit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "resnet101", "--mode", "chunk", "--budget", "100MiB", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
