@@ -106,7 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             "it trains a torchvision model, but torchvision is not installed; install it "
             "(pip install torchvision, the build that matches your torch)") from None
 
-    from .cpu_memory import set_cpu_memory_limit
+    from .cpu_memory import held_bytes, set_cpu_memory_limit
 
     if args.batch < 2:  # a training step of these models normalises over the batch
         raise CommandLineError(f"--batch must be 2 or more images (batch norm needs more "
@@ -149,14 +149,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
     labels = torch.randint(0, 1000, (args.batch,), device=device)
+    if cap is not None:  # before the header: a cap refused is a mistake on the command line
+        held = held_bytes()
+        if cap * 2**30 <= held:
+            raise CommandLineError(
+                f"--cap {args.cap} is below the {format_bytes(held)} this process holds with "
+                f"the model and the step's inputs made; give more than {held / 2**30:.2f} GiB, "
+                f"or leave --cap out")
+        try:
+            set_cpu_memory_limit(cap)
+        except ValueError as exc:  # above the hard limit
+            raise CommandLineError(f"--cap {args.cap}: {exc}") from None
     where = f"{device}" + (f", this process capped at {cap:g} GiB" if cap else "")
     print(f"adaptmem example train: {args.model}, {args.batch} images of "
           f"{args.image_size}x{args.image_size} on {where}; {handle}")
-    if cap is not None:
-        try:
-            set_cpu_memory_limit(cap)
-        except ValueError as exc:  # below what the process already holds
-            raise CommandLineError(f"--cap {args.cap}: {exc}") from None
     # A cap counts address space, which glibc's heap keeps after a free: under one, both
     # steps map large tensors of their own (see adaptive.spill's mmap_threshold).
     with fixed_mmap_threshold(1 << 20) if cap is not None else contextlib.nullcontext():
