@@ -35,6 +35,18 @@ _METADATA = frozenset({
 })
 
 
+# [Note: a watched forward cut short inside a mode]
+# A ``KeyboardInterrupt`` skips the hooks (torch runs forward hooks on ``Exception`` only),
+# so the probe stays on top of torch's mode stack. When the forward ran inside a mode of the
+# caller's (``with MyMode():``, ``with torch.device("cuda"):``), that mode's exit pops the
+# top of the stack, the probe, in place of itself; each exit further out pops the mode of
+# the one inside it, and the outermost mode exited stays there for good: every later op of
+# the process would go through it. The next outermost call (or ``remove()``) finds the
+# probe gone and takes off the highest mode still where the probe found it: the one left
+# in the probe's place. A probe still on the stack under other modes (left there by code
+# that entered a mode and never exited it) is taken out from under them. The caller's mode
+# stays active until then.
+
 # [Note: a device query is a use]
 # ``next(self.parameters()).device`` (Hugging Face's ``self.device``) or ``other.weight.device``
 # read inside a forward must name the device the forward computes on: the code builds its
@@ -114,6 +126,7 @@ class Learner:
         # the modules always running around each module when it was called.
         self._direct: dict[str, set[str]] = {}
         self._enclosing: dict[str, set[str]] = {}
+        self._below: list[Any] = []  # torch's mode stack when the probe went on
 
     def begin_call(self) -> bool:
         """An outermost call begins: watch it while learning. Returns True when learning
@@ -153,6 +166,8 @@ class Learner:
             return None
         if torch.overrides._get_current_function_mode() is probe:
             probe.__exit__(None, None, None)
+        else:
+            self._unwatch(probe)
         if not self.learning or failed:
             return None
         self.learning = False
@@ -168,5 +183,30 @@ class Learner:
         return extra
 
     def _watch(self) -> None:
+        self._below = torch.overrides._get_current_function_mode_stack()
         self.probe = Probe(self.on_op, self.quiet)
         self.probe.__enter__()
+
+    def _unwatch(self, probe: Probe) -> None:
+        """Take ``probe`` off torch's mode stack when it is not on top, or the mode an exit
+        left there in its place: see [Note: a watched forward cut short inside a mode]."""
+        stack = torch.overrides._get_current_function_mode_stack()
+        drop = next((i for i, m in enumerate(stack) if m is probe), None)
+        if drop is None:
+            kept = 0  # how much of the stack below the probe is still there
+            for now, before in zip(stack, self._below, strict=False):
+                if now is not before:
+                    break
+                kept += 1
+            if not kept:
+                return
+            drop = kept - 1
+            name = type(stack[drop]).__name__
+            logger.warning(
+                "adaptmem page: a forward the pager watched was cut short (a "
+                "KeyboardInterrupt?) inside %s, whose exit took the pager's mode off torch's "
+                "mode stack in place of its own; %s is taken off now", name, name)
+        above = [torch._C._pop_torch_function_stack() for _ in range(len(stack) - drop - 1)]
+        torch._C._pop_torch_function_stack()
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)

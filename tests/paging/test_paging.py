@@ -831,6 +831,50 @@ def test_a_model_that_calls_itself_is_one_forward_with_outputs_on_the_input_devi
             assert not pager._stack and pager._table.held == 0
 
 
+
+class _Passes(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def _modes() -> list[Any]:
+    return torch.overrides._get_current_function_mode_stack()
+
+
+@pytest.mark.parametrize("caught", ["outside both", "between them"])
+def test_a_watched_forward_interrupted_inside_callers_modes_leaves_none_of_them_on(
+        caught: str, caplog: pytest.LogCaptureFixture) -> None:
+    # See [Note: a watched forward cut short inside a mode]: the modes' exits pop the pager's
+    # probe in place of one of them, which torch would otherwise keep on for good.
+    torch.manual_seed(0)
+    model = CallsItself().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = model(x)
+    outer = _Passes()
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        model.interrupt = True  # in the first forward, the watched one
+        if caught == "outside both":
+            with pytest.raises(KeyboardInterrupt), outer, torch.device("cpu"):
+                model(x)
+            assert _modes() == [outer]  # popped the device's mode in place of its own
+        else:
+            with outer:
+                with pytest.raises(KeyboardInterrupt), torch.device("cpu"):
+                    model(x)
+                assert [type(m).__name__ for m in _modes()] == ["_Passes", "DeviceContext"]
+                model.interrupt = False
+                with caplog.at_level(logging.WARNING, logger="adaptmem"):
+                    assert torch.equal(model(x), expected)
+                assert _modes() == [outer]  # still inside it, as the code is
+        model.interrupt = False
+        with caplog.at_level(logging.WARNING, logger="adaptmem"):
+            assert torch.equal(model(x), expected)
+        assert _modes() == []
+    assert sum("cut short" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_forwards_after_the_learning_one_take_the_fused_attention_path_bitwise() -> None:
     # Only the watched (learning) forward runs under the pager's mode, which turns PyTorch's
     # fused attention path off; what docs/limitations.md says.
