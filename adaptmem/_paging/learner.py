@@ -92,6 +92,11 @@ class Probe(TorchFunctionMode):
         super().__init__()
         self.on_op = on_op
         self.quiet = quiet
+        self.below: list[Any] = []  # torch's mode stack when the probe went on
+
+    def __enter__(self) -> Probe:
+        self.below = torch.overrides._get_current_function_mode_stack()
+        return super().__enter__()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -126,7 +131,6 @@ class Learner:
         # the modules always running around each module when it was called.
         self._direct: dict[str, set[str]] = {}
         self._enclosing: dict[str, set[str]] = {}
-        self._below: list[Any] = []  # torch's mode stack when the probe went on
 
     def begin_call(self) -> bool:
         """An outermost call begins: watch it while learning. Returns True when learning
@@ -183,7 +187,6 @@ class Learner:
         return extra
 
     def _watch(self) -> None:
-        self._below = torch.overrides._get_current_function_mode_stack()
         self.probe = Probe(self.on_op, self.quiet)
         self.probe.__enter__()
 
@@ -194,7 +197,7 @@ class Learner:
         drop = next((i for i, m in enumerate(stack) if m is probe), None)
         if drop is None:
             kept = 0  # how much of the stack below the probe is still there
-            for now, before in zip(stack, self._below, strict=False):
+            for now, before in zip(stack, probe.below, strict=False):
                 if now is not before:
                     break
                 kept += 1
