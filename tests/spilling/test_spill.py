@@ -1042,11 +1042,8 @@ def test_the_accelerator_path_keeps_gradients_with_a_stand_in_device(
     handle = Spill(threshold=0, limit=0, to=tmp_path if to == "dir" else to, link=_CpuLink())
     with handle:
         loss = _exp_chain(x).sum()
-        # The copies to the disk run in the background: on a busy machine backward took
-        # every tensor back from memory before any was written (seconds_writing 0.0).
-        deadline = time.monotonic() + 10
-        while to == "dir" and not handle.stats.seconds_writing and time.monotonic() < deadline:
-            time.sleep(0.005)
+        if to == "dir":
+            _until_written(handle)
         loss.backward()
     assert torch.equal(x.grad, want)
     assert handle.stats.tensors_spilled == handle.stats.tensors_restored == 6
@@ -1125,6 +1122,15 @@ def test_max_pending_bounds_the_copies_under_way_on_the_host_tier_as_on_disk(
     assert link.most_under_way <= 2 and handle.stats.seconds_waiting > 0
 
 
+def _until_written(handle: Any) -> None:
+    """Wait (10 s at most) until a copy to the disk has landed. They run in the background:
+    on a busy machine a backward took tensors back from memory before any was written, so
+    nothing was read (bytes_in 0) or timed writing (seconds_writing 0.0)."""
+    deadline = time.monotonic() + 10
+    while not handle.stats.seconds_writing and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_a_retained_graph_restores_again_for_a_second_backward(tmp_path: Path) -> None:
     x = torch.randn(256, 256, requires_grad=True)
     loss = _exp_chain(x).sum()
@@ -1148,6 +1154,7 @@ def test_each_backward_through_a_retained_graph_reads_a_storage_once(tmp_path: P
         a = x.exp()
         loss = sum((a[i:] * a[:256 - i]).sum() for i in range(1, 9))
     assert handle.stats.tensors_spilled == 1 and handle.stats.tensors_shared == 16
+    _until_written(handle)
     reads = []
     for n in range(3):
         before = handle.stats.bytes_in
