@@ -181,7 +181,7 @@ class BoundaryHooks:
             # Back to where the caller computes: what this module received may have come
             # straight from a child that did not hand its outputs back.
             device, dtype = stack[-1].where[0] or device, stack[-1].where[1] or dtype
-        if name == "" and self._output_device is not None:
+        if not stack and name == "" and self._output_device is not None:
             device = self._output_device
         if device is None or output is None:
             return None

@@ -5,6 +5,7 @@ and re-places the model when its ``device_map`` is edited (``device_map.py``).""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -18,7 +19,7 @@ from .._common.enums import TextEnum
 from .._common.errors import PlacementError
 from .._common.peak import NotYet, fake_mode
 from .._common.reporting import report
-from .._common.tree import canonical_tensors
+from .._common.tree import calls_in_progress, canonical_tensors
 from .._engines.base import Engine, HookSet
 from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats
@@ -236,7 +237,13 @@ class Splitter(BoundaryHooks, Engine):
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
         if getattr(self._local, "busy", False):
             return None
-        self._stack().clear()  # a frame left by a forward that raised
+        stack = self._stack()
+        # The model called from its own forward: part of that call (not counted, its outputs
+        # stay where the outer forward computes). See [Note: a model that calls itself] in
+        # ``_paging/pager.py``, which tells it from frames an interrupted forward left.
+        if stack and calls_in_progress(sys._getframe(1), (module,), stop_at=2) == 2:
+            return self._pre("", module, args, kwargs)
+        stack.clear()  # frames left by a forward interrupted past its hooks
         # See [Note: a placed model is neither copied nor converted]; checked under the
         # lock while another thread may be placing the model.
         if self._plan is None:

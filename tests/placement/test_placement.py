@@ -10,6 +10,7 @@ rounding weights and activations through 50-100 layers compounds that to a few p
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import pytest
@@ -455,6 +456,61 @@ def test_a_forward_that_raises_passes_through_and_the_next_call_works() -> None:
     assert "shapes" in str(info.value) or "size" in str(info.value)
     assert model(torch.randn(1, 4)).dtype == torch.float32
     splitter.remove()
+
+
+class CallsItself(nn.Module):
+    """A forward that calls its own model again (a recursive, two-pass model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        y = self.b(torch.relu(self.a(x)))
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return y if depth == 0 else y + self(x, depth - 1)
+
+
+@pytest.mark.gpu
+@run_if(cuda=True)
+@pytest.mark.parametrize("placer", ["chunk", "split", "split_output_device"])
+def test_a_model_that_calls_itself_is_one_forward_with_outputs_where_the_caller_wants(
+        placer: str) -> None:
+    torch.manual_seed(0)
+    model = CallsItself().eval()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = {d: copy.deepcopy(model).cuda()(x.cuda(), d).cpu() for d in (0, 2)}
+    a_bytes = module_sizes(model).total_bytes // 2
+    handle = {"chunk": lambda: adaptive.chunk(model, "cuda", capacity=a_bytes),
+              "split": lambda: adaptive.split(model, {"cuda:0": a_bytes, "cpu": None}),
+              "split_output_device": lambda: adaptive.split(
+                  model, {"cuda:0": a_bytes, "cpu": None}, output_device="cuda:1")}[placer]()
+    home = "cuda" if placer == "split_output_device" else "cpu"
+    with handle, torch.no_grad():
+        # The first call, which places the model, takes the path that combines outputs (see
+        # limitations: placement learns from that forward which outputs need handing back).
+        for depth in (2, 0, 2, 0):
+            out = model(x, depth)
+            # The inner calls hand their outputs to the outer forward, which hands the sum to
+            # the caller: on the caller's device (or output_device), not where the model
+            # computed its last part.
+            assert out.device.type == home, (depth, out.device)
+            torch.testing.assert_close(out.cpu(), expected[depth])
+        assert handle.stats.forwards == 4  # the inner calls are part of the outer one
+        assert {d.type for d in map(torch.device, handle.device_map.values())} == {"cuda", "cpu"}
+        # A forward interrupted past its hooks leaves its frames behind; the next call of the
+        # model is not taken for a call from inside it.
+        model.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        model.interrupt = False
+        out = model(x, 2)
+        assert out.device.type == home
+        torch.testing.assert_close(out.cpu(), expected[2])
 
 
 def test_load_targets_name_every_tensor_and_fill_in_place() -> None:
