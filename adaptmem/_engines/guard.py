@@ -22,6 +22,20 @@ copies, copies in another dtype) and its hooks are the engine's bound methods.
   re-registers ``inv_freq``; ``self.steps = self.steps + 1`` reassigns a buffer) is the
   model's own state: it is accepted at the end of that call, checked from then on, and
   kept by ``remove()``, in the dtype and device of the object it replaced.
+
+[Note: a module put into a placed model]
+``model.head = nn.Linear(...)``, ``model[2] = ...`` or ``model.append(...)`` between calls
+registers a module no hook of the engine's knows, with tensors it never placed: on the host
+while the rest computes on the device, the forward used to fail deep inside with a
+device-mismatch error. Every call compares each module's children with those it had (one
+identity test per child, in C, beside the tensor checks); when they changed, the model is
+walked once: a tensor registered now that was neither placed nor in the model before makes
+the call raise a ``PlacementError`` before anything runs. A change that brings no such
+tensor (an activation swapped, a module deleted, a placed module moved under a new parent)
+is taken as the model now is (a module put in is not held to eval mode: it holds nothing
+placed that a training forward could write). ``remove()`` keeps the modules put in and restores the
+tensors the engine placed. A module the forward itself puts in is its own state, taken as
+it is at the end of that call, like a buffer it registers.
 """
 
 from __future__ import annotations
@@ -77,7 +91,8 @@ class PlacementGuard:
 
     __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
                  "_registered", "_kinds", "_homes", "_adopted", "_passed", "_data", "_engine",
-                 "_handle", "_modules", "_ptrs", "on_new_data", "_released")
+                 "_handle", "_modules", "_ptrs", "on_new_data", "_released", "_known",
+                 "_child_maps", "_child_counts", "_child_keys", "_child_of", "_children")
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
                  handle: str) -> None:
@@ -106,7 +121,24 @@ class PlacementGuard:
         # device since (``t.data = new``); None: such data is not looked for.
         self.on_new_data: Any = None
         self._released = False
+        self._known = {id(r.tensor) for r in registrations(model)}  # placed or not
+        self._snapshot_tree(model)
         self.expect({n: t.data for n, t in tensors.items()})
+
+    def _snapshot_tree(self, model: nn.Module) -> None:
+        """Which child each module has under each name, compared at every call (See [Note:
+        a module put into a placed model])."""
+        modules = [m for _, m in model.named_modules()]
+        self._child_maps = [m._modules for m in modules]
+        self._child_counts = list(map(len, self._child_maps))
+        self._child_keys = [k for m in modules for k in m._modules]
+        self._child_of = [m._modules for m in modules for _ in m._modules]
+        self._children = [c for m in modules for c in m._modules.values()]
+
+    def _tree_changed(self) -> bool:
+        return (list(map(len, self._child_maps)) != self._child_counts
+                or not all(map(operator.is_, map(dict.get, self._child_of, self._child_keys),
+                               self._children)))
 
     def expect(self, data: Mapping[str, torch.Tensor]) -> None:
         """The data each tensor holds at rest from now on (kept to put it back)."""
@@ -130,6 +162,8 @@ class PlacementGuard:
                 dtypes, devices = _metadata(self._tensors)
         else:
             dtypes, devices = _metadata(self._tensors)
+        if self._tree_changed():
+            self._follow_tree()
         if any(map(_training, self._modules.values())):
             self._passed = False
             refuse_training(
@@ -147,6 +181,25 @@ class PlacementGuard:
         if self.on_new_data is not None:
             self.follow_new_data()
         self._passed = True
+
+    def _follow_tree(self) -> None:
+        """A module was put into the model, replaced or deleted since the last call: take
+        the model as it is now if that brought no tensor the engine did not place, else
+        refuse. See [Note: a module put into a placed model]."""
+        registered = {id(t) for t in self._registered if t is not None}
+        root = self._modules[""]
+        for r in registrations(root):
+            if id(r.tensor) not in registered and id(r.tensor) not in self._known:
+                self._passed = False
+                where = r.module_name or "the model"
+                raise PlacementError(
+                    f"module {where!r} of the model was put in or replaced while "
+                    f"{self._engine} holds the model, and its {r.kind} {r.name!r} was not "
+                    f"placed ({r.tensor.dtype} on {r.tensor.device}), so this call did not "
+                    f"run. Call {self._handle}.remove() first (it restores the placed tensors "
+                    f"and keeps the modules you put in), then place the model again: change "
+                    f"its modules before placing it")
+        self._snapshot_tree(root)
 
     def follow_new_data(self) -> None:
         """Tensors given other data since (``t.data = new``; ``check`` has refused another
@@ -174,6 +227,10 @@ class PlacementGuard:
         ``self.steps = self.steps + 1``) are the model's own state, checked as they are from
         now on and kept by ``remove()``. After a refused call, nothing is adopted."""
         passed, self._passed = self._passed, False
+        if passed and self._tree_changed():  # modules the forward itself put in: its own
+            root = self._modules[""]
+            self._known.update(id(r.tensor) for r in registrations(root))
+            self._snapshot_tree(root)
         if not passed or all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                    self._registered)):
             return
@@ -258,6 +315,8 @@ class PlacementGuard:
         self._homes = []
         self._adopted, self._data, self._ptrs = {}, {}, []
         self._modules, self.on_new_data, self._released = {}, None, True
+        self._known, self._child_maps, self._child_counts = set(), [], []
+        self._child_keys, self._child_of, self._children = [], [], []
 
 
 _dtype_of = operator.attrgetter("dtype")

@@ -269,6 +269,79 @@ def test_buffers_a_forward_replaces_itself_are_its_own_state_not_a_conversion(
     assert model.lin.weight.dtype == torch.float32
 
 
+class _GrowsAHead(_TiedModel):
+    """A forward that puts a module of its own into the model (its state, not an edit)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "extra" not in self._modules:
+            self.extra = nn.Identity()
+        return self.extra(super().forward(x))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_module_put_in_while_placed_is_refused_if_it_brings_tensors_and_taken_if_not(
+        engine: str) -> None:
+    model = _model()
+    before = _state(model)
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(_X)
+    handle = ENGINES[engine](model)
+    model(_X)
+    forwards = handle.stats.forwards
+    # No new tensor: an unused module added, a placed module under a second name, a module
+    # the forward did not need deleted. Taken as the model now is.
+    model.unused = nn.Identity()
+    model.head_again = model.head
+    del model.unused
+    out = model(_X)
+    assert out.shape == expected.shape and handle.stats.forwards == forwards + 1
+    # A new head with weights the engine never placed (on a GPU: on the host, while the rest
+    # computes on the device) is refused before anything runs, naming it and the fix.
+    model.head = nn.Linear(8, 3).eval()
+    with pytest.raises(PlacementError, match=(
+            r"module 'head' of the model was put in or replaced while adaptive\.\w+ holds the "
+            r"model, and its parameter 'head\.weight' was not placed .*this call did not "
+            r"run. Call \w+\.remove\(\) first")):
+        model(_X)
+    with pytest.raises(PlacementError, match="did not run"):  # and again, until remove()
+        model(_X)
+    assert handle.stats.forwards == forwards + 1
+    handle.remove()
+    # remove() keeps the new head and restores everything the engine placed.
+    assert model.head.out_features == 3 and model.head_again.out_features == 8
+    del model.head_again
+    model.head = before_head = nn.Linear(8, 8)
+    before_head.weight = model.emb.weight
+    with torch.no_grad():
+        before_head.bias.copy_(before["head.bias"][3])
+    _assert_as_before_except(model, before, "head.bias")
+    assert torch.equal(model(_X), expected)
+
+
+def _assert_as_before_except(model: nn.Module, before: dict[str, Any], new: str) -> None:
+    after = _state(model)
+    assert after.keys() == before.keys()
+    for key, (ident, dtype, device, value) in before.items():
+        assert after[key][1:3] == (dtype, device), key
+        assert key == new or after[key][0] == ident, key
+        assert torch.equal(after[key][3], value), key
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_module_the_forward_puts_in_itself_is_its_own_state(engine: str) -> None:
+    torch.manual_seed(0)
+    reference, model = _GrowsAHead().eval(), _GrowsAHead().eval()
+    model.load_state_dict(reference.state_dict())
+    with torch.no_grad():
+        expected = reference(_X)
+    with ENGINES[engine](model):
+        for _ in range(3):
+            out = model(_X)
+            tol = {"rtol": 2e-2, "atol": 0.1} if engine.startswith("chunk") else {}
+            torch.testing.assert_close(out, expected, **tol)
+    assert isinstance(model.extra, nn.Identity)
+
+
 @pytest.mark.parametrize("engine", ["page", "chunk"])
 def test_a_dynamic_rope_model_that_re_registers_inv_freq_keeps_generating(engine: str) -> None:
     transformers = pytest.importorskip("transformers")
