@@ -25,7 +25,7 @@ from .keys import code_key, function_key, instance_of
 from .lazy import iterated, retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
-from .replay import Replay, versions
+from .replay import Replay, StepReplay, versions
 from .retry import is_lazy, log_probe, run_range, run_sized
 from .stats import Adaptation, CallStats, Watch
 
@@ -46,6 +46,39 @@ def _check_size(value: Any, name: str, example: str) -> int:
     if size < 1:
         raise ValueError(f"{name} must be 1 or more, got {size}; write {example}")
     return size
+
+
+def _check_call(name: str, kind: str, names: tuple[str, ...], limit: int | None,
+                args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Refuse a call that passes what the decorator passes (``names``), or more positional
+    arguments than ``limit``: ``args`` and ``kwargs`` are what is left after the bounds
+    (range) or the tensor (chunked), and the error is in the caller's words for each kind."""
+    given = [n for n in names if n in kwargs]
+    if kind == "range":
+        bounds = " and ".join(names) or "start and end"
+        if given:
+            raise TypeError(
+                f"{name}() got {given[0]}= as well as the range's {bounds} as its first "
+                f"two positional arguments; give the bounds once: {name}(0, n, ...)"
+                f"{f' or {name}({names[0]}=0, {names[1]}=n, ...)' if len(names) == 2 else ''}")
+        if limit is not None and len(args) > limit:
+            raise TypeError(
+                f"{name}() takes the range's {bounds} and {limit} more positional "
+                f"argument(s), but got {len(args)} more")
+        return
+    injected = ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else (
+        names[0] if names else "")
+    call = f"{name}(tensor, ...)" if kind == "chunked" else f"{name}(...)"
+    if given:
+        raise TypeError(
+            f"{name}() got {given[0]}= from the caller, but @adaptive.{kind} passes "
+            f"{injected} itself: call {call} without it")
+    if limit is not None and len(args) > limit:
+        after, more = ("the tensor to chunk and ", " more") if kind == "chunked" else ("", "")
+        raise TypeError(
+            f"{name}() takes {after}{limit}{more} positional argument(s), but got "
+            f"{len(args)}{more}; @adaptive.{kind} passes {injected} itself, so leave "
+            f"{'them' if len(names) > 1 else 'it'} out of the call: {call}")
 
 
 def _as_index(value: Any, name: str) -> int:
@@ -193,6 +226,7 @@ class _Adaptive:
         functools.update_wrapper(self, func)  # type: ignore[arg-type]
         self.__wrapped__ = func
         self._func = func
+        self.replay_warned = False  # see [Note: arguments a retry passes again]
         self._key = function_key(func)  # see [Note: function keys] in keys.py
         self._instance = instance_of(func)  # see [Note: records per instance] in cache.py
         self.initial = initial
@@ -414,17 +448,7 @@ class _Adaptive:
         return self._record(caller, bound)[1]
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self._injected and self._injected in kwargs:
-            raise TypeError(
-                f"{self._name}() got {self._injected}= from the caller, but "
-                f"@adaptive.{self.kind} passes it: call {self._name}(...) without it"
-            )
-        if self._limit is not None and len(args) > self._limit:
-            raise TypeError(
-                f"{self._name}() takes {self._limit} positional argument(s) after the injected "
-                f"{self._injected!r} but got {len(args)}; @adaptive.{self.kind} passes "
-                f"{self._injected!r} itself, so leave it out of the call"
-            )
+        _check_call(self._name, self.kind, self._leading_names, self._limit, args, kwargs)
 
     def _steps(self, body: Callable[[int, int], Any], start: int, end: int, record: Any,
                cache: BatchsizeCache, ranks: Ranks | None,
@@ -446,6 +470,9 @@ class _Adaptive:
             if progress is not None:
                 progress.close()
 
+    def __repr__(self) -> str:
+        return f"<adaptive.{self.kind} {self._name}>"
+
     def _record(self, caller: Any, bound: tuple[Any, ...] = ()) -> tuple[BatchsizeCache, Any]:
         cache = resolve_cache(self.cache)
         owner = bound[0] if bound and self._binding != "class" else self._instance
@@ -464,7 +491,6 @@ class _Batch(_Adaptive):
         if accumulation is not None:
             accumulation.refuse_lazy(func)
         self._accumulation = accumulation
-        self.replay_warned = False  # see [Note: arguments a retry passes again]
         super().__init__(func, initial, floor, cache, context, device, **options)
         if self.group is not None:  # the success path of _run need not ask
             self._run = self._run_grouped  # type: ignore[method-assign]
@@ -596,13 +622,15 @@ class _Range(_Adaptive):
         ranks = self._ranks() if self.group is not None else None
         cache, record = self._record(caller, bound)
         func = self._func
+        # See [Note: arguments a retry passes again]
+        step = StepReplay(Replay(self, self._name, rest, kwargs, None, first=3),
+                          lambda s, e: func(*bound, s, e, *rest, **kwargs))
         if self._deciding and end > start:
             return self._first(  # type: ignore[no-any-return]
-                lambda n: func(*bound, start, min(end, start + n), *rest, **kwargs),
+                lambda n: step(start, min(end, start + n)),
                 lambda: self._run(caller, args, kwargs, bound),
                 lambda: self._record(caller, bound)[1], end - start)
-        return self._steps(lambda s, e: func(*bound, s, e, *rest, **kwargs), start, end,
-                           record, cache, ranks)
+        return self._steps(step, start, end, record, cache, ranks)
 
     def _bounds_from_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -665,8 +693,10 @@ class _Chunked(_Adaptive):
         cache, record = self._record(caller, bound)
         func = self._func
 
-        def step(s: int, e: int) -> Any:
-            return func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs)
+        # See [Note: arguments a retry passes again]
+        step = StepReplay(
+            Replay(self, self._name, rest, kwargs, None, first=2),
+            lambda s, e: func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs))
 
         length = tensor.shape[dim]
         if self._deciding and length:
@@ -833,6 +863,11 @@ def _factory(
         )
     if func is not None and initial is None:
         raise TypeError(f"adaptive.{cls.kind} needs {initial_name}: write {example}")
+    if isinstance(initial, str):
+        hint = (f"write {initial_name}={AUTO!r} (lower case)" if initial.lower() == AUTO
+                else f"write {example}")
+        raise TypeError(f"{initial_name} must be a positive int or {AUTO!r}, got str "
+                        f"{initial!r}; {hint}")
     initial = _check_size(initial, initial_name, example)
     floor = _check_size(floor, floor_name, example)
     if floor > initial:

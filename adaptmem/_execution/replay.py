@@ -1,8 +1,11 @@
-"""What a retried batch call passes again: the same arguments, which the failed attempt may
-have used up or changed.
+"""What a retried call passes again: the same arguments, which the failed attempt may have
+used up or changed.
 
 [Note: arguments a retry passes again] A retry calls the function again with the very
-arguments of the failed attempt. An iterator among them (a generator, ``iter(...)``) was
+arguments of the failed attempt (``batch``'s call at a smaller size, or ``range`` and
+``chunked``'s failed step over a shorter span: their steps share the arguments after the
+bounds, and a step that succeeds may consume or write them as it likes; only what the
+failed step did is looked at). An iterator among them (a generator, ``iter(...)``) was
 partly consumed by that attempt, so the retry would see only what is left and return a wrong
 result without any error: it is refused, saying to pass a list or a tensor instead. Files
 (``io`` objects, ``sys.stdout``) are iterators too, but a function is given one to write a
@@ -23,14 +26,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Replay", "versions"]
+__all__ = ["Replay", "StepReplay", "versions"]
 
 logger = logging.getLogger("adaptmem")
 
 
-def _named(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    for i, a in enumerate(args):
-        yield f"argument {i + 1}", a
+def _named(args: tuple[Any, ...], kwargs: dict[str, Any], first: int
+           ) -> Iterator[tuple[str, Any]]:
+    for i, a in enumerate(args, first):
+        yield f"argument {i}", a
     for k, v in kwargs.items():
         yield f"argument {k!r}", v
 
@@ -64,24 +68,28 @@ class Replay:
     """One batch call's arguments, checked before each retry passes them again (see
     [Note: arguments a retry passes again])."""
 
-    __slots__ = ("owner", "name", "args", "kwargs", "versions")
+    __slots__ = ("owner", "name", "args", "kwargs", "versions", "first")
 
     def __init__(self, owner: Any, name: str, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], before: list[int | None] | None) -> None:
+                 kwargs: dict[str, Any], before: list[int | None] | None,
+                 first: int = 1) -> None:
         self.owner = owner  # its ``replay_warned`` says whether the warning was logged
         self.name = name
         self.args = args
         self.kwargs = kwargs
         self.versions = before  # ``versions(args, kwargs)`` before the first attempt
+        self.first = first  # the caller's position of ``args[0]``, counted from 1
 
-    def retrying(self, size: int) -> None:
-        """About to call again at ``size`` after an out-of-memory error."""
-        named = list(_named(self.args, self.kwargs))
+    def retrying(self, size: int, again: str | None = None) -> None:
+        """About to call again at ``size`` after an out-of-memory error (``again`` says how,
+        when not "with batchsize=size")."""
+        again = again or f"with batchsize={size}"
+        named = list(_named(self.args, self.kwargs, self.first))
         for where, value in named:
             if isinstance(value, Iterator) and not isinstance(value, io.IOBase):
                 raise TypeError(
-                    f"{self.name} ran out of memory and must be called again with "
-                    f"batchsize={size}, but its {where} is an iterator "
+                    f"{self.name} ran out of memory and must be called again {again}, "
+                    f"but its {where} is an iterator "
                     f"({type(value).__name__}) that the failed attempt may have consumed in "
                     f"part, so a retry would silently miss items. Pass a list, a tuple or a "
                     f"tensor instead (list(...) of the iterator)"
@@ -93,10 +101,10 @@ class Replay:
                 self.owner.replay_warned = True
                 logger.warning(
                     "%s changed its %s in place in an attempt that ran out of memory; the "
-                    "retry at batchsize=%d sees the changed values. If the function reads "
-                    "what it changed (an input normalised in place), clone it first inside "
-                    "the function; an output buffer it fills is fine. (Logged once.)",
-                    self.name, where, size)
+                    "retry %s sees the changed values. If the function reads what it "
+                    "changed (an input normalised in place), clone it first inside the "
+                    "function; an output buffer it fills is fine. (Logged once.)",
+                    self.name, where, again)
                 return
 
     def wrap(self, attempt: Callable[[int], Any], first_done: bool) -> Callable[[int], Any]:
@@ -111,3 +119,24 @@ class Replay:
             return attempt(size)
 
         return again
+
+
+class StepReplay:
+    """A ``range`` or ``chunked`` step function over one call's shared arguments: a step run
+    again after the step before it failed gets them checked first, against the versions
+    they had before that failed step (see [Note: arguments a retry passes again])."""
+
+    __slots__ = ("replay", "step", "failed")
+
+    def __init__(self, replay: Replay, step: Callable[[int, int], Any]) -> None:
+        self.replay, self.step, self.failed = replay, step, False
+
+    def __call__(self, start: int, end: int) -> Any:
+        replay = self.replay
+        if self.failed:
+            replay.retrying(end - start, f"on [{start}, {end})")
+        replay.versions = versions(replay.args, replay.kwargs)
+        self.failed = True
+        result = self.step(start, end)
+        self.failed = False
+        return result

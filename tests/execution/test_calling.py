@@ -29,6 +29,7 @@ def test_a_method_read_through_an_instance_looks_like_its_function() -> None:
     assert bound.__wrapped__ is _Model.__dict__["infer"].__wrapped__
     assert bound.prediction is None and bound.stats is _Model.infer.stats
     assert "_Model.infer" in repr(bound) and "_Model object" in repr(bound)
+    assert repr(_Model.__dict__["infer"]) == "<adaptive.batch _Model.infer>"
 
 
 def test_a_method_called_through_its_class_gets_its_instance_whatever_it_is_called() -> None:
@@ -167,6 +168,17 @@ def test_sizes_take_any_integer_with_index_as_start_and_end_do(integer: Any) -> 
     assert [len(b) for b, _ in adaptive.microbatches(integer, torch.ones(6))] == [4, 2]
 
 
+@pytest.mark.parametrize("decorator", ["batch", "range", "chunked"])
+def test_a_size_given_as_another_string_than_auto_says_auto(decorator: str) -> None:
+    name = "initial_batchsize" if decorator == "batch" else "initial_step"
+    make = getattr(adaptive, decorator)
+    with pytest.raises(TypeError, match=rf"{name} must be a positive int or 'auto', got str "
+                                        rf"'AUTO'; write {name}='auto' \(lower case\)"):
+        make(**{name: "AUTO"})
+    with pytest.raises(TypeError, match=rf"got str 'big'; write @adaptive.{decorator}\("):
+        make(**{name: "big"})
+
+
 @pytest.mark.parametrize("flag", [True, np.bool_(True), torch.tensor(True)],
                          ids=["bool", "numpy bool", "torch bool"])
 def test_a_bool_is_not_a_size(flag: Any) -> None:
@@ -190,6 +202,44 @@ def test_chunked_says_the_tensor_comes_first_and_positional() -> None:
         scale(tensor=torch.ones(3))
     with pytest.raises(ValueError, match="0-dim tensor, which has no dimension to chunk"):
         scale(torch.tensor(1.0))
+
+
+def test_a_call_passing_too_much_is_told_what_each_decorator_passes_itself() -> None:
+    @adaptive.batch(initial_batchsize=4)
+    def infer(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @adaptive.range(initial_step=4)
+    def fill(start: int, end: int, out: torch.Tensor) -> None:
+        out[start:end] = 1
+
+    @adaptive.chunked(initial_step=4)
+    def work(chunk: torch.Tensor, start: int, end: int, scale: float) -> None:
+        chunk.mul_(scale)
+
+    x = torch.zeros(10)
+    with pytest.raises(TypeError, match=r"infer\(\) takes 1 positional argument\(s\), but got "
+                                        r"2; @adaptive.batch passes batchsize itself"):
+        infer(x, 2)
+    with pytest.raises(TypeError, match=r"infer\(\) got batchsize= from the caller"):
+        infer(x, batchsize=2)
+    # range's caller passes start and end: it must not be told to leave them out.
+    with pytest.raises(TypeError, match=r"fill\(\) takes the range's start and end and 1 more "
+                                        r"positional argument\(s\), but got 2 more$"):
+        fill(0, 10, x, 5)
+    with pytest.raises(TypeError, match=r"fill\(\) got start= as well as the range's start and "
+                                        r"end .*fill\(0, n, \.\.\.\) or .*fill\(start=0, end=n"):
+        fill(0, 10, x, start=3)
+    with pytest.raises(TypeError, match=r"work\(\) takes the tensor to chunk and 1 more "
+                                        r"positional argument\(s\), but got 2 more; "
+                                        r"@adaptive.chunked passes chunk, start and end itself"):
+        work(x, 2.0, 3.0)
+    with pytest.raises(TypeError, match=r"work\(\) got start= from the caller.*"
+                                        r"work\(tensor, \.\.\.\) without it"):
+        work(x, 2.0, start=3)
+    fill(0, 10, x)
+    work(x, 2.0)
+    assert torch.equal(x, torch.full((10,), 2.0))
 
 
 def test_giving_up_at_a_smallest_size_of_one_does_not_advise_lowering_it() -> None:

@@ -1228,6 +1228,86 @@ def test_a_retry_refuses_an_iterator_the_failed_attempt_consumed() -> None:
         total(x for x in range(20))
 
 
+def test_a_range_or_chunked_step_run_again_refuses_an_iterator_its_failed_attempt_consumed(
+) -> None:
+    # Steps share the arguments after the bounds: one that succeeds may consume an iterator
+    # (each step takes the next items), but a failed step's retry would miss what it took.
+    ceiling = MemoryCeiling(4)
+
+    @adaptive.range(initial_step=8, cache=adaptive.NoBatchsizeCache)
+    def take(start: int, end: int, items: Any) -> list[int]:
+        got = [next(items) for _ in range(end - start)]
+        ceiling.require(end - start)
+        return got
+
+    @adaptive.chunked(initial_step=8, output="new", cache=adaptive.NoBatchsizeCache)
+    def add(chunk: torch.Tensor, start: int, end: int, items: Any) -> torch.Tensor:
+        got = torch.tensor([float(next(items)) for _ in range(end - start)])
+        ceiling.require(end - start)
+        return chunk + got
+
+    # A list passes (each step indexes it itself in real code; here it is never read).
+    with pytest.raises(TypeError, match=r"take ran out of memory and must be called again on "
+                                        r"\[0, 4\), but its argument 3 is an iterator"):
+        take(0, 10, iter(range(100)))
+    with pytest.raises(TypeError, match=r"add ran out of memory .* on \[0, 4\), but its "
+                                        r"argument 2 is an iterator.*Pass a list"):
+        add(torch.zeros(10), iter(range(100)))
+    # Steps that all fit may consume it as they go: no retry, nothing refused.
+    @adaptive.range(initial_step=4, cache=adaptive.NoBatchsizeCache)
+    def take_in_fours(start: int, end: int, items: Any) -> list[int]:
+        got = [next(items) for _ in range(end - start)]
+        ceiling.require(end - start)
+        return got
+
+    assert take_in_fours(0, 10, iter(range(100))) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("kind", ["range", "chunked"])
+def test_a_range_or_chunked_retry_after_an_argument_changed_in_place_is_logged(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    ceiling = MemoryCeiling(4)
+    if kind == "range":
+        @adaptive.range(initial_step=8, cache=adaptive.NoBatchsizeCache)
+        def run(start: int, end: int, x: torch.Tensor, out: torch.Tensor) -> None:
+            x.div_(2)
+            ceiling.require(end - start)
+            out[start:end] = x[start:end]
+
+        call = lambda: run(0, 8, torch.ones(8), torch.zeros(8))  # noqa: E731
+    else:
+        @adaptive.chunked(initial_step=8, output="new", cache=adaptive.NoBatchsizeCache)
+        def run(chunk: torch.Tensor, start: int, end: int, x: torch.Tensor) -> torch.Tensor:
+            x.div_(2)
+            ceiling.require(end - start)
+            return chunk + x[start:end]
+
+        call = lambda: run(torch.zeros(8), torch.ones(8))  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        call()
+        call()
+    warned = [r.getMessage() for r in caplog.records if "in place" in r.getMessage()]
+    position = "argument 3" if kind == "range" else "argument 2"
+    assert len(warned) == 1 and position in warned[0] and "retry on [0, 4)" in warned[0]
+
+
+def test_a_range_filling_an_output_after_its_work_warns_of_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    ceiling = MemoryCeiling(4)
+
+    @adaptive.range(initial_step=8, cache=adaptive.NoBatchsizeCache)
+    def fill(start: int, end: int, x: torch.Tensor, out: torch.Tensor) -> None:
+        y = x[start:end] * 2
+        ceiling.require(end - start)
+        out[start:end] = y  # written only once the step's work fitted
+
+    out = torch.zeros(10)
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        fill(0, 10, torch.arange(10.0), out)
+    assert torch.equal(out, torch.arange(10.0) * 2)
+    assert not [r for r in caplog.records if "in place" in r.getMessage()]
+
+
 def test_a_retry_after_an_argument_changed_in_place_is_logged_once(
         caplog: pytest.LogCaptureFixture) -> None:
     ceiling = MemoryCeiling(4)
