@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import threading
 from typing import Any
 
@@ -89,6 +90,9 @@ def oom_error_for(original: BaseException) -> type[OutOfMemoryError]:
 def _oom_type(base: type[BaseException]) -> type[OutOfMemoryError]:
     if issubclass(base, OutOfMemoryError):
         return base
+    group = getattr(builtins, "BaseExceptionGroup", None)
+    if group is not None and issubclass(base, group):
+        return OutOfMemoryError  # a group is built from its errors: the group is the cause
     with _oom_types_lock:
         cls = _oom_types.get(base)
         if cls is None:

@@ -66,12 +66,23 @@ def is_oom(exc: BaseException) -> bool:
     # original that may be a plain RuntimeError (CPU allocator, MPS, cuBLAS, CUDA driver).
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError, OutOfMemoryError)):
         return True
+    if _GROUP is not None and isinstance(exc, _GROUP):
+        # Tasks of an ``asyncio.TaskGroup`` (or ``except*`` code) fail as a group: one that
+        # ran out of memory cancels the others, which the group does not hold. A group of
+        # nothing but out-of-memory errors is one; one holding another error is not.
+        return all(map(is_oom, getattr(exc, "exceptions", ())))
     return isinstance(exc, RuntimeError) and _message_match(exc)
+
+
+_GROUP: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
 
 
 def oom_phase(exc: BaseException) -> Phase:
     """``Phase.TRANSFER`` if memory ran out while adaptmem moved weights, else
-    ``Phase.COMPUTE``."""
+    ``Phase.COMPUTE`` (for a group, ``COMPUTE`` when any of its errors is)."""
+    if _GROUP is not None and isinstance(exc, _GROUP):
+        phases = {oom_phase(e) for e in getattr(exc, "exceptions", ())}
+        return Phase.COMPUTE if Phase.COMPUTE in phases or not phases else Phase.TRANSFER
     return Phase(getattr(exc, "phase", Phase.COMPUTE))
 
 

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -772,6 +773,58 @@ def test_an_async_function_is_awaited_and_retried_whole() -> None:
     assert ceiling.failures == [64, 32, 16]
     record = cache.record(infer._key, None, None)
     assert (record.fits, record.fails) == (8, 16)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is Python 3.11+")
+def test_out_of_memory_in_a_task_group_is_retried_and_another_error_is_not() -> None:
+    # A TaskGroup raises its tasks' errors as an ExceptionGroup: one holding nothing but
+    # out-of-memory errors is one; one holding another error passes through at once.
+    import asyncio
+
+    ceiling = MemoryCeiling(4)
+    sizes: list[int] = []
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    async def infer(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        sizes.append(batchsize)
+
+        async def one(chunk: torch.Tensor) -> torch.Tensor:
+            await asyncio.sleep(0)
+            ceiling.require(len(chunk))
+            return chunk * 2
+
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(c)) for c in x.split(batchsize)]
+        return torch.cat([t.result() for t in tasks])
+
+    assert torch.equal(asyncio.run(infer(torch.arange(10.0))), torch.arange(10.0) * 2)
+    assert sizes == [16, 8, 4]
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    async def broken(batchsize: int) -> None:
+        sizes.append(batchsize)
+
+        async def fails() -> None:
+            raise ValueError("not memory")
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(fails())
+
+    sizes.clear()
+    with pytest.raises(ExceptionGroup) as info:  # noqa: F821 - Python 3.11+
+        asyncio.run(broken())
+    assert sizes == [16] and isinstance(info.value.exceptions[0], ValueError)
+
+    never = MemoryCeiling(0.5)
+
+    @adaptive.batch(initial_batchsize=2, cache=adaptive.NoBatchsizeCache)
+    async def too_big(batchsize: int) -> None:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(asyncio.to_thread(never.require, batchsize))
+
+    with pytest.raises(OutOfMemoryError, match="at the smallest batchsize, 1") as gave_up:
+        asyncio.run(too_big())
+    assert isinstance(gave_up.value.__cause__, ExceptionGroup)  # noqa: F821
 
 
 def test_lazy_results_are_named_as_the_decorated_function() -> None:
