@@ -30,7 +30,7 @@ import warnings
 import zipfile
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -44,7 +44,8 @@ from .new_memory import NewMemory, populate
 from .open_files import OpenFiles
 from .staging import Staging, copy_to
 
-__all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to"]
+__all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to",
+           "is_extra_state_key"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -61,11 +62,19 @@ _MAX_HEADER = 100 * 1024 * 1024
 
 @dataclass
 class Checkpoint:
-    """Every tensor of a checkpoint by key, the files that hold them, and the format."""
+    """Every tensor of a checkpoint by key, the files that hold them, and the format; and
+    the modules' extra state that is not a tensor (``get_extra_state``'s dict, say), by key
+    (see [Note: extra state])."""
 
     entries: dict[str, Entry]
     files: list[str]
     format: str
+    extra_states: dict[str, object] = field(default_factory=dict)
+
+
+def is_extra_state_key(key: object) -> bool:
+    """Whether ``key`` is where ``state_dict()`` puts a module's ``get_extra_state()``."""
+    return isinstance(key, str) and (key == "_extra_state" or key.endswith("._extra_state"))
 
 
 def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
@@ -92,10 +101,10 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
             # scheduler, RNG and argument files saved beside it.
             weights.sort(key=lambda p: _WEIGHTS_NAMES.index(p.name))
             return _open_file(weights[0])
-        if any(p.suffix == ".safetensors" for p in files):
+        if any(p.suffix.lower() == ".safetensors" for p in files):
             # A model directory with both formats (model.safetensors beside
             # pytorch_model.bin) holds the same tensors twice: read the safetensors.
-            files = [p for p in files if p.suffix == ".safetensors"]
+            files = [p for p in files if p.suffix.lower() == ".safetensors"]
         if not files:
             raise LoadError(
                 f"directory {str(path)!r} holds no checkpoint: expected an *.index.json, "
@@ -112,13 +121,15 @@ _WEIGHTS_NAMES = ["model.safetensors", "pytorch_model.bin"]
 
 
 def _is_checkpoint_file(p: Path) -> bool:
-    return p.suffix == ".safetensors" or p.suffix in TORCH_SUFFIXES
+    return p.suffix.lower() == ".safetensors" or p.suffix.lower() in TORCH_SUFFIXES
 
 
 def _merge(parts: list[Checkpoint], fmt: str) -> Checkpoint:
     entries: dict[str, Entry] = {}
     files: list[str] = []
+    extra: dict[str, object] = {}
     for part in parts:
+        extra.update(part.extra_states)
         for key, entry in part.entries.items():
             if key in entries:
                 raise LoadError(
@@ -128,7 +139,7 @@ def _merge(parts: list[Checkpoint], fmt: str) -> Checkpoint:
             entries[key] = entry
         files.extend(part.files)
     kinds = sorted({p.format for p in parts})
-    return Checkpoint(entries, files, f"{fmt} ({', '.join(kinds)})")
+    return Checkpoint(entries, files, f"{fmt} ({', '.join(kinds)})", extra)
 
 
 def _open_index(index: Path) -> Checkpoint:
@@ -170,9 +181,24 @@ def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
     if path.stat().st_size == 0:
         raise LoadError(f"checkpoint file {str(path)!r} is empty (0 bytes): was it written "
                         f"completely?")
-    if path.suffix == ".safetensors":
+    with open(path, "rb") as f:
+        head = f.read(32)
+    # The bytes decide where they are clear, the suffix where they are not: a file named
+    # for one format holding the other (renamed, or a suffix in capitals) is read as what it
+    # is, and a Git LFS pointer left where a checkpoint should be is named as one.
+    if head.startswith(b"PK\x03\x04"):
+        return _open_torch(path, single_key)
+    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(head):
         return _open_safetensors(path)
+    if head.startswith(b"version https://git-lfs"):
+        raise LoadError(f"{str(path)!r} is a Git LFS pointer, not the checkpoint it stands for: "
+                        f"fetch the file itself (git lfs pull, or download it again)")
     return _open_torch(path, single_key)
+
+
+def _looks_like_safetensors(head: bytes) -> bool:
+    """A little-endian 8-byte header length, then the JSON header's opening brace."""
+    return len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little")
 
 
 def _open_safetensors(path: Path) -> Checkpoint:
@@ -186,7 +212,8 @@ def _open_safetensors(path: Path) -> Checkpoint:
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < length <= min(_MAX_HEADER, size - 8):
             raise LoadError(f"{name!r} is truncated or not a safetensors file: its header "
-                            f"length field reads {length} for a file of {size} bytes")
+                            f"length field reads {length} for a file of {size} bytes (it "
+                            f"begins with {head!r})")
         try:
             header = json.loads(f.read(length))
             if not isinstance(header, dict):
@@ -245,7 +272,8 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
             archive = _check_archive(path)
             # On the meta device torch reads the pickle only and records where each storage
             # lies in the archive (`_checkpoint_offset`); no data is read or mapped.
-            obj = torch.load(name, map_location="meta", weights_only=True)
+            with open(path, "rb") as f:  # a file: torch.load reads a *.safetensors name
+                obj = torch.load(f, map_location="meta", weights_only=True)  # as safetensors
     except LoadError:
         raise
     except Exception as exc:
@@ -255,10 +283,17 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
                     "adaptive.load reads dense tensors; load this file with torch.load)")
         if legacy and not head.startswith(b"\x80"):  # not a pickle either
             raise LoadError(_not_a_checkpoint(name, head)) from None
+        if isinstance(exc, zipfile.BadZipFile):
+            raise LoadError(
+                f"{name!r} is truncated or corrupt: it begins as a torch.save archive (a zip "
+                f"file), but its archive cannot be read ({why}); was it written or downloaded "
+                f"completely?") from None
+        if "Weights only load failed" in why:
+            raise LoadError(_not_weights_only(name, why)) from None
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
-    state = _state_dict_of(obj, name)
+    state, extra = _state_dict_of(obj, name)
     entries: dict[str, Entry] = {}
     size = path.stat().st_size
     where = None if archive is None else archive.where(obj, name)
@@ -276,17 +311,26 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
             raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies past the "
                             f"end of the file")
         entries[key] = entry
-    return Checkpoint(entries, [name], "torch")
+    return Checkpoint(entries, [name], "torch", extra)
+
+
+def _not_weights_only(name: str, why: str) -> str:
+    """What to do about a file ``torch.load(weights_only=True)`` refused (``why``)."""
+    reason = next((line.strip() for line in why.splitlines()
+                   if "WeightsUnpickler error" in line), "")
+    reason = reason.split(". Please use")[0].removeprefix("WeightsUnpickler error: ")
+    return (f"{name!r} holds objects other than tensors and plain containers"
+            f"{f' ({reason})' if reason else ''}, and adaptive.load reads checkpoints as "
+            f"torch.load(weights_only=True) does, which refuses them. If you trust the file, "
+            f"allow those types around the load: with torch.serialization.safe_globals([...]): "
+            f"adaptive.load(...); or save model.state_dict() alone")
 
 
 def _not_a_checkpoint(name: str, head: bytes) -> str:
     """What was expected of ``name``, which begins with ``head`` and is no torch.save file."""
-    hint = ""
-    if len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little"):
-        hint = "; it looks like a safetensors file: give it the .safetensors suffix"
     return (f"{name!r} is not a checkpoint: expected a torch.save file (a zip archive, or a "
             f"pickle as torch.save wrote before torch 1.6) or a .safetensors file, but it "
-            f"begins with {head!r}{hint}")
+            f"begins with {head!r}")
 
 
 def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
@@ -301,10 +345,10 @@ def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
-    state = _state_dict_of(obj, name)
+    state, extra = _state_dict_of(obj, name)
     entries = {k: Entry(k, name, tuple(t.shape), t.dtype, None, 0, tuple(t.stride()), tensor=t)
                for k, t in state.items()}
-    return Checkpoint(entries, [name], "torch (mmap)")
+    return Checkpoint(entries, [name], "torch (mmap)", extra)
 
 
 def _check_archive(path: Path) -> _Archive:
@@ -416,29 +460,41 @@ def _storage_sizes(obj: object) -> dict[int, int]:
 _NESTED_KEYS = ("state_dict", "model_state_dict", "model", "module")
 
 
-def _state_dict_of(obj: object, name: str) -> dict[str, torch.Tensor]:
-    if isinstance(obj, Mapping) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+def _not_state(key: object, value: object) -> bool:
+    """Whether an item cannot be in a state dict: not a named tensor, nor extra state."""
+    return not (isinstance(key, str) and isinstance(value, torch.Tensor)) and not (
+        is_extra_state_key(key))
+
+
+def _state_dict_of(obj: object, name: str
+                   ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """The tensors of the state dict ``obj`` is (or holds under one of ``_NESTED_KEYS``),
+    and its extra state that is not a tensor."""
+    nested_in = None
+    if isinstance(obj, Mapping) and any(_not_state(k, v) for k, v in obj.items()):
         for key in _NESTED_KEYS:
             nested = obj.get(key)
-            if isinstance(nested, Mapping) and nested and all(
-                    isinstance(k, str) and isinstance(v, torch.Tensor)
-                    for k, v in nested.items()):
+            if isinstance(nested, Mapping) and nested and any(
+                    isinstance(v, torch.Tensor) for v in nested.values()):
                 logger.info("adaptmem.load: reading the state dict under %r of %s", key, name)
-                obj = nested
+                obj, nested_in = nested, key
                 break
     if isinstance(obj, Mapping):
-        others = [k for k, v in obj.items() if not (isinstance(k, str)
-                                                     and isinstance(v, torch.Tensor))]
+        others = [k for k, v in obj.items() if _not_state(k, v)]
         if others:
             shown = ", ".join(repr(k) for k in others[:5]) + (" ..." if len(others) > 5 else "")
+            where = (f"its state dict under {nested_in!r} holds {len(others)} "
+                     if nested_in is not None else f"it holds a mapping with {len(others)} ")
+            looked = (f"; a state dict is looked for at the top level and under "
+                      f"{', '.join(map(repr, _NESTED_KEYS))}" if nested_in is None else "")
             raise LoadError(
-                f"{name!r} holds a mapping with {len(others)} "
-                f"{'entry that is' if len(others) == 1 else 'entries that are'} not named "
-                f"tensors ({shown}): "
-                f"an optimizer or training state, or a module's non-tensor extra state? "
-                f"adaptive.load reads state dicts of tensors; save model.state_dict(), or "
-                f"load this file with load_state_dict")
-        return dict(obj)
+                f"{name!r} is not a state dict adaptive.load can read: {where}"
+                f"{'entry that is' if len(others) == 1 else 'entries that are'} neither a "
+                f"named tensor nor a module's extra state ({shown}){looked}. Save "
+                f"model.state_dict(), or load this file with torch.load and "
+                f"model.load_state_dict")
+        tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+        return tensors, {k: v for k, v in obj.items() if not isinstance(v, torch.Tensor)}
     kind = type(obj).__name__
     raise LoadError(
         f"{name!r} holds {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}, not a state "

@@ -40,7 +40,7 @@ from .._common.reporting import report
 from .._engines.base import Engine, LoadTargets
 from .._engines.stats import LoadStats
 from .._planning import ModuleSizes, Plan, module_sizes, split_label
-from .checkpoints import Checkpoint, Entry, Reader, copy_to, open_checkpoint
+from .checkpoints import Checkpoint, Entry, Reader, copy_to, is_extra_state_key, open_checkpoint
 
 __all__ = ["load", "empty_model"]
 
@@ -435,7 +435,7 @@ def load(
     device = _through_holder(model, device, dtype, copy)
     ckpt = open_checkpoint(checkpoint)
     sizes = module_sizes(model)
-    dests, sources, stats = _plan_load(model, sizes, ckpt, device, strict, dtype)
+    dests, sources, stats, restores = _plan_load(model, sizes, ckpt, device, strict, dtype)
     # Model tensors are written in place (a built model, a handle's copies): outside
     # autograd, or a leaf that requires grad refuses every converting copy. New tensors are
     # ordinary ones even when the caller is in inference mode (placement refuses inference
@@ -447,7 +447,8 @@ def load(
         unloaded = _unloaded(model, dests, sources, stats)
         with Reader(files=len(ckpt.files)) as reader:
             pending = _read_all(reader, ckpt, dests, sources, copy, stats)
-        _commit(model, sizes, {**pending, **unloaded})
+            _commit(model, sizes, {**pending, **unloaded})
+            _restore_extra_states(reader, ckpt, restores)
     stats.seconds = time.perf_counter() - start
     # Shown while the model lives, returned or not: see [Note: one place for statistics].
     report(model, f"load ({_label(stats.files)})", stats)
@@ -542,8 +543,9 @@ class _HeldParts:
 def _plan_load(
     model: nn.Module, sizes: ModuleSizes, ckpt: Checkpoint, device: Any, strict: bool,
     dtype: torch.dtype | None,
-) -> tuple[dict[str, _Dest], dict[str, Entry], LoadStats]:
-    """Match keys, decide every destination, and raise before anything is modified."""
+) -> tuple[dict[str, _Dest], dict[str, Entry], LoadStats, dict[str, nn.Module]]:
+    """Match keys, decide every destination, and raise before anything is modified. Also
+    the modules that get extra state from the checkpoint (See [Note: extra state])."""
     tensors = _current_tensors(model, sizes)
     by_id = {id(t): name for name, t in tensors.items()}
     # A state-dict hook may hand out new tensors (cast, say): their keys still name them.
@@ -576,8 +578,12 @@ def _plan_load(
     # version 1) the counter it lacks: the module's value stays, as load_state_dict keeps it
     # (one built on meta starts at 0: _unloaded).
     missing = [k for k in missing if not _is_batch_counter(model, k)]
-    expected = {k for names in keys.values() for k in names}
-    unexpected = [k for k in ckpt.entries if k not in expected]
+    # See [Note: extra state]
+    restores = _extra_states(model)
+    missing += [k for k in restores if k not in ckpt.entries and k not in ckpt.extra_states]
+    expected = {k for names in keys.values() for k in names} | set(restores)
+    unexpected = [k for k in (*ckpt.entries, *ckpt.extra_states) if k not in expected]
+    unreadable = [k for k in restores if _holds_unread(ckpt.extra_states.get(k))]
     errors = []
     if strict and missing:
         errors.append("Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in missing) + ". ")
@@ -585,6 +591,13 @@ def _plan_load(
         errors.append("Unexpected key(s) in state_dict: "
                       + ", ".join(f'"{k}"' for k in unexpected) + ". ")
     errors.extend(mismatched)
+    if strict and missing and unexpected:
+        errors.extend(_prefix_hint(missing, unexpected))
+    if strict and unreadable:
+        errors.append(
+            "extra state holding tensors inside another object (" + ", ".join(unreadable)
+            + "), which adaptive.load cannot read: load with model.load_state_dict, or pass "
+            "strict=False to load the rest without it. ")
     # Parameters the model's state dict leaves out (a hook dropping frozen weights) are left
     # uninitialised like missing ones (_settle_unloaded warns); buffers would lose values.
     lost = [n for n in tensors if n not in keys and tensors[n].device.type == "meta"
@@ -606,11 +619,15 @@ def _plan_load(
     if errors:
         raise LoadError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
                         + "\n\t".join(errors))
-    extra = [k for k in unexpected if k.endswith("._extra_state") or k == "_extra_state"]
-    if extra:
-        logger.warning("adaptmem.load: extra state is not restored (set_extra_state is not "
-                       "called): %s. Load with model.load_state_dict to restore it",
-                       ", ".join(extra))
+    if unreadable:
+        logger.warning("adaptmem.load: extra state holding tensors inside another object is "
+                       "not restored: %s. Load with model.load_state_dict to restore it",
+                       ", ".join(unreadable))
+    restores = {k: m for k, m in restores.items() if k not in missing and k not in unreadable}
+    ignored = [k for k in unexpected if is_extra_state_key(k)]
+    if ignored:
+        logger.warning("adaptmem.load: extra state of modules that take none (no "
+                       "set_extra_state) is ignored: %s", ", ".join(ignored))
 
     place = _placements(sizes, device, any(t.device.type == "meta" for t in tensors.values()))
     handle = isinstance(device, LoadTargets)
@@ -647,7 +664,81 @@ def _plan_load(
         dests[name] = dest
     stats = LoadStats(files=list(ckpt.files), format=ckpt.format,
                       missing_keys=missing, unexpected_keys=unexpected)
-    return dests, sources, stats
+    return dests, sources, stats, restores
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> list[str]:
+    """When every missing key is in the checkpoint under one prefix (saved from a
+    ``DistributedDataParallel``, ``torch.compile`` or Lightning wrapper: ``module.``,
+    ``_orig_mod.``, ``model.``), or the other way round, say so and how to load it."""
+    first, have = missing[0], set(unexpected)
+    # The checkpoint's keys are the missing ones under a prefix...
+    prefixes = sorted({k[:-len(first)] for k in unexpected if k.endswith("." + first)}, key=len)
+    prefix = next((p for p in prefixes if all(p + m in have for m in missing)), None)
+    if prefix:
+        return [f"Every missing key is in the checkpoint with the prefix {prefix!r} (saved from "
+                f"a DistributedDataParallel, DataParallel, torch.compile or Lightning wrapper?): "
+                f"save the state dict without it ({{k.removeprefix({prefix!r}): v for k, v in "
+                f"state_dict.items()}}), or load into the wrapper that adds it."]
+    # ... or the missing ones are the checkpoint's under a prefix.
+    prefixes = sorted({first[:-len(k)] for k in unexpected if first.endswith("." + k)}, key=len)
+    prefix = next((p for p in prefixes if all(m.startswith(p) and m[len(p):] in have
+                                              for m in missing)), None)
+    if prefix:
+        return [f"Every key of the checkpoint is the model's without the prefix {prefix!r}: "
+                f"load into the submodule {prefix[:-1]!r} itself "
+                f"(model.get_submodule({prefix[:-1]!r})), or save the state dict with it."]
+    return []
+
+
+# [Note: extra state] A module that overrides ``get_extra_state`` / ``set_extra_state``
+# (Transformer Engine's FP8 layers, torchao, a user's scale or step counter) has its extra
+# state in ``state_dict()`` under ``<module>._extra_state``: any picklable object, a dict of
+# numbers as often as a tensor. ``load_state_dict`` hands it to ``set_extra_state`` after
+# the module's own tensors, and counts the key as missing (strict) where the module takes
+# extra state and the checkpoint has none, or unexpected where it has some and the module
+# takes none; so does ``adaptive.load``, after every tensor is in place. A tensor is read
+# from the file like any other (into new CPU memory: the module decides where it goes); an
+# object is taken from the pickle as it is, except one holding tensors, whose data the
+# meta-device read of the pickle did not load: that is refused (strict) or left out with a
+# warning.
+def _extra_states(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules that take extra state (override ``set_extra_state``, as ``load_state_dict``
+    asks), by the key their state has in a state dict."""
+    return {(f"{name}._extra_state" if name else "_extra_state"): module
+            for name, module in model.named_modules(remove_duplicate=False)
+            if type(module).set_extra_state is not nn.Module.set_extra_state}
+
+
+def _holds_unread(value: object) -> bool:
+    """Whether an extra state object holds a tensor whose data was not read (on meta)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.is_meta:
+                return True
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
+    return False
+
+
+def _restore_extra_states(reader: Reader, ckpt: Checkpoint,
+                          restores: dict[str, nn.Module]) -> None:
+    """Hand each module its extra state from the checkpoint, in module order (See [Note:
+    extra state])."""
+    for key, module in restores.items():
+        entry = ckpt.entries.get(key)
+        if entry is None:
+            value = ckpt.extra_states[key]
+        elif entry.tensor is not None:
+            value = entry.tensor.clone()
+        else:
+            value = torch.empty(entry.shape, dtype=entry.dtype)
+            reader.copy_into(entry, [value])
+        module.set_extra_state(value)
 
 
 def _is_norm(model: nn.Module, name: str) -> bool:
@@ -660,14 +751,13 @@ def _is_norm(model: nn.Module, name: str) -> bool:
 def _own_loading(model: nn.Module) -> list[str]:
     """Modules (``name (Class)``) whose state loads through code of their own: an override
     of ``_load_from_state_dict`` (BatchNorm's, which only fills an old checkpoint's missing
-    ``num_batches_tracked``, aside), load-state-dict hooks, or extra state."""
+    ``num_batches_tracked``, aside), or load-state-dict hooks."""
     plain = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
     found = []
     for name, module in model.named_modules():
         cls = type(module)
         if (cls._load_from_state_dict not in plain or module._load_state_dict_pre_hooks
-                or module._load_state_dict_post_hooks
-                or cls.get_extra_state is not nn.Module.get_extra_state):
+                or module._load_state_dict_post_hooks):
             found.append(f"{name} ({cls.__name__})" if name else f"the model ({cls.__name__})")
     return found
 

@@ -6,6 +6,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -1109,14 +1110,49 @@ def test_nested_state_dict_key_is_accepted(key: str, tmp_path: Path) -> None:
     _assert_same(adaptive.load(Net, tmp_path / "ckpt.pt", device="cpu"), source)
 
 
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "model.net."])
+def test_keys_that_differ_by_a_prefix_are_named_with_the_way_to_load_them(
+        prefix: str, tmp_path: Path) -> None:
+    source = _source()
+    torch.save({prefix + k: v for k, v in source.state_dict().items()}, tmp_path / "pre.pt")
+    with pytest.raises(LoadError, match=rf"Every missing key is in the checkpoint with the "
+                                        rf"prefix '{re.escape(prefix)}'.*removeprefix"):
+        adaptive.load(Net, tmp_path / "pre.pt")
+    # The other way round: the checkpoint of a part, loaded into the model around it.
+    torch.save(source.state_dict(), tmp_path / "part.pt")
+    wrapper = nn.Sequential()
+    wrapper.add_module("backbone", Net())
+    with pytest.raises(LoadError, match=r"Every key of the checkpoint is the model's without "
+                                        r"the prefix 'backbone.': load into the submodule "
+                                        r"'backbone' itself"):
+        adaptive.load(wrapper, tmp_path / "part.pt")
+    _assert_same(adaptive.load(wrapper.get_submodule("backbone"), tmp_path / "part.pt"), source)
+    # Keys that differ otherwise get no hint.
+    torch.save({"x" + k: v for k, v in source.state_dict().items()}, tmp_path / "other.pt")
+    with pytest.raises(LoadError) as info:
+        adaptive.load(Net, tmp_path / "other.pt")
+    assert "prefix" not in str(info.value)
+
+
 def test_a_training_checkpoint_without_a_model_state_dict_names_what_it_holds(
     tmp_path: Path,
 ) -> None:
     torch.save({"weights": {"a": torch.ones(2)}, "epoch": 3, "w": torch.ones(2)},
                tmp_path / "ckpt.pt")
-    with pytest.raises(LoadError, match=r"2 entries that are not named tensors "
-                                        r"\('weights', 'epoch'\).*save model.state_dict\(\)"):
+    with pytest.raises(LoadError, match=r"it holds a mapping with 2 entries that are neither a "
+                                        r"named tensor nor a module's extra state "
+                                        r"\('weights', 'epoch'\); a state dict is looked for at "
+                                        r"the top level and under 'state_dict', "
+                                        r"'model_state_dict', 'model', 'module'.*"
+                                        r"Save model.state_dict\(\)"):
         adaptive.load(Net, tmp_path / "ckpt.pt")
+    # A state dict found under a key, with an entry no state dict holds: that entry is named.
+    torch.save({"state_dict": {**_source().state_dict(), "note": "best"}, "epoch": 3},
+               tmp_path / "nested.pt")
+    with pytest.raises(LoadError, match=r"its state dict under 'state_dict' holds 1 entry that "
+                                        r"is neither a named tensor nor a module's extra state "
+                                        r"\('note'\)"):
+        adaptive.load(Net, tmp_path / "nested.pt")
     torch.save([torch.ones(2)], tmp_path / "list.pt")
     with pytest.raises(LoadError, match="holds a list, not a state dict"):
         adaptive.load(Net, tmp_path / "list.pt")
@@ -1238,21 +1274,80 @@ def test_key_errors_name_the_modules_that_load_with_code_of_their_own(
                                         r"the model \(_Renames\).*load_state_dict"):
         adaptive.load(_Renames, tmp_path / "m.pt")
 
-    class Extra(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.zeros(2))
 
-        def get_extra_state(self) -> Any:
-            return torch.tensor(1.0)
 
-        def set_extra_state(self, state: Any) -> None:
-            pass
+class _Scaled(nn.Linear):
+    """A layer with extra state, as FP8 and quantised layers keep theirs."""
 
-    torch.save(Extra().state_dict(), tmp_path / "e.pt")
+    def __init__(self, state: Any = None) -> None:
+        super().__init__(4, 4)
+        self.state = state
+        self.given: list[Any] = []
+
+    def get_extra_state(self) -> Any:
+        return self.state
+
+    def set_extra_state(self, state: Any) -> None:
+        self.given.append(state)
+        self.state = state
+
+
+def _with_extra(state: Any = None) -> nn.Module:
+    return nn.Sequential(_Scaled(state), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("how", ["factory", "built"])
+@pytest.mark.parametrize(("suffix", "state"), [(".pt", "dict"), (".pt", "tensor"),
+                                               (".safetensors", "tensor")])
+def test_extra_state_is_handed_to_set_extra_state_as_load_state_dict_does(
+        how: str, suffix: str, state: str, tmp_path: Path) -> None:
+    value = {"scale": 2.5, "steps": [1, 2]} if state == "dict" else torch.arange(6.0).view(2, 3)
+    source = _with_extra(value)
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".pt":
+        torch.save(source.state_dict(), path)
+    else:
+        safetensors_torch.save_file(source.state_dict(), str(path))
+    expected = _with_extra()
+    expected.load_state_dict(source.state_dict())
+    model = adaptive.load(_with_extra if how == "factory" else _with_extra(), path)
+    assert len(model[0].given) == 1  # once, as load_state_dict calls it
+    got = model[0].given[0]
+    if state == "dict":
+        assert got == value
+    else:
+        assert got.device.type == "cpu" and torch.equal(got, value)
+        assert got.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+    for name, t in expected.named_parameters():
+        assert torch.equal(model.get_parameter(name), t), name
+
+
+def test_extra_state_missing_unexpected_or_unreadable_is_what_load_state_dict_says(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    torch.save(plain.state_dict(), tmp_path / "plain.pt")
+    # The module takes extra state and the checkpoint has none: missing (strict).
+    with pytest.raises(LoadError, match=r'Missing key\(s\) in state_dict: "0._extra_state"'):
+        adaptive.load(_with_extra, tmp_path / "plain.pt")
+    model = adaptive.load(_with_extra, tmp_path / "plain.pt", strict=False)
+    assert model[0].given == []
+    # The checkpoint has extra state and the module takes none: unexpected (strict).
+    torch.save(_with_extra({"a": 1}).state_dict(), tmp_path / "extra.pt")
+    with pytest.raises(LoadError, match=r'Unexpected key\(s\) in state_dict: "0._extra_state"'):
+        adaptive.load(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), tmp_path / "extra.pt")
     with caplog.at_level(logging.WARNING, logger="adaptmem"):
-        adaptive.load(Extra(), tmp_path / "e.pt", strict=False)
-    assert "extra state is not restored" in caplog.text and "_extra_state" in caplog.text
+        adaptive.load(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), tmp_path / "extra.pt",
+                      strict=False)
+    assert "(no set_extra_state) is ignored: 0._extra_state" in caplog.text
+    # Tensors inside an object: their data is not read with the pickle.
+    torch.save(_with_extra({"amax": torch.ones(3)}).state_dict(), tmp_path / "nested.pt")
+    with pytest.raises(LoadError, match=r"extra state holding tensors inside another object "
+                                        r"\(0._extra_state\).*model.load_state_dict"):
+        adaptive.load(_with_extra, tmp_path / "nested.pt")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        model = adaptive.load(_with_extra, tmp_path / "nested.pt", strict=False)
+    assert model[0].given == [] and "is not restored: 0._extra_state" in caplog.text
 
 
 def test_a_batchnorm_checkpoint_from_before_num_batches_tracked_loads(tmp_path: Path) -> None:

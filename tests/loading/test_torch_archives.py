@@ -80,22 +80,64 @@ def test_an_archive_whose_records_do_not_match_its_storages_is_refused(tmp_path:
         adaptive.load(_net, path)
 
 
-@pytest.mark.parametrize("content, expected", [
-    (b"hello world\n", "begins with b'hello world"),
-    (None, "it looks like a safetensors file: give it the .safetensors suffix"),
-])
-def test_a_file_that_is_no_checkpoint_says_what_was_expected(
-    content: bytes | None, expected: str, tmp_path: Path,
-) -> None:
+def test_a_file_that_is_no_checkpoint_says_what_was_expected(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
-    if content is None:  # a safetensors file under a torch.save suffix
-        safetensors_torch = pytest.importorskip("safetensors.torch")
-        safetensors_torch.save_file(_net().state_dict(), path)
-    else:
-        path.write_bytes(content)
+    path.write_bytes(b"hello world\n")
     with pytest.raises(LoadError) as info:
         adaptive.load(_net, path)
     message = str(info.value)
     assert "expected a torch.save file (a zip archive, or a pickle as torch.save wrote " \
            "before torch 1.6) or a .safetensors file" in message
-    assert expected in message
+    assert "begins with b'hello world" in message
+    path.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
+    with pytest.raises(LoadError, match=r"is a Git LFS pointer, not the checkpoint it stands "
+                                        r"for: fetch the file itself \(git lfs pull"):
+        adaptive.load(_net, path)
+
+
+@pytest.mark.parametrize(("saved_as", "name"), [
+    ("safetensors", "weights.bin"), ("safetensors", "weights.SAFETENSORS"),
+    ("safetensors", "weights"), ("torch", "weights.safetensors"), ("torch", "weights.PT"),
+])
+def test_a_checkpoint_is_read_as_what_its_bytes_are_whatever_its_name(
+        saved_as: str, name: str, tmp_path: Path) -> None:
+    # Renamed, or a suffix in capitals: the bytes say which format it is. (torch.load itself
+    # reads a name ending in .safetensors as safetensors, whatever the file holds.)
+    source = _net()
+    path = tmp_path / name
+    if saved_as == "safetensors":
+        safetensors_torch = pytest.importorskip("safetensors.torch")
+        safetensors_torch.save_file(source.state_dict(), path)
+    else:
+        torch.save(source.state_dict(), path)
+    model, stats = adaptive.load(_net, path, return_stats=True)
+    assert stats.format.startswith(saved_as)
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
+def test_a_truncated_archive_says_so(tmp_path: Path) -> None:
+    torch.save(_net().state_dict(), tmp_path / "net.pt")
+    data = (tmp_path / "net.pt").read_bytes()
+    for keep in (0.3, 0.99):
+        (tmp_path / "cut.pt").write_bytes(data[: int(len(data) * keep)])
+        with pytest.raises(LoadError, match=r"cut.pt' is truncated or corrupt: it begins as a "
+                                            r"torch.save archive.*written or downloaded "
+                                            r"completely\?"):
+            adaptive.load(_net, tmp_path / "cut.pt")
+
+
+def test_objects_torch_load_refuses_name_the_type_and_safe_globals(tmp_path: Path) -> None:
+    import argparse
+
+    source = _net()
+    torch.save({"state_dict": source.state_dict(), "args": argparse.Namespace(lr=0.1)},
+               tmp_path / "run.pt")
+    with pytest.raises(LoadError, match=r"holds objects other than tensors and plain containers "
+                                        r"\(Unsupported global: GLOBAL argparse.Namespace.*"
+                                        r"weights_only=True.*torch.serialization.safe_globals"):
+        adaptive.load(_net, tmp_path / "run.pt")
+    with torch.serialization.safe_globals([argparse.Namespace]):  # the way it names
+        model = adaptive.load(_net, tmp_path / "run.pt")
+    for key, value in source.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
