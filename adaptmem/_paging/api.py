@@ -10,7 +10,7 @@ from torch import nn
 from .._common.claims import check_placeable
 from .._common.devices import format_bytes, parse_size, resolve_device
 from .._engines.transfer import Transfer
-from .._planning import ModuleSizes, module_sizes, paging_units
+from .._planning import ModuleSizes, Unit, module_sizes, paging_units
 from .pager import Pager
 from .slots import room_for_weights
 
@@ -123,16 +123,29 @@ def _check_budget(sizes: ModuleSizes, budget: int) -> None:
     units = paging_units(sizes, 0)  # the finest units: what run-time splitting reaches
     if not units:
         return
-    need, unit = max(((sizes.bytes_of({*u.tensors, *u.borrowed}), u) for u in units),
-                     key=lambda pair: pair[0])
+    # A module running holds its own tensors while its children run: a child needs its
+    # weights on the device beside those of every ancestor with tensors of its own.
+    own = {u.module: u.tensors for u in units if u.own}
+
+    def held_with(u: Unit) -> set[str]:
+        names = {*u.tensors, *u.borrowed}
+        for ancestor, tensors in own.items():
+            if ancestor != u.module and (ancestor == "" or u.module.startswith(ancestor + ".")):
+                names.update(tensors)
+        return names
+
+    need, unit, names = max(((sizes.bytes_of(n), u, n) for u in units for n in [held_with(u)]),
+                            key=lambda item: item[0])
     if need <= budget:
         return
-    largest = max((sizes.tensors[n] for n in (*unit.tensors, *unit.borrowed)),
-                  key=lambda t: t.nbytes)
+    largest = max((sizes.tensors[n] for n in names), key=lambda t: t.nbytes)
+    around = sizes.bytes_of(names - {*unit.tensors, *unit.borrowed})
+    with_parents = (f", {format_bytes(around)} of it its parents' own tensors, which they hold "
+                    f"while it runs" if around else "")
     raise ValueError(
         f"device_budget={format_bytes(budget)} ({budget} bytes) is less than module "
         f"{unit.module or '<root>'!r} needs on the device at once: {format_bytes(need)} "
-        f"({need} bytes) of weights, its largest tensor {largest.name!r} "
+        f"({need} bytes) of weights{with_parents}, the largest tensor {largest.name!r} "
         f"{format_bytes(largest.nbytes)}. The pager splits units down to one module's own "
         f"tensors, never further. Give device_budget={need} or more (with resident_bytes=0; "
         f"more leaves room for resident units and prefetching), or None to use the free "

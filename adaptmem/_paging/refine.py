@@ -77,6 +77,12 @@ class Refiner:
             return True
         return False
 
+    def _splittable(self, module: str) -> bool:
+        """Whether a smaller ``unit_bytes`` would split ``module``'s unit: it holds more
+        than the module's own tensors."""
+        return any(u.module == module and split_unit(self.sizes, u) is not None
+                   for u in self.plan.units)
+
     def give_up(self, module: str, missing: Sequence[Slot], cause: NoRoom,
                 running: Sequence[tuple[str, int]] = ()) -> NoReturn:
         """Raise the transfer error: ``missing`` (``module``'s) does not fit and cannot be
@@ -86,24 +92,49 @@ class Refiner:
         the start."""
         table = self.table
         largest = max(missing, key=lambda s: s.nbytes)
-        limit = (f"device_budget={format_bytes(table.budget)}" if table.budget is not None
-                 else f"{format_bytes(free_memory(table.device))} free")
+        if table.budget is not None:
+            fits = f"it does not fit under device_budget={format_bytes(table.budget)}"
+            fix = "raise device_budget, lower resident_bytes, or free device memory"
+        elif cause.oom is None:
+            fits = (f"it does not fit in the memory the pager may take "
+                    f"({format_bytes(free_memory(table.device))} free, less the reserve it "
+                    f"leaves for activations)")
+            fix = "lower resident_bytes, or free device memory"
+        else:
+            # Free memory counts the allocator's cached blocks, and fragmentation (or a pool
+            # of small blocks) can leave them unable to serve one block this size.
+            fits = (f"the device ran out of memory for it, with "
+                    f"{format_bytes(free_memory(table.device))} free by the allocator's "
+                    f"count (cached blocks included, which fragmentation can leave unable "
+                    f"to serve a block this size)")
+            fix = "lower resident_bytes, or free device memory" + (
+                " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation)"
+                if table.device.type == "cuda" else "")
         message = (
             f"adaptmem page: module {module or '<root>'!r} needs {format_bytes(cause.need)} of "
             f"weights on {table.device} at once (largest tensor {largest.name!r}, "
             f"{format_bytes(largest.nbytes)}), but with {format_bytes(table.held)} already "
-            f"held (resident units and running parents) it does not fit under {limit}. "
-            f"It cannot be split further: raise device_budget, lower resident_bytes, or free "
-            f"device memory."
+            f"held (resident units and running parents) {fits}. It cannot be split further: "
+            f"{fix}."
         )
         holders = [(name, nbytes) for name, nbytes in running if nbytes]
         if holders:
-            name, nbytes = max(holders, key=lambda h: h[1])
             listed = ", ".join(f"{n or '<root>'!r} {format_bytes(b)}" for n, b in holders)
-            message += (
-                f" Of the bytes held, running units hold {listed}: a unit is not split while "
-                f"it runs, but unit_bytes below {format_bytes(nbytes)} splits "
-                f"{name or '<root>'!r} from the start, so that only its parts in use are held.")
+            message += f" Of the bytes held, running units hold {listed}"
+            splittable = [h for h in holders if self._splittable(h[0])]
+            if splittable:
+                name, nbytes = max(splittable, key=lambda h: h[1])
+                message += (
+                    f": a unit is not split while it runs, but unit_bytes below "
+                    f"{format_bytes(nbytes)} splits {name or '<root>'!r} from the start, so "
+                    f"that only its parts in use are held.")
+            else:
+                own = sum(b for _, b in holders)
+                message += (
+                    f", their own tensors, which a module holds while it runs and no "
+                    f"unit_bytes splits: this module needs device_budget="
+                    f"{cause.need + own} ({format_bytes(cause.need + own)}) or more with "
+                    f"nothing resident.")
         err = (oom_error_for(cause.oom)(message) if cause.oom is not None
                else OutOfMemoryError(message))
         err.phase = Phase.TRANSFER

@@ -992,6 +992,45 @@ class TakesALayer(nn.Module):
         return self.b(shared(self.a(x)))
 
 
+class OwnsABufferAroundAChild(nn.Module):
+    """A module with a tensor of its own that it holds while its child runs (as BERT's
+    embeddings hold ``position_ids`` around their embedding tables)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.arange(1024))  # 8 KiB
+        self.emb = nn.Embedding(1024, 16)  # 64 KiB
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.emb(ids + self.pos[: ids.shape[-1]] * 0)
+
+
+def test_the_smallest_budget_counts_the_own_tensors_parents_hold_around_a_child() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(OwnsABufferAroundAChild(), nn.Linear(16, 4)).eval()
+    ids = torch.randint(0, 1024, (2, 5))
+    with torch.no_grad():
+        expected = model(ids)
+    need = 1024 * 8 + 1024 * 16 * 4
+    with pytest.raises(ValueError, match=rf"module '0.emb' needs .*\({need} bytes\) of "
+                                         rf"weights, 8.0 KiB of it its parents' own tensors.*"
+                                         rf"device_budget={need} or more"):
+        adaptive.page(model, "cpu", device_budget=need - 1, resident_bytes=0)
+    # The budget named works, with or without the defaults.
+    for options in ({"unit_bytes": 0, "resident_bytes": 0}, {"resident_bytes": 0}):
+        with adaptive.page(model, "cpu", device_budget=need, **options), torch.no_grad():
+            assert torch.equal(model(ids), expected)
+    # With a resident unit taking some of it, the transfer error says what the running
+    # parent holds cannot be split by unit_bytes, and the budget it needs.
+    with adaptive.page(model, "cpu", device_budget=need, resident_bytes=300,
+                       unit_bytes=0), torch.no_grad():
+        with pytest.raises(OutOfMemoryError) as info:
+            model(ids)
+    message = str(info.value)
+    assert "running units hold '0' 8.0 KiB, their own tensors" in message
+    assert f"needs device_budget={need}" in message and "unit_bytes below" not in message
+
+
 class PassesASharedLayer(nn.Module):
     """Each block calls a layer of the parent's, passed in, between two of its own."""
 
@@ -1289,9 +1328,16 @@ def test_any_device_budget_gives_the_unpaged_output_within_budget_or_a_transfer_
     with torch.no_grad():
         expected = tree(x)
     before = {k: v.clone() for k, v in tree.state_dict().items()}
-    # What one module needs at once (its own tensors, never split): less is refused at page().
-    smallest = max((sizes.bytes_of({*u.tensors, *u.borrowed}) for u in paging_units(sizes, 0)),
-                   default=0)
+    # What one module needs at once: its own tensors (never split), beside the own tensors
+    # of every ancestor, which hold theirs while it runs. Less is refused at page().
+    def with_ancestors(module: str, names: set[str]) -> set[str]:
+        while module:
+            module = module.rpartition(".")[0]
+            names |= set(sizes.own[module])
+        return names
+
+    smallest = max((sizes.bytes_of(with_ancestors(u.module, {*u.tensors, *u.borrowed}))
+                    for u in paging_units(sizes, 0)), default=0)
     if budget < smallest:
         event("refused at page()")
         with pytest.raises(ValueError, match=rf"device_budget={smallest} or more"):
@@ -1301,15 +1347,11 @@ def test_any_device_budget_gives_the_unpaged_output_within_budget_or_a_transfer_
         return
     with adaptive.page(tree, "cpu", unit_bytes=None, resident_bytes=0, prefetch=prefetch,
                        device_budget=budget) as pager, torch.no_grad():
-        try:
-            outputs = [tree(x), tree(x)]
-        except OutOfMemoryError as err:
-            event("does not fit")
-            assert err.phase == "transfer" and "device_budget" in str(err)
-        else:
-            event("refined" if pager.stats.refinements else "fits as planned")
-            assert all(torch.equal(out, expected) for out in outputs)
-            assert pager.stats.peak_device_bytes <= budget
+        # The smallest budget page() takes always works, refining as it must.
+        outputs = [tree(x), tree(x)]
+        event("refined" if pager.stats.refinements else "fits as planned")
+        assert all(torch.equal(out, expected) for out in outputs)
+        assert pager.stats.peak_device_bytes <= budget
     after = tree.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     with torch.no_grad():
@@ -1420,6 +1462,31 @@ def test_gpu_real_oom_under_a_memory_fraction_triggers_refinement() -> None:
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_gpu_a_layer_that_does_not_fit_says_the_device_ran_out_not_a_budget() -> None:
+    # No device_budget was given: the error must not tell the user to raise one, and it
+    # says that free memory counts cached blocks, which may not serve a block this size.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 2048), nn.Linear(2048, 8)).eval()  # 2 MiB layer
+    torch.cuda.empty_cache()
+    used = torch.cuda.memory_reserved()
+    total = torch.cuda.get_device_properties(0).total_memory
+    # 3 MiB more: a 2 MiB segment of small blocks (the inputs) leaves no room for 2 MiB.
+    torch.cuda.set_per_process_memory_fraction((used + 3 * 2**20) / total)
+    try:
+        with adaptive.page(model, "cuda", resident_bytes=0), torch.no_grad():
+            with pytest.raises(OutOfMemoryError) as info:
+                model(torch.randn(2, 256))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    message = str(info.value)
+    assert info.value.phase == "transfer" and "module '0' needs 2.0 MiB" in message
+    assert "the device ran out of memory for it" in message
+    assert "by the allocator's count (cached blocks included" in message
+    assert "device_budget" not in message and "expandable_segments" in message
 
 
 @pytest.mark.gpu
