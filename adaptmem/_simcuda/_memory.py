@@ -134,6 +134,8 @@ class Allocator:
         self.reserved = kept
 
     def free(self, block: int) -> None:
+        if block == 0:  # an empty tensor: nothing was allocated for it (see ``allocate``)
+            return
         with self._lock:
             self.allocated -= block
             self.freed_total += block
@@ -186,12 +188,13 @@ class Allocator:
         cached = self.reserved - self.allocated
         allowed = ""
         if self.fraction < 1.0:
-            allowed = (f" This process has {_format(self.reserved)} memory in use. Process has "
-                       f"{_format(self.limit)} memory allowed (set_per_process_memory_fraction"
-                       f"={self.fraction:g}).")
+            allowed = (f" Process has {_format(self.limit)} memory allowed "
+                       f"(set_per_process_memory_fraction={self.fraction:g}).")
         return (
             f"CUDA out of memory. Tried to allocate {_format(block)}. GPU {self.index} has a "
-            f"total capacity of {_format(self.total)} of which {_format(free)} is free.{allowed} "
+            f"total capacity of {_format(self.total)} of which {_format(free)} is free. "
+            f"Including non-PyTorch memory, this process has {_format(self.reserved)} memory "
+            f"in use.{allowed} "
             f"Of the allocated memory {_format(self.allocated)} is allocated by PyTorch, and "
             f"{_format(cached)} is reserved by PyTorch but unallocated. If reserved but "
             f"unallocated memory is large try setting "

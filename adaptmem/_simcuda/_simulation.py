@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class SimulatedCuda:
         self._state: SimState | None = None
         self._tensors: Tensors | None = None
         self._patches = Patches()
+        self._default_device: Any = None  # torch's default device context at __enter__
 
     @property
     def problems(self) -> list[str]:
@@ -53,6 +55,7 @@ class SimulatedCuda:
             raise RuntimeError("simulated_cuda() is already active; simulations do not nest")
         state = SimState(self.devices, self.total_memory, self.bandwidth)
         tensors = Tensors(state)
+        self._default_device = _default_device_context()
         _active.set_active(state)
         _tensors.set_current(tensors)
         try:
@@ -89,12 +92,34 @@ class SimulatedCuda:
             finally:
                 tensors.function_mode.__exit__(None, None, None)
                 tensors.closed = True
+                tensors.let_go()
+                _restore_default_device(self._default_device)
                 self._patches.undo()
                 _active.set_active(None)
                 _tensors.set_current(None)
         if state.problems and exc_type is None:
             raise SimulatedCudaError(
                 "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))
+
+
+def _default_device_context() -> Any:
+    """What ``torch.set_default_device`` set last (None: nothing)."""
+    return getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+
+
+def _restore_default_device(before: Any) -> None:
+    """``torch.set_default_device("cuda")`` inside the block would outlive the simulated
+    device: every factory of the process would then reach for real CUDA ("no NVIDIA
+    driver"), failing the tests after this one. The default the block began with is put
+    back, with a warning."""
+    now = _default_device_context()
+    if now is before or now is None or torch.device(now.device).type != "cuda":
+        return
+    warnings.warn(
+        f"torch.set_default_device({str(now.device)!r}) inside simulated_cuda() was undone "
+        f"when the block ended (the simulated device does not outlive it); set the default "
+        f"device back inside the block", stacklevel=3)
+    torch.set_default_device(None if before is None else before.device)
 
 
 def _refuse_autocast(patches: Patches) -> None:

@@ -38,7 +38,8 @@ class SimState:
         self.host_reads_until = 0.0  # when the last of those copies completes
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
-        self.default_streams = [SimStream(i, _sim_state=self) for i in range(devices)]
+        self.default_streams = [SimStream(i, _sim_state=self, _default=True)
+                                for i in range(devices)]
         self.current_streams = list(self.default_streams)
         # See [Note: simulated random state] in _tensors.py. Seeded as torch.manual_seed(s)
         # before the block would have seeded a real device.

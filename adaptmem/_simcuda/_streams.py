@@ -79,7 +79,8 @@ class SimStream(torch.Stream):
         self._last: Job | None = None
         self._pending_deps: list[Job] = []
         self._link_free_at = 0.0  # when the stream's last job is done
-        self._id = state.next_stream_id()
+        # The default stream is 0, as on CUDA (its ``cuda_stream`` and ``stream_id``).
+        self._id = 0 if kwargs.get("_default") else state.next_stream_id()
         self._outer: list[tuple[int, SimStream]] = []  # what ``with self:`` replaced
         state.streams.add(self)
 

@@ -90,7 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations, register_fakes
-from ._errors import no_cpu_kernel, refuse_layout
+from ._errors import SimulatedCudaError, no_cpu_kernel, refuse_layout
 from ._kernels import CPU_EQUIVALENT, pack_padded_sequence
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
@@ -194,10 +194,17 @@ class SimTensor(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if _current is not None and not _current.closed:
                 return _current.function_mode.handle(func, args, kwargs)
+            # After the block. Without grad where a simulated device tensor is: autograd
+            # would ask the real CUDA runtime for a stream before the op (a leaf's gradient
+            # accumulator), and that failure ends the process (std::terminate).
+            dead = any(isinstance(x, SimTensor) and x.is_cuda for x in tree_leaves(args))
             try:
+                if dead and torch.is_grad_enabled():
+                    with torch.no_grad():
+                        return func(*args, **kwargs)
                 return func(*args, **kwargs)
             except RuntimeError as exc:  # the real device was reached for ("no driver")
-                if any(isinstance(x, SimTensor) and x.is_cuda for x in tree_leaves(args)):
+                if dead:
                     raise _after_the_block(func) from exc
                 raise
 
@@ -314,6 +321,21 @@ class Tensors:
         self.closed = False
         self.dispatch_mode = Dispatch(self)
         self.function_mode = Functions(self)
+        # Tensors of torch's own classes given simulated device data (``param.data = ...``,
+        # as ``Module.cuda()`` does): see ``let_go``.
+        self.given_data: list[weakref.ref[torch.Tensor]] = []
+
+    def let_go(self) -> None:
+        """At the end of the block: a tensor of torch's own class (a ``Parameter`` that
+        ``module.cuda()`` gave simulated data, keeping the object) left on the simulated
+        device stops requiring grad. Its ops reach torch without any hook of the
+        simulation's, and with grad autograd would ask the real CUDA runtime for a stream
+        first, whose failure ends the process; without it they raise CUDA's own error."""
+        for ref in self.given_data:
+            t = ref()
+            if t is not None and t.requires_grad and t.device.type == "cuda":
+                t.requires_grad_(False)
+        self.given_data.clear()
 
     # -- the table -----------------------------------------------------------------------
 
@@ -745,8 +767,12 @@ class Dispatch(TorchDispatchMode):
             check_index_op(func, args)
             on_host = not args[0].is_cuda
         stream = sim.state.current_streams[index]
-        for record, x, _ in u.uses:
-            sim.use(record, stream, x, func)
+        views = _VIEWS.get(func)
+        if views is None:
+            views = _VIEWS[func] = func.is_view
+        if not views:  # a view reads nothing: a copy still writing its base is no race
+            for record, x, _ in u.uses:
+                sim.use(record, stream, x, func)
         if on_host:
             return func(*cargs, **ckwargs)
         resizes = _RESIZES.get(func)
@@ -1102,6 +1128,29 @@ def _map_tensors(fn: Any, out: Any) -> Any:
 
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 _DEVICE_GUARD_ERROR = getattr(torch, "AcceleratorError", RuntimeError)
+def _backward(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+    """``loss.backward()`` of a simulated device tensor: refused, saying why (autograd
+    cannot run on the simulation), rather than torch's "does not require grad"."""
+    if args[0].is_cuda:
+        raise SimulatedCudaError(
+            "backward() of a tensor on the simulated CUDA device: the simulation has no "
+            "autograd (ops on its tensors run under no_grad, as a driverless CUDA tensor "
+            "that requires grad would end the process). Test training steps on the CPU, or "
+            "on a real GPU")
+    return func(*args, **kwargs)
+
+
+_VIEWS: dict[Any, bool] = {}  # op -> whether its outputs are views of its inputs
+
+
+def _basic_index(index: Any) -> bool:
+    """Whether ``t[index]`` is a view (ints, slices, None, ...), not a gather."""
+    items = index if isinstance(index, tuple) else (index,)
+    return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
+
+
+_DATA = torch._C.TensorBase.data
+_METHOD_WRAPPER = types.MethodWrapperType
 
 
 def _is_cuda(device: Any) -> bool:
@@ -1202,12 +1251,18 @@ class Functions(TorchFunctionMode):
             torch.Tensor.__repr__: _repr,
             torch.Tensor.tolist: _tolist,
             torch.Tensor.__format__: _format,
+            torch.Tensor.backward: _backward,
         }
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return self.handle(func, args, kwargs or {})
 
     def handle(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        if func.__class__ is _METHOD_WRAPPER and func.__self__ is _DATA and (
+                func.__name__ == "__set__" and len(args) == 2  # ``t.data = ...``
+                and type(args[0]) is not SimTensor and isinstance(args[1], SimTensor)
+                and args[1].is_cuda):
+            self.sim.given_data.append(weakref.ref(args[0]))  # see Tensors.let_go
         handler = self.handlers.get(func)
         if handler is not None:
             # Handlers call C bindings only (see [Note: the per-op cost of the simulation]).
@@ -1347,13 +1402,22 @@ class Functions(TorchFunctionMode):
                                      memory_format=memory_format or torch.preserve_format)
 
     def _cuda(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        # ``Tensor.cuda(device=None, non_blocking=False, memory_format=preserve_format)``,
+        # each by position or by name.
         x = args[0]
         device = args[1] if len(args) > 1 else kwargs.get("device")
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+        memory_format = (args[3] if len(args) > 3
+                         else kwargs.get("memory_format", torch.preserve_format))
         index = self.sim.state.device_index(device)
         if x.is_cuda and x.device.index == index:
-            return x
+            if memory_format is torch.preserve_format or x.is_contiguous(
+                    memory_format=memory_format):
+                return x
+            return aten.clone.default(x, memory_format=memory_format)  # as .contiguous
         return aten._to_copy.default(x, device=self.sim.devices[index],
-                                     non_blocking=kwargs.get("non_blocking", False))
+                                     non_blocking=bool(non_blocking),
+                                     memory_format=memory_format)
 
     def _copy(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         dst, src = args[0], args[1]
@@ -1402,7 +1466,9 @@ class Functions(TorchFunctionMode):
                     if index is not None and record.index != index:
                         raise mixed(f"cuda:{index}", f"cuda:{record.index}")
                     index = record.index
-                    sim.use(record, sim.state.current_streams[index], x, func.__name__)
+                    if not (i == 0 and func is torch.Tensor.__getitem__
+                            and _basic_index(args[1])):  # a view reads nothing
+                        sim.use(record, sim.state.current_streams[index], x, func.__name__)
                     backings.setdefault(_storage_key(b), (x, record, b))
                     flat[i] = b
                 elif x.dim():

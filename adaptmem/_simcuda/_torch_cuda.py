@@ -64,7 +64,11 @@ class _Properties:
         self.memory_clock_rate = 2_619_000  # kHz
         self.memory_bus_width = 5120  # bits
         self.shared_memory_per_block = 48 * 1024
+        self.shared_memory_per_block_optin = 227 * 1024
         self.shared_memory_per_multiprocessor = 228 * 1024
+        self.max_threads_per_block = 1024
+        self.regs_per_multiprocessor = 65536
+        self.pci_bus_id, self.pci_device_id, self.pci_domain_id = index, 0, 0
         self.gcnArchName = ""
         self.uuid = f"simulated-{index}"
 

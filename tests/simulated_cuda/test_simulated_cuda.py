@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from typing import Any
@@ -120,6 +123,36 @@ def test_tensors_print_and_convert_to_python_as_cuda_tensors_do() -> None:
         assert torch.equal((on_device + 1).cpu(), small + 1)
     with pytest.raises(RuntimeError, match="after its `with adaptmem.testing.simulated_cuda"):
         repr(on_device)  # after the block: a clear error, not CUDA's "no driver"
+
+
+def test_a_tensor_requiring_grad_used_after_the_block_raises_and_the_process_lives() -> None:
+    # With grad, autograd asks the real CUDA runtime for a stream before the op, and that
+    # failure is a C++ std::terminate: it ran in a child, so that a regression ends only
+    # the child.
+    script = textwrap.dedent("""
+        import torch
+        from adaptmem.testing import simulated_cuda
+        model = torch.nn.Linear(2, 2)
+        with simulated_cuda():
+            model.cuda()  # keeps the Parameter objects, giving them simulated data
+            leaf = torch.ones(2, device="cuda").requires_grad_()
+        for what, use in (("leaf", lambda: leaf * 2), ("parameter", lambda: model.weight.cpu()),
+                          ("model", lambda: model(torch.ones(1, 2)))):
+            try:
+                use()
+            except RuntimeError as exc:
+                print(what, "raised", "after its `with adaptmem.testing" in str(exc))
+        print("alive", model.weight.requires_grad)
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.split("\n")
+    assert "leaf raised True" in lines  # the simulation's own message
+    # A Parameter of torch's class meets torch without a hook of the simulation's: CUDA's
+    # own error, but an error (it stopped requiring grad when the block ended).
+    assert "parameter raised False" in lines and "model raised False" in lines
+    assert "alive False" in lines
 
 
 def test_mixing_devices_raises_cudas_error_but_cpu_scalars_are_allowed() -> None:
@@ -567,6 +600,26 @@ def test_a_read_on_a_stream_that_did_not_wait_for_the_copy_raises() -> None:
         with pytest.raises(StreamRaceError, match="read before its copy completed"):
             dev.sum()
         torch.cuda.synchronize()
+
+
+def test_views_of_a_tensor_a_copy_still_writes_are_no_read_but_reading_them_is() -> None:
+    with simulated_cuda(bandwidth=1):
+        host = torch.randn(MiB // 4).pin_memory()
+        dev, side = _copy_on_a_side_stream(host)
+        # Views read nothing on a GPU: no race to take them before the wait.
+        first, second = dev.split([MiB // 8, MiB // 8])
+        head, row, grid = dev[:4], dev[3], dev.view(256, -1)
+        narrow, chunks = dev.narrow(0, 8, 8), dev.chunk(4)
+        with pytest.raises(StreamRaceError, match="read before its copy completed"):
+            (head * 2).sum()  # reading one is
+        with pytest.raises(StreamRaceError, match="read before its copy completed"):
+            dev[torch.tensor([0, 1], device="cuda")]  # and so is gathering by index
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(head.cpu(), host[:4]) and torch.equal(second.cpu(), host[MiB // 8:])
+        assert torch.equal(row.cpu(), host[3]) and torch.equal(grid.cpu(), host.view(256, -1))
+        assert torch.equal(narrow.cpu(), host[8:16]) and torch.equal(chunks[3].cpu(),
+                                                                      host.chunk(4)[3])
+        assert torch.equal(first.cpu(), host[:MiB // 8])
 
 
 def test_with_stream_makes_it_current_as_torch_cuda_stream_does() -> None:
@@ -1080,6 +1133,80 @@ def test_the_pytest_fixture_runs_a_test_on_the_simulated_device(pytester: pytest
     # pytest-benchmark, where installed, warns under xdist: an error in this suite.
     pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:benchmark"
                                  ).assert_outcomes(passed=3)
+
+
+def test_cuda_takes_its_arguments_as_torch_does_and_properties_have_every_field() -> None:
+    x = torch.randn(2, 3, 4, 4)
+    with simulated_cuda(bandwidth=1):
+        assert x.cuda(memory_format=torch.channels_last).is_contiguous(
+            memory_format=torch.channels_last)
+        on = x.cuda()
+        assert on.cuda(memory_format=torch.channels_last).is_contiguous(
+            memory_format=torch.channels_last)
+        assert on.cuda() is on
+        host = torch.ones(MiB // 4).pin_memory()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            dev = host.cuda(0, True)  # non_blocking by position: a copy in flight
+        with pytest.raises(StreamRaceError, match="read before its copy completed"):
+            dev.sum()
+        torch.cuda.synchronize()
+        props = torch.cuda.get_device_properties(0)
+        fields = [a for a in dir(torch._C._CudaDeviceProperties) if not a.startswith("_")]
+        assert [f for f in fields if not hasattr(props, f)] == []
+        # The default stream is 0, as on CUDA, and ExternalStream(0) is it.
+        assert torch.cuda.current_stream().cuda_stream == 0
+        assert torch.cuda.ExternalStream(0) is torch.cuda.default_stream()
+        assert torch.cuda.Stream().cuda_stream != 0
+
+
+def test_empty_tensors_allocate_nothing_and_out_of_memory_reads_as_cudas() -> None:
+    with simulated_cuda(total_memory="64MiB"):
+        for _ in range(3):
+            del _
+            _ = torch.empty(0, device="cuda")
+        del _
+        stats = torch.cuda.memory_stats()
+        assert stats["allocation.all.current"] == stats["active.all.current"] == 0
+        assert stats["allocation.all.allocated"] == stats["allocation.all.freed"] == 0
+        with pytest.raises(torch.OutOfMemoryError) as info:
+            torch.empty(128 * MiB, dtype=torch.uint8, device="cuda")
+        # torch's message always has this sentence; code matching on it works the same.
+        assert "is free. Including non-PyTorch memory, this process has " in str(info.value)
+        torch.cuda.set_per_process_memory_fraction(0.5)
+        with pytest.raises(torch.OutOfMemoryError, match=r"this process has .* memory in use\. "
+                                                         r"Process has 32\.00 MiB memory allowed"):
+            torch.empty(40 * MiB, dtype=torch.uint8, device="cuda")
+
+
+def test_backward_of_a_device_tensor_says_the_simulation_has_no_autograd() -> None:
+    with simulated_cuda():
+        layer = nn.Linear(4, 1).cuda()
+        loss = layer(torch.randn(2, 4, device="cuda")).sum()
+        with pytest.raises(SimulatedCudaError, match=r"backward\(\) of a tensor on the "
+                                                     r"simulated CUDA device: the simulation "
+                                                     r"has no autograd"):
+            loss.backward()
+        host = torch.ones(2, requires_grad=True)
+        (host * 3).sum().backward()  # the host's autograd is torch's own
+        assert torch.equal(host.grad, torch.full((2,), 3.0))
+
+
+def test_a_default_device_set_to_cuda_inside_the_block_is_put_back_with_a_warning() -> None:
+    with pytest.warns(UserWarning, match=r"set_default_device\('cuda(:0)?'\) inside "
+                                         r"simulated_cuda\(\) was undone"):
+        with simulated_cuda():
+            torch.set_default_device("cuda")
+            assert torch.ones(1).is_cuda
+    assert torch.ones(1).device.type == "cpu"
+    assert not torch._C._is_torch_function_mode_enabled()
+    torch.set_default_device("cpu")  # one of the user's own, kept as it was
+    try:
+        with simulated_cuda():
+            assert torch.ones(1).device.type == "cpu"
+        assert torch.get_default_device().type == "cpu"
+    finally:
+        torch.set_default_device(None)
 
 
 def test_memory_summary_and_stats_read_as_cudas_do() -> None:
