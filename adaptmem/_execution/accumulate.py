@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
 from .._common.callables import lazy_body
 from .._common.devices import whole_number
@@ -76,24 +77,21 @@ def check_accumulate(value: Any, decorator: str) -> Accumulation | None:
                 f"model (accumulate=model) or its parameters (accumulate=model.parameters()); "
                 f"a generator that was consumed already is empty too"
             )
-    for p in params:
+    for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
-            raise TypeError(_expected(decorator, p))
-    trained = tuple(p for p in params if p.requires_grad)  # frozen ones gather nothing
-    if not trained:
-        raise ValueError(
-            f"{decorator}(accumulate=...) got {len(params)} tensor(s), none of which requires "
-            f"gradients, so no backward accumulates into them; pass the parameters being "
-            f"trained (accumulate=model, or the parameters with requires_grad=True)"
-        )
-    return Accumulation(None, trained)
+            where = f" as item {i} of the {type(value).__name__}" if p is not value else ""
+            raise TypeError(_expected(decorator, p, where))
+    # All of them, frozen ones too: which require gradients is read at each call (a part
+    # unfrozen later, as gradual unfreezing does, is put back like the rest).
+    return Accumulation(None, tuple(params))
 
 
-def _expected(decorator: str, got: Any) -> str:
+def _expected(decorator: str, got: Any, where: str = "") -> str:
     return (
         f"{decorator}(accumulate=...) takes the model being trained (an nn.Module), a "
         f"parameter, or an iterable of parameters, whose .grad a failed attempt must not "
-        f"leave changed; got {type(got).__name__} {got!r:.80}. Write accumulate=model"
+        f"leave changed; got {type(got).__name__} {got!r:.80}{where}. Write "
+        f"accumulate=model"
     )
 
 
@@ -145,9 +143,10 @@ class Accumulation:
         return attempt
 
     def parameters(self) -> Iterator[torch.Tensor]:
-        if self.module is None:
-            return iter(self.params)
-        return (p for p in self.module.parameters() if p.requires_grad)
+        """The tensors that require gradients now (frozen ones gather nothing), a lazy
+        module's placeholders included."""
+        params = self.params if self.module is None else self.module.parameters()
+        return (p for p in params if p.requires_grad)
 
 
 class _Snapshot:
@@ -156,13 +155,19 @@ class _Snapshot:
     def __init__(self, accumulation: Accumulation) -> None:
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
         for p in accumulation.parameters():
-            grad = p.grad
+            grad = p.grad  # None for a lazy placeholder, which a failed attempt may make
             self.grads.append((p, grad, None if grad is None else _host_copy(grad)))
         module = accumulation.module
         # By owner and name: a forward may assign a new tensor (``self.count = self.count + 1``).
         self.buffers = [] if module is None else [
             (owner, name, b, _host_copy(b)) for owner in module.modules()
-            for name, b in owner._buffers.items() if b is not None]
+            for name, b in owner._buffers.items() if b is not None and not is_lazy(b)]
+        # A lazy module (``nn.LazyBatchNorm1d``) makes its buffers at its first forward:
+        # there is nothing to copy yet. If a failed attempt made them, the state it wrote
+        # (running statistics) is put back to the fresh state a first forward starts from.
+        self.lazy = [] if module is None else [
+            owner for owner in module.modules()
+            if any(is_lazy(t) for t in (*owner._buffers.values(), *owner._parameters.values()))]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -178,6 +183,16 @@ class _Snapshot:
                 if owner._buffers.get(name) is not buffer:
                     owner._buffers[name] = buffer
                 buffer.copy_(values)
+            for owner in self.lazy:
+                made = not any(is_lazy(b) for b in owner._buffers.values())
+                reset = getattr(owner, "reset_running_stats", None)
+                if made and callable(reset):
+                    reset()
+
+
+def is_lazy(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a lazy module's placeholder, which holds no values yet."""
+    return isinstance(t, (UninitializedBuffer, UninitializedParameter))
 
 
 def _host_copy(tensor: torch.Tensor) -> torch.Tensor:

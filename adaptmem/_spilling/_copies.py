@@ -13,7 +13,6 @@ import concurrent.futures
 import enum
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from ._heap import TRIM_EVERY, hold_mmap_threshold, release_mmap_threshold, retu
 from ._saved import Entry, EntryState
 from ._settings import StepSettings
 from ._stats import SpillStats
-from ._tiers import DiskFile, Transfers, byte_view, check_directory
+from ._tiers import DiskFile, Transfers, byte_view, default_directory
 
 __all__ = ["Copier", "Copies"]
 
@@ -118,7 +117,7 @@ class Copies:
         if self.disk is None:
             directory = self.settings.to
             if directory is None or directory == "host":
-                directory = check_directory(tempfile.gettempdir())
+                directory = default_directory()
             self.disk = DiskFile(directory)
         return self.disk
 

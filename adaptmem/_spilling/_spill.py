@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ from ._heap import check_mmap_threshold
 from ._hooks import Step
 from ._settings import StepSettings
 from ._stats import SpillStats, track
-from ._tiers import HostLink, check_directory
+from ._tiers import HostLink, check_directory, in_memory
 
 __all__ = ["Spill", "spill"]
 
@@ -56,6 +57,12 @@ class Spill:
             self.to: str | None = to
         elif isinstance(to, (str, os.PathLike)):
             self.to = check_directory(to)
+            kind = in_memory(self.to)
+            if kind is not None:  # See [Note: a spill directory in memory] in _tiers.py
+                warnings.warn(
+                    f"to={os.fspath(to)!r} is on {kind}, which keeps its files in memory: "
+                    f"tensors spilled there free no memory. Pass a directory on a disk "
+                    f"(/var/tmp, say)", stacklevel=3)
         else:
             raise TypeError(
                 f"to must be 'host', a directory path, or None (the default tier), got "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import logging
 import mmap
 import os
 import tempfile
@@ -24,8 +25,10 @@ import torch
 from .._common.devices import stream_module
 from .._common.libc import libc_function
 
-__all__ = ["DiskFile", "check_directory", "host_buffer", "byte_view", "Mover", "Transfers",
-           "HostLink"]
+__all__ = ["DiskFile", "check_directory", "default_directory", "in_memory", "host_buffer",
+           "byte_view", "Mover", "Transfers", "HostLink"]
+
+logger = logging.getLogger("adaptmem")
 
 _DISK_FULL = {28, 27, 122}  # ENOSPC, EFBIG, EDQUOT
 
@@ -93,6 +96,58 @@ def check_directory(path: str | os.PathLike[str]) -> str:
             f"pass a directory this process can write to, or to='host'"
         ) from exc
     return directory
+
+
+# [Note: a spill directory in memory] Many distributions mount /tmp as tmpfs (Fedora, Arch,
+# Debian 13), whose files are kept in memory (as shared memory, which a cgroup's limit
+# counts too): a saved tensor written there frees nothing, while the statistics, which
+# count the process's own resident memory, would say it did. The default directory is
+# therefore the temporary one only when a disk backs it, else /var/tmp (a disk by the
+# Filesystem Hierarchy Standard); a directory passed as ``to=`` that memory backs is taken,
+# with a warning. Which file system holds a directory is read from /proc/self/mountinfo (the
+# longest mount point above it); elsewhere it is not known, and nothing is said.
+_IN_MEMORY = {"tmpfs", "ramfs", "hugetlbfs"}
+
+
+def in_memory(directory: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
+    """The file system type of ``directory`` when memory backs it (tmpfs), else None. See
+    [Note: a spill directory in memory]."""
+    try:
+        with open(mountinfo) as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return None
+    path = os.path.realpath(directory)
+    best, kind = "", None
+    for fields in mounts:
+        if "-" not in fields:
+            continue
+        point = fields[4].encode().decode("unicode_escape")  # mountinfo escapes spaces
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[fields.index("-") + 1]
+    return kind if kind in _IN_MEMORY else None
+
+
+def default_directory() -> str:
+    """Where a spill without ``to=`` writes on the CPU: the temporary directory, unless
+    memory backs it (see [Note: a spill directory in memory])."""
+    temporary = check_directory(tempfile.gettempdir())
+    kind = in_memory(temporary)
+    if kind is None:
+        return temporary
+    try:
+        disk = check_directory("/var/tmp")
+    except ValueError:
+        disk = None
+    if disk is not None and in_memory(disk) is None:
+        logger.info("spill: the temporary directory %s is %s (kept in memory); spilling "
+                    "to %s instead", temporary, kind, disk)
+        return disk
+    logger.warning("spill: the temporary directory %s is %s, which keeps its files in "
+                   "memory, so spilled tensors free nothing; pass to= a directory on a disk",
+                   temporary, kind)
+    return temporary
 
 
 def _unusable(directory: str, exc: OSError) -> OSError:

@@ -306,6 +306,46 @@ def test_parameters_given_as_a_list_are_guarded_and_others_are_not() -> None:
     assert not torch.allclose(model[4].weight.grad, want["4.weight"])  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("how", ["model", "parameters"])
+def test_a_part_unfrozen_after_decoration_is_put_back_too(how: str) -> None:
+    # Gradual unfreezing: which parameters require gradients is read at each call, not
+    # when the decorator was applied (the frozen part's gradients counted the failed
+    # attempts twice).
+    model = _model()
+    ceiling = MemoryCeiling(3)
+    model[1].fault = ceiling.require
+    model[4].requires_grad_(False)  # frozen at first, even all of them for a list
+    watched = model if how == "model" else [*model[4].parameters()]
+
+    @adaptive.batch(initial_batchsize=N, accumulate=watched, cache=adaptive.NoBatchsizeCache)
+    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> int:
+        _loop(model, batchsize, x, y)
+        return batchsize
+
+    model[4].requires_grad_(True)
+    used = train_step(*_data())
+    assert used == 3
+    assert torch.equal(model[4].weight.grad, _plain(used)["4.weight"])  # type: ignore[arg-type]
+
+
+def test_a_lazy_module_made_by_a_failed_attempt_starts_fresh_for_the_retry() -> None:
+    # nn.LazyBatchNorm1d makes its buffers at its first forward: nothing to copy before
+    # the first call (which crashed), and the statistics a failed attempt wrote are reset.
+    def lazy_model() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), Gate(), nn.LazyBatchNorm1d(),
+                             nn.Linear(16, 3)).double()
+
+    model = lazy_model()
+    ceiling = MemoryCeiling(3)
+    model[1].fault = ceiling.require
+    used = _step(model)(*_data())
+    assert used == 3 and ceiling.failures
+    reference = lazy_model()
+    _loop(reference, used, *_data())
+    _assert_bitwise(_state(model), _state(reference))
+
+
 def test_a_method_decorated_with_accumulate_binds_its_instance() -> None:
     class Trainer:
         def __init__(self) -> None:
@@ -384,8 +424,7 @@ def _params() -> Iterator[torch.Tensor]:
     ("model", TypeError, "takes the model being trained"),
     (3, TypeError, "got int 3"),
     ({"w": torch.ones(2)}, TypeError, "got dict"),
-    ([torch.ones(2, requires_grad=True), "w"], TypeError, "got str"),
-    ([torch.ones(2)], ValueError, "none of which requires gradients"),
+    ([torch.ones(2, requires_grad=True), "w"], TypeError, "got str 'w' as item 1 of the list"),
     (_params(), ValueError, "empty collection"),
 ])
 def test_accumulate_refuses_what_is_no_model_or_parameters(value: Any, error: type,

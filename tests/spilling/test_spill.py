@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import errno
 import gc
+import logging
 import os
 import re
 import subprocess
@@ -668,6 +669,44 @@ def test_the_default_tier_for_cpu_tensors_is_a_file_in_the_temporary_directory()
     with adaptive.spill(threshold=0, limit=0, to="host") as handle:  # no host tier for CPU
         _exp_chain(torch.randn(64, 64, requires_grad=True)).sum().backward()
     assert handle.stats.tensors_spilled == 0
+
+
+def test_a_directory_in_memory_is_known_and_never_the_default_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from adaptmem._spilling import _tiers
+
+    # Which file system holds a directory: the longest mount point above it.
+    disk, ram = tmp_path / "disk", tmp_path / "disk" / "shm"
+    ram.mkdir(parents=True)
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_text(
+        "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+        f"30 22 0:5 / {disk} rw - ext4 /dev/sdb1 rw\n"
+        f"31 30 0:6 / {ram} rw,nosuid - tmpfs tmpfs rw,size=1024k\n")
+    assert _tiers.in_memory(str(ram), str(mountinfo)) == "tmpfs"
+    assert _tiers.in_memory(str(ram / "deeper"), str(mountinfo)) == "tmpfs"
+    assert _tiers.in_memory(str(disk), str(mountinfo)) is None
+    assert _tiers.in_memory(str(disk) + "-other", str(mountinfo)) is None  # not a prefix
+    # A temporary directory in memory is not the default: /var/tmp is, when on a disk.
+    from adaptmem._spilling import _spill
+
+    def in_memory(directory: str, *rest: str) -> str | None:
+        return "tmpfs" if directory == str(ram) else None
+
+    monkeypatch.setattr(_tiers, "in_memory", in_memory)
+    monkeypatch.setattr(_spill, "in_memory", in_memory)
+    monkeypatch.setattr(_tiers.tempfile, "gettempdir", lambda: str(ram))
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        chosen = _tiers.default_directory()
+    if os.path.isdir("/var/tmp") and os.access("/var/tmp", os.W_OK):
+        assert chosen == "/var/tmp" and "spilling to /var/tmp instead" in caplog.text
+    else:
+        assert chosen == str(ram) and "spilled tensors free nothing" in caplog.text
+    # One passed as to= is taken, with a warning.
+    with pytest.warns(UserWarning, match=r"is on tmpfs, which keeps its files in memory: "
+                                         r"tensors spilled there free no memory"):
+        adaptive.spill(to=ram)
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
