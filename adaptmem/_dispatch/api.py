@@ -8,6 +8,7 @@ import functools
 import gc
 import inspect
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Coroutine
 from types import CoroutineType
@@ -60,6 +61,15 @@ class _CallSite:
         self.f_back = _CallSite(back, depth - 1) if back is not None and depth > 1 else None
 
 
+# [Note: calls from several threads] A paged model runs one forward at a time (its pager
+# refuses a second thread's), the first call places the models, and later calls may give
+# residency back, explore it, or switch to chunking: all state of one decorated function.
+# Calls from several threads (a web server's workers) therefore run one at a time, under a
+# lock per decorated function, held for the synchronous part of a call (placing, the
+# function, giving back, measuring). Two threads making the first call used to place the
+# models twice (one failing with "already paged by adaptive.page", or leaving the counting
+# hooks of the loser on the model). A generator's or coroutine's work runs after the call
+# returns, outside the lock, as before.
 class Dispatched:
     """A decorated function whose decorator also places its models: call it as the plain
     decorated function; ``placement`` says where the models are, ``remove()`` gives them
@@ -80,6 +90,7 @@ class Dispatched:
         self.paged_fails: int | None = None
         # See [Note: a decorated function that is collected] in placed.py.
         weakref.finalize(self, _collected, placed, self.explorer).atexit = False
+        self.one_at_a_time = threading.RLock()  # See [Note: calls from several threads]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
@@ -89,6 +100,11 @@ class Dispatched:
         """Call ``target`` (the decorated function, or it bound to an instance) as if from
         ``caller``, placing the models first and giving residency back when compute runs
         out at the smallest size (``again``: this call runs again after that)."""
+        with self.one_at_a_time:
+            return self._run(caller, target, args, kwargs, again)
+
+    def _run(self, caller: Any, target: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any], again: bool) -> Any:
         placed, inner, explorer = self.placed, self.inner, self.explorer
         if fake_mode() is not None:  # See [Note: called inside another decorator's trace]
             if not placed.placed:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import re
 import sys
+import threading
 import weakref
 from typing import Any
 
@@ -249,6 +250,44 @@ def test_residency_is_taken_again_when_memory_frees_up(monkeypatch: pytest.Monke
         run.remove()
     assert placement["residency_taken_again"] >= 1
     assert placement["resident_bytes"][0] > squeezed
+
+
+def test_calls_from_several_threads_run_one_at_a_time_from_the_first() -> None:
+    # Two threads making the first call used to place the model twice: one failed ("already
+    # paged by adaptive.page") or left counting hooks on the model after remove().
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)]).eval()
+    data = torch.randn(96, 256)
+    with torch.no_grad():
+        want = model(data)
+
+    @adaptive.batch(initial_batchsize=32, model=model, device="cpu")
+    def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    start = threading.Barrier(4)
+    results: list[torch.Tensor] = []
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        start.wait()
+        try:
+            results.extend(infer(data) for _ in range(3))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == [] and len(results) == 12
+    for got in results:
+        torch.testing.assert_close(got, want)
+    assert infer.placement["engine"] in ("page", "resident")
+    infer.remove()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 def test_range_and_chunked_place_their_models_too() -> None:
