@@ -9,6 +9,7 @@ import gc
 import inspect
 import math
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -71,6 +72,33 @@ def _attempt(label: str, run: Any) -> bool:
         return False
     print(f"{label}: done in {time.perf_counter() - start:.1f} s, loss {loss:.4f}")
     return True
+
+
+def _check_image_size(builder: Any, name: str, size: int) -> None:
+    """Refuse an image size the model rejects (a vision transformer's fixed 224, a size
+    that pools to nothing) before anything runs, from a forward of the same model on the
+    meta device: no memory, no compute. An op meta cannot run leaves the check to the
+    steps themselves."""
+    try:
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the builder's own, shown for the real model
+            twin = builder(**{n: None for n in inspect.signature(builder).parameters
+                              if n.startswith("weights")})
+            images = torch.empty(2, 3, size, size)
+    except NotImplementedError:  # a builder that reads values (regnet's) cannot run there
+        return
+    try:
+        with torch.no_grad():
+            twin.train()(images)
+    except NotImplementedError:
+        return
+    except Exception as exc:  # noqa: BLE001 - the model's own refusal, of any type
+        said = str(exc).strip().splitlines()[0][:150] if str(exc).strip() else (
+            type(exc).__name__)
+        raise CommandLineError(
+            f"--image-size {size}: {name} does not take {size}x{size} images ({said}); "
+            f"give a size it takes (224 for most torchvision classifiers, 299 for "
+            f"inception_v3)") from None
 
 
 def _classifies(model: nn.Module) -> bool:
@@ -145,6 +173,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if cap is not None and device.type != "cpu":
         raise CommandLineError("--cap is for the CPU; on a GPU the step runs against the "
                                "device's own memory (leave out --cap, or give --device cpu)")
+    _check_image_size(builder, args.model, args.image_size)
     model = model.to(device).train()
     torch.manual_seed(0)
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)

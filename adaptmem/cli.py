@@ -123,6 +123,7 @@ def _call_factory(spec: str, factory: Any, kwargs: dict[str, Any], what: str) ->
     """``factory(**kwargs)`` on the meta device; a constructor that computes with tensors
     (RegNet) is built again with only its parameters on meta (buffers are small)."""
     from ._loading.loader import empty_model
+    from ._planning import cannot_run_on_meta
 
     try:
         with _no_downloads(spec):
@@ -130,7 +131,7 @@ def _call_factory(spec: str, factory: Any, kwargs: dict[str, Any], what: str) ->
                 with torch.device("meta"):
                     return factory(**kwargs)
             except Exception as exc:  # noqa: BLE001 - retried below, then reported
-                if not _cannot_run_on_meta(exc):
+                if not cannot_run_on_meta(exc):
                     raise
             return empty_model(lambda: factory(**kwargs))
     except _UsageError:
@@ -154,11 +155,6 @@ def _example_args(spec: str, size: int) -> tuple[Any, ...] | None:
     return (image,)
 
 
-def _cannot_run_on_meta(exc: BaseException) -> bool:
-    """Errors of the meta device itself (no kernel, data-dependent ops), not of the input."""
-    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
-
-
 def _example_from(spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The inputs an ``--example package.module:function`` gives, made on the meta device:
     a tensor, a tuple of positional inputs or a dict of keyword inputs."""
@@ -180,7 +176,7 @@ def _record(model: nn.Module, spec: str, size: int, example_spec: str | None
             ) -> tuple[Any, bool]:
     """The recorded forward on the example input, or None where there is none to run or
     the model cannot run on meta; and whether there was an example input."""
-    from ._planning import record_forward
+    from ._planning import cannot_run_on_meta, record_forward
 
     if example_spec is not None:
         args, kwargs = _example_from(example_spec)
@@ -198,7 +194,7 @@ def _record(model: nn.Module, spec: str, size: int, example_spec: str | None
     try:
         return record_forward(model, args, kwargs), True
     except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
-        if _cannot_run_on_meta(exc):
+        if cannot_run_on_meta(exc):
             print(f"adaptmem plan: note: {spec} cannot run on the meta device "
                   f"({_first_line(exc)}); units are in registration order, not execution "
                   f"order", file=sys.stderr)
@@ -248,9 +244,10 @@ def _capacity(text: str, device: torch.device, name: str) -> int | None:
     if text == "auto":
         try:
             here = resolve_device(str(device), "--device")
-        except ValueError as exc:
+        except ValueError as exc:  # its advice "or None" is the API's, not the command's
+            said = str(exc).removesuffix("; use 'cpu' or None")
             raise _UsageError(f"{name} 'auto' reads the free memory of {device}, which this "
-                              f"machine cannot ({exc}); give a size such as 20GiB to plan for "
+                              f"machine cannot ({said}); give a size such as 20GiB to plan for "
                               f"another machine") from None
         return auto_capacity(here)[0]
     return _size(text, name) if text else None
@@ -384,6 +381,10 @@ def _parser() -> argparse.ArgumentParser:
                     "go where, 'adaptmem example train' spills a training step's activations. "
                     "Mistakes on the command line end with one line on stderr and exit status "
                     "2, never a traceback.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"adaptmem {__version__} "
+                        f"(torch {torch.__version__})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="classify synthetic images under a memory cap")

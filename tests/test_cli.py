@@ -271,6 +271,11 @@ def test_the_demo_refuses_a_time_it_cannot_run_in(capsys: pytest.CaptureFixture[
         *([] if torch.cuda.is_available() else [  # once "use 'cpu' or None": the API's words
             (["--device", "cuda"], "CUDA is not available here; give --device cpu, or leave")]),
         (["--to", "/no/such/dir"], "does not exist"),
+        # An image size the model rejects: once a traceback (an AssertionError) or a
+        # failed step per attempt and status 1.
+        (["--model", "vit_b_16"], "--image-size 32: vit_b_16 does not take 32x32 images "
+                                  "(Wrong image height! Expected 224 but got 32!)"),
+        (["--model", "alexnet", "--image-size", "16"], "alexnet does not take 16x16 images"),
     ],
 )
 def test_example_train_refuses_what_its_step_cannot_run(
@@ -336,6 +341,26 @@ def test_every_option_of_every_subcommand_says_what_it_is_for() -> None:
     # What the top level lists is every subcommand there is.
     description = _parser().description or ""
     assert all(f"adaptmem {name}" in description for name in ("demo", "plan", "example train"))
+
+
+def test_version_names_adaptmem_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
+    import adaptmem
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == (
+        f"adaptmem {adaptmem.__version__} (torch {torch.__version__})")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the words where CUDA is absent")
+def test_plan_says_what_to_give_on_the_command_line_not_in_python(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "resnet18", "--mode", "split", "--device", "cuda:0=auto"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "CUDA is not available here)" in err
+    assert "or None" not in err and "give a size such as 20GiB" in err
 
 
 def test_python_dash_m_adaptmem_runs_the_command_line() -> None:

@@ -14,7 +14,7 @@ from .assignment import (
 )
 from .peak import activation_report, predict_model, predict_per_item
 from .plan import Plan
-from .planner import plan, split_inputs
+from .planner import cannot_run_on_meta, plan, split_inputs
 from .recording import Recording, record_execution_order, record_forward
 from .sizes import ModuleSizes, TensorInfo, module_sizes, tensor_bytes
 from .targets import (
@@ -39,5 +39,6 @@ __all__ = [
     "order_units", "own_ties_where_first_used", "paging_units", "parse_dtype",
     "placed_bytes", "placement_units", "plan", "plan_placement", "qualify_labels",
     "record_execution_order", "record_forward", "split_inputs", "split_label", "split_unit",
+    "cannot_run_on_meta",
     "targets_from_devices", "tensor_bytes",
 ]

@@ -5,6 +5,7 @@ its inputs: see [Note: recording on a copy] in ``recording.py``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -20,7 +21,9 @@ from .sizes import ModuleSizes, module_sizes
 from .targets import targets_from_devices
 from .units import Placement, order_units, paging_units
 
-__all__ = ["split_inputs", "plan"]
+__all__ = ["split_inputs", "plan", "cannot_run_on_meta"]
+
+logger = logging.getLogger("adaptmem")
 
 
 
@@ -98,11 +101,27 @@ def plan(
                 f"{' ...' if len(unknown) > 5 else ''}, not module(s) of this model; give "
                 f"names as model.named_modules() does")
     recording = None
+    unrecorded = None  # why a model on meta could not run the example forward
     if example_inputs is not None:
-        recording = record_forward(model, *split_inputs(example_inputs))
-        order = recording.order if order is None else order
+        try:
+            recording = record_forward(model, *split_inputs(example_inputs))
+        except Exception as exc:
+            if not (cannot_run_on_meta(exc) and _has_meta_tensors(model)):
+                raise
+            # A model on meta that reads values (detection's nonzero, a regnet's .item()):
+            # the units are in registration order, and the plan says why.
+            said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else (
+                type(exc).__name__)
+            unrecorded = (f"the model cannot run on the meta device ({said}); units are in "
+                          f"registration order: build it with real weights, or pass order= "
+                          f"the modules' execution order")
+            logger.info("adaptive.plan: %s", unrecorded)
+        else:
+            order = recording.order if order is None else order
     result = _plan(model, sizes, recording, unit_bytes, devices, dtype, order)
-    if example_inputs is not None:
+    if unrecorded is not None:
+        result.options["activations"] = {"predicted": False, "reason": unrecorded}
+    elif example_inputs is not None:
         room = None
         if devices is not None:
             first = result.units[0].placement if result.units else None
@@ -113,6 +132,16 @@ def plan(
             model, *split_inputs(example_inputs), room,
             result.dtype_of(result.units[0].placement) if result.units else None)
     return result
+
+
+def cannot_run_on_meta(exc: BaseException) -> bool:
+    """Whether ``exc`` is the meta device's own failure (no kernel, a data-dependent op),
+    not the input's or the model's."""
+    return isinstance(exc, NotImplementedError) or "meta" in str(exc).lower()
+
+
+def _has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def _plan(model: nn.Module, sizes: ModuleSizes, recording: Recording | None, unit_bytes: Any,

@@ -177,3 +177,39 @@ def test_split_unit_keeps_ownership_and_borrows_ties() -> None:
     assert lm_head.tensors == () and lm_head.borrowed == ("wte.weight",)
     assert split_unit(sizes, parts[0]) is None  # own tensors are needed at once
     assert split_unit(sizes, parts[2]) is None  # a leaf cannot be split
+
+
+class _ReadsValues(nn.Module):
+    """A forward that needs values (``nonzero``), as detection models' does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.second = nn.Linear(4, 4)
+        self.first = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        return self.second(x[x.sum(1).nonzero().squeeze(1)])
+
+
+@pytest.mark.parametrize("devices", [None, {"cuda:0": "1MiB", "cpu": None}])
+def test_a_model_on_meta_that_cannot_run_there_is_planned_in_registration_order(
+        devices: object) -> None:
+    with torch.device("meta"):
+        model = _ReadsValues()
+        x = torch.empty(2, 4)
+    plan = adaptive.plan(model, devices=devices, example_inputs=x,
+                         **({} if devices else {"unit_bytes": 0}))
+    assert [u.module for u in plan.units] == ["second", "first"]  # as registered
+    report = plan.options["activations"]
+    assert report["predicted"] is False
+    assert "cannot run on the meta device" in report["reason"]
+    assert "registration order" in report["reason"]
+    # With real weights the same call records for real (execution order).
+    real = _ReadsValues()
+    order = [u.module for u in adaptive.plan(real, unit_bytes=0,
+                                             example_inputs=torch.ones(2, 4)).units]
+    assert order.index("first") < order.index("second")
+    # Another error of the model's, on meta too, is raised as it was.
+    with pytest.raises(RuntimeError, match="reduction dim"):
+        adaptive.plan(model, example_inputs=torch.empty(2, 5, device="meta"))
