@@ -15,7 +15,7 @@ import inspect
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -27,7 +27,8 @@ __all__ = ["main"]
 
 # Options whose values may start with "-" ("--budget -5MiB" must reach the size parser, which
 # says what is wrong with it, rather than argparse's "expected one argument").
-_DASH_VALUE_OPTIONS = ("--budget", "--image-size")
+_DASH_VALUE_OPTIONS = ("--budget", "--image-size", "--batch", "--cap", "--threshold", "--limit",
+                       "--seconds")
 
 
 def _one_line(text: object) -> str:
@@ -372,9 +373,17 @@ def _join_dash_values(argv: list[str]) -> list[str]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, with its errors in one line, as the command's own are: the usage
+    it would print first is a --help away. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
     """The console script's parser: every subcommand and option, with its help."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="adaptmem",
         description="Run PyTorch inference on whatever memory a machine has: 'adaptmem demo' "
                     "shows the levers on this machine, 'adaptmem plan MODEL' prints what would "

@@ -343,6 +343,29 @@ def test_every_option_of_every_subcommand_says_what_it_is_for() -> None:
     assert all(f"adaptmem {name}" in description for name in ("demo", "plan", "example train"))
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["example", "train", "--batch", "x"],
+     "adaptmem example train: error: argument --batch: invalid int value: 'x' "
+     "(see adaptmem example train --help)"),
+    ([], "adaptmem: error: the following arguments are required: command"),
+    (["plan", "resnet18", "--mode", "sideways"], "adaptmem plan: error: argument --mode"),
+])
+def test_argparses_own_errors_are_one_line_too(argv: list[str], said: str,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert info.value.code == 2 and "\n" not in err and err.startswith(said), err
+
+
+def test_sizes_below_zero_say_so_with_a_unit_or_without(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["example", "train", "--threshold", "-3MiB"])
+    assert "threshold must be a finite number of bytes, zero or more, got '-3MiB'" in (
+        capsys.readouterr().err)
+
+
 def test_version_names_adaptmem_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
     import adaptmem
 

@@ -82,6 +82,10 @@ def parse_size(value: Any, name: str = "size") -> int:
     if isinstance(value, str):
         match = _SIZE_RE.match(value)
         unit = match.group(2).lower() if match else None
+        negated = _SIZE_RE.match(value.strip()[1:]) if value.strip()[:1] == "-" else None
+        if negated is not None and negated.group(2).lower() in _UNITS:  # "-5MiB"
+            raise ValueError(f"{name} must be a finite number of bytes, zero or more, got "
+                             f"{value!r}")
         if match is None or unit not in _UNITS:
             raise ValueError(
                 f"{name}={value!r} is not a size: write bytes as an int or a string like "
