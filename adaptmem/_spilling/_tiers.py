@@ -31,6 +31,9 @@ __all__ = ["DiskFile", "check_directory", "default_directory", "in_memory", "hos
 logger = logging.getLogger("adaptmem")
 
 _DISK_FULL = {28, 27, 122}  # ENOSPC, EFBIG, EDQUOT
+_FULL_WHY = {27: "the file reached the largest size allowed (ulimit -f, or the file "
+                 "system's limit)",
+             122: "the disk quota is used up"}
 
 
 def byte_view(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -227,7 +230,8 @@ class DiskFile:
                 raise OSError(
                     exc.errno,
                     f"adaptive.spill could not write {len(view)} bytes to its scratch file in "
-                    f"{self.directory} ({exc.strerror}): the disk is full. Free space there, "
+                    f"{self.directory} ({exc.strerror}): "
+                    f"{_FULL_WHY.get(exc.errno, 'the disk is full')}. Free space there, "
                     f"pass to= a directory on a disk with room, or raise threshold/limit so "
                     f"less is spilled",
                 ) from exc

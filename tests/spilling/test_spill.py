@@ -735,17 +735,22 @@ def test_a_file_is_not_a_directory(tmp_path: Path) -> None:
         adaptive.spill(to=path)
 
 
-def test_a_full_disk_is_a_clear_error_and_leaves_nothing(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("code", "why"), [
+    (errno.ENOSPC, "the disk is full"),
+    (errno.EFBIG, "the file reached the largest size allowed"),  # once "the disk is full"
+    (errno.EDQUOT, "the disk quota is used up"),
+])
+def test_a_full_disk_is_a_clear_error_and_leaves_nothing(
+        code: int, why: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def full(fd: int, data: Any, offset: int) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(_tiers.os, "pwrite", full)
     x = torch.randn(128, 128, requires_grad=True)
-    with pytest.raises(OSError, match="disk is full") as caught:
+    with pytest.raises(OSError, match=why) as caught:
         with adaptive.spill(threshold=0, limit=0, to=tmp_path):
             _exp_chain(x, 20).sum().backward()
-    assert caught.value.errno == errno.ENOSPC and str(tmp_path) in str(caught.value)
+    assert caught.value.errno == code and str(tmp_path) in str(caught.value)
     # The scratch file is gone while the caller still holds the error (its frames once
     # held a spilled tensor, and the file with it).
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
