@@ -402,7 +402,8 @@ class PlacedModels:
         else at the next attempt to place one (see [Note: a decorated function that is
         collected])."""
         self.abandoned = True
-        if self.release_if_abandoned():
+        held = self.placed  # after remove(), nothing to give back and nothing to say
+        if self.release_if_abandoned() and held:
             logger.info("%s was collected without remove(): its models were given back",
                         self.name)
 

@@ -188,11 +188,11 @@ def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
     # is, and a Git LFS pointer left where a checkpoint should be is named as one.
     if head.startswith(b"PK\x03\x04"):
         return _open_torch(path, single_key)
-    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(head):
-        return _open_safetensors(path)
-    if head.startswith(b"version https://git-lfs"):
+    if head.startswith(b"version https://git-lfs"):  # model.safetensors, as often as not
         raise LoadError(f"{str(path)!r} is a Git LFS pointer, not the checkpoint it stands for: "
                         f"fetch the file itself (git lfs pull, or download it again)")
+    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(head):
+        return _open_safetensors(path)
     return _open_torch(path, single_key)
 
 

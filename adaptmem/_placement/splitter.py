@@ -146,11 +146,11 @@ class Splitter(BoundaryHooks, Engine):
         if device_map is not None and not isinstance(device_map, Mapping):
             raise TypeError(f"device_map must be a dict {{module name: device}}, got "
                             f"{type(device_map).__name__}")
+        self._guard.check()  # a removed handle says so first: it places nothing again
         if example_inputs is not None and self._plan is not None:
             raise PlacementError(
                 f"{type(self).__name__}.place(example_inputs=...): the model is placed "
                 f"already; assign device_map to move units, or remove() and place it again")
-        self._guard.check()
         if device_map is not None:
             self._set_map(normalise_map(device_map, self._targets, self._modules,
                                         self._placed.tensors))

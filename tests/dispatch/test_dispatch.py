@@ -794,7 +794,8 @@ def _defined(model: nn.Module) -> Any:
     return infer
 
 
-def test_a_decorated_function_collected_without_remove_gives_its_model_back() -> None:
+def test_a_decorated_function_collected_without_remove_gives_its_model_back(
+        caplog: pytest.LogCaptureFixture) -> None:
     # A notebook cell run again: the name is bound to a new definition of the function.
     import gc
 
@@ -802,12 +803,19 @@ def test_a_decorated_function_collected_without_remove_gives_its_model_back() ->
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).eval()
     before = _snapshot(model)
     data = torch.randn(16, 64)
-    with simulated_cuda(total_memory="1GiB"):
+    said = "was collected without remove()"
+    with simulated_cuda(total_memory="1GiB"), caplog.at_level(logging.INFO, "adaptmem"):
         infer = _defined(model)
+        infer(data)
+        infer.remove()  # removed, then collected: nothing to give back, nothing to say
+        infer = _defined(model)
+        gc.collect()
+        assert said not in caplog.text
         infer(data)
         assert next(model.parameters()).device.type == "cuda"
         infer = _defined(model)  # the first definition is collected here
         gc.collect()
+        assert said in caplog.text
         assert torch.cuda.memory_allocated() == 0
         assert not model._forward_pre_hooks and not model._forward_hooks
         after = _snapshot(model)

@@ -89,10 +89,12 @@ def test_a_file_that_is_no_checkpoint_says_what_was_expected(tmp_path: Path) -> 
     assert "expected a torch.save file (a zip archive, or a pickle as torch.save wrote " \
            "before torch 1.6) or a .safetensors file" in message
     assert "begins with b'hello world" in message
-    path.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
-    with pytest.raises(LoadError, match=r"is a Git LFS pointer, not the checkpoint it stands "
-                                        r"for: fetch the file itself \(git lfs pull"):
-        adaptive.load(_net, path)
+    for name in ("weights.bin", "model.safetensors"):  # the second the usual one
+        path = tmp_path / name
+        path.write_bytes(b"version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 9\n")
+        with pytest.raises(LoadError, match=r"is a Git LFS pointer, not the checkpoint it "
+                                            r"stands for: fetch the file itself \(git lfs pull"):
+            adaptive.load(_net, path)
 
 
 @pytest.mark.parametrize(("saved_as", "name"), [

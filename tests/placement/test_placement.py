@@ -439,7 +439,9 @@ def test_a_removed_handle_places_the_model_nowhere_again() -> None:
     chunker.remove()
     model.train()  # the model is the user's again, training included
     for move in (lambda: setattr(chunker, "device_map", {"": "cpu@float16"}),
-                 lambda: chunker.place(device_map={"": "cpu@float16"})):
+                 lambda: chunker.place(device_map={"": "cpu@float16"}),
+                 # once "the model is placed already; assign device_map ...", which failed
+                 lambda: chunker.place(example_inputs=torch.randn(1, 4))):
         with pytest.raises(adaptive.PlacementError, match=r"removed.*adaptive\.chunk\(model"):
             move()
         # Not converted again behind the user's back, with no hooks to undo it.
