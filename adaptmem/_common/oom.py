@@ -126,6 +126,8 @@ def shrinks_size(exc: BaseException,
     ``OutOfMemoryError.beyond_device``)."""
     if not is_oom(exc):
         return False
+    if _GROUP is not None and isinstance(exc, _GROUP):  # each of its errors shrinks it
+        return all(shrinks_size(e, owned) for e in getattr(exc, "exceptions", ()))
     if oom_phase(exc) is not Phase.TRANSFER:
         return True
     return (raised_by(exc, (_owned.get() if owned is None else owned)())

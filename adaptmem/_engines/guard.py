@@ -24,18 +24,20 @@ copies, copies in another dtype) and its hooks are the engine's bound methods.
   kept by ``remove()``, in the dtype and device of the object it replaced.
 
 [Note: a module put into a placed model]
-``model.head = nn.Linear(...)``, ``model[2] = ...`` or ``model.append(...)`` between calls
-registers a module no hook of the engine's knows, with tensors it never placed: on the host
+``model.head = nn.Linear(...)``, ``model[2] = ...``, ``model.append(...)`` or a bias set
+where there was none, between calls, registers tensors the engine never placed: on the host
 while the rest computes on the device, the forward used to fail deep inside with a
-device-mismatch error. Every call compares each module's children with those it had (one
-identity test per child, in C, beside the tensor checks); when they changed, the model is
-walked once: a tensor registered now that was neither placed nor in the model before makes
-the call raise a ``PlacementError`` before anything runs. A change that brings no such
-tensor (an activation swapped, a module deleted, a placed module moved under a new parent)
-is taken as the model now is (a module put in is not held to eval mode: it holds nothing
-placed that a training forward could write). ``remove()`` keeps the modules put in and restores the
-tensors the engine placed. A module the forward itself puts in is its own state, taken as
-it is at the end of that call, like a buffer it registers.
+device-mismatch error. Every call compares one count of registrations made in the process
+(see ``_registrations``); when it moved, the model's registrations are walked once: a new
+tensor (neither in the model at placement, nor put in the place of a placed one, which the
+checks above refuse) is taken where the model computes on one device without conversion
+and the tensor is there (a pager's device, a CPU placement: it runs as it is), and
+otherwise makes the call raise a ``PlacementError`` before anything runs. A change that
+brings no new tensor (an activation swapped, a module deleted, a placed module moved under
+a new parent) is taken as the model now is (a module put in is not held to eval mode: it
+holds nothing placed that a training forward could write). ``remove()`` keeps what was
+put in and restores the tensors the engine placed. What the forward itself puts in is its
+own state, taken as it is at the end of that call, like a buffer it registers.
 """
 
 from __future__ import annotations
@@ -92,11 +94,15 @@ class PlacementGuard:
     __slots__ = ("_names", "_tensors", "_dtypes", "_devices", "_registries", "_attrs",
                  "_registered", "_kinds", "_homes", "_adopted", "_passed", "_data", "_engine",
                  "_handle", "_modules", "_ptrs", "on_new_data", "_released", "_known",
-                 "_child_maps", "_child_counts", "_child_keys", "_child_of", "_children")
+                 "_seen", "_slots", "_computes_on")
 
     def __init__(self, model: nn.Module, tensors: Mapping[str, torch.Tensor], engine: str,
-                 handle: str) -> None:
+                 handle: str, computes_on: torch.device | None = None) -> None:
         self._engine, self._handle = engine, handle
+        # The one device the model computes on, without conversion (a pager's; a placement
+        # on one device in its own dtype): a tensor put in there runs as it is. None: more
+        # than one, or a conversion. See [Note: a module put into a placed model].
+        self._computes_on = computes_on
         self._modules = dict(model.named_modules())  # each once, checked at every call
         self._names = list(tensors)
         self._tensors = list(tensors.values())
@@ -121,24 +127,13 @@ class PlacementGuard:
         # device since (``t.data = new``); None: such data is not looked for.
         self.on_new_data: Any = None
         self._released = False
-        self._known = {id(r.tensor) for r in registrations(model)}  # placed or not
-        self._snapshot_tree(model)
+        # The tensors registered when the model was last taken as it is (placed or not), by
+        # id; held, so that no new tensor takes a freed one's id (a weak reference would make
+        # torch.utils.swap_tensors refuse them).
+        self._known = {id(r.tensor): r.tensor for r in registrations(model)}
+        self._slots = {(id(r), a) for r, a in zip(self._registries, self._attrs, strict=True)}
+        self._seen = _registrations[0]  # See [Note: a module put into a placed model]
         self.expect({n: t.data for n, t in tensors.items()})
-
-    def _snapshot_tree(self, model: nn.Module) -> None:
-        """Which child each module has under each name, compared at every call (See [Note:
-        a module put into a placed model])."""
-        modules = [m for _, m in model.named_modules()]
-        self._child_maps = [m._modules for m in modules]
-        self._child_counts = list(map(len, self._child_maps))
-        self._child_keys = [k for m in modules for k in m._modules]
-        self._child_of = [m._modules for m in modules for _ in m._modules]
-        self._children = [c for m in modules for c in m._modules.values()]
-
-    def _tree_changed(self) -> bool:
-        return (list(map(len, self._child_maps)) != self._child_counts
-                or not all(map(operator.is_, map(dict.get, self._child_of, self._child_keys),
-                               self._children)))
 
     def expect(self, data: Mapping[str, torch.Tensor]) -> None:
         """The data each tensor holds at rest from now on (kept to put it back)."""
@@ -162,7 +157,8 @@ class PlacementGuard:
                 dtypes, devices = _metadata(self._tensors)
         else:
             dtypes, devices = _metadata(self._tensors)
-        if self._tree_changed():
+        if _registrations[0] != self._seen:  # a module or tensor registered somewhere
+            self._seen = _registrations[0]
             self._follow_tree()
         if any(map(_training, self._modules.values())):
             self._passed = False
@@ -183,23 +179,31 @@ class PlacementGuard:
         self._passed = True
 
     def _follow_tree(self) -> None:
-        """A module was put into the model, replaced or deleted since the last call: take
-        the model as it is now if that brought no tensor the engine did not place, else
-        refuse. See [Note: a module put into a placed model]."""
-        registered = {id(t) for t in self._registered if t is not None}
-        root = self._modules[""]
-        for r in registrations(root):
-            if id(r.tensor) not in registered and id(r.tensor) not in self._known:
-                self._passed = False
-                where = r.module_name or "the model"
-                raise PlacementError(
-                    f"module {where!r} of the model was put in or replaced while "
-                    f"{self._engine} holds the model, and its {r.kind} {r.name!r} was not "
-                    f"placed ({r.tensor.dtype} on {r.tensor.device}), so this call did not "
-                    f"run. Call {self._handle}.remove() first (it restores the placed tensors "
-                    f"and keeps the modules you put in), then place the model again: change "
-                    f"its modules before placing it")
-        self._snapshot_tree(root)
+        """A module or tensor was registered somewhere since the last call: a tensor of the
+        model's that is new (not one it had at placement, nor one put in the place of a
+        placed one, which ``check`` refuses on its own) is taken where it runs as it is,
+        else refused. See [Note: a module put into a placed model]."""
+        now = {}
+        for r in registrations(self._modules[""]):
+            now[id(r.tensor)] = r.tensor
+            if id(r.tensor) in self._known or (id(r.registry), r.attr) in self._slots:
+                continue
+            if r.tensor.device == self._computes_on:
+                continue
+            self._passed = False
+            self._seen = -1  # looked at again next call, until remove()
+            where = r.module_name or "the model"
+            on = (f"; {self._engine} computes on {self._computes_on}"
+                  if self._computes_on is not None else
+                  "; the engine moves or converts the model's parts between devices or "
+                  "dtypes, and this one it never saw")
+            raise PlacementError(
+                f"{r.kind} {r.name!r} ({r.tensor.dtype} on {r.tensor.device}) was put into "
+                f"module {where!r} while {self._engine} holds the model{on}, so this call "
+                f"did not run. Call {self._handle}.remove() first (it restores the placed "
+                f"tensors and keeps what you put in), then place the model again: change it "
+                f"before placing it")
+        self._known = now  # the model as it is now, what it no longer holds let go
 
     def follow_new_data(self) -> None:
         """Tensors given other data since (``t.data = new``; ``check`` has refused another
@@ -227,10 +231,9 @@ class PlacementGuard:
         ``self.steps = self.steps + 1``) are the model's own state, checked as they are from
         now on and kept by ``remove()``. After a refused call, nothing is adopted."""
         passed, self._passed = self._passed, False
-        if passed and self._tree_changed():  # modules the forward itself put in: its own
-            root = self._modules[""]
-            self._known.update(id(r.tensor) for r in registrations(root))
-            self._snapshot_tree(root)
+        if passed and _registrations[0] != self._seen:  # what the forward put in: its own
+            self._seen = _registrations[0]
+            self._known = {id(r.tensor): r.tensor for r in registrations(self._modules[""])}
         if not passed or all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                    self._registered)):
             return
@@ -315,8 +318,25 @@ class PlacementGuard:
         self._homes = []
         self._adopted, self._data, self._ptrs = {}, {}, []
         self._modules, self.on_new_data, self._released = {}, None, True
-        self._known, self._child_maps, self._child_counts = set(), [], []
-        self._child_keys, self._child_of, self._children = [], [], []
+        self._known, self._slots = {}, set()
+
+
+# See [Note: a module put into a placed model]: every module, parameter and buffer registered
+# anywhere in the process bumps this count (torch's global registration hooks, run by
+# ``Module.__setattr__``, ``add_module``, ``register_buffer``), so a call compares one
+# integer and walks the model only after some registration. Deleting a module registers
+# nothing, and is taken as it is.
+_registrations = [0]
+
+
+def _registered(*args: Any) -> None:
+    _registrations[0] += 1
+
+
+for _register in (nn.modules.module.register_module_module_registration_hook,
+                  nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook):
+    _register(_registered)
 
 
 _dtype_of = operator.attrgetter("dtype")

@@ -55,7 +55,7 @@ def _check_call(name: str, kind: str, names: tuple[str, ...], limit: int | None,
     (range) or the tensor (chunked), and the error is in the caller's words for each kind."""
     given = [n for n in names if n in kwargs]
     if kind == "range":
-        bounds = " and ".join(names) or "start and end"
+        bounds = " and ".join(names) if len(names) == 2 else "start and end"
         if given:
             raise TypeError(
                 f"{name}() got {given[0]}= as well as the range's {bounds} as its first "

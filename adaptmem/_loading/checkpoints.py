@@ -186,14 +186,20 @@ def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
     # The bytes decide where they are clear, the suffix where they are not: a file named
     # for one format holding the other (renamed, or a suffix in capitals) is read as what it
     # is, and a Git LFS pointer left where a checkpoint should be is named as one.
-    if head.startswith(b"PK\x03\x04"):
+    if head.startswith(b"PK\x03\x04"):  # a zip archive: torch.save's format since 1.6
         return _open_torch(path, single_key)
     if head.startswith(b"version https://git-lfs"):  # model.safetensors, as often as not
         raise LoadError(f"{str(path)!r} is a Git LFS pointer, not the checkpoint it stands for: "
                         f"fetch the file itself (git lfs pull, or download it again)")
-    if path.suffix.lower() == ".safetensors" or _looks_like_safetensors(head):
+    if _looks_like_safetensors(head):
         return _open_safetensors(path)
-    return _open_torch(path, single_key)
+    if head.startswith(_LEGACY_MAGIC) or path.suffix.lower() != ".safetensors":
+        return _open_torch(path, single_key)
+    return _open_safetensors(path)  # named so, and nothing else: its own error says why
+
+
+# torch.save before 1.6: a pickle (protocol 2) whose first object is torch's magic number.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a"
 
 
 def _looks_like_safetensors(head: bytes) -> bool:
@@ -266,7 +272,8 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     try:
         if legacy:
             # The pre-1.6 format stores no offsets; it can only be read whole.
-            obj = torch.load(name, map_location="cpu", weights_only=True)
+            with open(path, "rb") as f:  # a file, not a name: see below
+                obj = torch.load(f, map_location="cpu", weights_only=True)
             logger.info("adaptmem.load: %s is a legacy torch.save file; read it whole", name)
         else:
             archive = _check_archive(path)

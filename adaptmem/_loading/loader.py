@@ -580,7 +580,7 @@ def _plan_load(
     missing = [k for k in missing if not _is_batch_counter(model, k)]
     # See [Note: extra state]
     restores = _extra_states(model)
-    missing += [k for k in restores if k not in ckpt.entries and k not in ckpt.extra_states]
+    absent = [k for k in restores if k not in ckpt.entries and k not in ckpt.extra_states]
     expected = {k for names in keys.values() for k in names} | set(restores)
     unexpected = [k for k in (*ckpt.entries, *ckpt.extra_states) if k not in expected]
     unreadable = [k for k in restores if _holds_unread(ckpt.extra_states.get(k))]
@@ -623,7 +623,11 @@ def _plan_load(
         logger.warning("adaptmem.load: extra state holding tensors inside another object is "
                        "not restored: %s. Load with model.load_state_dict to restore it",
                        ", ".join(unreadable))
-    restores = {k: m for k, m in restores.items() if k not in missing and k not in unreadable}
+    if absent:  # a warning: a safetensors file cannot hold it, and the module keeps its own
+        logger.warning("adaptmem.load: the checkpoint has no extra state for %s; those modules "
+                       "keep theirs (load_state_dict, with strict=True, would refuse it)",
+                       ", ".join(absent))
+    restores = {k: m for k, m in restores.items() if k not in absent and k not in unreadable}
     ignored = [k for k in unexpected if is_extra_state_key(k)]
     if ignored:
         logger.warning("adaptmem.load: extra state of modules that take none (no "
@@ -663,7 +667,7 @@ def _plan_load(
                                 f"tensor {current.numel()}; the handle does not match the model")
         dests[name] = dest
     stats = LoadStats(files=list(ckpt.files), format=ckpt.format,
-                      missing_keys=missing, unexpected_keys=unexpected)
+                      missing_keys=missing + absent, unexpected_keys=unexpected)
     return dests, sources, stats, restores
 
 
@@ -695,9 +699,12 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> list[str]:
 # (Transformer Engine's FP8 layers, torchao, a user's scale or step counter) has its extra
 # state in ``state_dict()`` under ``<module>._extra_state``: any picklable object, a dict of
 # numbers as often as a tensor. ``load_state_dict`` hands it to ``set_extra_state`` after
-# the module's own tensors, and counts the key as missing (strict) where the module takes
-# extra state and the checkpoint has none, or unexpected where it has some and the module
-# takes none; so does ``adaptive.load``, after every tensor is in place. A tensor is read
+# the module's own tensors, and counts the key as unexpected (strict) where the checkpoint
+# has some and the module takes none; so does ``adaptive.load``, after every tensor is in
+# place. Where the module takes extra state and the checkpoint has none, load_state_dict
+# refuses a strict load; ``adaptive.load`` warns, and the module keeps its state: a
+# safetensors file cannot hold extra state that is not a tensor, so a strict load of one
+# into a model of FP8 or quantised layers could never succeed. A tensor is read
 # from the file like any other (into new CPU memory: the module decides where it goes); an
 # object is taken from the pickle as it is, except one holding tensors, whose data the
 # meta-device read of the pickle did not load: that is refused (strict) or left out with a

@@ -161,7 +161,7 @@ class Pager(Engine):
         self._hooks = Hooks(self._pre_hook, self._post_hook)
         slots = self._table.slots
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
-                                     self.made_by, self.handle_name)
+                                     self.made_by, self.handle_name, computes_on=self.device)
         self._guard.on_new_data = self._adopt  # `weight.data = new` between calls
         # Nothing above touched the model; from here on it is paged, or put back on failure.
         self._hold(self._modules.values(), {n: s.tensor for n, s in slots.items()})

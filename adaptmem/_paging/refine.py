@@ -129,12 +129,13 @@ class Refiner:
                     f"{format_bytes(nbytes)} splits {name or '<root>'!r} from the start, so "
                     f"that only its parts in use are held.")
             else:
-                own = sum(b for _, b in holders)
+                own = cause.need + sum(b for _, b in holders)
+                needs = (f"device_budget={own} ({format_bytes(own)}) or more"
+                         if table.budget is not None else
+                         f"{format_bytes(own)} of device memory for weights")
                 message += (
                     f", their own tensors, which a module holds while it runs and no "
-                    f"unit_bytes splits: this module needs device_budget="
-                    f"{cause.need + own} ({format_bytes(cause.need + own)}) or more with "
-                    f"nothing resident.")
+                    f"unit_bytes splits: this module needs {needs} with nothing resident.")
         err = (oom_error_for(cause.oom)(message) if cause.oom is not None
                else OutOfMemoryError(message))
         err.phase = Phase.TRANSFER

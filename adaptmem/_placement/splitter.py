@@ -97,7 +97,11 @@ class Splitter(BoundaryHooks, Engine):
         self.stats = PlacementStats()
         # See [Note: one place for statistics].
         report(self, f"{self.handle_name} ({type(model).__name__})", self.stats)
-        self._guard = PlacementGuard(model, tensors, self.made_by, self.handle_name)
+        places = {(t.device, t.dtype) for t in targets}
+        only = next(iter(places)) if len(places) == 1 else None
+        self._guard = PlacementGuard(  # one device in the model's own dtype: computes there
+            model, tensors, self.made_by, self.handle_name,
+            computes_on=only[0] if only is not None and only[1] is None else None)
         self._hold(self._modules.values(), tensors)
         self._hooks.add(model,
                         model.register_forward_pre_hook(self._root_pre, with_kwargs=True),

@@ -323,7 +323,7 @@ class Tensors:
         self.function_mode = Functions(self)
         # Tensors of torch's own classes given simulated device data (``param.data = ...``,
         # as ``Module.cuda()`` does): see ``let_go``.
-        self.given_data: list[weakref.ref[torch.Tensor]] = []
+        self.given_data: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def let_go(self) -> None:
         """At the end of the block: a tensor of torch's own class (a ``Parameter`` that
@@ -331,7 +331,7 @@ class Tensors:
         device stops requiring grad. Its ops reach torch without any hook of the
         simulation's, and with grad autograd would ask the real CUDA runtime for a stream
         first, whose failure ends the process; without it they raise CUDA's own error."""
-        for ref in self.given_data:
+        for ref in self.given_data.values():
             t = ref()
             if t is not None and t.requires_grad and t.device.type == "cuda":
                 t.requires_grad_(False)
@@ -1262,7 +1262,7 @@ class Functions(TorchFunctionMode):
                 func.__name__ == "__set__" and len(args) == 2  # ``t.data = ...``
                 and type(args[0]) is not SimTensor and isinstance(args[1], SimTensor)
                 and args[1].is_cuda):
-            self.sim.given_data.append(weakref.ref(args[0]))  # see Tensors.let_go
+            self.sim.given_data[id(args[0])] = weakref.ref(args[0])  # see Tensors.let_go
         handler = self.handlers.get(func)
         if handler is not None:
             # Handlers call C bindings only (see [Note: the per-op cost of the simulation]).

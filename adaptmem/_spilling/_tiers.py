@@ -16,6 +16,7 @@ import ctypes
 import logging
 import mmap
 import os
+import re
 import tempfile
 import threading
 from typing import Any, Protocol
@@ -110,6 +111,7 @@ def check_directory(path: str | os.PathLike[str]) -> str:
 # with a warning. Which file system holds a directory is read from /proc/self/mountinfo (the
 # longest mount point above it); elsewhere it is not known, and nothing is said.
 _IN_MEMORY = {"tmpfs", "ramfs", "hugetlbfs"}
+_OCTAL = re.compile(r"\\([0-7]{3})")
 
 
 def in_memory(directory: str, mountinfo: str = "/proc/self/mountinfo") -> str | None:
@@ -125,7 +127,7 @@ def in_memory(directory: str, mountinfo: str = "/proc/self/mountinfo") -> str | 
     for fields in mounts:
         if "-" not in fields:
             continue
-        point = fields[4].encode().decode("unicode_escape")  # mountinfo escapes spaces
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])  # "\040": a space
         inside = path == point or path.startswith(point.rstrip("/") + "/")
         if inside and len(point) >= len(best):
             best, kind = point, fields[fields.index("-") + 1]

@@ -113,3 +113,23 @@ def test_drop_frames_drops_the_frames_of_an_exception_groups_members() -> None:
     top.__context__ = group
     drop_frames(top)
     assert member.__traceback__ is None and group.__traceback__ is None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception groups are Python 3.11+")
+def test_a_group_is_out_of_memory_and_shrinks_only_where_each_of_its_errors_does() -> None:
+    from adaptmem._common.errors import Phase
+    from adaptmem._common.oom import shrinks_size, transfer_errors_shrink
+
+    compute = make_oom("cuda")
+    pager = object()
+    transfer = OutOfMemoryError("adaptmem page: module 'x' needs ...")
+    transfer.phase, transfer.engine_id = Phase.TRANSFER, id(pager)
+    group = ExceptionGroup  # noqa: F821 - Python 3.11+
+    assert is_oom(group("g", [compute, make_oom("mps")]))
+    assert not is_oom(group("g", [compute, ValueError("not memory")]))
+    assert shrinks_size(group("g", [compute]))
+    # A pager's transfer error shrinks the batch where the decorator holds that pager, in a
+    # group as alone; elsewhere, neither does.
+    assert not shrinks_size(transfer) and not shrinks_size(group("g", [transfer]))
+    with transfer_errors_shrink(lambda: [pager]):
+        assert shrinks_size(transfer) and shrinks_size(group("g", [transfer, compute]))

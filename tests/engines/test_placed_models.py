@@ -295,13 +295,21 @@ def test_a_module_put_in_while_placed_is_refused_if_it_brings_tensors_and_taken_
     del model.unused
     out = model(_X)
     assert out.shape == expected.shape and handle.stats.forwards == forwards + 1
-    # A new head with weights the engine never placed (on a GPU: on the host, while the rest
-    # computes on the device) is refused before anything runs, naming it and the fix.
+    # A new head where the model computes on one device in its own dtype (page on the CPU,
+    # split over the CPU alone) runs as it is; where the engine converts (a bfloat16 part),
+    # it is refused, and so is one on another device anywhere (on a GPU: a head left on the
+    # host while the rest computes on the device).
+    one_place = not engine.startswith("chunk")
     model.head = nn.Linear(8, 3).eval()
+    if one_place:
+        assert model(_X).shape == (4, 3) and handle.stats.forwards == forwards + 2
+        forwards += 1
+        model.head = nn.Linear(8, 3, device="meta").eval()
+    on = r"adaptive\.\w+ computes on cpu" if one_place else "the engine moves or converts"
     with pytest.raises(PlacementError, match=(
-            r"module 'head' of the model was put in or replaced while adaptive\.\w+ holds the "
-            r"model, and its parameter 'head\.weight' was not placed .*this call did not "
-            r"run. Call \w+\.remove\(\) first")):
+            rf"parameter 'head\.weight' \(torch\.float32 on (cpu|meta)\) was put into module "
+            rf"'head' while adaptive\.\w+ holds the model; {on}.*this call did not run. Call "
+            rf"\w+\.remove\(\) first")):
         model(_X)
     with pytest.raises(PlacementError, match="did not run"):  # and again, until remove()
         model(_X)
@@ -310,12 +318,39 @@ def test_a_module_put_in_while_placed_is_refused_if_it_brings_tensors_and_taken_
     # remove() keeps the new head and restores everything the engine placed.
     assert model.head.out_features == 3 and model.head_again.out_features == 8
     del model.head_again
-    model.head = before_head = nn.Linear(8, 8)
+    model.head = before_head = nn.Linear(8, 8)  # (the meta head replaced too)
     before_head.weight = model.emb.weight
     with torch.no_grad():
         before_head.bias.copy_(before["head.bias"][3])
     _assert_as_before_except(model, before, "head.bias")
     assert torch.equal(model(_X), expected)
+
+
+@run_if(cuda=True)
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_on_a_gpu_a_tensor_put_in_on_the_host_is_refused_and_one_on_the_device_is_not(
+        engine: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4, bias=False)).eval()
+    x = torch.randn(2, 8)
+    handle = (adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=0) if engine == "page"
+              else adaptive.chunk(model, "cuda", capacity=300))
+    with torch.no_grad():
+        model(x)
+        # A bias where there was none, on the host: the forward would mix devices.
+        model[2].bias = nn.Parameter(torch.zeros(4))
+        with pytest.raises(PlacementError, match=r"parameter '2\.bias' \(torch\.float32 on cpu\) "
+                                                 r"was put into module '2'"):
+            model(x)
+        model[2].bias = None
+        if engine == "page":  # one device: a module already there runs as it is
+            model.append(nn.Linear(4, 2).eval().cuda())
+            assert model(x).shape == (2, 2)
+        else:  # a chunk moves units between devices: anything new is refused
+            model.append(nn.Linear(4, 2).eval().cuda())
+            with pytest.raises(PlacementError, match="moves or converts"):
+                model(x)
+    handle.remove()
 
 
 def _assert_as_before_except(model: nn.Module, before: dict[str, Any], new: str) -> None:

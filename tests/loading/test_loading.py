@@ -1326,11 +1326,18 @@ def test_extra_state_missing_unexpected_or_unreadable_is_what_load_state_dict_sa
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     torch.save(plain.state_dict(), tmp_path / "plain.pt")
-    # The module takes extra state and the checkpoint has none: missing (strict).
-    with pytest.raises(LoadError, match=r'Missing key\(s\) in state_dict: "0._extra_state"'):
-        adaptive.load(_with_extra, tmp_path / "plain.pt")
-    model = adaptive.load(_with_extra, tmp_path / "plain.pt", strict=False)
-    assert model[0].given == []
+    # The module takes extra state and the checkpoint has none (a safetensors file cannot
+    # hold one that is not a tensor): a warning, strict or not, and the module keeps its own.
+    safetensors_torch.save_file(plain.state_dict(), str(tmp_path / "plain.safetensors"))
+    for name in ("plain.pt", "plain.safetensors"):
+        for strict in (True, False):
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="adaptmem"):
+                model, stats = adaptive.load(lambda: _with_extra("mine"), tmp_path / name,
+                                             strict=strict, return_stats=True)
+            assert model[0].given == [] and model[0].state == "mine"
+            assert "no extra state for 0._extra_state" in caplog.text
+            assert "0._extra_state" in stats.missing_keys
     # The checkpoint has extra state and the module takes none: unexpected (strict).
     torch.save(_with_extra({"a": 1}).state_dict(), tmp_path / "extra.pt")
     with pytest.raises(LoadError, match=r'Unexpected key\(s\) in state_dict: "0._extra_state"'):

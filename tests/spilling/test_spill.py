@@ -683,7 +683,11 @@ def test_a_directory_in_memory_is_known_and_never_the_default_tier(
     mountinfo.write_text(
         "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
         f"30 22 0:5 / {disk} rw - ext4 /dev/sdb1 rw\n"
-        f"31 30 0:6 / {ram} rw,nosuid - tmpfs tmpfs rw,size=1024k\n")
+        f"31 30 0:6 / {ram} rw,nosuid - tmpfs tmpfs rw,size=1024k\n"
+        # mountinfo writes a space as \040; other characters (here non-ASCII) as they are
+        f"32 30 0:7 / {disk}/RAM\\040ö rw - ramfs none rw\n")
+    (disk / "RAM ö").mkdir()
+    assert _tiers.in_memory(str(disk / "RAM ö"), str(mountinfo)) == "ramfs"
     assert _tiers.in_memory(str(ram), str(mountinfo)) == "tmpfs"
     assert _tiers.in_memory(str(ram / "deeper"), str(mountinfo)) == "tmpfs"
     assert _tiers.in_memory(str(disk), str(mountinfo)) is None
