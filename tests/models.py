@@ -201,3 +201,21 @@ def gated() -> nn.Module:
 
 def gated_example() -> torch.Tensor:
     return torch.randn(2, 16)
+
+
+class CallsItself(nn.Module):
+    """A forward that calls its own model again (a recursive, two-pass model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
+        x = self.a(x)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        if depth > 0:
+            x = x + self(x, depth - 1)
+        return x * self.scale

@@ -13,7 +13,7 @@ import torch
 from conftest import REAL_CUDA
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from models import ZOO, HeadFirst, ReadsChildWeight, small_vit
+from models import ZOO, CallsItself, HeadFirst, ReadsChildWeight, small_vit
 from strategies import DIM, module_trees
 from torch import nn
 from torch.nn import functional as F
@@ -785,24 +785,6 @@ def test_exception_in_forward_passes_through_and_releases_device_copies() -> Non
         with torch.no_grad():
             out = model(x)
     assert torch.equal(out, model.b(model.a(x)))
-
-
-class CallsItself(nn.Module):
-    """A forward that calls its own model again (a recursive, two-pass model)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.scale = nn.Parameter(torch.randn(8))
-        self.interrupt = False
-
-    def forward(self, x: torch.Tensor, depth: int = 1) -> torch.Tensor:
-        x = self.a(x)
-        if self.interrupt:
-            raise KeyboardInterrupt
-        if depth > 0:
-            x = x + self(x, depth - 1)
-        return x * self.scale
 
 
 @pytest.mark.gpu

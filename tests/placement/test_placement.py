@@ -19,7 +19,7 @@ import torchvision
 from conftest import run_if
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import HeadFirst
+from models import CallsItself, HeadFirst
 from strategies import (
     DIM,
     SPLIT_WIDTH,
@@ -458,22 +458,6 @@ def test_a_forward_that_raises_passes_through_and_the_next_call_works() -> None:
     assert "shapes" in str(info.value) or "size" in str(info.value)
     assert model(torch.randn(1, 4)).dtype == torch.float32
     splitter.remove()
-
-
-class CallsItself(nn.Module):
-    """A forward that calls its own model again (a recursive, two-pass model)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 8)
-        self.interrupt = False
-
-    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
-        y = self.b(torch.relu(self.a(x)))
-        if self.interrupt:
-            raise KeyboardInterrupt
-        return y if depth == 0 else y + self(x, depth - 1)
 
 
 @pytest.mark.gpu
