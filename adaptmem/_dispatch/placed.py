@@ -451,6 +451,8 @@ class PlacedModels:
                 else:
                     self.handles.append(page(model, self.device, resident_bytes=nbytes))
                 held_for(self.handles[-1], self)
+                self.handles[-1].speak_as(f"the decorated function {self.name} (model=)",
+                                          self.name.rsplit(".", 1)[-1])
                 _holders[model] = self
                 # First and last of the root's hooks: around the engine's own.
                 self._counting.add(

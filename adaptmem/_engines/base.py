@@ -96,6 +96,12 @@ class Engine(NotCopyable, abc.ABC):
         would drop the change (``remove()`` registers the original objects)."""
         self._guard.check()
 
+    def speak_as(self, engine: str, handle: str) -> None:
+        """The refusals of the model's calls name ``engine`` as what holds it and
+        ``handle`` as what to ``remove()`` (an engine a decorated function made: the
+        user never saw it)."""
+        self._guard.rename(engine, handle)
+
     def _hold(self, modules: Iterable[nn.Module], tensors: Mapping[str, torch.Tensor]) -> None:
         """Claim ``modules`` and ``tensors`` (by canonical name) for this engine; see [Note:
         one engine per tensor] in ``_common/claims.py``."""

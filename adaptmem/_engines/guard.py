@@ -178,6 +178,11 @@ class PlacementGuard:
             self.follow_new_data()
         self._passed = True
 
+    def rename(self, engine: str, handle: str) -> None:
+        """Speak of the model's holder as ``engine`` and of its handle as ``handle`` (a
+        ``model=`` function owns this engine: its errors name that function)."""
+        self._engine, self._handle = engine, handle
+
     def _follow_tree(self) -> None:
         """A module or tensor was registered somewhere since the last call: a tensor of the
         model's that is new (not one it had at placement, nor one put in the place of a

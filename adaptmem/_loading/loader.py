@@ -558,12 +558,14 @@ def _plan_load(
         if name is not None:
             keys.setdefault(name, []).append(key)
     missing: list[str] = []
+    absent_groups: list[list[str]] = []
     mismatched: list[str] = []
     sources: dict[str, Entry] = {}
     for name, names in keys.items():
         present = [k for k in names if k in ckpt.entries]
         if not present:
             missing.extend(names)
+            absent_groups.append(names)  # one tensor's keys: one of them found is enough
             continue
         shape = tuple(tensors[name].shape)
         for k in present:
@@ -592,7 +594,8 @@ def _plan_load(
                       + ", ".join(f'"{k}"' for k in unexpected) + ". ")
     errors.extend(mismatched)
     if strict and missing and unexpected:
-        errors.extend(_prefix_hint(missing, unexpected))
+        errors.extend(_prefix_hint(
+            [g for g in absent_groups if any(k in missing for k in g)], unexpected))
     if strict and unreadable:
         errors.append(
             "extra state holding tensors inside another object (" + ", ".join(unreadable)
@@ -671,23 +674,31 @@ def _plan_load(
     return dests, sources, stats, restores
 
 
-def _prefix_hint(missing: list[str], unexpected: list[str]) -> list[str]:
-    """When every missing key is in the checkpoint under one prefix (saved from a
+def _prefix_hint(missing: list[list[str]], unexpected: list[str]) -> list[str]:
+    """When every missing tensor is in the checkpoint under one prefix (saved from a
     ``DistributedDataParallel``, ``torch.compile`` or Lightning wrapper: ``module.``,
-    ``_orig_mod.``, ``model.``), or the other way round, say so and how to load it."""
-    first, have = missing[0], set(unexpected)
+    ``_orig_mod.``, ``model.``), or the other way round, say so and how to load it.
+    ``missing``: the keys of each missing tensor (a tied one has several: one found is
+    enough, as loading it fills the others)."""
+    if not missing:
+        return []
+    have = set(unexpected)
     # The checkpoint's keys are the missing ones under a prefix...
-    prefixes = sorted({k[:-len(first)] for k in unexpected if k.endswith("." + first)}, key=len)
-    prefix = next((p for p in prefixes if all(p + m in have for m in missing)), None)
+    prefixes = sorted({k[:-len(m)] for m in missing[0] for k in unexpected
+                       if k.endswith("." + m)}, key=len)
+    prefix = next((p for p in prefixes
+                   if all(any(p + m in have for m in group) for group in missing)), None)
     if prefix:
         return [f"Every missing key is in the checkpoint with the prefix {prefix!r} (saved from "
                 f"a DistributedDataParallel, DataParallel, torch.compile or Lightning wrapper?): "
                 f"save the state dict without it ({{k.removeprefix({prefix!r}): v for k, v in "
                 f"state_dict.items()}}), or load into the wrapper that adds it."]
     # ... or the missing ones are the checkpoint's under a prefix.
-    prefixes = sorted({first[:-len(k)] for k in unexpected if first.endswith("." + k)}, key=len)
-    prefix = next((p for p in prefixes if all(m.startswith(p) and m[len(p):] in have
-                                              for m in missing)), None)
+    prefixes = sorted({m[:-len(k)] for m in missing[0] for k in unexpected
+                       if m.endswith("." + k)}, key=len)
+    prefix = next((p for p in prefixes
+                   if all(any(m.startswith(p) and m[len(p):] in have for m in group)
+                          for group in missing)), None)
     if prefix:
         return [f"Every key of the checkpoint is the model's without the prefix {prefix!r}: "
                 f"load into the submodule {prefix[:-1]!r} itself "

@@ -164,6 +164,57 @@ def _machinery(modules: Iterable[nn.Module]) -> dict[int, Any]:
     return found
 
 
+# [Note: recording a model already on two devices] A model loaded straight where a plan
+# puts it (``adaptive.load(..., device=plan)``: part on the GPU, part on the host, maybe in
+# two dtypes) and then split by that plan is recorded before any boundary exists. Where it
+# cannot run on meta (a Hugging Face model given an attention mask reads values), the real
+# forward on the copy would mix devices at the first module on the other side. So the copy
+# gets boundaries of its own for that one forward, as the splitter's: a module with tensors
+# of its own gets its inputs on its device, in its floating dtype; a module's outputs go
+# back to where its caller computes (a block adding a child's output to its residual). A
+# ``.to`` of one tensor neither reads a weight nor combines outputs, so the recording
+# learns what it would have on one device.
+def _align_inputs(replica: nn.Module) -> None:
+    frames: list[tuple[torch.device, torch.dtype | None]] = []  # where each call computes
+    # Read now, outside the recording: a weight's metadata read in a hook would count as
+    # the module around it reading the weight.
+    owns: dict[int, tuple[torch.device, torch.dtype]] = {}
+    for module in replica.modules():
+        own = next((t for t in (*module._parameters.values(), *module._buffers.values())
+                    if t is not None and t.is_floating_point()), None)
+        if own is not None:
+            owns[id(module)] = (own.device, own.dtype)
+
+    def place(obj: Any, where: tuple[torch.device, torch.dtype | None]) -> Any:
+        device, dtype = where
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if dtype is not None and t.is_floating_point():
+                return t.to(device, dtype)
+            return t.to(device)
+
+        return pytree.tree_map_only(torch.Tensor, move, obj)
+
+    def pre(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        own = owns.get(id(module))
+        if own is not None:
+            frames.append(own)
+            return place((args, kwargs), own)
+        first = next((t for t in pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and t.is_floating_point()), None)
+        frames.append((first.device, None) if first is not None else
+                      frames[-1] if frames else (torch.device("cpu"), None))
+        return None
+
+    def post(module: nn.Module, args: Any, output: Any) -> Any:
+        frames.pop()
+        return place(output, (frames[-1][0], None)) if frames and output is not None else None
+
+    for module in replica.modules():
+        module.register_forward_pre_hook(pre, with_kwargs=True)
+        module.register_forward_hook(post, always_call=True)
+
+
 def _drop_hooks_of(model: nn.Module, owners: set[int]) -> None:
     """Remove from ``model`` (a copy) adaptmem's hooks: methods of ``owners`` and its own
     functions. An engine holding the original must not act on the copy, nor a clock count
@@ -321,6 +372,8 @@ def record_forward(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         replica, inputs = _copy((model, (args, kwargs)), _real_copy, memo)
         _drop_hooks_of(replica, set(shared))
         inputs = pytree.tree_map_only(torch.Tensor, lambda t: t.to(home), inputs)
+        if len({(t.device, t.dtype) for t in tensors.values() if t.is_floating_point()}) > 1:
+            _align_inputs(replica)  # See [Note: recording a model already on two devices]
         rec = _run_recorded(replica, *inputs)
     rec.on_meta = False
     return rec

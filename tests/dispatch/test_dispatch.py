@@ -290,6 +290,31 @@ def test_calls_from_several_threads_run_one_at_a_time_from_the_first() -> None:
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
+def test_refusals_of_a_model_held_for_a_function_name_that_function() -> None:
+    # The user never made a pager: "pager.remove()" named a handle they do not have.
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).eval()
+
+    @adaptive.batch(initial_batchsize=8, model=model, device="cpu")
+    def run(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in x.split(batchsize)])
+
+    run(torch.randn(16, 64))
+    model.train()
+    with pytest.raises(PlacementError) as info:
+        run(torch.randn(16, 64))
+    said = str(info.value)
+    assert "the decorated function" in said and "run (model=) is for inference" in said
+    assert "run.remove() first" in said and "pager" not in said
+    model.eval()
+    model.half()
+    with pytest.raises(PlacementError, match=r"run \(model=\) holds the model.*Call "
+                                             r"run\.remove\(\) first"):
+        run(torch.randn(16, 64))
+    run.remove()
+    assert next(model.parameters()).dtype == torch.float32  # the conversion dropped
+
+
 def test_range_and_chunked_place_their_models_too() -> None:
     model = _model(layers=2)
     data = torch.randn(96, 1024)

@@ -1134,6 +1134,31 @@ def test_keys_that_differ_by_a_prefix_are_named_with_the_way_to_load_them(
     assert "prefix" not in str(info.value)
 
 
+def test_a_prefix_is_named_when_the_model_ties_a_weight_the_checkpoint_lacks(
+        tmp_path: Path) -> None:
+    # A language model's checkpoint of its base (GPT-2's transformer.*), loaded into the
+    # model with the head tied to the embedding: the tied head is missing under every name,
+    # but loading the embedding fills it.
+    class Base(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = nn.Embedding(10, 4)
+            self.norm = nn.LayerNorm(4)
+
+    class WithHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.transformer = Base()
+            self.lm_head = nn.Linear(4, 10, bias=False)
+            self.lm_head.weight = self.transformer.wte.weight
+
+    torch.save(Base().state_dict(), tmp_path / "base.pt")
+    with pytest.raises(LoadError, match=r"Every key of the checkpoint is the model's without "
+                                        r"the prefix 'transformer\.'"):
+        adaptive.load(WithHead, tmp_path / "base.pt")
+    assert adaptive.load(WithHead().transformer, tmp_path / "base.pt") is not None
+
+
 def test_a_training_checkpoint_without_a_model_state_dict_names_what_it_holds(
     tmp_path: Path,
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ import torchvision
 from conftest import run_if
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import CallsItself, HeadFirst
+from models import CallsItself, HeadFirst, hf_gpt2, hf_gpt2_example
 from strategies import (
     DIM,
     SPLIT_WIDTH,
@@ -1034,6 +1035,34 @@ def test_plan_counts_bytes_in_the_dtype_of_each_device_key_and_takes_a_list() ->
             adaptive.plan(model, devices=["cuda:0"])
     with pytest.raises(TypeError, match="unit_bytes"):
         adaptive.plan(model, devices=["cpu"], unit_bytes=10)
+
+
+@run_if(cuda=True)
+@pytest.mark.parametrize("how", ["split", "chunk", "split bfloat16"])
+def test_a_model_loaded_where_its_plan_puts_it_is_then_placed_by_that_plan(
+        how: str, tmp_path: Path) -> None:
+    # plan -> load(device=plan) -> split(device_map=plan.device_map): the model is on two
+    # devices before any boundary exists, and a Hugging Face model given an attention mask
+    # cannot run on meta, so its first forward is recorded for real (it mixed devices).
+    torch.manual_seed(0)
+    reference = hf_gpt2()
+    torch.save(reference.state_dict(), tmp_path / "gpt2.pt")
+    inputs = {**hf_gpt2_example(), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
+    with torch.no_grad():
+        want = reference(**inputs).logits
+    dtype = torch.bfloat16 if how.endswith("bfloat16") else None
+    devices = {"cuda:0": "24KiB", "cpu": None}
+    plan = adaptive.plan(adaptive.empty_model(hf_gpt2), devices=devices, dtype=dtype)
+    model = adaptive.load(hf_gpt2, tmp_path / "gpt2.pt", device=plan)
+    assert {p.device.type for p in model.parameters()} == {"cuda", "cpu"}
+    handle = (adaptive.chunk(model, "cuda", capacity="24KiB")
+              if how == "chunk" else adaptive.split(model, device_map=plan.device_map))
+    with handle, torch.no_grad():
+        got = model(**{k: v.cuda() for k, v in inputs.items()}).logits.cpu()
+    if dtype is None:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:
+        assert rel_err(got, want) < BF16_RTOL
 
 
 def test_plan_and_split_give_the_same_map_and_split_takes_the_plans_map() -> None:
