@@ -415,6 +415,7 @@ class AutoStart:
                     raise
         candidate = self._clamp(prediction.largest(free, MARGIN))
         above = None  # a candidate above the call's items, checked up to them
+        unchecked = None  # a candidate too long to trace (a loop over small batches)
         for _ in range(CHECKS):
             # The trace of a size the call cannot fill runs the call's items: it is kept
             # under that count, which is what it measured.
@@ -423,6 +424,10 @@ class AutoStart:
                 try:
                     peaks[size] = _trace(call, size, device)
                 except TooLong:
+                    # Below the traced sizes, a loop over the data runs more forwards than a
+                    # trace may hold: the line's word stands, unchecked (the search corrects
+                    # it), rather than the smallest size for good.
+                    unchecked = size
                     break
                 if items is None and size != large and peaks[size] == peaks[large]:
                     raise TooFewItems(
@@ -442,7 +447,7 @@ class AutoStart:
             prediction = fit((base, size), (peaks[base], peaks[size]))
             candidate = min(size - 1, self._clamp(prediction.largest(free, MARGIN)))
         fitting = [n for n, p in peaks.items() if p <= budget]
-        return self._clamp(max([*fitting, above or self.floor])), prediction
+        return self._clamp(max([*fitting, above or unchecked or self.floor])), prediction
 
     def ran(self, ok: bool) -> bool:
         """The real call after a decision ended: ``ok`` unless it raised an error that is not

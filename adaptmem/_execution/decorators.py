@@ -26,7 +26,7 @@ from .lazy import iterated, retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
 from .replay import Replay, StepReplay, versions
-from .retry import is_lazy, log_probe, run_range, run_sized
+from .retry import is_lazy, log_moved, log_probe, run_range, run_sized
 from .stats import Adaptation, CallStats, Watch
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
@@ -523,7 +523,11 @@ class _Batch(_Adaptive):
         if fits is None or size > fits:  # it may fail: time it (see [Note: cheap counting])
             if fits is not None:
                 log_probe(record, size, self._name, "batchsize", self._watch)
+            elif size != stats.last_size and stats.last_size is not None:  # a new bucket
+                log_moved(size, stats.last_size, self._name, "batchsize", self._watch)
             started = _clock()
+        elif size != stats.last_size and stats.last_size is not None:
+            log_moved(size, stats.last_size, self._name, "batchsize", self._watch)
         # The success path: one attempt, no closure, no gc, no probing.
         before = versions(args, kwargs)  # see [Note: arguments a retry passes again]
         try:

@@ -18,7 +18,8 @@ from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
 from .stats import Watch
 
-__all__ = ["run_sized", "run_range", "shrink", "log_probe", "logger", "LAZY_TYPES", "is_lazy"]
+__all__ = ["run_sized", "run_range", "shrink", "log_probe", "log_moved", "logger", "LAZY_TYPES",
+           "is_lazy"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -65,6 +66,15 @@ def log_probe(record: SizeRecord, size: int, name: str, what: str,
         logger.info("%s: probing %s=%d (largest that fitted so far: %d)", name, what, size, fits)
         if watch is not None:
             watch.tell("probe", fits, size)
+
+
+def log_moved(size: int, last: int, name: str, what: str, watch: Watch | None = None) -> None:
+    """Log a call that starts at another size than the last call ran, with no failure or
+    probe behind it: free memory moved to where that size is known (or predicted) to fit."""
+    logger.info("%s: %s=%d, where the last call ran %d (free memory moved)", name, what,
+                size, last)
+    if watch is not None:
+        watch.tell("moved", last, size)
 
 
 def run_sized(

@@ -25,7 +25,7 @@ __all__ = ["CallStats", "Adaptation", "AdaptationKind", "Watch"]
 
 logger = logging.getLogger("adaptmem")
 
-AdaptationKind = Literal["probe", "shrink", "fits", "gave_up"]
+AdaptationKind = Literal["probe", "shrink", "fits", "gave_up", "moved"]
 
 
 class CallStats:
@@ -155,7 +155,9 @@ class Adaptation:
             rank; the call retries at ``new_size``), ``"fits"`` (``new_size`` ran to the end
             after ``old_size``, the call's first size, ran out) or ``"gave_up"``
             (``old_size``, the smallest allowed, ran out; the call raises, ``new_size`` is
-            None).
+            None) or ``"moved"`` (a call starts at ``new_size``, not ``old_size``, the size
+            the last call ran, without a failure or a probe: free memory moved to where
+            another size is known to fit).
         old_size, new_size: as above.
         free_bytes: free memory on the function's device when it happened (None if unknown).
         rank: the global rank under ``group=``, else None.

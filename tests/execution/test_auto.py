@@ -321,6 +321,33 @@ def test_a_long_loop_is_traced_at_larger_sizes_instead_of_op_by_op() -> None:
     assert run.prediction is not None and run.prediction.sizes[0] >= 64
 
 
+def test_a_loop_too_long_to_trace_at_the_predicted_size_starts_there_not_at_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The sizes the line was fitted at (512, 1024) are over the budget; the check trace at
+    # the predicted size (about 380) runs more loop turns than a trace may hold. That once
+    # left no traced size under the budget, and the call started at 1 for good.
+    from adaptmem._execution import auto as auto_module
+    from adaptmem.testing import simulated_cuda
+
+    monkeypatch.setattr(auto_module, "OP_BUDGET", 500)  # as 4000 does for 8x the data
+    with simulated_cuda(total_memory="16MiB"):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 8192)).cuda().eval()
+        data = torch.randn(16000, 16)
+
+        @adaptive.batch(initial_batchsize="auto")
+        def run(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c.cuda())[:, :2].cpu() for c in x.split(batchsize)])
+
+        got = run(data)
+        with torch.no_grad():
+            want = model(data[:64].cuda())[:, :2].cpu()
+    torch.testing.assert_close(got[:64], want)
+    assert run.prediction is not None and run.prediction.sizes == (512, 1024)
+    assert 300 <= run.initial <= 400 and run.stats.failed_attempts == 0
+
+
 def test_generators_and_async_functions_cannot_be_auto() -> None:
     with pytest.raises(TypeError, match="generator or async function"):
         @adaptive.batch(initial_batchsize="auto")

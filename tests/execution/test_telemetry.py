@@ -140,6 +140,33 @@ def test_on_adapt_reports_shrink_fits_probe_and_gave_up() -> None:
     assert events[-1].new_size is None
 
 
+@pytest.mark.gpu
+def test_a_call_that_starts_at_another_size_as_free_memory_moves_is_reported() -> None:
+    # Free memory fell (another tensor held), then grew back: the calls started at another
+    # size each time with no failure and no probe, and nothing said so.
+    cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0)
+    weights = torch.randn(64, 4096, device="cuda")
+    data = torch.randn(4000, 64, device="cuda")
+    torch.cuda.set_per_process_memory_fraction(
+        64 * 2**20 / torch.cuda.get_device_properties(0).total_memory)
+    events: list[adaptive.Adaptation] = []
+    try:
+        @adaptive.batch(initial_batchsize=1500, on_adapt=events.append, cache=cache)
+        def run(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+            return sum((c @ weights).relu().sum() for c in x.split(batchsize))
+
+        run(data)
+        held = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+        run(data)
+        del held
+        events.clear()
+        run(data)  # back where 1500 fitted
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert [e.kind for e in events] == ["moved"] and events[0].new_size == 1500
+    assert events[0].old_size < 1500
+
+
 def test_an_on_adapt_error_propagates_and_the_next_call_goes_on() -> None:
     ceiling = MemoryCeiling(16)
     fail = [True]
