@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .._common.claims import check_placeable
-from .._common.devices import format_bytes, parse_size, resolve_device
+from .._common.devices import capacity, format_bytes, parse_size, resolve_device
 from .._engines.transfer import Transfer
 from .._planning import ModuleSizes, Unit, module_sizes, paging_units
 from .pager import Pager
@@ -105,6 +105,15 @@ def page(
             f"{format_bytes(budget)}; lower resident_bytes or raise device_budget")
     if budget is not None:
         _check_budget(module_sizes(model), budget)
+    elif resident is not None and dev.type != "cpu":
+        # More resident than the device can ever hold: every call would run out of memory.
+        keep, most = min(resident, module_sizes(model).total_bytes), capacity(dev)
+        if keep > most:
+            raise ValueError(
+                f"resident_bytes={format_bytes(resident)} would keep {format_bytes(keep)} of "
+                f"weights on {dev}, which this process can hold {format_bytes(most)} of at "
+                f"most; lower resident_bytes, or leave it out ('auto' keeps what free memory "
+                f"allows)")
     if unit_bytes == "auto":
         units = _auto_unit_bytes(model, dev, prefetch, resident, budget)
     # Masters and resident copies must be ordinary tensors even when page() is called

@@ -1447,6 +1447,24 @@ def test_gpu_real_oom_under_a_memory_fraction_triggers_refinement() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.simulated_cuda(total_memory="16MiB")
+def test_gpu_resident_bytes_above_what_the_device_holds_is_refused_at_page() -> None:
+    # Accepted once, then every call ran out of memory until remove().
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(5)]).eval()  # 20 MiB
+    before = _record(model)
+    with pytest.raises(ValueError, match=r"resident_bytes=1\.0 GiB would keep 20\.0 MiB of "
+                                         r"weights on cuda:0, which this process can hold "
+                                         r"16\.0 MiB of at most"):
+        adaptive.page(model, "cuda", resident_bytes="1GiB")
+    assert _untouched(model, before)
+    with adaptive.page(model, "cuda", resident_bytes="8MiB"), torch.no_grad():
+        assert model(torch.randn(2, 1024)).shape == (2, 1024)
+    small = nn.Linear(8, 8).eval()  # a model that fits: any resident_bytes keeps it all
+    with adaptive.page(small, "cuda", resident_bytes="1GiB"), torch.no_grad():
+        assert small(torch.randn(2, 8)).shape == (2, 8)
+
+
+@pytest.mark.gpu
 def test_gpu_a_layer_that_does_not_fit_says_the_device_ran_out_not_a_budget() -> None:
     # No device_budget was given: the error must not tell the user to raise one, and it
     # says that free memory counts cached blocks, which may not serve a block this size.
