@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._common.devices import format_bytes, parse_size, resolve_device
-from ._common.errors import CommandLineError
+from ._common.errors import CommandLineError, first_line
 from ._common.oom import drop_frames, is_oom
 from ._spilling import fixed_mmap_threshold, memory_stats, spill
 
@@ -64,7 +64,7 @@ def _attempt(label: str, run: Any) -> bool:
     except (RuntimeError, MemoryError) as exc:
         # Under a cap oneDNN reports a failed allocation as "could not create a primitive".
         what = "out of memory" if is_oom(exc) else "failed"
-        first = str(exc).strip().splitlines()[0][:110] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, 110, typed=False)
         drop_frames(exc)  # the failed step's activations go with its frames
         del exc
         gc.collect()
@@ -93,8 +93,7 @@ def _check_image_size(builder: Any, name: str, size: int) -> None:
     except NotImplementedError:
         return
     except Exception as exc:  # noqa: BLE001 - the model's own refusal, of any type
-        said = str(exc).strip().splitlines()[0][:150] if str(exc).strip() else (
-            type(exc).__name__)
+        said = first_line(exc, 150, typed=False)
         raise CommandLineError(
             f"--image-size {size}: {name} does not take {size}x{size} images ({said}); "
             f"give a size it takes (224 for most torchvision classifiers, 299 for "

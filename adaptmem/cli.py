@@ -22,6 +22,7 @@ from torch import nn
 
 from ._common.devices import format_bytes
 from ._common.errors import CommandLineError as _UsageError
+from ._common.errors import first_line
 
 __all__ = ["main"]
 
@@ -33,13 +34,6 @@ _DASH_VALUE_OPTIONS = ("--budget", "--image-size", "--batch", "--cap", "--thresh
 
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
-
-
-def _first_line(exc: BaseException, limit: int = 200) -> str:
-    """``Type: first line of the message``, cut to ``limit`` characters."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 @contextlib.contextmanager
@@ -86,7 +80,7 @@ def _factory(spec: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's path
-        raise _UsageError(f"model {spec!r}: cannot import {module_name!r} ({_first_line(exc)}); "
+        raise _UsageError(f"model {spec!r}: cannot import {module_name!r} ({first_line(exc)}); "
                           f"check the module path and that it is importable here") from None
     found: Any = module
     for part in attr.split("."):
@@ -138,7 +132,7 @@ def _call_factory(spec: str, factory: Any, kwargs: dict[str, Any], what: str) ->
     except _UsageError:
         raise
     except Exception as exc:  # noqa: BLE001 - a factory's failure is reported, not dumped
-        raise _UsageError(f"{what} failed ({_first_line(exc)}); the factory must build the "
+        raise _UsageError(f"{what} failed ({first_line(exc)}); the factory must build the "
                           f"model with no arguments") from None
 
 
@@ -169,7 +163,7 @@ def _example_from(spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
         with torch.device("meta"):
             return split_inputs(maker())
     except Exception as exc:  # noqa: BLE001 - the user's function failed: one line
-        raise _UsageError(f"--example {spec!r} failed ({_first_line(exc)}); it must return "
+        raise _UsageError(f"--example {spec!r} failed ({first_line(exc)}); it must return "
                           f"a tensor, a tuple or a dict of inputs, with no arguments") from None
 
 
@@ -197,10 +191,10 @@ def _record(model: nn.Module, spec: str, size: int, example_spec: str | None
     except Exception as exc:  # noqa: BLE001 - the model's own failure, reported in one line
         if cannot_run_on_meta(exc):
             print(f"adaptmem plan: note: {spec} cannot run on the meta device "
-                  f"({_first_line(exc)}); units are in registration order, not execution "
+                  f"({first_line(exc)}); units are in registration order, not execution "
                   f"order", file=sys.stderr)
             return None, True
-        raise _UsageError(f"{spec} does not run on {what} ({_first_line(exc)}); "
+        raise _UsageError(f"{spec} does not run on {what} ({first_line(exc)}); "
                           f"{fix}") from None
 
 

@@ -17,7 +17,22 @@ __all__ = [
     "LoadError",
     "RankError",
     "oom_error_for",
+    "first_line",
+    "EXCEPTION_GROUP",
 ]
+
+# ``BaseExceptionGroup`` (Python 3.11+), None before: what ``asyncio.TaskGroup`` raises.
+EXCEPTION_GROUP: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
+
+
+def first_line(exc: BaseException, limit: int = 200, typed: bool = True) -> str:
+    """The first line of ``exc``'s message (``Type: ...`` when ``typed``), cut to ``limit``
+    characters; the type's name when the message is empty."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    text = f"{type(exc).__name__}: {lines[0]}" if typed else lines[0]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class AdaptmemError(RuntimeError):
@@ -90,8 +105,7 @@ def oom_error_for(original: BaseException) -> type[OutOfMemoryError]:
 def _oom_type(base: type[BaseException]) -> type[OutOfMemoryError]:
     if issubclass(base, OutOfMemoryError):
         return base
-    group = getattr(builtins, "BaseExceptionGroup", None)
-    if group is not None and issubclass(base, group):
+    if EXCEPTION_GROUP is not None and issubclass(base, EXCEPTION_GROUP):
         return OutOfMemoryError  # a group is built from its errors: the group is the cause
     with _oom_types_lock:
         cls = _oom_types.get(base)

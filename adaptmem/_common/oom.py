@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import gc
 import os
@@ -15,7 +14,7 @@ from contextvars import ContextVar
 import torch
 
 from .devices import empty_cache
-from .errors import OutOfMemoryError, Phase
+from .errors import EXCEPTION_GROUP, OutOfMemoryError, Phase
 
 __all__ = ["is_oom", "oom_phase", "owned_engines", "shrinks_size", "transfer_errors_shrink",
            "raised_by", "drop_frames", "free_caches", "OOM_MESSAGES"]
@@ -42,6 +41,11 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
 )
 
 
+# Python 3.11's exception groups (none before): an ``asyncio.TaskGroup``'s errors; their
+# members carry tracebacks of their own.
+_GROUPS: tuple[type, ...] = () if EXCEPTION_GROUP is None else (EXCEPTION_GROUP,)
+
+
 def _message_match(exc: BaseException) -> bool:
     for arg in exc.args:
         if isinstance(arg, str):
@@ -66,7 +70,7 @@ def is_oom(exc: BaseException) -> bool:
     # original that may be a plain RuntimeError (CPU allocator, MPS, cuBLAS, CUDA driver).
     if isinstance(exc, (torch.OutOfMemoryError, MemoryError, OutOfMemoryError)):
         return True
-    if _GROUP is not None and isinstance(exc, _GROUP):
+    if isinstance(exc, _GROUPS):
         # Tasks of an ``asyncio.TaskGroup`` (or ``except*`` code) fail as a group: one that
         # ran out of memory cancels the others, which the group does not hold. A group of
         # nothing but out-of-memory errors is one; one holding another error is not.
@@ -74,13 +78,10 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and _message_match(exc)
 
 
-_GROUP: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
-
-
 def oom_phase(exc: BaseException) -> Phase:
     """``Phase.TRANSFER`` if memory ran out while adaptmem moved weights, else
     ``Phase.COMPUTE`` (for a group, ``COMPUTE`` when any of its errors is)."""
-    if _GROUP is not None and isinstance(exc, _GROUP):
+    if isinstance(exc, _GROUPS):
         phases = {oom_phase(e) for e in getattr(exc, "exceptions", ())}
         return Phase.COMPUTE if Phase.COMPUTE in phases or not phases else Phase.TRANSFER
     return Phase(getattr(exc, "phase", Phase.COMPUTE))
@@ -126,7 +127,7 @@ def shrinks_size(exc: BaseException,
     ``OutOfMemoryError.beyond_device``)."""
     if not is_oom(exc):
         return False
-    if _GROUP is not None and isinstance(exc, _GROUP):  # each of its errors shrinks it
+    if isinstance(exc, _GROUPS):  # each of its errors shrinks it
         return all(shrinks_size(e, owned) for e in getattr(exc, "exceptions", ()))
     if oom_phase(exc) is not Phase.TRANSFER:
         return True
@@ -162,11 +163,6 @@ def drop_frames(exc: BaseException) -> None:
         pending += (link.__context__, link.__cause__)
         if isinstance(link, _GROUPS):
             pending += link.exceptions  # type: ignore[attr-defined]
-
-
-# Python 3.11's exception groups (none before): their members carry tracebacks of their own.
-_GROUPS: tuple[type, ...] = tuple(
-    t for t in (getattr(builtins, "BaseExceptionGroup", None),) if t is not None)
 
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -130,7 +130,7 @@ class PlacementGuard:
         # The tensors registered when the model was last taken as it is (placed or not), by
         # id; held, so that no new tensor takes a freed one's id (a weak reference would make
         # torch.utils.swap_tensors refuse them).
-        self._known = {id(r.tensor): r.tensor for r in registrations(model)}
+        self._known = _by_id(model)
         self._slots = {(id(r), a) for r, a in zip(self._registries, self._attrs, strict=True)}
         self._seen = _registrations[0]  # See [Note: a module put into a placed model]
         self.expect({n: t.data for n, t in tensors.items()})
@@ -238,7 +238,7 @@ class PlacementGuard:
         passed, self._passed = self._passed, False
         if passed and _registrations[0] != self._seen:  # what the forward put in: its own
             self._seen = _registrations[0]
-            self._known = {id(r.tensor): r.tensor for r in registrations(self._modules[""])}
+            self._known = _by_id(self._modules[""])
         if not passed or all(map(operator.is_, map(dict.get, self._registries, self._attrs),
                    self._registered)):
             return
@@ -332,6 +332,11 @@ class PlacementGuard:
 # integer and walks the model only after some registration. Deleting a module registers
 # nothing, and is taken as it is.
 _registrations = [0]
+
+
+def _by_id(model: nn.Module) -> dict[int, torch.Tensor]:
+    """Every tensor registered in ``model``, by id (see ``PlacementGuard._known``)."""
+    return {id(r.tensor): r.tensor for r in registrations(model)}
 
 
 def _registered(*args: Any) -> None:

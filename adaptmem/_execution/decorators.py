@@ -520,13 +520,12 @@ class _Batch(_Adaptive):
         stats.calls += 1
         fits = record.fits
         started = None
-        if fits is None or size > fits:  # it may fail: time it (see [Note: cheap counting])
-            if fits is not None:
+        probing = fits is not None and size > fits
+        if fits is None or probing:  # it may fail: time it (see [Note: cheap counting])
+            if probing:
                 log_probe(record, size, self._name, "batchsize", self._watch)
-            elif size != stats.last_size and stats.last_size is not None:  # a new bucket
-                log_moved(size, stats.last_size, self._name, "batchsize", self._watch)
             started = _clock()
-        elif size != stats.last_size and stats.last_size is not None:
+        if not probing and size != stats.last_size and stats.last_size is not None:
             log_moved(size, stats.last_size, self._name, "batchsize", self._watch)
         # The success path: one attempt, no closure, no gc, no probing.
         before = versions(args, kwargs)  # see [Note: arguments a retry passes again]

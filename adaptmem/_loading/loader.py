@@ -557,15 +557,13 @@ def _plan_load(
             else None
         if name is not None:
             keys.setdefault(name, []).append(key)
-    missing: list[str] = []
-    absent_groups: list[list[str]] = []
+    absent: list[list[str]] = []  # the keys of each tensor the checkpoint lacks
     mismatched: list[str] = []
     sources: dict[str, Entry] = {}
     for name, names in keys.items():
         present = [k for k in names if k in ckpt.entries]
         if not present:
-            missing.extend(names)
-            absent_groups.append(names)  # one tensor's keys: one of them found is enough
+            absent.append(names)
             continue
         shape = tuple(tensors[name].shape)
         for k in present:
@@ -579,10 +577,11 @@ def _plan_load(
     # BatchNorm's own loading gives a checkpoint from before num_batches_tracked (state-dict
     # version 1) the counter it lacks: the module's value stays, as load_state_dict keeps it
     # (one built on meta starts at 0: _unloaded).
-    missing = [k for k in missing if not _is_batch_counter(model, k)]
+    absent = [g for g in absent if not all(_is_batch_counter(model, k) for k in g)]
+    missing = [k for g in absent for k in g]
     # See [Note: extra state]
     restores = _extra_states(model)
-    absent = [k for k in restores if k not in ckpt.entries and k not in ckpt.extra_states]
+    no_extra = [k for k in restores if k not in ckpt.entries and k not in ckpt.extra_states]
     expected = {k for names in keys.values() for k in names} | set(restores)
     unexpected = [k for k in (*ckpt.entries, *ckpt.extra_states) if k not in expected]
     unreadable = [k for k in restores if _holds_unread(ckpt.extra_states.get(k))]
@@ -594,8 +593,7 @@ def _plan_load(
                       + ", ".join(f'"{k}"' for k in unexpected) + ". ")
     errors.extend(mismatched)
     if strict and missing and unexpected:
-        errors.extend(_prefix_hint(
-            [g for g in absent_groups if any(k in missing for k in g)], unexpected))
+        errors.extend(_prefix_hint(absent, unexpected))
     if strict and unreadable:
         errors.append(
             "extra state holding tensors inside another object (" + ", ".join(unreadable)
@@ -626,11 +624,11 @@ def _plan_load(
         logger.warning("adaptmem.load: extra state holding tensors inside another object is "
                        "not restored: %s. Load with model.load_state_dict to restore it",
                        ", ".join(unreadable))
-    if absent:  # a warning: a safetensors file cannot hold it, and the module keeps its own
+    if no_extra:  # a warning: a safetensors file cannot hold it; the module keeps its own
         logger.warning("adaptmem.load: the checkpoint has no extra state for %s; those modules "
                        "keep theirs (load_state_dict, with strict=True, would refuse it)",
-                       ", ".join(absent))
-    restores = {k: m for k, m in restores.items() if k not in absent and k not in unreadable}
+                       ", ".join(no_extra))
+    restores = {k: m for k, m in restores.items() if k not in no_extra and k not in unreadable}
     ignored = [k for k in unexpected if is_extra_state_key(k)]
     if ignored:
         logger.warning("adaptmem.load: extra state of modules that take none (no "
@@ -670,7 +668,7 @@ def _plan_load(
                                 f"tensor {current.numel()}; the handle does not match the model")
         dests[name] = dest
     stats = LoadStats(files=list(ckpt.files), format=ckpt.format,
-                      missing_keys=missing + absent, unexpected_keys=unexpected)
+                      missing_keys=missing + no_extra, unexpected_keys=unexpected)
     return dests, sources, stats, restores
 
 

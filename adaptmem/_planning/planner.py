@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from .._common.devices import parse_size
+from .._common.errors import first_line
 from .assignment import plan_placement
 from .peak import activation_report
 from .plan import Plan
@@ -110,9 +111,8 @@ def plan(
                 raise
             # A model on meta that reads values (detection's nonzero, a regnet's .item()):
             # the units are in registration order, and the plan says why.
-            said = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else (
-                type(exc).__name__)
-            unrecorded = (f"the model cannot run on the meta device ({said}); units are in "
+            unrecorded = (f"the model cannot run on the meta device "
+                          f"({first_line(exc, typed=False)}); units are in "
                           f"registration order: build it with real weights, or pass order= "
                           f"the modules' execution order")
             logger.info("adaptive.plan: %s", unrecorded)

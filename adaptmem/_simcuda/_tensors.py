@@ -1128,6 +1128,8 @@ def _map_tensors(fn: Any, out: Any) -> Any:
 
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
 _DEVICE_GUARD_ERROR = getattr(torch, "AcceleratorError", RuntimeError)
+
+
 def _backward(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     """``loss.backward()`` of a simulated device tensor: refused, saying why (autograd
     cannot run on the simulation), rather than torch's "does not require grad"."""
@@ -1149,8 +1151,9 @@ def _basic_index(index: Any) -> bool:
     return all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items)
 
 
+# ``t.data = ...`` reaches a mode as ``_DATA.__set__``: a method wrapper made anew at each
+# access, equal (and hashed) by what it wraps, so a handler can be keyed by one.
 _DATA = torch._C.TensorBase.data
-_METHOD_WRAPPER = types.MethodWrapperType
 
 
 def _is_cuda(device: Any) -> bool:
@@ -1252,17 +1255,13 @@ class Functions(TorchFunctionMode):
             torch.Tensor.tolist: _tolist,
             torch.Tensor.__format__: _format,
             torch.Tensor.backward: _backward,
+            _DATA.__set__: self._set_data,  # type: ignore[attr-defined]
         }
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return self.handle(func, args, kwargs or {})
 
     def handle(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        if func.__class__ is _METHOD_WRAPPER and func.__self__ is _DATA and (
-                func.__name__ == "__set__" and len(args) == 2  # ``t.data = ...``
-                and type(args[0]) is not SimTensor and isinstance(args[1], SimTensor)
-                and args[1].is_cuda):
-            self.sim.given_data[id(args[0])] = weakref.ref(args[0])  # see Tensors.let_go
         handler = self.handlers.get(func)
         if handler is not None:
             # Handlers call C bindings only (see [Note: the per-op cost of the simulation]).
@@ -1400,6 +1399,12 @@ class Functions(TorchFunctionMode):
             return x
         return aten._to_copy.default(x, dtype=dtype, device=device, non_blocking=non_blocking,
                                      memory_format=memory_format or torch.preserve_format)
+
+    def _set_data(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        target, data = args  # ``target.data = data``: see Tensors.let_go
+        if type(target) is not SimTensor and isinstance(data, SimTensor) and data.is_cuda:
+            self.sim.given_data[id(target)] = weakref.ref(target)
+        return func(*args, **kwargs)
 
     def _cuda(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         # ``Tensor.cuda(device=None, non_blocking=False, memory_format=preserve_format)``,
