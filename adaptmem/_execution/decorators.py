@@ -26,7 +26,7 @@ from .lazy import iterated, retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
 from .replay import Replay, StepReplay, versions
-from .retry import is_lazy, log_moved, log_probe, run_range, run_sized
+from .retry import is_lazy, log_moved, log_probe, relook_for, run_range, run_sized
 from .stats import Adaptation, CallStats, Watch
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
@@ -453,8 +453,9 @@ class _Adaptive:
     def _steps(self, body: Callable[[int, int], Any], start: int, end: int, record: Any,
                cache: BatchsizeCache, ranks: Ranks | None,
                deliver: Callable[[int, int, Any], None] | None = None,
-               probe: bool = False) -> list[Any]:
-        """Run ``body`` over ``[start, end)`` in steps: alone, or in step with ``ranks``."""
+               probe: bool = False, relook: Callable[[], Any] | None = None) -> list[Any]:
+        """Run ``body`` over ``[start, end)`` in steps: alone, or in step with ``ranks``
+        (``relook``: see ``run_sized``)."""
         progress = self._progress(end - start, ranks)
         try:
             if ranks is not None:
@@ -465,7 +466,7 @@ class _Adaptive:
             return run_range(body, start, end, record, initial=self.initial, floor=self.floor,
                              name=self._name, device=self.device, cache=cache,
                              deliver=deliver, probe=probe, watch=self._watch,
-                             progress=progress)
+                             progress=progress, relook=relook)
         finally:
             if progress is not None:
                 progress.close()
@@ -542,15 +543,17 @@ class _Batch(_Adaptive):
             if size != stats.last_size:
                 stats.saw(size)
             return result
+        relook = relook_for(cache, lambda: self._record(caller, bound)[1])
         result, size = run_sized(
             Replay(self, self._name, args, kwargs, before).wrap(
                 lambda s: func(*bound, s, *args, **kwargs), True), size, record,
             floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
-            watch=self._watch, started=started,
+            watch=self._watch, started=started, relook=relook,
         )
-        if is_lazy(result):
-            return self._lazy(result, size, record, cache, bound, args, kwargs)
+        if is_lazy(result):  # the record the retries moved to, if they did
+            return self._lazy(result, size, record if relook is None else relook(), cache,
+                              bound, args, kwargs)
         return result
 
     def _first_call(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -633,7 +636,8 @@ class _Range(_Adaptive):
                 lambda n: step(start, min(end, start + n)),
                 lambda: self._run(caller, args, kwargs, bound),
                 lambda: self._record(caller, bound)[1], end - start)
-        return self._steps(step, start, end, record, cache, ranks)
+        return self._steps(step, start, end, record, cache, ranks,
+                           relook=relook_for(cache, lambda: self._record(caller, bound)[1]))
 
     def _bounds_from_keywords(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -706,15 +710,17 @@ class _Chunked(_Adaptive):
             return self._first(lambda n: step(0, min(length, n)),  # type: ignore[no-any-return]
                                lambda: self._run(caller, args, kwargs, bound),
                                lambda: self._record(caller, bound)[1], length)
+        relook = relook_for(cache, lambda: self._record(caller, bound)[1])
         if self.output is None:
-            self._steps(step, 0, length, record, cache, ranks)
+            self._steps(step, 0, length, record, cache, ranks, relook=relook)
             return tensor
         writer = _ResultWriter(tensor, dim, self.output == "new", self._name)
         if length == 0 and writer.new:
             # As torch.cat([f(c) for c in x.split(n, dim)], dim) does: one call on the
             # empty chunk says what the output looks like.
             writer(0, 0, step(0, 0))
-        self._steps(step, 0, length, record, cache, ranks, deliver=writer, probe=True)
+        self._steps(step, 0, length, record, cache, ranks, deliver=writer, probe=True,
+                    relook=relook)
         if writer.new:
             assert writer.out is not None  # the empty case made one above
             return writer.out

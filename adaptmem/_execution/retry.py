@@ -18,7 +18,7 @@ from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
 from .stats import Watch
 
-__all__ = ["run_sized", "run_range", "shrink", "log_probe", "log_moved", "logger", "LAZY_TYPES",
+__all__ = ["run_sized", "run_range", "shrink", "relook_for", "log_probe", "log_moved", "logger", "LAZY_TYPES",
            "is_lazy"]
 
 logger = logging.getLogger("adaptmem")
@@ -92,6 +92,7 @@ def run_sized(
     started: float | None = None,
     counts_size: bool = True,
     short: bool = False,
+    relook: Callable[[], SizeRecord] | None = None,
 ) -> tuple[T, int]:
     """Call ``attempt(size)``; on an out-of-memory error in compute, shrink and call again.
 
@@ -106,7 +107,10 @@ def run_sized(
     leaves the size out of its sizes (``run_range`` counts its own). ``short``: ``size`` is
     less than was asked for because the work ends there (a range's last step), so a success
     at it before any failure says nothing about what fits (see
-    ``SizeRecord.after_short_success``).
+    ``SizeRecord.after_short_success``). ``relook`` returns the record the call would use
+    now: after a failure, once caches are emptied and free memory is read again, the
+    failure and what follows go to that record (see [Note: a failure filed where it
+    happened]).
     """
     tried: list[int] = []
     first = size
@@ -141,12 +145,31 @@ def run_sized(
             stats.failed(None if started is None else time.perf_counter() - started)
         # Out of the except block, so nothing keeps the failed attempt's frames alive.
         size = shrink(failure, size, tried, record, floor=floor, name=name, what=what,
-                      device=device, cache=cache, watch=watch)
+                      device=device, cache=cache, watch=watch, relook=relook)
+        if relook is not None:
+            record = relook()
         if stats is not None:
             stats.retried()
         failure = None
 
 
+def relook_for(cache: BatchsizeCache,
+               lookup: Callable[[], SizeRecord]) -> Callable[[], SizeRecord] | None:
+    """``lookup`` where ``cache`` files sizes by free memory (see [Note: a failure filed
+    where it happened]); None for other caches, whose record stays the call's record (a
+    ``NoBatchsizeCache`` makes a new one at every lookup)."""
+    return lookup if isinstance(cache, StacktraceMemoryBatchsizeCache) else None
+
+
+# [Note: a failure filed where it happened] The default cache reads free memory at most
+# every ``refresh_seconds`` (0.5 s), so a call made just after another tenant took memory
+# looks its record up under the reading from before. Filed there, its failure would lower
+# what is known to fit with more free memory than the call had: once the memory came back,
+# that bucket would climb again only by probes. So after a failure, once the failed
+# attempt's memory is let go and free memory is read again, the call looks its record up
+# anew (``relook``; ``relook_for`` gives it): the failure, the retries and the size that fits go to the bucket of the
+# memory the call really had. The batch and step searches do this; the ranks-in-step search
+# and a generator's or coroutine's retries keep the record they started with.
 def shrink(
     failure: BaseException,
     size: int,
@@ -159,9 +182,12 @@ def shrink(
     device: torch.device | None,
     cache: BatchsizeCache,
     watch: Watch | None = None,
+    relook: Callable[[], SizeRecord] | None = None,
 ) -> int:
     """After ``failure`` at ``size``: clear up and return the size to retry with, or raise
-    adaptmem's OutOfMemoryError (chaining ``failure``) when ``size`` is already the floor."""
+    adaptmem's OutOfMemoryError (chaining ``failure``) when ``size`` is already the floor.
+    ``relook``: the failure goes to the record it returns once free memory was read again,
+    not to ``record`` (see [Note: a failure filed where it happened])."""
     tried.append(size)
     if size <= floor:
         if watch is not None:
@@ -181,6 +207,8 @@ def shrink(
     free_caches(device)
     if isinstance(cache, StacktraceMemoryBatchsizeCache):
         cache.memory_changed()
+    if relook is not None:
+        record = relook()
     new_size = record.after_failure(size, floor)
     logger.info(
         "%s ran out of memory at %s=%d (%s); retrying with %s=%d",
@@ -206,6 +234,7 @@ def run_range(
     probe: bool = False,
     watch: Watch | None = None,
     progress: Progress | None = None,
+    relook: Callable[[], SizeRecord] | None = None,
 ) -> list[Any]:
     """Call ``body(s, e)`` over consecutive steps covering ``[start, end)`` once, in order.
 
@@ -214,7 +243,7 @@ def run_range(
     Results are collected in the returned list, or handed to ``deliver(s, e, result)`` once
     their step has succeeded (then the list stays empty). ``probe``: see
     [Note: probing a failed size] in ``_cache``. ``watch`` counts steps and reports
-    adaptations; ``progress`` shows the items done.
+    adaptations; ``progress`` shows the items done; ``relook``: see ``run_sized``.
     """
     results: list[Any] = []
     step = record.next_size(initial, floor, probe)
@@ -235,7 +264,7 @@ def run_range(
             result, used = run_sized(
                 attempt, span, record,
                 floor=min(floor, span), name=name, what="step", device=device, cache=cache,
-                watch=watch, counts_size=False, short=span < step,
+                watch=watch, counts_size=False, short=span < step, relook=relook,
             )
         except OutOfMemoryError as error:  # gave up: say where
             if at > start and error.args and isinstance(error.args[0], str):
@@ -254,6 +283,8 @@ def run_range(
         position += used
         if used < span:
             step = used
+            if relook is not None:  # the record run_sized moved to, for the next steps
+                record = relook()
         if progress is not None:
             progress.advance(used, step)
     return results

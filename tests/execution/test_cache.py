@@ -431,3 +431,49 @@ def test_a_retry_of_an_outer_function_shares_the_inner_call_site() -> None:
 
     assert outer() == (4, 1)
     assert [t for t in tries if t[0] == 4] == [(4, 1)]  # no search from 64 again
+
+
+@pytest.mark.parametrize("kind", ["batch", "range"])
+def test_a_failure_right_after_memory_was_taken_is_filed_under_what_was_free(
+        free, kind: str) -> None:
+    """Another tenant takes memory just before a call, within the time the cache reuses its
+    reading of free memory: the failure belongs to the memory the call had, so once the
+    memory is back the call runs its old size again at once, without a probe or a failure
+    (see [Note: a failure filed where it happened])."""
+    cache = adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=3600.0)  # never stale
+    ceiling = MemoryCeiling(100)
+    sizes: list[int] = []
+
+    if kind == "batch":
+        @adaptive.batch(initial_batchsize=64, cache=cache)
+        def work(batchsize: int) -> None:
+            ceiling.require(batchsize)
+            sizes.append(batchsize)
+
+        def call() -> None:
+            work()
+    else:
+        @adaptive.range(initial_step=64, cache=cache)
+        def work(start: int, end: int) -> None:
+            ceiling.require(end - start)
+            sizes.append(end - start)
+
+        def call() -> None:
+            work(0, 512)
+
+    # (free memory, capacity, whether the cache reads it anew): one call site for all.
+    phases = [(8 * GIB, 100, True),   # 64 fits with 8 GiB free
+              (GIB, 20, False),       # taken just now: the cache still reads 8 GiB
+              (8 * GIB, 100, True),   # given back, read anew (as after refresh_seconds)
+              (GIB, 20, True)]        # taken again, read anew: what fits there is known
+    seen = []
+    for free["bytes"], ceiling.capacity, read in phases:
+        if read:
+            cache.memory_changed()
+        ceiling.reset()
+        call()
+        seen.append((ceiling.attempts[0], list(ceiling.failures), sizes[-1]))
+    assert seen[0] == (64, [], 64)
+    assert seen[1][1][0] == 64 and seen[1][2] <= 20
+    assert seen[2] == (64, [], 64)  # not a probe up from what fitted with less
+    assert seen[3][0] <= 20 and seen[3][1] == []
