@@ -61,14 +61,18 @@ class CallStack(list[Frame]):
 
 
 class Hooks:
-    """One ``pre``/``post`` hook pair per module, added at most once."""
+    """One ``pre``/``post`` hook pair per module, added at most once. On ``root``, ``post``
+    runs before the forward hooks the model had: they see the outputs handed back, as
+    without a pager."""
 
-    __slots__ = ("pre", "post", "installed")
+    __slots__ = ("pre", "post", "installed", "root")
 
-    def __init__(self, pre: Callable[..., Any], post: Callable[..., Any]) -> None:
+    def __init__(self, pre: Callable[..., Any], post: Callable[..., Any],
+                 root: nn.Module | None = None) -> None:
         self.pre = pre
         self.post = post
         self.installed = HookSet()
+        self.root = root
 
     def add(self, module: nn.Module) -> None:
         """Hook ``module``, unless it is hooked already."""
@@ -77,7 +81,8 @@ class Hooks:
         self.installed.add(
             module,
             module.register_forward_pre_hook(self.pre, with_kwargs=True),
-            module.register_forward_hook(self.post, with_kwargs=True, always_call=True))
+            module.register_forward_hook(self.post, with_kwargs=True, always_call=True,
+                                         prepend=module is self.root))
 
     def remove(self, module: nn.Module) -> None:
         """Unhook ``module``, if it is hooked."""

@@ -158,7 +158,7 @@ class Pager(Engine):
         self._schedule = Schedule(prefetch, self._table)
         self._learner = Learner(self._modules, self._touch, self._quiet)
         self._refiner = Refiner(self._sizes, self.plan, self._stats, self._table, self)
-        self._hooks = Hooks(self._pre_hook, self._post_hook)
+        self._hooks = Hooks(self._pre_hook, self._post_hook, model)
         slots = self._table.slots
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
                                      self.made_by, self.handle_name, computes_on=self.device)

@@ -103,9 +103,12 @@ class Splitter(BoundaryHooks, Engine):
             model, tensors, self.made_by, self.handle_name,
             computes_on=only[0] if only is not None and only[1] is None else None)
         self._hold(self._modules.values(), tensors)
+        # The root's post hook runs before forward hooks the model had: they see the outputs
+        # handed back, as without a placement.
         self._hooks.add(model,
                         model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
-                        model.register_forward_hook(self._root_post, always_call=True))
+                        model.register_forward_hook(self._root_post, always_call=True,
+                                                    prepend=True))
 
     # -- public surface -------------------------------------------------------------------
     @property
@@ -232,7 +235,10 @@ class Splitter(BoundaryHooks, Engine):
     def _apply(self, units: Sequence[Unit]) -> None:
         """Move every tensor whose label changed (all or nothing), then point the guard and
         the boundary hooks at the new placement."""
-        self._placed.apply(units)
+        # Not inference tensors, even when the first call runs under inference_mode: the
+        # model must still run with autograd on afterwards.
+        with torch.inference_mode(False):
+            self._placed.apply(units)
         self._guard.expect({n: t.data for n, t in self._placed.tensors.items()})
         self._specs = module_specs(units, self._sizes, self._modules, self._targets,
                                    self._placed.original, self._placed.tensors)
