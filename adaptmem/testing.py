@@ -53,6 +53,8 @@ OOM_KINDS: dict[str, tuple[type[BaseException], tuple[str, ...]]] = {
         "other API call, so the stacktrace below might be incorrect.\nFor debugging consider "
         "passing CUDA_LAUNCH_BLOCKING=1\nCompile with `TORCH_USE_CUDA_DSA` to enable "
         "device-side assertions.\n",)),
+    "cuda-driver-api": (RuntimeError, (  # C10_CUDA_DRIVER_CHECK (c10/cuda/driver_api.h)
+        "CUDA driver error: out of memory",)),
     "hip": (torch.OutOfMemoryError, (
         "HIP out of memory. Tried to allocate {gib:.2f} GiB. GPU 0 has a total capacity of "
         "63.98 GiB of which 0 bytes is free. Of the allocated memory 62.10 GiB is allocated by "
@@ -90,8 +92,8 @@ OOM_KINDS: dict[str, tuple[type[BaseException], tuple[str, ...]]] = {
 def make_oom(kind: str = "cuda", nbytes: int = 2 * 1024**3) -> BaseException:
     """The exception a backend of ``kind`` raises when ``nbytes`` could not be allocated.
 
-    ``kind`` is one of ``OOM_KINDS``: cuda, cuda-runtime, cuda-driver, hip, mps, xpu, cublas,
-    cudnn, cudnn-alloc, cufft, cusolver, cusparse, cpu, python, two-args.
+    ``kind`` is one of ``OOM_KINDS``: cuda, cuda-runtime, cuda-driver, cuda-driver-api, hip,
+    mps, xpu, cublas, cudnn, cudnn-alloc, cufft, cusolver, cusparse, cpu, python, two-args.
     """
     try:
         exc_type, templates = OOM_KINDS[kind]

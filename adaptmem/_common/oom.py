@@ -23,7 +23,8 @@ __all__ = ["is_oom", "oom_phase", "owned_engines", "shrinks_size", "transfer_err
 # the exact words the backends print (checked against their sources and real failures).
 OOM_MESSAGES: tuple[tuple[str, str], ...] = (
     ("CUDA out of memory", "CUDA caching allocator"),
-    ("CUDA error: out of memory", "CUDA driver (AcceleratorError)"),
+    ("CUDA error: out of memory", "CUDA runtime (AcceleratorError)"),
+    ("CUDA driver error: out of memory", "CUDA driver API (C10_CUDA_DRIVER_CHECK)"),
     ("HIP out of memory", "ROCm caching allocator"),
     ("HIP error: out of memory", "ROCm driver"),
     ("MPS backend out of memory", "Apple MPS allocator"),

@@ -92,7 +92,7 @@ class Dispatched:
         weakref.finalize(self, _collected, placed, self.explorer).atexit = False
         self.one_at_a_time = threading.RLock()  # See [Note: calls from several threads]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
 
     def run(self, caller: Any, target: Any, args: tuple[Any, ...],
@@ -402,7 +402,7 @@ class _BoundDispatched:
         self._dispatched = dispatched
         self._bound = bound
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self._dispatched.run(sys._getframe(1), self._bound, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:

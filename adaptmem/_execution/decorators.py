@@ -496,7 +496,7 @@ class _Batch(_Adaptive):
         if self.group is not None:  # the success path of _run need not ask
             self._run = self._run_grouped  # type: ignore[method-assign]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
         return self._run(sys._getframe(1), args, kwargs, ())
@@ -611,7 +611,7 @@ class _Range(_Adaptive):
     def probes(self) -> bool:
         return False  # a failed step's writes are redone: see [Note: probing a failed size]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> list[Any]:
         if self._self_first:
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
         return self._run(sys._getframe(1), args, kwargs, ())
@@ -669,7 +669,7 @@ class _Chunked(_Adaptive):
     def probes(self) -> bool:
         return self.output is not None  # in place, a failed step's writes are redone
 
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._self_first:
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
         return self._run(sys._getframe(1), args, kwargs, ())
@@ -820,7 +820,7 @@ class _BoundAdaptive:
         return (f"<bound adaptive.{self._adaptive.kind} {self._adaptive._name} of "
                 f"{self._obj!r}>")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
 
     def call_from(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -1184,23 +1184,37 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
     return run
 
 
-def _execute_batch(*, initial_batchsize: int | None = None, **options: Any) -> Any:
+def _refuse_positional_size(form: str, sizes: tuple[Any, ...], head: str = "") -> None:
+    """toma's forms (``execute.batch(64)``) get the keyword to write instead."""
+    if sizes:
+        keyword = "initial_batchsize" if form == "batch" else "initial_step"
+        raise TypeError(
+            f"adaptive.execute.{form} takes its size as a keyword: write adaptive.execute."
+            f"{form}({head}{keyword}={sizes[0]!r})(fn), got {', '.join(map(repr, sizes))} as "
+            f"positional argument(s)")
+
+
+def _execute_batch(*sizes: Any, initial_batchsize: int | None = None, **options: Any) -> Any:
     """Decorate and run at once: ``execute.batch(initial_batchsize=128)(fn)`` calls
     ``fn(batchsize)`` and returns its result."""
+    _refuse_positional_size("batch", sizes)
     decorate = batch(initial_batchsize=initial_batchsize, **options)
     return _run_now(decorate, initial_batchsize, options, sys._getframe(1), ())
 
 
-def _execute_range(start: int, end: int, *, initial_step: int | None = None,
+def _execute_range(start: int, end: int, *sizes: Any, initial_step: int | None = None,
                    **options: Any) -> Any:
     """``execute.range(0, n, initial_step=64)(fn)`` runs ``fn(s, e)`` over ``[0, n)`` now."""
+    if sizes:
+        _refuse_positional_size("range", sizes, f"{start!r}, {end!r}, ")
     decorate = range(initial_step=initial_step, **options)
     return _run_now(decorate, initial_step, options, sys._getframe(1), (start, end))
 
 
-def _execute_chunked(tensor: torch.Tensor, *, initial_step: int | None = None,
+def _execute_chunked(tensor: torch.Tensor, *sizes: Any, initial_step: int | None = None,
                      **options: Any) -> Any:
     """``execute.chunked(t, initial_step=64, dimension=1)(fn)`` runs ``fn(chunk, s, e)`` now."""
+    _refuse_positional_size("chunked", sizes, "tensor, ")
     decorate = chunked(initial_step=initial_step, **options)
     return _run_now(decorate, initial_step, options, sys._getframe(1), (tensor,))
 

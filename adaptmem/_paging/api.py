@@ -58,7 +58,8 @@ def page(
             one module's own tensors: a budget smaller than those of some module is
             refused here.
         pin_memory: pin the host masters when the device is an accelerator.
-        output_device: where outputs go; None returns them on the inputs' device.
+        output_device: where outputs go; None returns them on the inputs' device (where
+            the model was, for a call without tensor inputs).
         _transfer: internal (tests, benchmarks): how host masters reach the device.
 
     Returns:

@@ -89,7 +89,8 @@ def _hand_back(inputs: MovedInputs | None, output: Any, device: torch.device,
                home: torch.device | None, output_device: torch.device | None) -> Any:
     """The end of the model's call: what its forward wrote into the inputs goes back to the
     caller (See [Note: what a forward writes into its inputs]); the outputs (None after a
-    failure) go to ``output_device``, else where the inputs came from (``home``)."""
+    failure) go to ``output_device``, else where the inputs came from (``home``; where the
+    model was for a call without tensor inputs, as in chunk and split)."""
     if inputs is not None:
         inputs.write_back(None if home is None or home == device else mover(home))
     target = output_device or home
@@ -133,9 +134,7 @@ class Pager(Engine):
                  prefetch: int, resident_bytes: int | None, device_budget: int | None,
                  pin_memory: bool, output_device: torch.device | None,
                  transfer: Transfer | None = None) -> None:
-        self.model, self.device = model, device
-        self.prefetch = prefetch
-        self.budget = device_budget
+        self.model, self.device, self.prefetch, self.budget = model, device, prefetch, device_budget
         self.output_device = output_device
         self._stats = PagingStats()
         self._sizes = module_sizes(model)
@@ -160,6 +159,7 @@ class Pager(Engine):
         self._refiner = Refiner(self._sizes, self.plan, self._stats, self._table, self)
         self._hooks = Hooks(self._pre_hook, self._post_hook, model)
         slots = self._table.slots
+        self._home = next((s.origin for s in slots.values()), torch.device("cpu"))  # _hand_back
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
                                      self.made_by, self.handle_name, computes_on=self.device)
         self._guard.on_new_data = self._adopt  # `weight.data = new` between calls
@@ -210,7 +210,7 @@ class Pager(Engine):
         if root:
             self._begin_call()
             self._stats.forwards += 1
-            self._input_device = first_tensor_device((args, kwargs))
+            self._input_device = first_tensor_device((args, kwargs)) or self._home
             # See [Note: what a forward writes into its inputs]
             self._inputs = inputs = MovedInputs(args, kwargs, mover(self.device))
             args, kwargs = inputs.args, inputs.kwargs

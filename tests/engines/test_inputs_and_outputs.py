@@ -439,3 +439,26 @@ def test_a_first_call_under_inference_mode_leaves_a_model_that_runs_with_autogra
     assert out.device.type == "cpu"
     if engine not in ENGINES or REAL_CUDA:  # the simulated device runs no autograd
         assert out.requires_grad
+
+
+class _Sampler(nn.Module):
+    """Takes a count, not a tensor: makes its own input where its weights are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, n: int) -> torch.Tensor:
+        return self.proj(torch.ones(n, 4, device=self.proj.weight.device))
+
+
+@run_if(cuda=True)
+@pytest.mark.parametrize("engine", ENGINE_NAMES)
+def test_outputs_of_a_call_without_tensor_inputs_come_back_where_the_model_was(
+        engine: str) -> None:
+    model = _seeded(_Sampler)
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(3)
+        with ENGINES[engine](model):
+            out = model(3)
+    assert out.device.type == "cpu" and _matches(out, expected)

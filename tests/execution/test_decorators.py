@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import re
 import sys
 import threading
 import weakref
@@ -12,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 
 import adaptmem._execution.retry as retry_module
 from adaptmem import OutOfMemoryError, adaptive
@@ -1484,3 +1486,35 @@ def test_a_range_step_that_returns_an_iterator_is_refused() -> None:
 
     with pytest.raises(TypeError, match=r"returned a map.*Return a list"):
         fill(0, 8)
+
+
+def test_toma_style_positional_sizes_in_the_execute_forms_say_which_keyword_to_write() -> None:
+    for call, written in [
+            (lambda: adaptive.execute.batch(64), "adaptive.execute.batch(initial_batchsize=64)"),
+            (lambda: adaptive.execute.range(0, 100, 64),
+             "adaptive.execute.range(0, 100, initial_step=64)"),
+            (lambda: adaptive.execute.chunked(torch.ones(10), 64),
+             "adaptive.execute.chunked(tensor, initial_step=64)")]:
+        with pytest.raises(TypeError, match=re.escape(written)):
+            call()
+
+
+@pytest.mark.parametrize("kind", ["batch", "range", "chunked", "batch, model="])
+def test_a_keyword_named_self_reaches_the_function(kind: str) -> None:
+    """toma's and accelerate's wrappers pass ``**kwargs`` on whatever their names."""
+    got = []
+    if kind.startswith("batch"):
+        options = {"model": nn.Linear(2, 2).eval()} if "model" in kind else {}
+
+        @adaptive.batch(initial_batchsize=4, **options)
+        def work(batchsize: int, self: Any = None) -> None:
+            got.append(self)
+
+        work(self="x")
+    elif kind == "range":
+        adaptive.range(initial_step=4)(lambda start, end, self=None: got.append(self))(
+            0, 8, self="x")
+    else:
+        adaptive.chunked(initial_step=4)(lambda c, s, e, self=None: got.append(self))(
+            torch.zeros(8), self="x")
+    assert got and set(got) == {"x"}
