@@ -5,31 +5,33 @@ its master in host memory, and while the tensor is needed on the device, the dev
 (``state``: on the host only, a copy on its way, or loaded into ``tensor.data``).
 
 [Note: packed masters]
-A paged model with many small tensors (ResNet-101: 626 tensors in 47 units, a
-convolution's weights 16 KiB to 9 MiB) paid for every tensor's copy on its own: an
-allocation, a copy launched on the side stream and a ``record_stream``. On an H200 its
-forward took 3.1x its bound at batch 1, about 38 us of host time per copy, where GPT-2-XL,
-whose units hold a few large tensors, ran at 1.16x. So where masters are pinned for an
-accelerator, the masters of each unit are made as views of one pinned buffer (a "pack"),
-back to back in slot order, each starting at a multiple of PACK_ALIGN bytes (what
-``cudaMalloc`` guarantees, so that no kernel sees a less aligned weight than it would
-alone). A fetch then copies each run of slots that lie back to back in one pack with one
+A paged model with many small tensors (ResNet-101: 626 tensors in 47 units, a convolution's
+weights 16 KiB to 9 MiB) paid for every tensor's copy on its own: an allocation, a copy
+launched on the side stream and a ``record_stream``. On an H200 its forward took 3.1x its
+bound at batch 1, about 38 us of host time per copy, where GPT-2-XL, whose units hold a few
+large tensors, ran at 1.16x. So where masters are pinned for an accelerator, the masters of
+each unit are made as views of one pinned buffer (a "pack"), back to back in slot order,
+each starting at a multiple of PACK_ALIGN bytes (what ``cudaMalloc`` guarantees, so that no
+kernel sees a less aligned weight than it would alone). A unit's tensors of another dtype
+(a BatchNorm's ``num_batches_tracked``) get a pack of their own: ``torch.save`` refuses one
+storage viewed as two dtypes, and ``state_dict()`` of a paged model holds views of the
+packs. A fetch then copies each run of slots that lie back to back in one pack with one
 allocation and one copy, and hands out views of that block (``packed_runs``; the transfer
-does the rest). Resident units are copied tensor by tensor, once: a trace predicting
-peak memory counts a view of a weight already on the device as its storage's bytes (its
-input was real, and the fake view has a storage of its own), and that storage must be the
-weight, not its unit. The padding is at most PACK_ALIGN - 1 bytes a tensor, less than the 512
-bytes a block of the caching allocator is rounded to. Tensors another unit borrows (ties),
-and units of one tensor, are not packed: a block lives while any of its views does, so a
-tensor held longer than its unit would keep its whole block on the device. For the same
-reason a view of a paged weight or buffer that outlives the forward (part of an output
-the caller keeps, or saved for a backward) holds its unit's whole block, outside the
-pager's count of bytes held: clone what is kept (resident weights are on their own). The masters of
-a unit share one storage while the model is placed (``state_dict()`` then holds views of
-it); ``remove()`` lays every tensor out in its storage as before placement (see [Note:
-storages rebuilt on restore] in ``storages.py``). Building the packs copies
-each tensor once, straight into pinned memory, where pinning tensor by tensor made a
-pageable CPU copy first for tensors on a device.
+does the rest). Resident units are copied tensor by tensor, once: a trace predicting peak
+memory counts a view of a weight already on the device as its storage's bytes (its input
+was real, and the fake view has a storage of its own), and that storage must be the weight,
+not its unit. The padding is at most PACK_ALIGN - 1 bytes a tensor, less than the 512 bytes
+a block of the caching allocator is rounded to. Tensors another unit borrows (ties), and
+units of one tensor, are not packed: a block lives while any of its views does, so a tensor
+held longer than its unit would keep its whole block on the device. For the same reason a
+view of a paged weight or buffer that outlives the forward (part of an output the caller
+keeps, or saved for a backward) holds its unit's whole block, outside the pager's count of
+bytes held: clone what is kept (resident weights are on their own). The masters of a unit
+of one dtype share one storage while the model is placed (``state_dict()`` then holds views
+of it); ``remove()`` lays every tensor out in its storage as before placement (see [Note:
+storages rebuilt on restore] in ``storages.py``). Building the packs copies each tensor
+once, straight into pinned memory, where pinning tensor by tensor made a pageable CPU copy
+first for tensors on a device.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from torch import nn
 from .._common.devices import stream_module
 from .._planning import ModuleSizes
 from .storages import StorageLayout
+from .transfer import Run
 
 __all__ = ["HOST", "LOADED", "PACK_ALIGN", "PENDING", "Slot", "SlotState", "make_slots",
            "packed_runs"]
@@ -174,13 +177,17 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
 def _packs(tensors: dict[str, torch.Tensor], groups: Sequence[Sequence[str]],
            ) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int]]:
     """``{name: (master, pack, offset, end)}`` for the tensors of ``groups`` packed into one
-    pinned buffer per group, in ``tensors``' order, their values copied in (see [Note:
-    packed masters]). A group whose buffer cannot be pinned is left out."""
+    pinned buffer per group and dtype, in ``tensors``' order, their values copied in (see
+    [Note: packed masters]). A group whose buffer cannot be pinned is left out."""
     rank = {n: i for i, n in enumerate(tensors)}
+    by_dtype: dict[tuple[int, torch.dtype], list[str]] = {}  # one pack per dtype of a group
+    for i, group in enumerate(groups):
+        for n in group:
+            if n in tensors and tensors[n].numel():
+                by_dtype.setdefault((i, tensors[n].dtype), []).append(n)
     out = {}
-    for group in groups:
-        names = sorted((n for n in group if n in tensors and tensors[n].numel()),
-                       key=rank.__getitem__)
+    for same in by_dtype.values():
+        names = sorted(same, key=rank.__getitem__)
         if len(names) < 2:
             continue
         layout = []
@@ -208,22 +215,27 @@ def _packs(tensors: dict[str, torch.Tensor], groups: Sequence[Sequence[str]],
     return out
 
 
-def packed_runs(slots: Sequence[Slot]) -> list[tuple[int, int, torch.Tensor, int, int]]:
-    """``(i, j, pack, start, end)`` for each run ``slots[i:j]`` of two or more slots whose
-    masters lie back to back in one pack, bytes ``[start, end)`` of it: one copy each (see
-    [Note: packed masters])."""
-    runs = []
-    i, n = 0, len(slots)
-    while i < n:
-        s = slots[i]
+def packed_runs(slots: Sequence[Slot]) -> list[Run]:
+    """``(indices, pack, start, end)`` for each run of two or more of ``slots`` whose masters
+    lie back to back in one pack, bytes ``[start, end)`` of it: one copy each (see [Note:
+    packed masters]). A unit's packs interleave in slot order (a BatchNorm's int64 counter
+    between float tensors), so a run's slots need not be neighbours in ``slots``."""
+    runs: list[Run] = []
+    # The run being extended in each pack: [indices, pack, start, end], by id(pack).
+    growing: dict[int, list[Any]] = {}
+    for k, s in enumerate(slots):
         pack = s.pack
-        j = i + 1
-        if pack is not None:
-            end = s.end
-            while j < n and slots[j].pack is pack and slots[j].offset == end:
-                end = slots[j].end
-                j += 1
-            if j - i > 1:
-                runs.append((i, j, pack, s.offset, end))
-        i = j
+        if pack is None:
+            continue
+        run = growing.get(id(pack))
+        if run is not None and run[3] == s.offset:
+            run[0].append(k)
+            run[3] = s.end
+            continue
+        if run is not None and len(run[0]) > 1:
+            runs.append((tuple(run[0]), pack, run[2], run[3]))
+        growing[id(pack)] = [[k], pack, s.offset, s.end]
+    for indices, pack, start, end in growing.values():
+        if len(indices) > 1:
+            runs.append((tuple(indices), pack, start, end))
     return runs

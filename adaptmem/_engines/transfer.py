@@ -17,8 +17,9 @@ from .._common.devices import stream_module
 
 __all__ = ["Run", "Transfer", "SyncTransfer", "StreamTransfer", "transfer_for"]
 
-# (i, j, pack, start, end): hosts[i:j] lie back to back in bytes [start, end) of pack.
-Run = tuple[int, int, torch.Tensor, int, int]
+# (indices, pack, start, end): the hosts at ``indices``, in that order, lie back to back in
+# bytes [start, end) of pack.
+Run = tuple[tuple[int, ...], torch.Tensor, int, int]
 
 
 class Transfer:
@@ -172,11 +173,11 @@ def _run_copies(hosts: Sequence[torch.Tensor], runs: Sequence[Run],
     """Copies of the hosts in ``runs``, each run in one block on ``device`` and one copy, as
     views with the hosts' shapes and strides; None for the others."""
     copies: list[torch.Tensor | None] = [None] * len(hosts)
-    for i, j, pack, start, end in runs:
+    for indices, pack, start, end in runs:
         block = torch.empty(end - start, dtype=torch.uint8, device=device)
         block.copy_(pack[start:end], non_blocking=True)
         typed: dict[torch.dtype, torch.Tensor] = {}
-        for k in range(i, j):
+        for k in indices:
             h = hosts[k]
             view = typed.get(h.dtype)
             if view is None:
