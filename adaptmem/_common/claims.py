@@ -25,7 +25,7 @@ from torch import nn
 from .errors import PlacementError
 
 __all__ = ["Owner", "claim", "release", "holder", "holders", "held_for", "owner_of",
-           "refuse_if_held", "check_placeable"]
+           "refuse_if_held", "check_placeable", "refuse_compiled"]
 
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 # id(tensor) -> (weak reference to the handle, the tensor's name in the handle's model): See
@@ -166,6 +166,19 @@ def refuse_training(engine: str, modules: Iterable[tuple[str, nn.Module]], fix: 
             f"{engine} is for inference, but {len(training)} module(s) are in training "
             f"mode{when} (first: {training[0]!r}); {fix}"
         )
+
+
+def refuse_compiled(model: nn.Module, engine: str) -> None:
+    """Refuse a ``torch.compile`` wrapper for an engine that swaps weights between calls
+    (``page``): the compiled code holds on to the tensors it was traced with."""
+    inner = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        raise PlacementError(
+            f"{engine} got a torch.compile'd model ({type(inner).__name__} inside torch's "
+            f"OptimizedModule): the pager swaps weights in and out at every call, which "
+            f"compiled code does not follow. Pass the module it wraps, uncompiled "
+            f"(compiled._orig_mod), and call that one; adaptive.chunk and adaptive.split, "
+            f"which keep a placement fixed, take the compiled model")
 
 
 def check_placeable(model: Any, engine: str, allow_meta: bool = False,

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
-from .._common.claims import check_placeable, held_for
+from .._common.claims import check_placeable, held_for, refuse_compiled
 from .._common.devices import default_device, format_bytes, free_memory, resolve_device
 from .._common.errors import PlacementError
 from .._common.tree import calls_in_progress
@@ -128,6 +128,7 @@ def check_models(model: Any, decorator: str) -> tuple[nn.Module, ...]:
         # Held for another decorated function: checked at the first call, which it may
         # not outlive (a notebook cell defining the function again).
         check_placeable(m, f"{decorator}(model=...)", owned_ok=True)
+        refuse_compiled(m, f"{decorator}(model=...)")  # it may page the model
         lazy = [n for n, p in m.named_parameters() if isinstance(p, UninitializedParameter)]
         if lazy:
             raise PlacementError(

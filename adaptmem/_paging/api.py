@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._common.claims import check_placeable
+from .._common.claims import check_placeable, refuse_compiled
 from .._common.devices import capacity, format_bytes, parse_size, resolve_device
 from .._engines.transfer import Transfer
 from .._planning import ModuleSizes, Unit, module_sizes, paging_units
@@ -86,6 +86,7 @@ def page(
         True
     """
     check_placeable(model, "adaptive.page")
+    refuse_compiled(model, "adaptive.page")
     dev = resolve_device(device, "device")
     out_dev = None if output_device is None else resolve_device(output_device, "output_device")
     units = None if unit_bytes is None else _size_option(unit_bytes, "unit_bytes")

@@ -1659,3 +1659,15 @@ def test_a_second_thread_forward_is_refused_while_one_runs() -> None:
         first.join(10)
         torch.testing.assert_close(results[0], want, rtol=0, atol=0)
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)  # and from this thread
+
+
+@pytest.mark.parametrize("where", ["page", "model="])
+def test_a_compiled_model_is_refused_naming_the_module_inside(where: str) -> None:
+    model = nn.Sequential(nn.Linear(4, 4)).eval()
+    compiled = torch.compile(model, backend="eager")  # compiles nothing until called
+    with pytest.raises(PlacementError, match=r"torch.compile'd model \(Sequential.*_orig_mod"):
+        if where == "page":
+            adaptive.page(compiled, "cpu")
+        else:
+            adaptive.batch(initial_batchsize=2, model=compiled)(lambda batchsize: None)
+    assert not model._forward_pre_hooks and not compiled._forward_pre_hooks  # nothing held
