@@ -6,7 +6,8 @@ no storage, and a wrapper made for one would be a dense tensor of its shape, so 
 that would make one on the device is refused (``refuse_layout``) rather than densified.
 An op whose only kernel is CUDA's, with no CPU equivalent in the simulation (_kernels.py),
 is refused by name (``no_cpu_kernel``), not with torch's "Could not run ... with arguments
-from the 'CPU' backend", which names the wrong device."""
+from the 'CPU' backend", which names the wrong device. An op with kernels for the CPU only
+is refused on device tensors as CUDA refuses it (``no_cuda_kernel``), not run in silence."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SimulatedCudaError", "no_cpu_kernel", "refuse_layout"]
+__all__ = ["SimulatedCudaError", "no_cpu_kernel", "no_cuda_kernel", "refuse_layout"]
 
 
 class SimulatedCudaError(RuntimeError):
@@ -52,6 +53,15 @@ def no_cpu_kernel(func: Any, index: int) -> SimulatedCudaError:
         f"simulated CUDA: {_name(func)} has only a CUDA kernel, and the simulation has no CPU "
         f"equivalent for it, so it cannot run on cuda:{index}.{hint} Run this code on a real "
         f"GPU, or report the op so that an equivalent can be added")
+
+
+def no_cuda_kernel(func: Any) -> NotImplementedError:
+    """What CUDA raises for op ``func`` on device tensors when it has kernels for the CPU
+    only (a dynamic quantized linear): torch's own error, with its words."""
+    return NotImplementedError(
+        f"Could not run '{_name(func)}' with arguments from the 'CUDA' backend (simulated "
+        f"CUDA, as a real GPU): the op has kernels for the CPU only. Run it on the CPU "
+        f"(keep that module and its inputs there), or use an op with a CUDA kernel")
 
 
 def _name(what: Any) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import sys
 import warnings
 from typing import Any
 
@@ -63,6 +64,7 @@ class SimulatedCuda:
             _pin_in_loader_threads(tensors, self._patches)
             install_storages(tensors, self._patches)
             _refuse_autocast(self._patches)
+            _data_parallel(self._patches)
             # See [Note: kernels CUDA picks by device type] in _kernels.py.
             self._patches.setting(torch._C._get_cudnn_enabled, torch._C._set_cudnn_enabled,
                                   False)
@@ -143,6 +145,44 @@ def _refuse_autocast(patches: Patches) -> None:
     patches.set(cls, "__init__", __init__)
 
 
+def _data_parallel(patches: Patches) -> None:
+    """``nn.DataParallel`` scatters its inputs in C++ (``torch._C._scatter``) on background
+    streams of CUDA's own, which the simulation's streams are not: the chunks are copied
+    with ``.to()`` instead, and the background streams torch asks for are new simulated
+    ones each time (torch keeps its own for the life of the process, which would outlive
+    the simulation). Replicas on several devices run in threads, where the simulation is
+    not active: refused with a ``SimulatedCudaError``."""
+    from torch.cuda._utils import _get_device_index
+    from torch.nn.parallel import _functions, comm
+
+    # The module, not the function of the same name that torch.nn.parallel exports.
+    data_parallel = sys.modules["torch.nn.parallel.data_parallel"]
+
+    def scatter(tensor: torch.Tensor, devices: Any = None, chunk_sizes: Any = None,
+                dim: int = 0, streams: Any = None, *, out: Any = None) -> tuple[Any, ...]:
+        if out is not None or devices is None:
+            raise SimulatedCudaError("simulated CUDA: comm.scatter(out=...) is not simulated; "
+                                     "give devices= and take the chunks it returns")
+        indices = [_get_device_index(d, True) for d in devices]
+        chunks = (tensor.split(list(chunk_sizes), dim) if chunk_sizes is not None
+                  else tensor.chunk(len(indices), dim))
+        return tuple(c.to(torch.device("cuda", i)) for c, i in zip(chunks, indices, strict=True))
+
+    original = data_parallel.replicate
+
+    def replicate(network: Any, devices: Any, detach: bool = False) -> Any:
+        if len(devices) > 1:
+            raise SimulatedCudaError(
+                f"simulated CUDA: nn.DataParallel over {len(devices)} devices runs a replica "
+                f"per device in a thread of its own, where the simulation is not active; "
+                f"test it with one device (device_ids=[0]) or on real GPUs")
+        return original(network, devices, detach)
+
+    patches.set(_functions, "_get_stream", lambda device: torch.Stream(device))
+    patches.set(comm, "scatter", scatter)
+    patches.set(data_parallel, "replicate", replicate)
+
+
 def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:
     """A DataLoader with ``pin_memory=True`` and workers pins in a thread of its own, where
     the simulation's modes are not active: there, pinning runs under modes of its own."""
@@ -184,7 +224,8 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
 
     Not simulated: kernel speed (ops run at CPU speed), memory fragmentation, real bus
     behaviour beyond a fixed bandwidth, autograd (every op on simulated tensors runs under
-    ``no_grad``), other threads (the simulation is active in the thread that entered it),
+    ``no_grad``), other threads (the simulation is active in the thread that entered it;
+    ``nn.DataParallel`` over several devices, whose replicas run in threads, is refused),
     ``torch.compile``, custom CUDA kernels, cuDNN (the device has none:
     ``torch.backends.cudnn.enabled`` is False inside the block, and torch takes its own
     CUDA kernels, as a build without cuDNN does) and sparse tensors (making one on the

@@ -90,7 +90,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .._common.peak import count_allocation, fake_mode, register_allocations, register_fakes
-from ._errors import SimulatedCudaError, no_cpu_kernel, refuse_layout
+from ._errors import SimulatedCudaError, no_cpu_kernel, no_cuda_kernel, refuse_layout
 from ._kernels import CPU_EQUIVALENT, pack_padded_sequence
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimState
@@ -778,6 +778,8 @@ class Dispatch(TorchDispatchMode):
         resizes = _RESIZES.get(func)
         if resizes is None:
             resizes = _RESIZES[func] = _can_resize(func)
+        if _host_only(func):  # a real GPU has no kernel for it either
+            raise no_cuda_kernel(func)
         grown: dict[int, int] = {}
         try:
             if resizes and func not in _SETS and fake_mode() is None:
@@ -1177,6 +1179,22 @@ def _storage_key(t: torch.Tensor) -> int:
     return int(storage.data_ptr())
 _no_python_dispatch = torch._C._DisableTorchDispatch
 _has_cpu_kernel = torch._C._dispatch_has_computed_kernel_for_dispatch_key
+# A build of torch for the CPU only registers no CUDA kernel at all: nothing can be told.
+_CUDA_KERNELS = _has_cpu_kernel("aten::add.Tensor", "CUDA")
+_HOST_ONLY: dict[Any, bool] = {}
+
+
+def _host_only(func: Any) -> bool:
+    """Whether op ``func`` has kernels for the CPU and none for CUDA (a dynamic quantized
+    linear): a GPU refuses it on device tensors, so the simulation does too. Asked once
+    per op (see [Note: the per-op cost of the simulation])."""
+    known = _HOST_ONLY.get(func)
+    if known is None:
+        name = func.name()
+        known = _HOST_ONLY[func] = (_CUDA_KERNELS and func not in CPU_EQUIVALENT
+                                    and not _has_cpu_kernel(name, "CUDA")
+                                    and _has_cpu_kernel(name, "CPU"))
+    return known
 # Factories that draw no random numbers and return one tensor.
 _PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
                     torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_strided,

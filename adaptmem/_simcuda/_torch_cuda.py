@@ -298,6 +298,7 @@ def accelerator_functions(state: SimState, cuda: dict[str, Any]) -> dict[str, An
         "current_device_idx": cuda["current_device"],
         "set_device_index": set_index,
         "set_device_idx": set_index,
+        "device_index": cuda["device"],  # a context manager, as torch.cuda.device
         "synchronize": cuda["synchronize"],
         "current_stream": cuda["current_stream"],
         "set_stream": cuda["set_stream"],

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from typing import Any
 
 import pytest
@@ -1300,3 +1301,17 @@ def test_copy_of_a_parameter_and_an_out_binding_behave_as_on_cuda() -> None:
         o = torch.empty(0, dtype=torch.long, device="cuda")  # (a non-empty one warns on CUDA)
         r = torch.nonzero(a > 0, out=o)  # a binding with the device guard, out= given
         assert r is o and o.shape == (3, 1) and o.cpu().flatten().tolist() == [0, 2, 3]
+
+
+def test_an_op_with_cpu_kernels_only_is_refused_on_the_device_as_cuda_refuses_it() -> None:
+    """A dynamically quantized linear has no CUDA kernel: a GPU raises, so a paged or
+    chunked quantized model must not pass its tests on the simulation in silence."""
+    with warnings.catch_warnings():  # torch deprecates eager quantization for torchao
+        warnings.simplefilter("ignore")
+        model = torch.ao.quantization.quantize_dynamic(
+            nn.Sequential(nn.Linear(4, 4)), {nn.Linear}, dtype=torch.qint8).eval()
+    x = torch.randn(2, 4)
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        with pytest.raises(NotImplementedError, match=r"linear_dynamic.*'CUDA' backend"):
+            model(x.cuda())
+        assert model(x).device.type == "cpu"  # on the host it runs

@@ -90,3 +90,28 @@ def test_pinning_under_inference_mode_as_a_dataloader_does() -> None:
         for x, _ in DataLoader(data, batch_size=4, pin_memory=True):
             assert x.is_pinned()
             assert x.to("cuda", non_blocking=True).is_cuda
+
+
+def test_data_parallel_on_one_device_runs_and_on_two_is_refused_by_name() -> None:
+    from torch.nn.parallel import _functions, comm
+
+    torch.manual_seed(0)
+    linear = nn.Linear(4, 4).eval()
+    x = torch.randn(6, 4)
+    with torch.no_grad():
+        expected = linear(x)
+    before = (comm.scatter, _functions._get_stream)
+    with simulated_cuda(devices=2, total_memory="64MiB"):
+        with torch.accelerator.device_index(1):
+            assert torch.cuda.current_device() == 1
+        assert torch.cuda.current_device() == 0
+        one = nn.DataParallel(linear, device_ids=[0])
+        with torch.no_grad():
+            out = one(x)  # the input scattered from the host, as on a GPU
+        assert out.device == torch.device("cuda", 0)
+        assert torch.equal(out.cpu(), expected)
+        two = nn.DataParallel(nn.Linear(4, 4).cuda(), device_ids=[0, 1])
+        with pytest.raises(SimulatedCudaError, match="DataParallel over 2 devices"):
+            two(x)
+    assert (comm.scatter, _functions._get_stream) == before
+    assert _functions._streams is None  # no simulated stream kept past the block
