@@ -1,6 +1,7 @@
 """The namespace users import: ``from adaptmem import adaptive``. Re-exports only."""
 
 from . import cpu_memory
+from ._common.claims import public_holder as holder
 from ._common.errors import (
     AdaptmemError,
     LoadError,
@@ -52,6 +53,7 @@ __all__ = [
     "execute",
     "explicit",
     "get_default_cache",
+    "holder",
     "is_oom",
     "load",
     "memory_stats",

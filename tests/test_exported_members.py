@@ -19,7 +19,7 @@ def test_the_adaptive_namespace_exports_the_designed_api() -> None:
         "GlobalBatchsizeCache", "LoadError", "NoBatchsizeCache", "OutOfMemoryError", "Pager",
         "Plan", "PlacementError", "RankError", "Splitter",
         "StacktraceMemoryBatchsizeCache", "batch", "chunk", "chunked", "cpu_memory",
-        "empty_model", "execute", "explicit", "get_default_cache", "is_oom", "load",
+        "empty_model", "execute", "explicit", "get_default_cache", "holder", "is_oom", "load",
         "memory_stats", "microbatches", "page", "plan", "range", "set_default_cache", "spill", "split",
     ])
     for name in adaptive.__all__:

@@ -25,7 +25,8 @@ from torch import nn
 from .errors import PlacementError
 
 __all__ = ["Owner", "claim", "release", "holder", "holders", "held_for", "owner_of",
-           "refuse_if_held", "check_placeable", "refuse_compiled"]
+           "refuse_if_held", "check_placeable", "refuse_compiled", "public_holder",
+           "LOST_HANDLE"]
 
 _CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 # id(tensor) -> (weak reference to the handle, the tensor's name in the handle's model): See
@@ -92,6 +93,32 @@ def holder(model: nn.Module) -> Any:
     return None
 
 
+def public_holder(model: nn.Module) -> Any:
+    """The ``Pager``, ``Chunker`` or ``Splitter`` holding ``model`` or a module inside it,
+    or None: for a handle dropped by ``adaptive.page(model, ...)`` written as a bare
+    statement (pytorch-optimem's habit), so that it can still be removed.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
+
+    Example:
+        >>> import torch
+        >>> from adaptmem import adaptive
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 4)).eval()
+        >>> adaptive.page(net, "cpu")  # the handle is not kept
+        Pager(device='cpu', units=1, paged=0 B, resident=80 B)
+        >>> adaptive.holder(net).remove()
+        >>> adaptive.holder(net) is None
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"adaptive.holder takes a torch.nn.Module, got {type(model).__name__}")
+    return holder(model)
+
+
+LOST_HANDLE = "adaptive.holder(model) returns it if you no longer have it"
+
+
 def holders(model: nn.Module) -> list[Any]:
     """Every handle holding ``model`` or a module inside it, each once, in module order."""
     found: dict[int, Any] = {}
@@ -138,8 +165,8 @@ def refuse_if_held(model: nn.Module, owned_ok: bool = False) -> None:
     kind = getattr(handle, "held_as", "placed")  # engines say what they hold a model as
     by = getattr(handle, "made_by", type(handle).__name__)
     held_model = getattr(handle, "model", None) or getattr(handle, "_model", None)
-    fix = (f"call .remove() on that {type(handle).__name__} first" if owner is None
-           else owner.fix())
+    fix = (f"call .remove() on that {type(handle).__name__} first ({LOST_HANDLE})"
+           if owner is None else owner.fix())
     if shared is not None:
         _, name, theirs = shared
         raise PlacementError(

@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from .._common.claims import refuse_training
+from .._common.claims import LOST_HANDLE, refuse_training
 from .._common.errors import PlacementError
 from .._common.tree import registrations
 
@@ -72,7 +72,8 @@ class NotCopyable:
             f"cannot copy or pickle a model while {self.made_by} holds it (copy.deepcopy, "
             f"torch.save of the whole model): its tensors are the placed ones and its hooks "
             f"belong to this {type(self).__name__}. Call {self.handle_name}.remove() first (the "
-            f"model is then exactly as before), copy or save it, and place it again"
+            f"model is then exactly as before; {LOST_HANDLE}), copy or save it, and place it "
+            f"again"
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:

@@ -462,3 +462,25 @@ def _convert_one_part_and_call(model: nn.Module, handle: Any, x: torch.Tensor, c
         else:
             assert torch.equal(model(x), placed_output)
     handle.remove()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_dropped_handle_is_found_by_holder_and_removed(engine: str) -> None:
+    """``adaptive.page(model, ...)`` as a bare statement (pytorch-optimem's habit) keeps the
+    model placed; the refusals then say how to find the handle, and removing it gives the
+    model back."""
+    model = _model()
+    before = _state(model)
+    ENGINES[engine](model)  # the handle is not kept
+    model(_X)  # placed at its first call, for the engines that wait
+    with pytest.raises(PlacementError, match=r"adaptive\.holder\(model\) returns it"):
+        adaptive.page(model, "cpu")
+    with pytest.raises(PlacementError, match=r"adaptive\.holder\(model\) returns it"):
+        copy.deepcopy(model)
+    handle = adaptive.holder(model)
+    assert handle is not None and adaptive.holder(model.bn) is handle
+    handle.remove()
+    assert adaptive.holder(model) is None
+    _assert_as_before(model, before)
+    with pytest.raises(TypeError, match="takes a torch.nn.Module"):
+        adaptive.holder(model.state_dict())
