@@ -26,7 +26,15 @@ from .lazy import iterated, retry_lazy
 from .progress import Progress
 from .ranks import Ranks, check_group, resolve_ranks, run_range_grouped, run_sized_grouped
 from .replay import Replay, StepReplay, versions
-from .retry import is_lazy, log_moved, log_probe, relook_for, run_range, run_sized
+from .retry import (
+    explain_kept_size,
+    is_lazy,
+    log_moved,
+    log_probe,
+    relook_for,
+    run_range,
+    run_sized,
+)
 from .stats import Adaptation, CallStats, Watch
 
 __all__ = ["batch", "range", "chunked", "execute", "explicit"]
@@ -534,6 +542,7 @@ class _Batch(_Adaptive):
             result = func(*bound, size, *args, **kwargs)
         except Exception as exc:
             if not shrinks_size(exc):
+                explain_kept_size(exc, self._name, "batchsize")
                 raise
             failure = exc
         else:

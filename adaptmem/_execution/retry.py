@@ -13,12 +13,12 @@ import torch
 
 from .._common.devices import default_device, format_bytes, free_memory
 from .._common.errors import OutOfMemoryError, Phase, oom_error_for
-from .._common.oom import drop_frames, free_caches, oom_phase, shrinks_size
+from .._common.oom import drop_frames, free_caches, is_oom, oom_phase, shrinks_size
 from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
 from .stats import Watch
 
-__all__ = ["run_sized", "run_range", "shrink", "relook_for", "log_probe", "log_moved", "logger", "LAZY_TYPES",
+__all__ = ["run_sized", "run_range", "shrink", "relook_for", "explain_kept_size", "log_probe", "log_moved", "logger", "LAZY_TYPES",
            "is_lazy"]
 
 logger = logging.getLogger("adaptmem")
@@ -124,6 +124,7 @@ def run_sized(
                 result = attempt(size)
             except Exception as exc:
                 if not shrinks_size(exc):
+                    explain_kept_size(exc, name, what)
                     raise
                 failure = exc
             else:
@@ -151,6 +152,20 @@ def run_sized(
         if stats is not None:
             stats.retried()
         failure = None
+
+
+def explain_kept_size(exc: BaseException, name: str, what: str) -> None:
+    """A pager's out-of-memory error while moving weights passes through ``name`` without
+    shrinking its ``what``: the message says so, once, and how to have both searched."""
+    if (oom_phase(exc) is not Phase.TRANSFER or getattr(exc, "beyond_device", False) or getattr(exc, "_kept_size_told", False)
+            or not exc.args or not isinstance(exc.args[0], str) or not is_oom(exc)):
+        return
+    exc.args = (f"{exc.args[0]} This reached {name}, which does not shrink its {what} for a "
+                f"pager's error while moving weights: give the decorator model=<the model> "
+                f"instead of paging it yourself, and it searches the {what} and the weights "
+                f"kept on the device together; or start from a smaller {what}.",
+                *exc.args[1:])
+    exc._kept_size_told = True  # type: ignore[attr-defined]
 
 
 def relook_for(cache: BatchsizeCache,

@@ -92,14 +92,19 @@ class Refiner:
         the start."""
         table = self.table
         largest = max(missing, key=lambda s: s.nbytes)
+        # Only advice that changes something: no resident units, nothing to lower.
+        lower = (f"lower resident_bytes ({format_bytes(table.resident_bytes)} resident), "
+                 if table.resident_bytes else "")
+        free = ("free device memory (other tensors; a smaller batch leaves its activations' "
+                "room to the weights)")
         if table.budget is not None:
             fits = f"it does not fit under device_budget={format_bytes(table.budget)}"
-            fix = "raise device_budget, lower resident_bytes, or free device memory"
+            fix = f"raise device_budget, {lower}or {free}"
         elif cause.oom is None:
             fits = (f"it does not fit in the memory the pager may take "
                     f"({format_bytes(free_memory(table.device))} free, less the reserve it "
                     f"leaves for activations)")
-            fix = "lower resident_bytes, or free device memory"
+            fix = f"{lower}{'or ' if lower else ''}{free}"
         else:
             # Free memory counts the allocator's cached blocks, and fragmentation (or a pool
             # of small blocks) can leave them unable to serve one block this size.
@@ -107,8 +112,8 @@ class Refiner:
                     f"{format_bytes(free_memory(table.device))} free by the allocator's "
                     f"count (cached blocks included, which fragmentation can leave unable "
                     f"to serve a block this size)")
-            fix = "lower resident_bytes, or free device memory" + (
-                " (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation)"
+            fix = f"{lower}{'or ' if lower else ''}{free}" + (
+                "; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation"
                 if table.device.type == "cuda" else "")
         message = (
             f"adaptmem page: module {module or '<root>'!r} needs {format_bytes(cause.need)} of "

@@ -1408,6 +1408,12 @@ def test_batch_decorator_does_not_shrink_for_a_transfer_oom_of_the_pager() -> No
         infer()
     assert info.value.phase == "transfer" and isinstance(info.value, torch.OutOfMemoryError)
     assert sizes == [8]
+    # It says why the batch stayed, and what searches both; with nothing resident, it does
+    # not advise lowering resident_bytes.
+    message = str(info.value)
+    assert "reached " in message and "does not shrink its batchsize" in message
+    assert "model=<the model>" in message and "resident_bytes" not in message
+    assert message.count("does not shrink") == 1
 
 
 # -- GPU ---------------------------------------------------------------------------------------
@@ -1487,6 +1493,7 @@ def test_gpu_a_layer_that_does_not_fit_says_the_device_ran_out_not_a_budget() ->
     assert "the device ran out of memory for it" in message
     assert "by the allocator's count (cached blocks included" in message
     assert "device_budget" not in message and "expandable_segments" in message
+    assert "resident_bytes" not in message  # nothing resident: nothing to lower
 
 
 @pytest.mark.gpu
