@@ -114,13 +114,14 @@ class Slot:
                     and data.dtype == self.copy.dtype and data.device == self.copy.device):
                 self.copy = data
 
-    def restore(self, layout: StorageLayout) -> None:
+    def restore(self, layout: StorageLayout, from_device: bool = True) -> None:
         """Put the data back on its original device and dtype, bitwise, laid out in its
         storage as it was (see [Note: storages rebuilt on restore] in ``storages.py``), and
         forget any device copy. A loaded device copy is the live data (a resident weight
         edited in place, through ``.data`` too, or given other data, which the pager
-        adopted), so it is copied into the master first."""
-        if self.state is LOADED and self.copy is not None:
+        adopted), so it is copied into the master first, unless ``from_device`` is False
+        (the device can no longer be read). Done again, it does the same."""
+        if from_device and self.state is LOADED and self.copy is not None:
             self.master.copy_(self.copy)
         if self.original is not None:
             self.tensor.data = self.original

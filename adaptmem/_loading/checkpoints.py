@@ -32,11 +32,12 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import torch
 
 from .._common.errors import LoadError
+from .._common.threads import SmallStackPool
 from ..cpu_memory import map_file
 from .direct import DIRECT_PIECE, DirectReads, soft_limit
 from .entries import Entry, contiguous_stride
@@ -615,19 +616,6 @@ def _read_cached(fd: int, view: memoryview, offset: int) -> int:
         raise
 
 
-@contextlib.contextmanager
-def _small_stacks() -> Any:
-    """Threads started inside (a pool starts its threads as work is submitted) get small
-    stacks: glibc keeps an exited thread's stack mapped for the next one, and a cap on the
-    data segment (set_cpu_memory_limit) would count 8 MiB per thread for good. Ours only
-    read, fault and wait."""
-    stack = threading.stack_size(_THREAD_STACK)
-    try:
-        yield
-    finally:
-        threading.stack_size(stack)
-
-
 def _ask_for_first_page(fd: int, offset: int) -> None:
     """Start reading the page of ``fd`` that holds ``offset``, without waiting ([Note: the
     first page of a mapped tensor])."""
@@ -767,9 +755,8 @@ class Reader:
         """Start faulting in the pages of ``tensors`` (ordinary CPU memory; others are
         skipped) on background threads, in order (see [Note: faulting new memory ahead])."""
         # Tensors laid out for O_DIRECT are faulted in by the reads themselves.
-        with _small_stacks():
-            self._new.fault_ahead([t for t in tensors if self._direct.region(t.data_ptr()) is None],
-                                  self._pool_of_workers, _CHUNK)
+        self._new.fault_ahead([t for t in tensors if self._direct.region(t.data_ptr()) is None],
+                              self._pool_of_workers, _CHUNK)
 
     def read_into(self, entry: Entry, dest: torch.Tensor, wait: bool = True) -> None:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
@@ -789,12 +776,11 @@ class Reader:
         # piece are unaligned (see [Note: reading past the page cache]).
         piece = _CHUNK if region is None else DIRECT_PIECE
         cuts = [0, *range(piece - start % piece, n, piece), n]
-        with _small_stacks():
-            for a, b in zip(cuts, cuts[1:], strict=False):
-                if b > a:
-                    self._reads.append(workers.submit(
-                        self._read_piece_of, dest, entry.file, fd, region, a, start + a, b - a,
-                        fill))
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            if b > a:
+                self._reads.append(workers.submit(
+                    self._read_piece_of, dest, entry.file, fd, region, a, start + a, b - a,
+                    fill))
 
     def _read_piece_of(self, dest: torch.Tensor, name: str, fd: int,
                        region: tuple[int, int] | None, at: int, offset: int, n: int,
@@ -807,7 +793,7 @@ class Reader:
             # Under a cap on the data segment (set_cpu_memory_limit, ulimit -d) each thread's
             # stack and malloc arena count for good: one thread per core then.
             n = _WORKERS if soft_limit("RLIMIT_DATA") is None else _CORES
-            self._workers = ThreadPoolExecutor(n, thread_name_prefix="adaptmem-load-io")
+            self._workers = SmallStackPool(n, _THREAD_STACK, thread_name_prefix="adaptmem-load-io")
         return self._workers
 
     def wait(self) -> None:

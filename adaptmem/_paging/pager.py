@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._common.devices import format_bytes, mover, synchronize, to_device
-from .._common.errors import PlacementError
+from .._common.errors import PlacementError, first_line
 from .._common.inputs import MovedInputs
 from .._common.reporting import report
 from .._common.tree import calls_in_progress, first_tensor_device
@@ -99,6 +100,19 @@ def _hand_back(inputs: MovedInputs | None, output: Any, device: torch.device,
     return inputs.hand_back(output, mover(target)) if inputs else to_device(output, target)
 
 
+def _synchronized(device: torch.device) -> BaseException | None:
+    """Wait for ``device``; its error, with a warning, when it can no longer be used."""
+    try:
+        synchronize(device)
+    except Exception as exc:
+        warnings.warn(
+            f"adaptmem page: remove() could not reach {device} ({first_line(exc)}): the "
+            f"model's tensors come back from their host copies, so edits made to resident "
+            f"weights on the device since paging are lost", RuntimeWarning, stacklevel=4)
+        return exc
+    return None
+
+
 def _allowance(resident_bytes: int | None, device: torch.device, budget: int | None,
                prefetch: int, units: list[Unit], total_bytes: int) -> int:
     """The bytes of units kept resident: ``resident_bytes``, or for "auto" (None) what free
@@ -124,8 +138,7 @@ class Pager(Engine):
         stats: a ``PagingStats`` with bytes moved, transfers, prefetch hits and misses,
             refinements and the peak device bytes held for weights.
 
-    ``transfer`` is how host masters reach the device (default: ``transfer_for(device)``);
-    tests and benchmarks pass their own.
+    ``transfer``: how host masters reach the device (tests pass their own).
     """
 
     made_by, handle_name, held_as = "adaptive.page", "pager", "paged"
@@ -136,14 +149,12 @@ class Pager(Engine):
                  transfer: Transfer | None = None) -> None:
         self.model, self.device, self.prefetch, self.budget = model, device, prefetch, device_budget
         self.output_device = output_device
-        self._stats = PagingStats()
-        self._sizes = module_sizes(model)
+        self._stats, self._sizes = PagingStats(), module_sizes(model)
         self._modules = dict(model.named_modules())
         self._name_of = {id(m): n for n, m in self._modules.items()}
         self._input_device: torch.device | None = None
         self._inputs: MovedInputs | None = None  # the outermost call's, while it runs
-        self._removed = False
-        self._stack = CallStack()
+        self._removed, self._stack = False, CallStack()
         self._quiet = Quiet()  # entered while the pager moves weights: the probe looks away
         self._units = paging_units(self._sizes, unit_bytes)
         self.plan = Plan("page", [], self._sizes.total_bytes, {
@@ -153,8 +164,7 @@ class Pager(Engine):
                                            _pack_groups(self._units)),
                                 device, transfer if transfer is not None else transfer_for(device),
                                 device_budget, self._stats)
-        self._needs = Needs()
-        self._schedule = Schedule(prefetch, self._table)
+        self._needs, self._schedule = Needs(), Schedule(prefetch, self._table)
         self._learner = Learner(self._modules, self._touch, self._quiet)
         self._refiner = Refiner(self._sizes, self.plan, self._stats, self._table, self)
         self._hooks = Hooks(self._pre_hook, self._post_hook, model)
@@ -363,12 +373,15 @@ class Pager(Engine):
         """Put every parameter and buffer back on its original device and dtype, remove the
         hooks and release device memory. Unedited tensors come back bitwise; resident ones
         are copied back from the device, so edits made to them are kept. Calling it again
-        does nothing."""
-        if self._removed:
-            return
-        self._removed = True
-        if not self._table.synchronous:  # copies in flight finish before they are read back
-            synchronize(self.device)
+        does nothing; after one that was interrupted, it finishes the work."""
+        if not self._removed:  # set when done: after a Ctrl-C, remove() again finishes it
+            self._put_back()
+            self._removed = True
+
+    def _put_back(self) -> None:
+        # Copies in flight finish before they are read back; a device gone since (a sticky
+        # CUDA error, a simulation that ended) leaves the host masters to restore from.
+        lost = None if self._table.synchronous else _synchronized(self.device)
         if self._learner.probe is not None:
             self._end_forward(failed=True)
         self._hooks.clear()
@@ -379,7 +392,7 @@ class Pager(Engine):
                 self._guard.follow_new_data()
         self._stack.clear()
         with self._quiet, torch.inference_mode(False):
-            self._table.restore()
+            self._table.restore(from_device=lost is None)
         self._guard.release()
         self._let_go()
         self._table.forget()  # See [Note: a removed pager holds nothing]

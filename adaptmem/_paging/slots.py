@@ -391,11 +391,13 @@ class SlotTable:
         self.stats.prefetch_hits += hits
         self.stats.prefetch_misses += misses
 
-    def restore(self) -> None:
-        """Every tensor back on its original device and dtype; nothing held on the device."""
+    def restore(self, from_device: bool = True) -> None:
+        """Every tensor back on its original device and dtype; nothing held on the device
+        (``from_device=False``: the device cannot be read, and the host masters are kept as
+        they are)."""
         try:
             for s in self.slots.values():
-                s.restore(self._layout)
+                s.restore(self._layout, from_device)
         finally:
             self._layout.settle()
         self.held = 0

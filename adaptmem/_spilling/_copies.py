@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._common.threads import SmallStackPool
 from ._heap import TRIM_EVERY, hold_mmap_threshold, release_mmap_threshold, return_freed_memory
 from ._saved import Entry, EntryState
 from ._settings import StepSettings
@@ -46,15 +47,11 @@ def _executor(kind: Copier) -> concurrent.futures.ThreadPoolExecutor:
     with _executors_lock:
         pool = _executors.get(kind)
         if pool is None:
-            pool = _executors[kind] = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix=f"adaptmem-spill-{kind.value}")
-            # Start its thread now with a 1 MiB stack, not the default 8 MiB: under a memory
-            # cap (RLIMIT_DATA) a thread's whole stack counts, touched or not.
-            previous = threading.stack_size(1 << 20)
-            try:
-                pool.submit(int).result()
-            finally:
-                threading.stack_size(previous)
+            # A 1 MiB stack, not the default 8 MiB: under a memory cap (RLIMIT_DATA) a
+            # thread's whole stack counts, touched or not. Its thread starts now.
+            pool = _executors[kind] = SmallStackPool(
+                1, 1 << 20, thread_name_prefix=f"adaptmem-spill-{kind.value}")
+            pool.submit(int).result()
         return pool
 
 

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -1753,3 +1754,21 @@ def test_the_loaders_pool_counts_the_cores_a_container_may_use(
 
     monkeypatch.setattr(checkpoints, "open", fake_open, raising=False)
     assert checkpoints._usable_cores() == cores
+
+
+def test_loads_in_several_threads_leave_the_process_thread_stack_size_alone(tmp_path) -> None:
+    """The loader's threads get small stacks; the process-wide setting that gives them is
+    changed only while one starts, under a lock: loads in parallel used to leave it at
+    256 KiB, and the program's later threads crashed on deep recursion."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build() -> nn.Module:
+        return nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+
+    path = tmp_path / "m.pt"
+    torch.save(build().state_dict(), path)
+    before = threading.stack_size()
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            list(pool.map(lambda _: adaptive.load(build, path, device="cpu"), range(4)))
+            assert threading.stack_size() == before

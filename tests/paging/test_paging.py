@@ -24,6 +24,7 @@ from adaptmem._common.errors import OutOfMemoryError, PlacementError
 from adaptmem._engines.transfer import SyncTransfer
 from adaptmem._paging.learner import is_metadata
 from adaptmem._planning import module_sizes, paging_units
+from adaptmem.testing import simulated_cuda
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -1678,3 +1679,50 @@ def test_a_compiled_model_is_refused_naming_the_module_inside(where: str) -> Non
         else:
             adaptive.batch(initial_batchsize=2, model=compiled)(lambda batchsize: None)
     assert not model._forward_pre_hooks and not compiled._forward_pre_hooks  # nothing held
+
+
+def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeypatch) -> None:
+    from adaptmem._engines import hoststore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    with torch.no_grad():
+        model(torch.randn(2, 64))
+    restore, restored = hoststore.Slot.restore, []
+
+    def interrupted(slot, *args: Any) -> None:
+        if len(restored) == 3:
+            raise KeyboardInterrupt  # a Ctrl-C halfway through
+        restored.append(slot)
+        restore(slot, *args)
+
+    monkeypatch.setattr(hoststore.Slot, "restore", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pager.remove()
+    monkeypatch.setattr(hoststore.Slot, "restore", restore)
+    pager.remove()  # finishes the work, where it used to return at once
+    assert adaptive.holder(model) is None
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    adaptive.page(model, "cpu").remove()  # and the model can be paged again
+
+
+def test_remove_after_the_device_is_gone_restores_from_the_host_copies() -> None:
+    """The simulation ended before remove() (notebook cells run out of order), as a device
+    with a sticky error would: it cannot be read, and remove() says so and puts the model
+    back from its host masters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        pager = adaptive.page(model, "cuda", resident_bytes="600KiB")
+        assert {u.placement for u in pager.plan.units} == {"resident", "paged"}
+        with torch.no_grad():
+            model(torch.randn(2, 256))
+    with pytest.warns(RuntimeWarning, match="could not reach cuda:0.*host copies"):
+        pager.remove()
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert adaptive.holder(model) is None
