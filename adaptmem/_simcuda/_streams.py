@@ -176,6 +176,11 @@ class SimStream(torch.Stream):
         for stream, seq in self.waited.items():
             if stream.synced_seq < seq:
                 stream.synced_seq = seq
+        # Every stream waited for is now synced past what was waited for, which is all
+        # check_access asks: the entries say nothing more, and kept they would keep every
+        # stream ever waited for (a pager's side stream per page()) alive.
+        self.waited.clear()
+        self._pending_deps = [j for j in self._pending_deps if not j.finished()]
 
     def enqueue(self, fn: Callable[[], None], nbytes: int, what: str) -> Job:
         """Move the bytes now (``fn``) and return the job, done when the link would have

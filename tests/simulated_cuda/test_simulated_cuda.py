@@ -1315,3 +1315,35 @@ def test_an_op_with_cpu_kernels_only_is_refused_on_the_device_as_cuda_refuses_it
         with pytest.raises(NotImplementedError, match=r"linear_dynamic.*'CUDA' backend"):
             model(x.cuda())
         assert model(x).device.type == "cpu"  # on the host it runs
+
+
+def test_streams_a_synchronised_stream_waited_for_are_let_go() -> None:
+    """A pager makes a side stream per page(); the default stream waits for each. After the
+    host synchronised, those entries say nothing, and kept they held every side stream and
+    its last copy for the life of the block."""
+    import gc
+    import weakref
+
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        host = torch.randn(256).pin_memory()
+        streams = []
+        for _ in range(5):
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):
+                on_device = host.to("cuda", non_blocking=True)
+            torch.cuda.current_stream().wait_stream(side)
+            on_device.record_stream(torch.cuda.current_stream())
+            on_device.sum()  # safe: the default stream waited
+            streams.append(weakref.ref(side))
+            del side, on_device
+        torch.cuda.synchronize()
+        gc.collect()
+        assert all(ref() is None for ref in streams)
+        # and race detection still holds after the entries went
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            late = host.to("cuda", non_blocking=True)
+        with pytest.raises(StreamRaceError):
+            late.sum()
+        torch.cuda.synchronize()
+        del late
