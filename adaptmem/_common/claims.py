@@ -100,6 +100,8 @@ def public_holder(model: nn.Module) -> Any:
 
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module``.
+        PlacementError: the model is held for a function decorated with ``model=``, whose
+            own ``remove()`` gives it back.
 
     Example:
         >>> import torch
@@ -113,7 +115,12 @@ def public_holder(model: nn.Module) -> Any:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"adaptive.holder takes a torch.nn.Module, got {type(model).__name__}")
-    return holder(model)
+    handle = holder(model)
+    owner = None if handle is None else _OWNERS.get(handle)
+    if owner is not None:  # its remove() would pull the model from under the function
+        raise PlacementError(f"adaptive.holder: the model's engine is not yours to remove: "
+                             f"{owner.fix()}")
+    return handle
 
 
 LOST_HANDLE = "adaptive.holder(model) returns it if you no longer have it"
@@ -198,14 +205,17 @@ def refuse_training(engine: str, modules: Iterable[tuple[str, nn.Module]], fix: 
 def refuse_compiled(model: nn.Module, engine: str) -> None:
     """Refuse a ``torch.compile`` wrapper for an engine that swaps weights between calls
     (``page``): the compiled code holds on to the tensors it was traced with."""
-    inner = getattr(model, "_orig_mod", None)
-    if type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+    for name, m in model.named_modules():
+        inner = getattr(m, "_orig_mod", None)
+        if type(m).__name__ != "OptimizedModule" or not isinstance(inner, nn.Module):
+            continue
+        where = "model" if not name else f"the model's submodule {name!r}"
         raise PlacementError(
-            f"{engine} got a torch.compile'd model ({type(inner).__name__} inside torch's "
-            f"OptimizedModule): the pager swaps weights in and out at every call, which "
-            f"compiled code does not follow. Pass the module it wraps, uncompiled "
-            f"(compiled._orig_mod), and call that one; adaptive.chunk and adaptive.split, "
-            f"which keep a placement fixed, take the compiled model")
+            f"{engine} got a torch.compile'd module: {where} is {type(inner).__name__} inside "
+            f"torch's OptimizedModule. The pager swaps weights in and out at every call, which "
+            f"compiled code does not follow. Use the module it wraps, uncompiled (its "
+            f"_orig_mod), in its place; adaptive.chunk and adaptive.split, which keep a "
+            f"placement fixed, take compiled modules")
 
 
 def check_placeable(model: Any, engine: str, allow_meta: bool = False,

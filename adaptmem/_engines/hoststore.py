@@ -76,7 +76,7 @@ class Slot:
 
     __slots__ = ("name", "tensor", "master", "original", "origin", "nbytes", "copy", "ticket",
                  "version", "state", "refs", "resident", "buffer", "copy_back", "pack",
-                 "offset", "end")
+                 "offset", "end", "restored")
 
     def __init__(self, name: str, tensor: torch.Tensor, master: torch.Tensor,
                  original: torch.Tensor | None, origin: torch.device,
@@ -104,6 +104,7 @@ class Slot:
         # where the next one may start (see [Note: packed masters]).
         self.pack: torch.Tensor | None = None
         self.offset = self.end = 0
+        self.restored = False  # put back by restore(): see restore
 
     def follow_data(self) -> None:
         """A loaded tensor given other data of its shape and dtype on the device
@@ -120,7 +121,10 @@ class Slot:
         forget any device copy. A loaded device copy is the live data (a resident weight
         edited in place, through ``.data`` too, or given other data, which the pager
         adopted), so it is copied into the master first, unless ``from_device`` is False
-        (the device can no longer be read). Done again, it does the same."""
+        (the device can no longer be read). Once done it does nothing (a ``remove()``
+        interrupted and called again): the tensor is the model's own again."""
+        if self.restored:
+            return
         if from_device and self.state is LOADED and self.copy is not None:
             self.master.copy_(self.copy)
         if self.original is not None:
@@ -132,6 +136,7 @@ class Slot:
             self.tensor.data = home.copy_(self.master)
         self.copy = self.ticket = None
         self.state = HOST
+        self.restored = True
 
 
 def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.device,

@@ -123,15 +123,16 @@ class StreamTransfer(Transfer):
             compute.wait_event(ticket)
             # Allocated on the side stream, used on the compute stream: without this the
             # allocator could hand the memory to the next copy while compute still reads it.
-            # The views of one packed block record it once.
-            recorded = None
+            # The views of one packed block record it once (a unit's packs, one per dtype,
+            # interleave: a BatchNorm's int64 counter between float weights).
+            recorded: list[torch.Tensor] = []
             for c in copies:
                 base = c._base
                 if base is None:
                     c.record_stream(compute)
-                elif base is not recorded:
+                elif not any(base is r for r in recorded):
                     base.record_stream(compute)
-                    recorded = base
+                    recorded.append(base)
         if demand:
             return True
         self._unsettled.append(([t for t, _ in groups], arrival))

@@ -1197,6 +1197,11 @@ def _refuse_positional_size(form: str, sizes: tuple[Any, ...], head: str = "") -
     """toma's forms (``execute.batch(64)``) get the keyword to write instead."""
     if sizes:
         keyword = "initial_batchsize" if form == "batch" else "initial_step"
+        if callable(sizes[0]):  # execute.batch(fn, 64): explicit's order
+            raise TypeError(
+                f"adaptive.execute.{form} decorates the function it runs: write adaptive."
+                f"execute.{form}({head}{keyword}=64)(fn), or adaptive.explicit.{form}(fn, "
+                f"...) to pass the function first; got {sizes[0]!r} as a positional argument")
         raise TypeError(
             f"adaptive.execute.{form} takes its size as a keyword: write adaptive.execute."
             f"{form}({head}{keyword}={sizes[0]!r})(fn), got {', '.join(map(repr, sizes))} as "

@@ -156,8 +156,9 @@ def run_sized(
 
 def explain_kept_size(exc: BaseException, name: str, what: str) -> None:
     """A pager's out-of-memory error while moving weights passes through ``name`` without
-    shrinking its ``what``: the message says so, once, and how to have both searched."""
-    if (oom_phase(exc) is not Phase.TRANSFER or getattr(exc, "beyond_device", False) or getattr(exc, "_kept_size_told", False)
+    shrinking its ``what``: the message says so, once, and how to have both searched (not
+    for an exception group, whose text is not its arguments)."""
+    if (hasattr(exc, "exceptions") or oom_phase(exc) is not Phase.TRANSFER or getattr(exc, "beyond_device", False) or getattr(exc, "_kept_size_told", False)
             or not exc.args or not isinstance(exc.args[0], str) or not is_oom(exc)):
         return
     exc.args = (f"{exc.args[0]} This reached {name}, which does not shrink its {what} for a "

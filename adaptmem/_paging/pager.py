@@ -101,7 +101,9 @@ def _hand_back(inputs: MovedInputs | None, output: Any, device: torch.device,
 
 
 def _synchronized(device: torch.device) -> BaseException | None:
-    """Wait for ``device``; its error, with a warning, when it can no longer be used."""
+    """Wait for ``device`` (copies in flight finish before they are read back); its error,
+    with a warning, when it can no longer be used (a sticky CUDA error, a simulation that
+    ended): the host masters are then what the model is restored from."""
     try:
         synchronize(device)
     except Exception as exc:
@@ -154,8 +156,8 @@ class Pager(Engine):
         self._name_of = {id(m): n for n, m in self._modules.items()}
         self._input_device: torch.device | None = None
         self._inputs: MovedInputs | None = None  # the outermost call's, while it runs
-        self._removed, self._stack = False, CallStack()
-        self._quiet = Quiet()  # entered while the pager moves weights: the probe looks away
+        self._removed: bool | str = False  # "restoring": remove() was cut short
+        self._stack, self._quiet = CallStack(), Quiet()  # Quiet: the probe looks away
         self._units = paging_units(self._sizes, unit_bytes)
         self.plan = Plan("page", [], self._sizes.total_bytes, {
             "device": str(device), "unit_bytes": unit_bytes, "prefetch": prefetch,
@@ -372,33 +374,35 @@ class Pager(Engine):
     def remove(self) -> None:
         """Put every parameter and buffer back on its original device and dtype, remove the
         hooks and release device memory. Unedited tensors come back bitwise; resident ones
-        are copied back from the device, so edits made to them are kept. Calling it again
-        does nothing; after one that was interrupted, it finishes the work."""
-        if not self._removed:  # set when done: after a Ctrl-C, remove() again finishes it
-            self._put_back()
-            self._removed = True
-
-    def _put_back(self) -> None:
-        # Copies in flight finish before they are read back; a device gone since (a sticky
-        # CUDA error, a simulation that ended) leaves the host masters to restore from.
-        lost = None if self._table.synchronous else _synchronized(self.device)
-        if self._learner.probe is not None:
-            self._end_forward(failed=True)
-        self._hooks.clear()
-        with torch.inference_mode(False):  # See [Note: a placed model is neither copied ...]
-            self._guard.put_back()
-            # Data given since the last call is kept (data of another shape: none is).
-            with contextlib.suppress(PlacementError):
-                self._guard.follow_new_data()
-        self._stack.clear()
+        are copied back from the device, so edits made to them are kept. Called again it
+        does nothing, or finishes one that was interrupted."""
+        if self._removed is True:
+            return
+        if self._removed is False:  # unhooked once; a Ctrl-C past here: the next call goes on
+            self._lost = self._unhook()
+            self._removed = "restoring"
         with self._quiet, torch.inference_mode(False):
-            self._table.restore(from_device=lost is None)
+            self._table.restore(from_device=self._lost is None)  # restored slots: skipped
         self._guard.release()
         self._let_go()
         self._table.forget()  # See [Note: a removed pager holds nothing]
         self._needs, self._schedule = Needs(), Schedule(self.prefetch, self._table)
         self._hooks, self._learner = Hooks(_ignore, _ignore), Learner({}, _ignore, self._quiet)
         self._modules, self._name_of, self._inputs = {}, {}, None
+        self._removed = True
+
+    def _unhook(self) -> BaseException | None:
+        """``remove()``'s first part; returns why the device cannot be read, if it cannot."""
+        lost = None if self._table.synchronous else _synchronized(self.device)
+        if self._learner.probe is not None:
+            self._end_forward(failed=True)
+        self._hooks.clear()
+        with torch.inference_mode(False):  # See [Note: a placed model is neither copied ...]
+            self._guard.put_back()
+            with contextlib.suppress(PlacementError):  # data given since: kept (if it fits)
+                self._guard.follow_new_data()
+        self._stack.clear()
+        return lost
 
     def load_targets(self) -> dict[str, list[torch.Tensor]]:
         """Where checkpoint values go, for ``adaptive.load`` on a paged model.

@@ -134,7 +134,8 @@ def _refuse_autocast(patches: Patches) -> None:
     original = cls.__init__
 
     def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
-        if device_type == "cuda":
+        enabled = kwargs.get("enabled", args[1] if len(args) > 1 else True)
+        if device_type == "cuda" and enabled:  # turned off (nn.DataParallel's replicas): fine
             raise SimulatedCudaError(
                 "torch.autocast('cuda') is not simulated: its kernels are chosen in C++ for "
                 "a real CUDA device, and without one the process would end. Run code that "
@@ -146,27 +147,39 @@ def _refuse_autocast(patches: Patches) -> None:
 
 
 def _data_parallel(patches: Patches) -> None:
-    """``nn.DataParallel`` scatters its inputs in C++ (``torch._C._scatter``) on background
-    streams of CUDA's own, which the simulation's streams are not: the chunks are copied
-    with ``.to()`` instead, and the background streams torch asks for are new simulated
-    ones each time (torch keeps its own for the life of the process, which would outlive
-    the simulation). Replicas on several devices run in threads, where the simulation is
-    not active: refused with a ``SimulatedCudaError``."""
-    from torch.cuda._utils import _get_device_index
-    from torch.nn.parallel import _functions, comm
+    """``nn.DataParallel`` (``torch.nn.parallel.comm``) scatters, broadcasts and gathers in
+    C++ (``torch._C._scatter``, ...) on streams of CUDA's own, which the simulation's are not:
+    under the simulation they copy with ``.to()``, as the C++ functions do, and the background
+    streams torch asks for are new simulated ones each time (torch keeps its own for the
+    life of the process, which would outlive the simulation). Replicas on several devices
+    run in threads, where the simulation is not active: refused with a
+    ``SimulatedCudaError``."""
+    from torch.nn.parallel import _functions
 
     # The module, not the function of the same name that torch.nn.parallel exports.
     data_parallel = sys.modules["torch.nn.parallel.data_parallel"]
 
-    def scatter(tensor: torch.Tensor, devices: Any = None, chunk_sizes: Any = None,
-                dim: int = 0, streams: Any = None, *, out: Any = None) -> tuple[Any, ...]:
-        if out is not None or devices is None:
-            raise SimulatedCudaError("simulated CUDA: comm.scatter(out=...) is not simulated; "
-                                     "give devices= and take the chunks it returns")
-        indices = [_get_device_index(d, True) for d in devices]
+    def scatter(tensor: torch.Tensor, devices: Any, chunk_sizes: Any, dim: int,
+                streams: Any) -> list[torch.Tensor]:
+        if chunk_sizes is not None and len(chunk_sizes) != len(devices):
+            raise RuntimeError(f"Expected devices and chunk_sizes to be of same length, but "
+                               f"got len(devices) = {len(devices)} and len(chunk_sizes) = "
+                               f"{len(chunk_sizes)} (simulated CUDA)")
         chunks = (tensor.split(list(chunk_sizes), dim) if chunk_sizes is not None
-                  else tensor.chunk(len(indices), dim))
-        return tuple(c.to(torch.device("cuda", i)) for c, i in zip(chunks, indices, strict=True))
+                  else tensor.chunk(len(devices), dim))
+        # As torch: fewer chunks than devices (a batch of one over two) fill the first ones.
+        return [c.to(torch.device("cuda", i)) for c, i in zip(chunks, devices)]  # noqa: B905
+
+    def broadcast_coalesced(tensors: Any, devices: Any, buffer_size: int) -> list[Any]:
+        # The first device's are the tensors themselves, as torch's (they must be there).
+        return [list(tensors), *([t.to(torch.device("cuda", i)) for t in tensors]
+                                 for i in devices[1:])]
+
+    def gather(tensors: Any, dim: int, destination: int | None) -> torch.Tensor:
+        target = (torch.device("cpu") if destination == -1 else
+                  torch.device("cuda", torch.cuda.current_device() if destination is None
+                               else destination))
+        return torch.cat([t.to(target) for t in tensors], dim)
 
     original = data_parallel.replicate
 
@@ -179,7 +192,9 @@ def _data_parallel(patches: Patches) -> None:
         return original(network, devices, detach)
 
     patches.set(_functions, "_get_stream", lambda device: torch.Stream(device))
-    patches.set(comm, "scatter", scatter)
+    patches.set(torch._C, "_scatter", scatter)
+    patches.set(torch._C, "_broadcast_coalesced", broadcast_coalesced)
+    patches.set(torch._C, "_gather", gather)
     patches.set(data_parallel, "replicate", replicate)
 
 

@@ -484,3 +484,18 @@ def test_a_dropped_handle_is_found_by_holder_and_removed(engine: str) -> None:
     _assert_as_before(model, before)
     with pytest.raises(TypeError, match="takes a torch.nn.Module"):
         adaptive.holder(model.state_dict())
+
+
+def test_holder_does_not_hand_out_the_engine_of_a_function_decorated_with_model() -> None:
+    model = _model()
+
+    @adaptive.batch(initial_batchsize=4, model=model)
+    def run(batchsize: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model(_X[:batchsize])
+
+    run()
+    with pytest.raises(PlacementError, match=r"not yours to remove.*run\.remove\(\)"):
+        adaptive.holder(model)
+    run.remove()
+    assert adaptive.holder(model) is None

@@ -1494,7 +1494,9 @@ def test_toma_style_positional_sizes_in_the_execute_forms_say_which_keyword_to_w
             (lambda: adaptive.execute.range(0, 100, 64),
              "adaptive.execute.range(0, 100, initial_step=64)"),
             (lambda: adaptive.execute.chunked(torch.ones(10), 64),
-             "adaptive.execute.chunked(tensor, initial_step=64)")]:
+             "adaptive.execute.chunked(tensor, initial_step=64)"),
+            (lambda: adaptive.execute.batch(print, 64),  # explicit's order
+             "adaptive.explicit.batch(fn, ...) to pass the function first")]:
         with pytest.raises(TypeError, match=re.escape(written)):
             call()
 

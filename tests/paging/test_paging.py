@@ -1669,11 +1669,17 @@ def test_a_second_thread_forward_is_refused_while_one_runs() -> None:
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)  # and from this thread
 
 
-@pytest.mark.parametrize("where", ["page", "model="])
+@pytest.mark.parametrize("where", ["page", "model=", "page, a compiled submodule"])
 def test_a_compiled_model_is_refused_naming_the_module_inside(where: str) -> None:
     model = nn.Sequential(nn.Linear(4, 4)).eval()
     compiled = torch.compile(model, backend="eager")  # compiles nothing until called
-    with pytest.raises(PlacementError, match=r"torch.compile'd model \(Sequential.*_orig_mod"):
+    if where.endswith("submodule"):
+        outer = nn.Sequential(compiled, nn.ReLU()).eval()
+        with pytest.raises(PlacementError, match=r"submodule '0' is Sequential.*_orig_mod"):
+            adaptive.page(outer, "cpu")
+        assert not outer._forward_pre_hooks
+        return
+    with pytest.raises(PlacementError, match=r"compile'd module: model is Sequential.*_orig_mod"):
         if where == "page":
             adaptive.page(compiled, "cpu")
         else:
@@ -1687,9 +1693,6 @@ def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeyp
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
-    with torch.no_grad():
-        model(torch.randn(2, 64))
     restore, restored = hoststore.Slot.restore, []
 
     def interrupted(slot, *args: Any) -> None:
@@ -1698,14 +1701,24 @@ def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeyp
         restored.append(slot)
         restore(slot, *args)
 
-    monkeypatch.setattr(hoststore.Slot, "restore", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        pager.remove()
-    monkeypatch.setattr(hoststore.Slot, "restore", restore)
-    pager.remove()  # finishes the work, where it used to return at once
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        pager = adaptive.page(model, "cuda", unit_bytes=0, resident_bytes="40KiB")
+        with torch.no_grad():
+            model(torch.randn(2, 64))
+        monkeypatch.setattr(hoststore.Slot, "restore", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pager.remove()
+        monkeypatch.setattr(hoststore.Slot, "restore", restore)
+        name = restored[0].name
+        with torch.no_grad():
+            model.state_dict()[name].add_(1)  # an edit to a tensor already back
+        pager.remove()  # finishes the work, where it used to return at once
     assert adaptive.holder(model) is None
     assert not any(m._forward_pre_hooks for m in model.modules())
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    after = model.state_dict()
+    assert after[name].device.type == "cpu"
+    assert torch.equal(after[name], before[name] + 1)  # the edit is kept, not copied over
+    assert all(torch.equal(before[k], v) for k, v in after.items() if k != name)
     adaptive.page(model, "cpu").remove()  # and the model can be paged again
 
 

@@ -100,7 +100,7 @@ def test_data_parallel_on_one_device_runs_and_on_two_is_refused_by_name() -> Non
     x = torch.randn(6, 4)
     with torch.no_grad():
         expected = linear(x)
-    before = (comm.scatter, _functions._get_stream)
+    before = (torch._C._scatter, torch._C._gather, _functions._get_stream)
     with simulated_cuda(devices=2, total_memory="64MiB"):
         with torch.accelerator.device_index(1):
             assert torch.cuda.current_device() == 1
@@ -113,5 +113,12 @@ def test_data_parallel_on_one_device_runs_and_on_two_is_refused_by_name() -> Non
         two = nn.DataParallel(nn.Linear(4, 4).cuda(), device_ids=[0, 1])
         with pytest.raises(SimulatedCudaError, match="DataParallel over 2 devices"):
             two(x)
-    assert (comm.scatter, _functions._get_stream) == before
+        # One row over two devices is one replica, in the caller's thread, as on GPUs.
+        with torch.no_grad():
+            single = nn.DataParallel(linear, device_ids=[0, 1])(x[:1])
+        assert torch.equal(single.cpu(), expected[:1])
+        chunks = comm.scatter(torch.randn(5, 4), [0, 1, 1, 0])  # as torch: 3 chunks of 2, 2, 1
+        assert [c.shape[0] for c in chunks] == [2, 2, 1]
+        assert [c.device.index for c in chunks] == [0, 1, 1]
+    assert (torch._C._scatter, torch._C._gather, _functions._get_stream) == before
     assert _functions._streams is None  # no simulated stream kept past the block
