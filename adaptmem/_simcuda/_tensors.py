@@ -766,6 +766,8 @@ class Dispatch(TorchDispatchMode):
                 raise mixed(f"cuda:{index}", "cpu")
             check_index_op(func, args)
             on_host = not args[0].is_cuda
+        if not on_host and _host_only(func):  # a real GPU has no kernel for it either
+            raise no_cuda_kernel(func)
         stream = sim.state.current_streams[index]
         views = _VIEWS.get(func)
         if views is None:
@@ -778,8 +780,6 @@ class Dispatch(TorchDispatchMode):
         resizes = _RESIZES.get(func)
         if resizes is None:
             resizes = _RESIZES[func] = _can_resize(func)
-        if _host_only(func):  # a real GPU has no kernel for it either
-            raise no_cuda_kernel(func)
         grown: dict[int, int] = {}
         try:
             if resizes and func not in _SETS and fake_mode() is None:
