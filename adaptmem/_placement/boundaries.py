@@ -22,7 +22,8 @@ float32) and convert between them in its own code. Where no target converts weig
 dtype (``dtype=`` not given), the hooks move activations between devices and never change a
 dtype: each module receives what the unplaced model would give it. Where a target does
 convert, a module placed there computes in that dtype (its inputs are converted on entry,
-its outputs handed back in the dtype it received), and a module placed where nothing is
+its outputs handed back in the dtype it received; the model's, given no floating tensor,
+in the dtype its last part computes in unplaced), and a module placed where nothing is
 converted takes its inputs in its own weights' first floating dtype (else its unit's): an
 output that was not handed back (see above) may reach it in the converted dtype.
 """

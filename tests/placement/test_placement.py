@@ -1322,3 +1322,37 @@ def test_chunk_of_a_model_mixing_float_dtypes_gives_each_layer_its_own_dtype(
         out = model(x)
     assert out.device == x.device and out.dtype == torch.float16
     assert torch.equal(out, expected)
+
+
+class _TokensToLogits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)).float())
+
+
+@pytest.mark.parametrize("loaded", ["bfloat16 parts loaded so", "float32 throughout"])
+def test_logits_of_a_call_given_token_ids_come_back_in_the_dtype_the_head_computes_in(
+        loaded: str) -> None:
+    """The model takes no floating input, so the root hands back in the dtype the model's
+    last part computes in unplaced: float32 logits from a float32 head, also when the parts
+    before it were loaded in bfloat16 for a plan's bfloat16 device (``load(device=plan)``)."""
+    torch.manual_seed(0)
+    model = _TokensToLogits().eval()
+    if loaded.startswith("bfloat16"):
+        model.emb.to(torch.bfloat16)
+        model.body.to(torch.bfloat16)
+    ids = torch.randint(0, 50, (2, 7))
+    with torch.no_grad():
+        expected = copy.deepcopy(model)(ids) if loaded.startswith("bfloat16") else None
+        with adaptive.split(model, {"cpu@bfloat16": "8KiB", "cpu": None},
+                            device_map={"emb": "cpu@bfloat16", "body": "cpu@bfloat16",
+                                        "head": "cpu"}):
+            out = model(ids)
+    assert out.dtype == torch.float32
+    if expected is not None:
+        assert torch.equal(out, expected)
