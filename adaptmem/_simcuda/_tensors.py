@@ -1184,6 +1184,22 @@ _CUDA_KERNELS = _has_cpu_kernel("aten::add.Tensor", "CUDA")
 _HOST_ONLY: dict[Any, bool] = {}
 
 
+def _slices_on_backings(sim: Any, index: Any) -> Any:
+    """``index`` with device tensors inside its slices (``x[:, :n]``, ``n`` a 0-dim device
+    tensor, as transformers' beam search writes) read from their backings: torch reads a
+    slice's bounds in C++, past the simulation, where a device tensor asks the driver."""
+    def bound(v: Any) -> Any:
+        return sim.lookup(v)[0] if isinstance(v, torch.Tensor) and v.is_cuda else v
+
+    def one(i: Any) -> Any:
+        if isinstance(i, slice) and any(isinstance(v, torch.Tensor)
+                                        for v in (i.start, i.stop, i.step)):
+            return slice(bound(i.start), bound(i.stop), bound(i.step))
+        return i
+
+    return tuple(map(one, index)) if isinstance(index, tuple) else one(index)
+
+
 def _host_only(func: Any) -> bool:
     """Whether op ``func`` has kernels for the CPU and none for CUDA (a dynamic quantized
     linear): a GPU refuses it on device tensors, so the simulation does too. Asked once
@@ -1478,6 +1494,8 @@ class Functions(TorchFunctionMode):
             # ``out`` by the ops the simulation follows (its resize, its memory).
             made = self._on_backing(func, args, {k: v for k, v in kwargs.items() if k != "out"})
             return out_arg.resize_(made.shape).copy_(made)
+        if func in _INDEXING and len(args) > 1:
+            args = (args[0], _slices_on_backings(sim, args[1]), *args[2:])
         flat, spec = tree_flatten((args, kwargs))
         index: int | None = None
         cpu_arg = False

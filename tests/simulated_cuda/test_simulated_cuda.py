@@ -1094,14 +1094,15 @@ def test_a_torchvision_model_runs_and_matches_the_cpu(cudnn: bool) -> None:
     torch.testing.assert_close(out, expected)
 
 
-def test_gpt2_generate_runs_and_matches_the_cpu() -> None:
+@pytest.mark.parametrize("beams", [1, 2])  # beam search slices by a 0-dim device tensor
+def test_gpt2_generate_runs_and_matches_the_cpu(beams: int) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100,
                                      n_positions=64)
     model = transformers.GPT2LMHeadModel(config).eval()
-    ids = torch.randint(0, 100, (1, 5))
-    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    ids = torch.randint(0, 100, (2, 5))
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0, "num_beams": beams}
     with torch.no_grad():
         expected = model.generate(ids, **kwargs)
         with simulated_cuda():
@@ -1347,3 +1348,13 @@ def test_streams_a_synchronised_stream_waited_for_are_let_go() -> None:
             late.sum()
         torch.cuda.synchronize()
         del late
+
+
+def test_slices_bounded_by_a_0_dim_device_tensor_read_and_write_as_on_a_gpu() -> None:
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        t = torch.arange(10, device="cuda").reshape(2, 5)
+        n = torch.tensor(3, device="cuda")
+        assert t[:, :n].cpu().tolist() == [[0, 1, 2], [5, 6, 7]]
+        assert t[:, n::torch.tensor(1, device="cuda")].shape == (2, 2)
+        t[:, :n] = 0
+        assert t.cpu().tolist() == [[0, 0, 0, 3, 4], [0, 0, 0, 8, 9]]
