@@ -117,6 +117,8 @@ def public_holder(model: nn.Module) -> Any:
         raise TypeError(f"adaptive.holder takes a torch.nn.Module, got {type(model).__name__}")
     handle = holder(model)
     owner = None if handle is None else _OWNERS.get(handle)
+    if owner is not None and owner.release_if_abandoned():  # its function was collected
+        return holder(model)
     if owner is not None:  # its remove() would pull the model from under the function
         raise PlacementError(f"adaptive.holder: the model's engine is not yours to remove: "
                              f"{owner.fix()}")

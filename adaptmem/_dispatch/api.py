@@ -77,6 +77,9 @@ class Dispatched:
 
     def __init__(self, inner: Any, placed: PlacedModels, context: Any) -> None:
         functools.update_wrapper(self, inner)
+        # The inner decorator's own attributes came along; its bound _run (a grouped batch
+        # sets one) is not this object's.
+        self.__dict__.pop("_run", None)
         self.inner = inner
         self.placed = placed
         self.user_context = context
@@ -168,7 +171,10 @@ class Dispatched:
         """What makes room before the call runs again after ``exc``: chunking the models for
         good where paging can never hold a weight, giving residency back where that can
         help; None where neither can (``exc`` propagates). Run it once the failed attempt's
-        frames are dropped."""
+        frames are dropped. Under ``group=``, none: every rank raises together, as the
+        ranks would have to agree on it (each holds residency of its own)."""
+        if getattr(self.inner, "group", None) is not None:
+            return None
         reason = self._chunks_instead(exc)
         if reason:
             return functools.partial(self._chunk_instead, reason)

@@ -23,7 +23,7 @@ dtype (``dtype=`` not given), the hooks move activations between devices and nev
 dtype: each module receives what the unplaced model would give it. Where a target does
 convert, a module placed there computes in that dtype (its inputs are converted on entry,
 its outputs handed back in the dtype it received; the model's, given no floating tensor,
-in the dtype its last part computes in unplaced), and a module placed where nothing is
+in the dtype its recorded forward gave them), and a module placed where nothing is
 converted takes its inputs in its own weights' first floating dtype (else its unit's): an
 output that was not handed back (see above) may reach it in the converted dtype.
 """
@@ -114,6 +114,7 @@ class BoundaryHooks:
                          output_device: torch.device | None) -> None:
         self._home_device = home_device
         self._home_dtype = home_dtype
+        self._output_dtype: torch.dtype | None = None  # the model's unplaced, once recorded
         self._output_device = output_device
         self._specs: dict[str, Spec] = {}
         self._stays: frozenset[str] = frozenset()  # modules whose outputs need no hand-back
@@ -145,7 +146,7 @@ class BoundaryHooks:
             self._guard.check()
         spec = self._specs.get(name)
         enclosing = stack[-1] if stack else None
-        received = self._received((args, kwargs), enclosing)
+        received = self._received((args, kwargs), enclosing, name)
         if spec is None or spec.device is None:
             stack.append(_Frame(name, received, enclosing.where if enclosing else received, True))
             return None
@@ -189,13 +190,15 @@ class BoundaryHooks:
         moved = self._convert(output, device, dtype, frame.inputs)
         return None if moved is output else moved
 
-    def _received(self, obj: Any, enclosing: _Frame | None
+    def _received(self, obj: Any, enclosing: _Frame | None, name: str = "?"
                   ) -> tuple[torch.device | None, torch.dtype | None]:
         device, dtype = _first_device_and_float(obj)
         if enclosing is not None:
             device, dtype = device or enclosing.where[0], dtype or enclosing.where[1]
         if not self._converts:  # See [Note: dtypes change only where a placement converts]
             return device or self._home_device, None
+        if dtype is None and name == "" and enclosing is None:  # the model given no float
+            dtype = self._output_dtype
         return device or self._home_device, dtype or self._home_dtype
 
     def _convert(self, obj: Any, device: torch.device, dtype: torch.dtype | None,

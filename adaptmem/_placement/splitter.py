@@ -222,13 +222,9 @@ class Splitter(BoundaryHooks, Engine):
         targets = [self._targets[label] for label in self._target_order]
         plan = plan_placement(self._model, self._sizes, targets, self._recording,
                               mode=self._mode.value, device_map=self._pending_map, options=self._options)
-        # Outputs of a call given no floating tensor come back in the dtype the model's last
-        # part computes in unplaced (a float32 head after bfloat16 layers loaded so).
-        original, tensors = self._placed.original, self._placed.tensors
-        last = [original[t][1] for u in reversed(plan.units) for t in u.tensors
-                if tensors[t].is_floating_point()]
-        if last:
-            self._home_dtype = last[0]
+        # The model's outputs, given no floating tensor, come back in the dtype the recorded
+        # forward gave them (float32 logits after bfloat16 layers loaded for a plan).
+        self._output_dtype = self._recording.output_dtype
         self._apply(plan.units)
         called = set(self._recording.order)
         self._install_boundaries(

@@ -162,5 +162,6 @@ def _plan(model: nn.Module, sizes: ModuleSizes, recording: Recording | None, uni
     targets = targets_from_devices(devices, dtype, "auto", probe=False)
     if order is not None and (recording is None or order is not recording.order):
         recording = Recording(list(order), {} if recording is None else recording.uses,
-                              combined=set() if recording is None else recording.combined)
+                              combined=set() if recording is None else recording.combined,
+                              output_dtype=None if recording is None else recording.output_dtype)
     return plan_placement(model, sizes, targets, recording, mode="split")

@@ -49,6 +49,8 @@ class Recording:
     on_meta: bool = True
     # Modules whose outputs their caller's own code combined with other tensors.
     combined: set[str] = field(default_factory=set)
+    # The dtype of the forward's first floating output (None: it had none).
+    output_dtype: torch.dtype | None = None
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -312,11 +314,12 @@ def _run_recorded(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
         handles.append(m.register_forward_hook(post, always_call=True))
     try:
         with torch.no_grad(), recorder:
-            model(*args, **kwargs)
+            out = model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()
-    return Recording(order, uses, combined=combined)
+    dtype = next((t.dtype for t in tensors_in(out) if t.is_floating_point()), None)
+    return Recording(order, uses, combined=combined, output_dtype=dtype)
 
 
 def _rng_devices(device: torch.device) -> tuple[list[int], str]:

@@ -189,7 +189,9 @@ def _data_parallel(patches: Patches) -> None:
                 f"simulated CUDA: nn.DataParallel over {len(devices)} devices runs a replica "
                 f"per device in a thread of its own, where the simulation is not active; "
                 f"test it with one device (device_ids=[0]) or on real GPUs")
-        return original(network, devices, detach)
+        # Detached: torch's autograd Broadcast would ask the driver (the simulation has no
+        # autograd, and refuses backward anyway).
+        return original(network, devices, True)
 
     patches.set(_functions, "_get_stream", lambda device: torch.Stream(device))
     patches.set(torch._C, "_scatter", scatter)

@@ -1189,7 +1189,11 @@ def _slices_on_backings(sim: Any, index: Any) -> Any:
     tensor, as transformers' beam search writes) read from their backings: torch reads a
     slice's bounds in C++, past the simulation, where a device tensor asks the driver."""
     def bound(v: Any) -> Any:
-        return sim.lookup(v)[0] if isinstance(v, torch.Tensor) and v.is_cuda else v
+        if not (isinstance(v, torch.Tensor) and v.is_cuda):
+            return v
+        backing, record = sim.lookup(v)
+        sim.use(record, sim.state.current_streams[record.index], v, "__index__")  # as item()
+        return backing
 
     def one(i: Any) -> Any:
         if isinstance(i, slice) and any(isinstance(v, torch.Tensor)

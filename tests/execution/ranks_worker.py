@@ -182,6 +182,42 @@ def dies(rank: int, seen: dict[str, Any], out: str) -> None:
         seen["dies"]["first"] = {"type": type(exc).__name__, "message": str(exc)}
 
 
+def placed(rank: int, seen: dict[str, Any]) -> None:
+    """model= with group=: a batch runs; when rank 0 runs out at the smallest size, every
+    rank raises together (no rank gives residency back and runs again on its own)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).eval()
+    x = torch.randn(8, 64)
+
+    @adaptive.batch(initial_batchsize=4, model=model, device="cpu", group="world")
+    def infer(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in x.split(batchsize)])
+
+    with torch.no_grad():
+        ran = bool(torch.allclose(infer(x), model(x)))
+    infer.remove()  # the model is one decorated function's at a time
+    ceiling = MemoryCeiling(1 << 20)
+
+    @adaptive.range(initial_step=4, model=model, device="cpu", group="world")
+    def steps(start: int, end: int, x: torch.Tensor) -> int:
+        ceiling.require(end - start)
+        return end - start
+
+    steps(0, 8, x)  # places the model
+    if rank == 0:
+        ceiling.capacity = 0  # rank 0 runs out at every size from here
+    calls = len(ceiling.attempts)
+    try:
+        steps(0, 8, x)
+        raised = ""
+    except Exception as exc:  # noqa: BLE001 - what each rank got is the point
+        raised = "OutOfMemoryError" if isinstance(exc, adaptive.OutOfMemoryError) else repr(exc)
+    seen["placed"] = {"ran": ran, "raised": raised,
+                      "attempts": ceiling.attempts[calls:]}
+    steps.remove()
+
+
 def _write(seen: dict[str, Any], out: str, rank: int) -> None:
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(seen, f)
@@ -206,6 +242,8 @@ def main() -> None:
         subgroup(rank, seen)
     if "raises" in scenarios:
         raises(rank, world, seen)
+    if "placed" in scenarios:
+        placed(rank, seen)
     if "dies" in scenarios:
         dies(rank, seen, out)
         _write(seen, out, rank)

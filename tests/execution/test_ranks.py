@@ -51,7 +51,8 @@ def _launch(world: int, scenarios: str, tmp: Path) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch(2, "ceilings,ranges,chunks,late,raises,dies", tmp_path_factory.mktemp("two"))
+    return _launch(2, "ceilings,ranges,chunks,late,raises,placed,dies",
+                   tmp_path_factory.mktemp("two"))
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +176,15 @@ def test_group_refuses_generators() -> None:
 
     with pytest.raises(TypeError, match="group"):
         adaptive.batch(initial_batchsize=8, group="world")(stream)
+
+
+def test_model_and_group_together_run_and_stop_together(
+        two_ranks: list[dict[str, Any]]) -> None:
+    """``batch(model=, group=)`` runs (it failed on every call with a TypeError); when one
+    rank runs out at the smallest step, every rank raises, and none runs the call again on
+    its own after giving residency back (the other ranks would not follow)."""
+    for rank in two_ranks:
+        assert rank["placed"]["ran"]
+        assert rank["placed"]["raised"] == "OutOfMemoryError"
+    attempts = two_ranks[0]["placed"]["attempts"]
+    assert attempts[-1] == 1 and attempts.count(1) == 1  # down to 1 once: no second run

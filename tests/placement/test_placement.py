@@ -1325,34 +1325,39 @@ def test_chunk_of_a_model_mixing_float_dtypes_gives_each_layer_its_own_dtype(
 
 
 class _TokensToLogits(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, final_cast: bool) -> None:
         super().__init__()
         self.emb = nn.Embedding(50, 16)
         self.body = nn.Linear(16, 16)
         self.head = nn.Linear(16, 50)
+        self.final_cast = final_cast
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.emb(ids)).float())
+        logits = self.head(self.body(self.emb(ids)).float())
+        return logits.to(torch.bfloat16) if self.final_cast else logits
 
 
+@pytest.mark.parametrize("final_cast", [False, True])
 @pytest.mark.parametrize("loaded", ["bfloat16 parts loaded so", "float32 throughout"])
-def test_logits_of_a_call_given_token_ids_come_back_in_the_dtype_the_head_computes_in(
-        loaded: str) -> None:
-    """The model takes no floating input, so the root hands back in the dtype the model's
-    last part computes in unplaced: float32 logits from a float32 head, also when the parts
-    before it were loaded in bfloat16 for a plan's bfloat16 device (``load(device=plan)``)."""
+def test_outputs_of_a_call_given_token_ids_come_back_in_the_dtype_the_model_gives(
+        loaded: str, final_cast: bool) -> None:
+    """The model takes no floating input, so its outputs come back in the dtype its recorded
+    forward gave them: float32 logits from a float32 head, also when the parts before it
+    were loaded in bfloat16 for a plan's bfloat16 device (``load(device=plan)``), and what
+    the model casts to itself. A part called on its own keeps its own dtype."""
     torch.manual_seed(0)
-    model = _TokensToLogits().eval()
+    model = _TokensToLogits(final_cast).eval()
     if loaded.startswith("bfloat16"):
         model.emb.to(torch.bfloat16)
         model.body.to(torch.bfloat16)
     ids = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
-        expected = copy.deepcopy(model)(ids) if loaded.startswith("bfloat16") else None
+        reference = copy.deepcopy(model)
+        expected, embedded = reference(ids), reference.emb(ids)
         with adaptive.split(model, {"cpu@bfloat16": "8KiB", "cpu": None},
                             device_map={"emb": "cpu@bfloat16", "body": "cpu@bfloat16",
                                         "head": "cpu"}):
-            out = model(ids)
-    assert out.dtype == torch.float32
-    if expected is not None:
+            out, alone = model(ids), model.emb(ids)
+    assert out.dtype == expected.dtype and alone.dtype == embedded.dtype
+    if loaded.startswith("bfloat16"):  # nothing converted: the same numbers
         assert torch.equal(out, expected)

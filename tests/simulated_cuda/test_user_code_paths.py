@@ -117,6 +117,8 @@ def test_data_parallel_on_one_device_runs_and_on_two_is_refused_by_name() -> Non
         with torch.no_grad():
             single = nn.DataParallel(linear, device_ids=[0, 1])(x[:1])
         assert torch.equal(single.cpu(), expected[:1])
+        # with autograd on too: torch's replicate would ask the driver (the process ended)
+        assert nn.DataParallel(linear, device_ids=[0, 1])(x[:1]).shape == (1, 4)
         chunks = comm.scatter(torch.randn(5, 4), [0, 1, 1, 0])  # as torch: 3 chunks of 2, 2, 1
         assert [c.shape[0] for c in chunks] == [2, 2, 1]
         assert [c.device.index for c in chunks] == [0, 1, 1]
