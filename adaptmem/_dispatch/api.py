@@ -77,12 +77,8 @@ class Dispatched:
 
     def __init__(self, inner: Any, placed: PlacedModels, context: Any) -> None:
         functools.update_wrapper(self, inner)
-        # The inner decorator's own attributes came along; its bound _run (a grouped batch
-        # sets one) is not this object's.
-        self.__dict__.pop("_run", None)
-        self.inner = inner
-        self.placed = placed
-        self.user_context = context
+        vars(self).pop("_run", None)  # a grouped batch's own bound _run came along with it
+        self.inner, self.placed, self.user_context = inner, placed, context
         self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
         # A generator's or coroutine's work runs after the call returns, where no call can be
         # timed: a function that returned one is not explored (see [Note: exploring
@@ -170,15 +166,12 @@ class Dispatched:
                   ) -> Callable[[], None] | None:
         """What makes room before the call runs again after ``exc``: chunking the models for
         good where paging can never hold a weight, giving residency back where that can
-        help; None where neither can (``exc`` propagates). Run it once the failed attempt's
-        frames are dropped. Under ``group=``, none: every rank raises together, as the
-        ranks would have to agree on it (each holds residency of its own)."""
-        if getattr(self.inner, "group", None) is not None:
-            return None
-        reason = self._chunks_instead(exc)
+        help; None where neither can (``exc`` propagates), or under ``group=`` (the ranks
+        would have to agree). Run it once the failed attempt's frames are dropped."""
+        reason = "" if self.inner.group is not None else self._chunks_instead(exc)
         if reason:
             return functools.partial(self._chunk_instead, reason)
-        if self._gives_back(exc):
+        if self.inner.group is None and self._gives_back(exc):
             return functools.partial(self._give_back, caller, target)
         return None
 

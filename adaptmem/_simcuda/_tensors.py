@@ -1184,10 +1184,14 @@ _CUDA_KERNELS = _has_cpu_kernel("aten::add.Tensor", "CUDA")
 _HOST_ONLY: dict[Any, bool] = {}
 
 
-def _slices_on_backings(sim: Any, index: Any) -> Any:
-    """``index`` with device tensors inside its slices (``x[:, :n]``, ``n`` a 0-dim device
-    tensor, as transformers' beam search writes) read from their backings: torch reads a
-    slice's bounds in C++, past the simulation, where a device tensor asks the driver."""
+def _slices_on_backings(sim: Any, func: Any, args: Any) -> Any:
+    """``args`` of ``func``, with device tensors inside the slices of an index (``x[:, :n]``,
+    ``n`` a 0-dim device tensor, as transformers' beam search writes) read from their
+    backings: torch reads a slice's bounds in C++, past the simulation, where a device
+    tensor asks the driver."""
+    if func not in _INDEXING or len(args) < 2:
+        return args
+
     def bound(v: Any) -> Any:
         if not (isinstance(v, torch.Tensor) and v.is_cuda):
             return v
@@ -1201,7 +1205,9 @@ def _slices_on_backings(sim: Any, index: Any) -> Any:
             return slice(bound(i.start), bound(i.stop), bound(i.step))
         return i
 
-    return tuple(map(one, index)) if isinstance(index, tuple) else one(index)
+    index = args[1]
+    index = tuple(map(one, index)) if isinstance(index, tuple) else one(index)
+    return (args[0], index, *args[2:])
 
 
 def _host_only(func: Any) -> bool:
@@ -1498,8 +1504,7 @@ class Functions(TorchFunctionMode):
             # ``out`` by the ops the simulation follows (its resize, its memory).
             made = self._on_backing(func, args, {k: v for k, v in kwargs.items() if k != "out"})
             return out_arg.resize_(made.shape).copy_(made)
-        if func in _INDEXING and len(args) > 1:
-            args = (args[0], _slices_on_backings(sim, args[1]), *args[2:])
+        args = _slices_on_backings(sim, func, args)
         flat, spec = tree_flatten((args, kwargs))
         index: int | None = None
         cpu_arg = False
