@@ -1206,7 +1206,8 @@ def _slices_on_backings(sim: Any, func: Any, args: Any) -> Any:
         return i
 
     index = args[1]
-    index = tuple(map(one, index)) if isinstance(index, tuple) else one(index)
+    kind = type(index)  # a list holding slices is an index too (deprecated), as a tuple
+    index = kind(map(one, index)) if kind is tuple or kind is list else one(index)
     return (args[0], index, *args[2:])
 
 

@@ -1358,3 +1358,7 @@ def test_slices_bounded_by_a_0_dim_device_tensor_read_and_write_as_on_a_gpu() ->
         assert t[:, n::torch.tensor(1, device="cuda")].shape == (2, 2)
         t[:, :n] = 0
         assert t.cpu().tolist() == [[0, 0, 0, 3, 4], [0, 0, 0, 8, 9]]
+        with warnings.catch_warnings():  # a list holding a slice: deprecated, still an index
+            warnings.simplefilter("ignore")
+            assert t[[slice(None, n), 3]].cpu().tolist() == [3, 8]
+        assert t[[0, 1]].shape == (2, 5)  # a list of rows is still advanced indexing
