@@ -18,8 +18,8 @@ from .cache import BatchsizeCache, SizeRecord, StacktraceMemoryBatchsizeCache
 from .progress import Progress
 from .stats import Watch
 
-__all__ = ["run_sized", "run_range", "shrink", "relook_for", "explain_kept_size", "log_probe", "log_moved", "logger", "LAZY_TYPES",
-           "is_lazy"]
+__all__ = ["run_sized", "run_range", "shrink", "relook_for", "explain_kept_size", "log_probe",
+           "log_moved", "logger", "LAZY_TYPES", "is_lazy"]
 
 logger = logging.getLogger("adaptmem")
 
@@ -158,7 +158,8 @@ def explain_kept_size(exc: BaseException, name: str, what: str) -> None:
     """A pager's out-of-memory error while moving weights passes through ``name`` without
     shrinking its ``what``: the message says so, once, and how to have both searched (not
     for an exception group, whose text is not its arguments)."""
-    if (hasattr(exc, "exceptions") or oom_phase(exc) is not Phase.TRANSFER or getattr(exc, "beyond_device", False) or getattr(exc, "_kept_size_told", False)
+    if (hasattr(exc, "exceptions") or oom_phase(exc) is not Phase.TRANSFER
+            or getattr(exc, "beyond_device", False) or getattr(exc, "_kept_size_told", False)
             or not exc.args or not isinstance(exc.args[0], str) or not is_oom(exc)):
         return
     exc.args = (f"{exc.args[0]} This reached {name}, which does not shrink its {what} for a "
@@ -183,9 +184,10 @@ def relook_for(cache: BatchsizeCache,
 # what is known to fit with more free memory than the call had: once the memory came back,
 # that bucket would climb again only by probes. So after a failure, once the failed
 # attempt's memory is let go and free memory is read again, the call looks its record up
-# anew (``relook``; ``relook_for`` gives it): the failure, the retries and the size that fits go to the bucket of the
-# memory the call really had. The batch and step searches do this; the ranks-in-step search
-# and a generator's or coroutine's retries keep the record they started with.
+# anew (``relook``; ``relook_for`` gives it): the failure, the retries and the size that
+# fits go to the bucket of the memory the call really had. The batch and step searches do
+# this; the ranks-in-step search and a generator's or coroutine's retries keep the record
+# they started with.
 def shrink(
     failure: BaseException,
     size: int,

@@ -97,6 +97,7 @@ class Refiner:
                  if table.resident_bytes else "")
         free = ("free device memory (other tensors; a smaller batch leaves its activations' "
                 "room to the weights)")
+        either = f"{lower}or {free}" if lower else free
         if table.budget is not None:
             fits = f"it does not fit under device_budget={format_bytes(table.budget)}"
             fix = f"raise device_budget, {lower}or {free}"
@@ -104,7 +105,7 @@ class Refiner:
             fits = (f"it does not fit in the memory the pager may take "
                     f"({format_bytes(free_memory(table.device))} free, less the reserve it "
                     f"leaves for activations)")
-            fix = f"{lower}{'or ' if lower else ''}{free}"
+            fix = either
         else:
             # Free memory counts the allocator's cached blocks, and fragmentation (or a pool
             # of small blocks) can leave them unable to serve one block this size.
@@ -112,7 +113,7 @@ class Refiner:
                     f"{format_bytes(free_memory(table.device))} free by the allocator's "
                     f"count (cached blocks included, which fragmentation can leave unable "
                     f"to serve a block this size)")
-            fix = f"{lower}{'or ' if lower else ''}{free}" + (
+            fix = either + (
                 "; PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lessens fragmentation"
                 if table.device.type == "cuda" else "")
         message = (

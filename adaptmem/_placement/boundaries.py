@@ -190,7 +190,7 @@ class BoundaryHooks:
         moved = self._convert(output, device, dtype, frame.inputs)
         return None if moved is output else moved
 
-    def _received(self, obj: Any, enclosing: _Frame | None, name: str = "?"
+    def _received(self, obj: Any, enclosing: _Frame | None, name: str
                   ) -> tuple[torch.device | None, torch.dtype | None]:
         device, dtype = _first_device_and_float(obj)
         if enclosing is not None:

@@ -1222,6 +1222,8 @@ def _host_only(func: Any) -> bool:
                                     and not _has_cpu_kernel(name, "CUDA")
                                     and _has_cpu_kernel(name, "CPU"))
     return known
+
+
 # Factories that draw no random numbers and return one tensor.
 _PLAIN_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.empty_like,
                     torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_strided,
