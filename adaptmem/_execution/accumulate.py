@@ -29,10 +29,23 @@ eval mode, give the full batch's gradients up to floating-point summation order.
 
 Generators and coroutines are refused: their work runs after the call returns, out of the
 snapshot's reach.
+
+[Note: a batch shorter than its size]
+``@adaptive.batch`` does not know how many items a call has: toma's contract passes a size
+and the function splits its data. A training step split with ``adaptive.microbatches`` does
+tell: the attempt that runs sets a ``_Split`` (a context variable, so threads and tasks keep
+their own), and ``microbatches(batchsize, ...)`` files the batch's length under the size it
+was asked to split by. Where the batch is shorter than the size the decorator passed, the
+attempt really ran the batch's length (one micro-batch of all of it): a failure is filed at
+that length, so the retry halves from there rather than running the same single micro-batch
+again at every size down to the batch's length, and a success tells only what a short
+step's would (``SizeRecord.after_short_success``), so it does not claim the larger size fits.
+A step that splits its batch itself is unchanged: the size passed is taken as the size run.
 """
 
 from __future__ import annotations
 
+import contextvars
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -44,7 +57,7 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 from .._common.callables import lazy_body
 from .._common.devices import whole_number
 
-__all__ = ["Accumulation", "check_accumulate", "refuse_accumulate", "microbatches"]
+__all__ = ["Accumulation", "Guarded", "check_accumulate", "refuse_accumulate", "microbatches"]
 
 
 def refuse_accumulate(value: Any, kind: str) -> None:
@@ -125,28 +138,56 @@ class Accumulation:
                 f"generator or async function, whose work runs later. Write the training "
                 f"step as a plain function")
 
-    def guard(self, func: Callable[..., Any]) -> Callable[..., Any]:
+    def guard(self, func: Callable[..., Any]) -> Guarded:
         """``func`` for one call: the first attempt takes the snapshot, a failed attempt puts
         gradients and buffers back. See [Note: a retried training step counts its gradients
         once]."""
-        snapshot: list[_Snapshot] = []
-
-        def attempt(*args: Any, **kwargs: Any) -> Any:
-            if not snapshot:
-                snapshot.append(_Snapshot(self))
-            try:
-                return func(*args, **kwargs)
-            except BaseException:  # Ctrl-C too: a rerun must not count samples twice
-                snapshot[0].restore()
-                raise
-
-        return attempt
+        return Guarded(self, func)
 
     def parameters(self) -> Iterator[torch.Tensor]:
         """The tensors that require gradients now (frozen ones gather nothing), a lazy
         module's placeholders included."""
         params = self.params if self.module is None else self.module.parameters()
         return (p for p in params if p.requires_grad)
+
+
+class Guarded:
+    """A training step for one call of ``@adaptive.batch(accumulate=...)``: each attempt puts
+    gradients and buffers back when it raises, and learns the length of the batch it split
+    (see [Note: a batch shorter than its size])."""
+
+    __slots__ = ("_accumulation", "_func", "_snapshot", "_split")
+
+    def __init__(self, accumulation: Accumulation, func: Callable[..., Any]) -> None:
+        self._accumulation = accumulation
+        self._func = func
+        self._snapshot: _Snapshot | None = None
+        self._split: dict[int, int] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._snapshot is None:
+            self._snapshot = _Snapshot(self._accumulation)
+        split: dict[int, int] = {}
+        self._split = split
+        token = _SPLIT.set(split)
+        try:
+            return self._func(*args, **kwargs)
+        except BaseException:  # Ctrl-C too: a rerun must not count samples twice
+            self._snapshot.restore()
+            raise
+        finally:
+            _SPLIT.reset(token)
+
+    def ran(self, size: int) -> int:
+        """The size the last attempt really ran when it was passed ``size``: the length of
+        the batch it split by ``size`` where that is shorter, else ``size``."""
+        items = self._split.get(size)
+        return size if items is None else min(size, items)
+
+
+# The batch lengths ``microbatches`` was asked to split in the attempt running now, by size.
+_SPLIT: contextvars.ContextVar[dict[int, int] | None] = contextvars.ContextVar(
+    "adaptmem_split", default=None)
 
 
 class _Snapshot:
@@ -226,7 +267,8 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
     Raises:
         TypeError: no tensors, something that is no tensor or dict of them, or a batch size
             that is not an int.
-        ValueError: a batch size below 1, or tensors whose lengths along ``dim`` differ.
+        ValueError: a batch size below 1, tensors whose lengths along ``dim`` differ, or
+            an empty batch (length 0).
 
     Example:
         >>> import torch
@@ -271,7 +313,16 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
             f"microbatches needs tensors of the same length along dim={dim} (the batch "
             f"dimension), got {', '.join(f'{n}: {k}' for n, k in lengths.items())}"
         )
-    return _split(size, tensors, dim, next(iter(lengths.values())))
+    total = next(iter(lengths.values()))
+    if total == 0:
+        raise ValueError(
+            f"microbatches got an empty batch (length 0 along dim={dim}): a step over it "
+            f"would compute no loss and leave the gradients as they are. Skip empty batches "
+            f"before the step")
+    split = _SPLIT.get()
+    if split is not None:  # see [Note: a batch shorter than its size]
+        split[size] = max(total, split.get(size, 0))
+    return _split(size, tensors, dim, total)
 
 
 def _dimension(dim: Any) -> int:

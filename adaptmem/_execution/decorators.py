@@ -548,7 +548,11 @@ class _Batch(_Adaptive):
         else:
             if is_lazy(result):
                 return self._lazy(result, size, record, cache, bound, args, kwargs)
-            record.after_success(size)
+            if accumulation is not None and func.ran(size) < size:  # type: ignore[attr-defined]
+                size = func.ran(size)  # type: ignore[attr-defined]
+                record.after_short_success(size)  # see [Note: a batch shorter than its size]
+            else:
+                record.after_success(size)
             if size != stats.last_size:
                 stats.saw(size)
             return result
@@ -559,6 +563,7 @@ class _Batch(_Adaptive):
             floor=self.floor,
             name=self._name, what="batchsize", device=self.device, cache=cache, failure=failure,
             watch=self._watch, started=started, relook=relook,
+            ran=None if accumulation is None else func.ran,  # type: ignore[attr-defined]
         )
         if is_lazy(result):  # the record the retries moved to, if they did
             return self._lazy(result, size, record if relook is None else relook(), cache,

@@ -93,6 +93,7 @@ def run_sized(
     counts_size: bool = True,
     short: bool = False,
     relook: Callable[[], SizeRecord] | None = None,
+    ran: Callable[[int], int] | None = None,
 ) -> tuple[T, int]:
     """Call ``attempt(size)``; on an out-of-memory error in compute, shrink and call again.
 
@@ -110,7 +111,9 @@ def run_sized(
     ``SizeRecord.after_short_success``). ``relook`` returns the record the call would use
     now: after a failure, once caches are emptied and free memory is read again, the
     failure and what follows go to that record (see [Note: a failure filed where it
-    happened]).
+    happened]). ``ran`` maps the size an attempt was passed to the size it really ran, known
+    after it (see [Note: a batch shorter than its size] in accumulate.py): the result,
+    failure and returned size are that size's.
     """
     tried: list[int] = []
     first = size
@@ -128,6 +131,8 @@ def run_sized(
                     raise
                 failure = exc
             else:
+                if ran is not None and ran(size) < size:
+                    size, short = ran(size), True
                 # A generator or coroutine has not run yet: its wrapper records the outcome.
                 if not is_lazy(result):
                     if short and not tried:
@@ -144,6 +149,8 @@ def run_sized(
                 return result, size
         if stats is not None:
             stats.failed(None if started is None else time.perf_counter() - started)
+        if ran is not None:
+            size = ran(size)
         # Out of the except block, so nothing keeps the failed attempt's frames alive.
         size = shrink(failure, size, tried, record, floor=floor, name=name, what=what,
                       device=device, cache=cache, watch=watch, relook=relook)

@@ -187,6 +187,69 @@ def test_micro_batches_that_finished_before_the_failure_are_not_counted_twice() 
     _assert_bitwise(_state(model), _plain(2))
 
 
+@pytest.mark.parametrize("cache", [adaptive.NoBatchsizeCache, adaptive.GlobalBatchsizeCache])
+def test_a_batch_shorter_than_the_size_is_retried_from_its_length(cache: Any) -> None:
+    # 12 samples under a size of 64: the first attempt runs all 12 in one micro-batch. The
+    # retry halves from 12, not from 64: 32 and 16 would run the same single micro-batch of
+    # 12 again, and fail again.
+    model = _model()
+    ceiling = MemoryCeiling(3)
+    model[1].fault = ceiling.require
+    seen: list[int] = []
+
+    @adaptive.batch(initial_batchsize=64, accumulate=model, cache=cache())
+    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> int:
+        seen.append(batchsize)
+        _loop(model, batchsize, x, y)
+        return batchsize
+
+    assert train_step(*_data()) == 3
+    assert seen == [64, 6, 3]
+    assert ceiling.failures == [12, 6]
+    _assert_bitwise(_state(model), _plain(3))
+    assert train_step.stats.largest_size == 3  # what ran, not the 64 passed
+
+
+def test_a_short_batch_that_fits_does_not_claim_its_size_fits() -> None:
+    # 12 samples at a size of 64 fit; the next call's 40 samples at 64 do not. Had the first
+    # call been filed as "64 fits", the second would have stepped down from 64 by tenths
+    # (memory taken as tighter than before), failing at 57, 51, ... in turn.
+    model = _model()
+    ceiling = MemoryCeiling(20)
+    model[1].fault = ceiling.require
+    seen: list[int] = []
+
+    @adaptive.batch(initial_batchsize=64, accumulate=model, cache=adaptive.GlobalBatchsizeCache())
+    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        seen.append(batchsize)
+        _loop(model, batchsize, x, y)
+
+    train_step(*_data())
+    g = torch.Generator().manual_seed(3)
+    train_step(torch.randn(40, 6, generator=g, dtype=torch.float64),
+               torch.randn(40, 3, generator=g, dtype=torch.float64))
+    assert seen == [64, 64, 20]
+    assert ceiling.failures == [40]
+
+
+def test_a_step_that_splits_its_batch_itself_is_taken_at_the_size_passed() -> None:
+    # Without microbatches the decorator cannot know the batch's length: the size passed is
+    # the size run, as before.
+    model = _model()
+    ceiling = MemoryCeiling(3)
+    model[1].fault = ceiling.require
+    seen: list[int] = []
+
+    @adaptive.batch(initial_batchsize=64, accumulate=model, cache=adaptive.NoBatchsizeCache())
+    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        seen.append(batchsize)
+        for xb, yb in zip(x.split(batchsize), y.split(batchsize), strict=True):
+            (F.mse_loss(model(xb), yb) * len(xb) / len(x)).backward()
+
+    train_step(*_data())
+    assert seen == [64, 32, 16, 8, 4, 2]
+
+
 def test_without_accumulate_the_failed_attempt_counts_twice() -> None:
     # The control: the same step without accumulate= is wrong, so the tests above can fail.
     model = _model()
@@ -405,6 +468,7 @@ def test_microbatches_split_every_tensor_and_weigh_each_piece() -> None:
     ((2.0, torch.ones(3)), TypeError, "an int"),
     ((2,), TypeError, "one or more tensors"),
     ((2, [1, 2]), TypeError, "argument 1 is list"),
+    ((2, torch.ones(0, 3), torch.ones(0)), ValueError, "empty batch .length 0 along dim=0"),
     ((2, {"mask": None}), TypeError, "argument 1 is a dict that holds none"),
     ((2, torch.ones(3), torch.ones(4)), ValueError, "argument 1: 3, argument 2: 4"),
     ((2, {"ids": torch.ones(3), "y": torch.ones(2)}), ValueError,
