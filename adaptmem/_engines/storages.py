@@ -13,7 +13,9 @@ as it was: in its original storage when something else kept that alive (the call
 tensor, a tensor of the model that did not move, an original kept for a dtype change), else
 in one new storage of the original size per group of tensors that shared one, each at its
 offset with its strides (a non-dense view keeps them). The bytes of a new storage that no
-tensor of the model covered are zeros: nothing but the storage itself could reach them.
+tensor of the model covered are zeros: nothing but the storage itself could reach them. A new
+storage is pinned where the original was (a paging plan's `adaptive.load` pins the host
+units), so that a model placed and removed copies to its device asynchronously as before.
 Tensors of two models placed by two engines that share a storage (not a tensor: that is
 refused, see [Note: one engine per tensor] in ``_common/claims.py``) are grouped by each
 engine apart, so when both moved they come back in a storage each.
@@ -32,15 +34,16 @@ __all__ = ["StorageLayout"]
 
 class _Storage:
     """One original storage: a weak reference to it (or to the one that replaced it), its
-    size and device, whether one tensor fills it exactly (then new memory need not be
-    zeroed), and a new one made since the last ``settle()``."""
+    size, device and whether it was pinned, whether one tensor fills it exactly (then new
+    memory need not be zeroed), and a new one made since the last ``settle()``."""
 
-    __slots__ = ("ref", "nbytes", "device", "filled", "made")
+    __slots__ = ("ref", "nbytes", "device", "pinned", "filled", "made")
 
-    def __init__(self, storage: Any, nbytes: int, device: torch.device) -> None:
+    def __init__(self, storage: Any, nbytes: int, device: torch.device, pinned: bool) -> None:
         self.ref = _weak(storage)
         self.nbytes = nbytes
         self.device = device
+        self.pinned = pinned
         self.filled = False
         # Held until settle(): a storage object that takes no weak reference, or whose
         # Python object is made anew at each untyped_storage() (a tensor subclass's, the
@@ -55,10 +58,19 @@ class _Storage:
         storage = self.ref() if self.ref is not None else None
         if storage is not None and storage.nbytes() >= self.nbytes:
             return storage
-        make = torch.empty if self.filled else torch.zeros
-        storage = make(self.nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+        storage = self._new().untyped_storage()
         self.ref, self.made = _weak(storage), storage
         return storage
+
+    def _new(self) -> torch.Tensor:
+        if self.pinned:
+            try:
+                made = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+                return made if self.filled else made.zero_()
+            except RuntimeError:  # pinned memory is a scarce resource; pageable works
+                pass
+        make = torch.empty if self.filled else torch.zeros
+        return make(self.nbytes, dtype=torch.uint8, device=self.device)
 
 
 class _Place(NamedTuple):
@@ -93,7 +105,8 @@ class StorageLayout:
             nbytes = max(storage.nbytes(), (offset + _extent(data)) * data.element_size())
             group = groups.get(key)
             if group is None:
-                group = groups[key] = _Storage(storage, nbytes, data.device)
+                pinned = data.device.type == "cpu" and data.is_pinned()
+                group = groups[key] = _Storage(storage, nbytes, data.device, pinned)
             group.nbytes = max(group.nbytes, nbytes)
             members.setdefault(key, []).append(name)
             self._places[name] = _Place(group, offset, data.shape, data.stride(), data.dtype)

@@ -42,9 +42,13 @@ class Plan:
             parse_dtype(stored, f"the plan's dtype for {placement!r}") if stored else None)
 
     def bytes_by_placement(self) -> dict[str, int]:
+        """``{placement: bytes}`` in the order placements first come: plain strings
+        (``"paged"``, ``"cuda:0"``, ``"cpu@bfloat16"``), for a paging plan and a placement
+        plan alike."""
         out: dict[str, int] = {}
         for u in self.units:
-            out[u.placement] = out.get(u.placement, 0) + u.nbytes
+            key = str(u.placement)
+            out[key] = out.get(key, 0) + u.nbytes
         return out
 
     @property

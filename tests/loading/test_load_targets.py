@@ -162,6 +162,34 @@ def test_paged_plan_tensors_stay_pinned_on_the_simulated_device(tmp_path: Path) 
         assert all(p.is_pinned() for p in model.parameters())  # pinning is the storage's
 
 
+@pytest.mark.parametrize("engine", ["page", "chunk", "split"])
+def test_pinned_tensors_stay_pinned_after_placement_and_remove(tmp_path: Path,
+                                                               engine: str) -> None:
+    # A paging plan's load pins the host units; placing the model and removing the engine
+    # gives them back laid out in new memory (page packs each unit's masters), which must be
+    # pinned again, or the next placement's copies would no longer be asynchronous.
+    source = _stack().eval()
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    with simulated_cuda(devices=1):
+        plan = adaptive.plan(adaptive.empty_model(_stack), unit_bytes="1KiB")
+        model = adaptive.load(_stack, tmp_path / "m.pt", device=plan).eval()
+        x = torch.randn(2, *source[0].weight.shape[1:])
+        if engine == "page":
+            handle = adaptive.page(model, device="cuda")
+        elif engine == "chunk":
+            handle = adaptive.chunk(model, device="cuda", capacity="600KiB")
+        else:
+            handle = adaptive.split(model, {"cuda": "600KiB", "cpu": None})
+        with torch.no_grad():
+            model(x.to("cuda" if engine == "page" else "cpu"))
+        if engine != "page":  # page's units are on the device only while they run
+            assert any(p.device.type == "cuda" for p in model.parameters())
+        handle.remove()
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in model.state_dict().values())
+        for name, t in model.state_dict().items():
+            assert torch.equal(t, source.state_dict()[name]), name
+
+
 def test_copy_false_leaves_a_model_built_under_inference_mode_usable(tmp_path: Path) -> None:
     source = nn.Linear(2, 2)
     torch.save(source.state_dict(), tmp_path / "m.pt")

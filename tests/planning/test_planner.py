@@ -70,6 +70,17 @@ def test_units_descend_only_where_a_module_is_too_large() -> None:
     assert sum(u.nbytes for u in fine) == sizes.total_bytes
 
 
+def test_bytes_by_placement_keys_are_plain_strings_for_both_kinds_of_plan() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    paging = adaptive.plan(model, unit_bytes=0)
+    placed = adaptive.plan(model, devices={"cuda:0": 64 * 64 * 4 + 64 * 4, "cpu": None})
+    total = sum(p.nbytes for p in model.parameters())
+    assert paging.bytes_by_placement() == {"paged": total}
+    assert placed.bytes_by_placement() == {"cuda:0": 64 * 65 * 4, "cpu": 65 * 4 * 4}
+    for plan in (paging, placed):
+        assert {type(k) for k in plan.bytes_by_placement()} == {str}  # no enum member
+
+
 def test_tied_weight_is_owned_by_one_unit_and_borrowed_by_the_other() -> None:
     units = paging_units(module_sizes(Tied()), 0)
     owners = [u for u in units if "wte.weight" in u.tensors]
