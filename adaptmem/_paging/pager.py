@@ -381,6 +381,8 @@ class Pager(Engine):
         if self._removed is False:  # unhooked once; a Ctrl-C past here: the next call goes on
             self._lost = self._unhook()
             self._removed = "restoring"
+        elif self._lost is None and not self._table.synchronous:
+            self._lost = _synchronized(self.device)  # lost since the interrupted call?
         with self._quiet, torch.inference_mode(False):
             self._table.restore(from_device=self._lost is None)  # restored slots: skipped
         self._guard.release()

@@ -1722,6 +1722,38 @@ def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeyp
     adaptive.page(model, "cpu").remove()  # and the model can be paged again
 
 
+def test_a_remove_resumed_after_the_device_is_gone_finishes_from_the_host_copies(
+        monkeypatch) -> None:
+    # Ctrl-C halfway through remove(), then the simulation ends (the device is lost) before
+    # remove() is called again: the rest comes back from the host copies, with a warning.
+    from adaptmem._engines import hoststore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    restore, restored = hoststore.Slot.restore, []
+
+    def interrupted(slot, *args: Any) -> None:
+        if len(restored) == 3:
+            raise KeyboardInterrupt
+        restored.append(slot)
+        restore(slot, *args)
+
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        pager = adaptive.page(model, "cuda", unit_bytes=0, resident_bytes="40KiB")
+        with torch.no_grad():
+            model(torch.randn(2, 64))
+        monkeypatch.setattr(hoststore.Slot, "restore", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            pager.remove()
+        monkeypatch.setattr(hoststore.Slot, "restore", restore)
+    with pytest.warns(RuntimeWarning, match="could not reach cuda:0.*host copies"):
+        pager.remove()
+    assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert adaptive.holder(model) is None
+
+
 def test_remove_after_the_device_is_gone_restores_from_the_host_copies() -> None:
     """The simulation ended before remove() (notebook cells run out of order), as a device
     with a sticky error would: it cannot be read, and remove() says so and puts the model
