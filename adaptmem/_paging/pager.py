@@ -373,14 +373,12 @@ class Pager(Engine):
 
     def remove(self) -> None:
         """Put every parameter and buffer back on its original device and dtype, remove the
-        hooks and release device memory. Unedited tensors come back bitwise; resident ones
-        are copied back from the device, so edits made to them are kept. Called again it
-        does nothing, or finishes one that was interrupted."""
+        hooks and release device memory. Unedited tensors come back bitwise, resident ones
+        from the device (edits kept). Called again: nothing, or finishes an interrupted one."""
         if self._removed is True:
             return
         if self._removed is False:  # unhooked once; a Ctrl-C past here: the next call goes on
-            self._lost = self._unhook()
-            self._removed = "restoring"
+            self._lost, self._removed = self._unhook(), "restoring"
         elif self._lost is None and not self._table.synchronous:
             self._lost = _synchronized(self.device)  # lost since the interrupted call?
         with self._quiet, torch.inference_mode(False):
