@@ -1261,6 +1261,14 @@ def _call(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
+def _to_copy(x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """``aten._to_copy`` without grad: a host tensor that requires it (a CPU layer's output in
+    grad mode) reaches the device without its graph. Recorded in autograd, a CUDA tensor
+    would have autograd ask the real driver for its stream, which ends the process."""
+    with torch.no_grad():
+        return aten._to_copy.default(x, **kwargs)
+
+
 def _touches_cuda(args: Any, kwargs: dict[str, Any]) -> bool:
     for x in (*args, *kwargs.values()):
         if isinstance(x, torch.Tensor):
@@ -1444,8 +1452,8 @@ class Functions(TorchFunctionMode):
         if device == x.device and dtype == x.dtype and not copy and memory_format in (
                 None, torch.preserve_format):
             return x
-        return aten._to_copy.default(x, dtype=dtype, device=device, non_blocking=non_blocking,
-                                     memory_format=memory_format or torch.preserve_format)
+        return _to_copy(x, dtype=dtype, device=device, non_blocking=non_blocking,
+                        memory_format=memory_format or torch.preserve_format)
 
     def _set_data(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         target, data = args  # ``target.data = data``: see Tensors.let_go
@@ -1467,9 +1475,8 @@ class Functions(TorchFunctionMode):
                     memory_format=memory_format):
                 return x
             return aten.clone.default(x, memory_format=memory_format)  # as .contiguous
-        return aten._to_copy.default(x, device=self.sim.devices[index],
-                                     non_blocking=bool(non_blocking),
-                                     memory_format=memory_format)
+        return _to_copy(x, device=self.sim.devices[index], non_blocking=bool(non_blocking),
+                        memory_format=memory_format)
 
     def _copy(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         dst, src = args[0], args[1]

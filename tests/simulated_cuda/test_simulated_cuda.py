@@ -291,6 +291,48 @@ def test_autograd_is_off_for_simulated_tensors() -> None:
         assert attention(q, q, q)[0].device.type == "cuda"
 
 
+def test_a_host_tensor_that_requires_grad_moves_to_the_device_without_its_graph() -> None:
+    # A CPU layer's output in grad mode handed to device code (chunk's host part before a
+    # residual add): recorded in autograd, a CUDA tensor made the process abort in C++
+    # (no Python error at all), so this runs in a child process.
+    script = textwrap.dedent("""
+        import torch
+        from torch import nn
+        from adaptmem import adaptive
+        from adaptmem.testing import simulated_cuda
+
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+            def forward(self, x):
+                return x + self.b(self.a(x))  # b's output meets x on the caller's device
+
+        with simulated_cuda(devices=1, total_memory="64MiB"):
+            w = torch.randn(2, 4, requires_grad=True) * 2
+            moved = [w.cuda(), w.to("cuda"), w.to(device="cuda", non_blocking=True),
+                     w.to("cuda", torch.float16), torch.as_tensor(w, device="cuda")]
+            assert all(m.is_cuda and not m.requires_grad for m in moved)
+            assert torch.equal(moved[0].cpu(), w.detach())
+            assert w.to(torch.float16).requires_grad  # a host cast keeps its graph
+            torch.manual_seed(0)
+            model = Block().eval()
+            x = torch.randn(2, 256)
+            with torch.no_grad():
+                want = model(x)
+            chunker = adaptive.chunk(model, "cuda", capacity="300KiB")
+            out = model(x)  # no no_grad, as a first try would be written
+            assert torch.allclose(out, want, atol=1e-6)
+            chunker.remove()
+        print("done")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "done"
+
+
 @pytest.mark.parametrize("kind", ["plain", "causal", "mask"])
 def test_scaled_dot_product_attention_gives_the_cpus_values(kind: str) -> None:
     # Its composite picks a kernel by device type, not through the dispatcher: where torch
