@@ -56,7 +56,12 @@ _SAFETENSORS_DTYPES = {
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
     "U16": "uint16", "U32": "uint32", "U64": "uint64", "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "C64": "complex64",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2",
 }
+# Dtypes whose element holds two of the file's values: the header's last dimension counts
+# values (an F4 tensor of torch shape [4, 4] is stored as [4, 8]).
+_PACKED_PAIRS = frozenset({"F4"})
 # A safetensors header above this is a corrupt length field, not a real header.
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -242,8 +247,18 @@ def _open_safetensors(path: Path) -> Checkpoint:
             raise LoadError(f"{name!r} is corrupt: the header entry for {key!r} is "
                             f"malformed: {info!r}") from None
         if not isinstance(dtype, torch.dtype):
-            raise LoadError(f"{name!r}: tensor {key!r} has dtype {info['dtype']!r}, which "
-                            f"this torch cannot hold")
+            known = info["dtype"] in _SAFETENSORS_DTYPES
+            raise LoadError(
+                f"{name!r}: tensor {key!r} has dtype {info['dtype']!r}, which "
+                + (f"this torch ({torch.__version__}) cannot hold; a newer torch can" if known
+                   else f"adaptive.load does not know (it reads "
+                        f"{', '.join(_SAFETENSORS_DTYPES)})"))
+        if info["dtype"] in _PACKED_PAIRS:
+            if not shape or shape[-1] % 2:
+                raise LoadError(f"{name!r} is corrupt: tensor {key!r} of {info['dtype']} has "
+                                f"shape {list(shape)}, whose last dimension must be even (two "
+                                f"values a byte)")
+            shape = (*shape[:-1], shape[-1] // 2)
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise LoadError(f"{name!r} is corrupt: tensor {key!r} spans {end - begin} bytes "
                             f"but shape {list(shape)} of {info['dtype']} needs "

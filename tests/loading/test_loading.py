@@ -1440,6 +1440,40 @@ def test_corrupt_safetensors_header_is_named(tmp_path: Path) -> None:
         adaptive.load(Net, path)
 
 
+class _Narrow(nn.Module):
+    """Buffers in the narrow float formats of MX, NVFP4 and ROCm fp8 checkpoints."""
+
+    DTYPES = ("float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz", "float4_e2m1fn_x2")
+
+    def __init__(self) -> None:
+        super().__init__()
+        for i, name in enumerate(self.DTYPES):
+            raw = torch.arange(24, dtype=torch.uint8).reshape(4, 6) * (i + 3) % 251
+            self.register_buffer(f"b{i}", raw.view(getattr(torch, name)))
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_narrow_float_formats_of_safetensors_load_bitwise(tmp_path: Path, copy: bool) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    source = _Narrow()
+    path = tmp_path / "narrow.safetensors"
+    safetensors_torch.save_file(dict(source.state_dict()), str(path))
+    model = adaptive.load(_Narrow, path, device="cpu", copy=copy)
+    for name, want in source.state_dict().items():
+        got = model.state_dict()[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+
+
+def test_a_safetensors_dtype_nobody_knows_is_named_with_the_known_ones(tmp_path: Path) -> None:
+    path = tmp_path / "odd.safetensors"
+    header = json.dumps({"w": {"dtype": "F6_E3M2", "shape": [2], "data_offsets": [0, 2]}})
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + b"\0\0")
+    with pytest.raises(LoadError, match="'F6_E3M2', which adaptive.load does not know .it "
+                                        "reads F64, F32"):
+        adaptive.load(nn.Linear(1, 1), path)
+
+
 def test_missing_key_on_meta_is_materialised_when_not_strict(tmp_path: Path) -> None:
     state = dict(_source().state_dict())
     del state["scale"]
