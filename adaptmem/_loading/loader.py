@@ -381,8 +381,8 @@ def load(
             checkpoint, truncated or with a corrupt header or layout (tensor data carries no
             checksum: a flipped byte in it loads silently, as with ``torch.load``), or a
             missing shard (the message names the file); a
-            non-persistent buffer on meta that no checkpoint can fill; the model is
-            unchanged. Running out of memory while the load makes tensors leaves it
+            non-persistent buffer on meta that no checkpoint can fill; a lazy module not
+            run yet (``nn.LazyLinear``: its shapes are unknown); the model is unchanged. Running out of memory while the load makes tensors leaves it
             unchanged too. Also a checkpoint tensor that cannot be copied into its target
             (naming both), a file that fails or changes while it is read, or an interrupt
             (``KeyboardInterrupt``): a built model's tensors filled in place before it keep
@@ -433,9 +433,15 @@ def load(
                         f"got {type(model_or_factory).__name__}")
 
     device = _through_holder(model, device, dtype, copy)
+    try:
+        sizes = module_sizes(model)
+    except ValueError as exc:  # a lazy module's tensor, whose shape is not known yet
+        raise LoadError(f"{exc}. adaptive.load needs every tensor's shape before it reads; it "
+                        f"does not size lazy modules from the checkpoint as load_state_dict "
+                        f"does") from None
     ckpt = open_checkpoint(checkpoint)
-    sizes = module_sizes(model)
-    dests, sources, stats, restores = _plan_load(model, sizes, ckpt, device, strict, dtype)
+    dests, sources, stats, restores = _plan_load(model, sizes, ckpt, device, strict, dtype,
+                                                 model is not model_or_factory)
     # Model tensors are written in place (a built model, a handle's copies): outside
     # autograd, or a leaf that requires grad refuses every converting copy. New tensors are
     # ordinary ones even when the caller is in inference mode (placement refuses inference
@@ -542,10 +548,11 @@ class _HeldParts:
 
 def _plan_load(
     model: nn.Module, sizes: ModuleSizes, ckpt: Checkpoint, device: Any, strict: bool,
-    dtype: torch.dtype | None,
+    dtype: torch.dtype | None, built: bool = False,
 ) -> tuple[dict[str, _Dest], dict[str, Entry], LoadStats, dict[str, nn.Module]]:
     """Match keys, decide every destination, and raise before anything is modified. Also
-    the modules that get extra state from the checkpoint (See [Note: extra state])."""
+    the modules that get extra state from the checkpoint (See [Note: extra state]).
+    ``built``: the model was built here from a factory (``empty_model``)."""
     tensors = _current_tensors(model, sizes)
     by_id = {id(t): name for name, t in tensors.items()}
     # A state-dict hook may hand out new tensors (cast, say): their keys still name them.
@@ -603,7 +610,16 @@ def _plan_load(
     # uninitialised like missing ones (_settle_unloaded warns); buffers would lose values.
     lost = [n for n in tensors if n not in keys and tensors[n].device.type == "meta"
             and sizes.tensors[n].kind != "parameter"]
-    if lost:
+    if lost and built:  # empty_model keeps buffers real: the constructor made these on meta
+        errors.append(
+            "non-persistent buffer(s) that the factory's constructor made on the meta "
+            "device, which no checkpoint holds: " + ", ".join(lost) + ". The constructor "
+            "made them from parameters, which adaptive.empty_model puts on meta "
+            "(torch.ones_like(self.linear.weight), say): make them from sizes instead "
+            "(torch.ones(self.linear.weight.shape)), or build the model yourself and use "
+            "model.load_state_dict."
+        )
+    elif lost:
         errors.append(
             "non-persistent buffer(s) on the meta device, which no checkpoint holds: "
             + ", ".join(lost) + ". Their values were lost when the model was built on meta; "

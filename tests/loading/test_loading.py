@@ -272,6 +272,24 @@ def test_meta_model_with_lost_non_persistent_buffer_is_refused(tmp_path: Path) -
     assert all(p.is_meta for p in model.parameters())
 
 
+class _Masked(nn.Module):
+    """A non-persistent buffer made from a parameter: on meta under empty_model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.ones_like(self.linear.weight), persistent=False)
+
+
+def test_a_factory_whose_buffer_derives_from_a_parameter_is_told_how_to_fix_it(
+        tmp_path: Path) -> None:
+    # The factory was passed already: the error must not ask for it again.
+    path = _save("pt", _Masked().state_dict(), tmp_path)
+    with pytest.raises(LoadError, match="mask. The constructor made them from parameters") as info:
+        adaptive.load(_Masked, path, device="cpu")
+    assert "pass the factory" not in str(info.value)
+
+
 def test_dtype_converts_floating_tensors_only(tmp_path: Path) -> None:
     source = _source()
     path = _save("safetensors", source.state_dict(), tmp_path)
@@ -1401,8 +1419,9 @@ def test_an_uninitialised_lazy_module_is_a_clear_error(into: str, tmp_path: Path
         return nn.Sequential(nn.LazyLinear(3), nn.ReLU())
 
     torch.save({"0.weight": torch.ones(3, 4), "0.bias": torch.ones(3)}, tmp_path / "m.pt")
-    with pytest.raises(ValueError, match=r"'0.weight' \(LazyLinear\) is an uninitialised lazy "
-                                         r"parameter.*Run one forward pass"):
+    with pytest.raises(LoadError, match=r"'0.weight' \(LazyLinear\) is an uninitialised lazy "
+                                        r"parameter.*Run one forward pass.*does not size lazy "
+                                        r"modules from the checkpoint"):
         adaptive.load(lazy if into == "factory" else lazy(), tmp_path / "m.pt")
 
 
