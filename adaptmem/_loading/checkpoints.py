@@ -288,7 +288,10 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
     try:
         if legacy:
             # The pre-1.6 format stores no offsets; it can only be read whole.
-            with open(path, "rb") as f:  # a file, not a name: see below
+            # A pickle torch.save did not write (protocol 4, pickle.dump's) is refused below
+            # as no checkpoint: torch's warning that it may not parse it says less.
+            with open(path, "rb") as f, warnings.catch_warnings():  # a file, not a name
+                warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
                 obj = torch.load(f, map_location="cpu", weights_only=True)
             logger.info("adaptmem.load: %s is a legacy torch.save file; read it whole", name)
         else:
@@ -339,9 +342,18 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
 
 def _not_weights_only(name: str, why: str) -> str:
     """What to do about a file ``torch.load(weights_only=True)`` refused (``why``)."""
-    reason = next((line.strip() for line in why.splitlines()
-                   if "WeightsUnpickler error" in line), "")
-    reason = reason.split(". Please use")[0].removeprefix("WeightsUnpickler error: ")
+    # torch's text: a paragraph of advice, the reason (after "WeightsUnpickler error:" in
+    # some versions, on lines of its own in others), then a pointer to the documentation.
+    body = why.split("Check the documentation", 1)[0]
+    marker = "WeightsUnpickler error:"
+    body = body.split(marker, 1)[1] if marker in body else body.split("trusted source.", 1)[-1]
+    reason = " ".join(line.strip() for line in body.splitlines() if line.strip())
+    reason = reason.split(". Please use")[0]
+    if reason.startswith("Unsupported operand"):  # not what torch.save writes
+        return (f"{name!r} is not a checkpoint that torch.load(weights_only=True) can read: "
+                f"its pickle uses an instruction that loader refuses ({reason}), as a file "
+                f"written with pickle.dump rather than torch.save would. Save the state dict "
+                f"with torch.save(model.state_dict(), path)")
     return (f"{name!r} holds objects other than tensors and plain containers"
             f"{f' ({reason})' if reason else ''}, and adaptive.load reads checkpoints as "
             f"torch.load(weights_only=True) does, which refuses them. If you trust the file, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -129,6 +130,33 @@ def test_a_truncated_archive_says_so(tmp_path: Path) -> None:
                                             r"torch.save archive.*written or downloaded "
                                             r"completely\?"):
             adaptive.load(_net, tmp_path / "cut.pt")
+
+
+class _Runs:
+    """Runs a shell command when unpickled: what weights_only loading exists to stop."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, ("touch ran-on-load",))
+
+
+def test_a_malicious_pickle_runs_nothing_and_names_what_it_would_call(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    import pickle
+
+    monkeypatch.chdir(tmp_path)
+    torch.save({"weight": torch.ones(2, 2), "x": _Runs()}, tmp_path / "evil.pt")
+    with pytest.raises(LoadError, match=r"holds objects other than tensors and plain containers "
+                                        r"\(.*GLOBAL (posix|os|nt).system"):
+        adaptive.load(nn.Linear(2, 2, bias=False), tmp_path / "evil.pt")
+    with open(tmp_path / "evil.pkl", "wb") as f:
+        pickle.dump({"x": _Runs()}, f)
+    with pytest.raises(LoadError, match=r"evil.pkl' is not a checkpoint that torch.load\("
+                                        r"weights_only=True\) can read.*pickle.dump") as info:
+        adaptive.load(nn.Linear(2, 2, bias=False), tmp_path / "evil.pkl")
+    assert "Please file an issue" not in str(info.value)
+    assert not (tmp_path / "ran-on-load").exists()
 
 
 def test_objects_torch_load_refuses_name_the_type_and_safe_globals(tmp_path: Path) -> None:
