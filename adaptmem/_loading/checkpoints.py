@@ -83,8 +83,9 @@ def is_extra_state_key(key: object) -> bool:
     return isinstance(key, str) and (key == "_extra_state" or key.endswith("._extra_state"))
 
 
-def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
-    """Read the headers of ``checkpoint`` (a file, an ``*.index.json``, or a directory).
+def open_checkpoint(checkpoint: str | os.PathLike[str], key: str | None = None) -> Checkpoint:
+    """Read the headers of ``checkpoint`` (a file, an ``*.index.json``, or a directory);
+    ``key``: the entry of a ``torch.save``d dict that holds the state dict.
 
     Raises:
         LoadError: the path does not exist, a file is truncated, not a checkpoint or has
@@ -94,6 +95,8 @@ def open_checkpoint(checkpoint: str | os.PathLike[str]) -> Checkpoint:
     path = Path(os.fspath(checkpoint))
     if not path.exists():
         raise LoadError(f"checkpoint {str(path)!r} does not exist")
+    if key is not None:
+        return _open_keyed(path, key)
     if path.is_dir():
         indexes = sorted(path.glob("*.index.json"))
         if indexes:
@@ -179,6 +182,17 @@ def _open_index(index: Path) -> Checkpoint:
                 f"hold it; the index and the shards do not match"
             )
     return merged
+
+
+def _open_keyed(path: Path, key: str) -> Checkpoint:
+    """The state dict under ``key`` of the ``torch.save`` file ``path``."""
+    with open(path, "rb") if path.is_file() else contextlib.nullcontext() as f:
+        head = b"" if f is None else f.read(32)
+    if not path.is_file() or _looks_like_safetensors(head):
+        what = "a directory" if path.is_dir() else "a .safetensors file, whose keys are flat"
+        raise LoadError(f"key={key!r} picks the entry of a torch.save file's dict that holds "
+                        f"the state dict; {str(path)!r} is {what}. Leave key= out")
+    return _open_torch(path, None, key)
 
 
 def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
@@ -279,7 +293,7 @@ def _open_safetensors(path: Path) -> Checkpoint:
     return Checkpoint(entries, [name], "safetensors")
 
 
-def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
+def _open_torch(path: Path, single_key: str | None, key: str | None = None) -> Checkpoint:
     name = str(path)
     with open(path, "rb") as f:
         head = f.read(16)
@@ -319,7 +333,7 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
-    state, extra = _state_dict_of(obj, name)
+    state, extra = _state_dict_of(obj, name, key)
     entries: dict[str, Entry] = {}
     size = path.stat().st_size
     where = None if archive is None else archive.where(obj, name)
@@ -330,7 +344,7 @@ def _open_torch(path: Path, single_key: str | None) -> Checkpoint:
             continue
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if offset is None:  # torch older than ~2.5 records no offsets on meta
-            return _open_torch_mapped(path, single_key)
+            return _open_torch_mapped(path, single_key, key)
         entry = Entry(key, name, shape, t.dtype, where[int(offset)], int(t.storage_offset()),
                       stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
@@ -368,7 +382,7 @@ def _not_a_checkpoint(name: str, head: bytes) -> str:
             f"begins with {head!r}")
 
 
-def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
+def _open_torch_mapped(path: Path, single_key: str | None, key: str | None) -> Checkpoint:
     """Fallback without offsets: tensors from ``torch.load(mmap=True)``, copied from there
     (pages of the mapping count toward RSS until the load ends)."""
     name = str(path)
@@ -380,7 +394,7 @@ def _open_torch_mapped(path: Path, single_key: str | None) -> Checkpoint:
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
-    state, extra = _state_dict_of(obj, name)
+    state, extra = _state_dict_of(obj, name, key)
     entries = {k: Entry(k, name, tuple(t.shape), t.dtype, None, 0, tuple(t.stride()), tensor=t)
                for k, t in state.items()}
     return Checkpoint(entries, [name], "torch (mmap)", extra)
@@ -501,12 +515,19 @@ def _not_state(key: object, value: object) -> bool:
         is_extra_state_key(key))
 
 
-def _state_dict_of(obj: object, name: str
+def _state_dict_of(obj: object, name: str, key: str | None = None,
                    ) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
-    """The tensors of the state dict ``obj`` is (or holds under one of ``_NESTED_KEYS``),
-    and its extra state that is not a tensor."""
+    """The tensors of the state dict ``obj`` is (or holds under ``key``, or else under one of
+    ``_NESTED_KEYS``), and its extra state that is not a tensor."""
     nested_in = None
-    if isinstance(obj, Mapping) and any(_not_state(k, v) for k, v in obj.items()):
+    if key is not None:
+        if not isinstance(obj, Mapping) or key not in obj:
+            held = (f"its keys are {', '.join(map(repr, list(obj)[:8]))}"
+                    f"{' ...' if len(obj) > 8 else ''}" if isinstance(obj, Mapping)
+                    else f"it holds a {type(obj).__name__}")
+            raise LoadError(f"{name!r} has no entry {key!r} (key=): {held}")
+        obj, nested_in = obj[key], key
+    elif isinstance(obj, Mapping) and any(_not_state(k, v) for k, v in obj.items()):
         for key in _NESTED_KEYS:
             nested = obj.get(key)
             if isinstance(nested, Mapping) and nested and any(
@@ -521,7 +542,8 @@ def _state_dict_of(obj: object, name: str
             where = (f"its state dict under {nested_in!r} holds {len(others)} "
                      if nested_in is not None else f"it holds a mapping with {len(others)} ")
             looked = (f"; a state dict is looked for at the top level and under "
-                      f"{', '.join(map(repr, _NESTED_KEYS))}" if nested_in is None else "")
+                      f"{', '.join(map(repr, _NESTED_KEYS))}, or under the entry key= names"
+                      if nested_in is None else "")
             raise LoadError(
                 f"{name!r} is not a state dict adaptive.load can read: {where}"
                 f"{'entry that is' if len(others) == 1 else 'entries that are'} neither a "

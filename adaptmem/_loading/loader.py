@@ -310,13 +310,15 @@ def load(
     dtype: torch.dtype | None = None,
     copy: bool = True,
     return_stats: bool = False,
+    key: str | None = None,
 ) -> Any:
     """Load ``checkpoint`` into a model, each tensor read once and put straight where it
     stays, so peak memory is the final footprint plus about one tensor.
 
     Formats: a ``torch.save``d state dict (only its pickle is read up front; tensors are
     read one at a time, never the whole file at once; or a training checkpoint holding it
-    under ``state_dict``, ``model_state_dict``, ``model`` or ``module``), a ``.safetensors`` file, a sharded
+    under ``state_dict``, ``model_state_dict``, ``model`` or ``module``, or under the entry
+    ``key`` names), a ``.safetensors`` file, a sharded
     checkpoint with an ``*.index.json`` (Hugging Face layout, either format; pass the index
     or its directory), or a directory of checkpoint files, e.g. one file per tensor (a
     ``torch.save``d bare tensor is named by its file name without the suffix; when a
@@ -371,6 +373,9 @@ def load(
         copy: False keeps CPU tensors backed by the checkpoint file (see above).
         return_stats: also return a ``LoadStats`` (files, tensors, bytes read, bytes per
             device, bytes mapped, missing/unexpected keys, seconds).
+        key: the entry of a ``torch.save``d dict that holds the state dict (``"ema"``,
+            ``"net"``, ``"g_ema"``), where the file holds another beside it or under a name
+            not looked for by default. Only for a single ``torch.save`` file.
 
     Returns:
         The model, or ``(model, stats)`` with ``return_stats=True``.
@@ -410,6 +415,9 @@ def load(
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"checkpoint must be a path (str or os.PathLike), got "
                         f"{type(checkpoint).__name__}")
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"key must be the name of an entry of the checkpoint's dict (a str), "
+                        f"got {type(key).__name__} {key!r:.80}")
     for flag, value in (("strict", strict), ("copy", copy), ("return_stats", return_stats)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be True or False, got {value!r}")
@@ -439,7 +447,7 @@ def load(
         raise LoadError(f"{exc}. adaptive.load needs every tensor's shape before it reads; it "
                         f"does not size lazy modules from the checkpoint as load_state_dict "
                         f"does") from None
-    ckpt = open_checkpoint(checkpoint)
+    ckpt = open_checkpoint(checkpoint, key)
     dests, sources, stats, restores = _plan_load(model, sizes, ckpt, device, strict, dtype,
                                                  model is not model_or_factory)
     # Model tensors are written in place (a built model, a handle's copies): outside

@@ -1129,6 +1129,39 @@ def test_nested_state_dict_key_is_accepted(key: str, tmp_path: Path) -> None:
     _assert_same(adaptive.load(Net, tmp_path / "ckpt.pt", device="cpu"), source)
 
 
+@pytest.mark.parametrize("format", ["pt", "legacy"])
+def test_key_picks_the_state_dict_a_checkpoint_holds_under_any_name(format: str,
+                                                                   tmp_path: Path) -> None:
+    # An EMA copy beside the model (read "model" by default), and a name not looked for.
+    source, ema = _source(), _source()
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.add_(1)
+    legacy = {"_use_new_zipfile_serialization": False} if format == "legacy" else {}
+    torch.save({"model": source.state_dict(), "ema": ema.state_dict(), "step": 9},
+               tmp_path / "ema.pt", **legacy)
+    _assert_same(adaptive.load(Net, tmp_path / "ema.pt", device="cpu"), source)
+    _assert_same(adaptive.load(Net, tmp_path / "ema.pt", device="cpu", key="ema"), ema)
+    torch.save({"net": source.state_dict(), "acc": 93.1}, tmp_path / "net.pt", **legacy)
+    with pytest.raises(LoadError, match="or under the entry key= names"):
+        adaptive.load(Net, tmp_path / "net.pt")
+    _assert_same(adaptive.load(Net, tmp_path / "net.pt", device="cpu", key="net"), source)
+    with pytest.raises(LoadError, match=r"net.pt' has no entry 'g_ema' \(key=\): its keys are "
+                                        r"'net', 'acc'"):
+        adaptive.load(Net, tmp_path / "net.pt", key="g_ema")
+
+
+def test_key_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
+    path = _save("safetensors", _source().state_dict(), tmp_path)
+    with pytest.raises(LoadError, match="key='model' picks the entry of a torch.save file's "
+                                        "dict.*a .safetensors file, whose keys are flat"):
+        adaptive.load(Net, path, key="model")
+    with pytest.raises(LoadError, match="is a directory"):
+        adaptive.load(Net, tmp_path, key="model")
+    with pytest.raises(TypeError, match="key must be the name of an entry.*got int 0"):
+        adaptive.load(Net, path, key=0)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "model.net."])
 def test_keys_that_differ_by_a_prefix_are_named_with_the_way_to_load_them(
         prefix: str, tmp_path: Path) -> None:
