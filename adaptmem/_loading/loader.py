@@ -213,8 +213,17 @@ def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
             f"lambda), got {type(factory).__name__}; to load into a built model pass it to "
             f"adaptive.load directly"
         )
-    with _parameters_on_meta():
-        model = factory()
+    try:
+        with _parameters_on_meta():
+            model = factory()
+    except (RuntimeError, NotImplementedError) as exc:
+        if "meta" in str(exc):  # the constructor read a weight's values (orthogonal's .item())
+            exc.add_note(
+                "adaptmem: the factory ran under adaptive.empty_model, which puts parameters on "
+                "the meta device (no values), and its constructor reads them. Build the model "
+                "yourself and pass it to adaptive.load (filled in place), or use "
+                "model.load_state_dict")
+        raise
     if not isinstance(model, nn.Module):
         raise TypeError(f"factory {factory!r} returned {type(model).__name__}, not an nn.Module")
     return model

@@ -504,6 +504,23 @@ def test_empty_model_runs_no_initialiser_on_parameters(
 
 
 
+def test_a_constructor_that_reads_its_weights_under_empty_model_is_told_what_to_do(
+        tmp_path: Path) -> None:
+    from torch.nn.utils.parametrizations import orthogonal
+
+    def factory() -> nn.Module:
+        return orthogonal(nn.Linear(8, 8))  # calls .item() on the new weight
+
+    torch.save(factory().state_dict(), tmp_path / "orth.pt")
+    with pytest.raises(RuntimeError, match="meta") as info:
+        adaptive.load(factory, tmp_path / "orth.pt", device="cpu")
+    assert "Build the model yourself and pass it to adaptive.load" in "".join(
+        getattr(info.value, "__notes__", []))
+    built = adaptive.load(factory(), tmp_path / "orth.pt")  # the way out it names
+    want = torch.load(tmp_path / "orth.pt")
+    assert all(torch.equal(built.state_dict()[k], v) for k, v in want.items())
+
+
 def test_the_first_empty_model_imports_no_compiler() -> None:
     # torch wraps every dispatch mode's handler so that torch.compile skips it, and the
     # wrapper imports torch._dynamo on its first call: about 1.1 s of the first empty_model in
