@@ -22,6 +22,7 @@ import torch
 
 from .._common.threads import SmallStackPool
 from ._heap import TRIM_EVERY, hold_mmap_threshold, release_mmap_threshold, return_freed_memory
+from ._locks import HeldLock
 from ._saved import Entry, EntryState
 from ._settings import StepSettings
 from ._stats import SpillStats
@@ -63,12 +64,11 @@ class Copies:
     """One step's copies out and back, its scratch file and movers, and the first error a
     copy out met (raised in the step)."""
 
-    def __init__(self, settings: StepSettings, stats: SpillStats, lock: threading.RLock
-                 ) -> None:
+    def __init__(self, settings: StepSettings, stats: SpillStats, lock: HeldLock) -> None:
         self.settings = settings
         self.stats = stats
         self.lock = lock
-        self.room = threading.Condition(lock)
+        self.room = threading.Condition(lock)  # type: ignore[arg-type]
         self.link = settings.link
         self.disk: DiskFile | None = None
         self.movers: dict[torch.device, Transfers | None] = {}

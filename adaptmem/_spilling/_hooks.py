@@ -47,6 +47,7 @@ import torch
 from .._common.devices import format_bytes
 from ._copies import Copier, Copies
 from ._limits import Limits
+from ._locks import HeldLock, when_free
 from ._saved import Entry, EntryState, Kept, Packed, keep, share_version_counter
 from ._settings import StepSettings
 from ._stats import SpillStats, track_step
@@ -81,7 +82,8 @@ class Step:
     def __init__(self, settings: StepSettings, stats: SpillStats) -> None:
         self.settings = settings
         self.stats = stats
-        self.lock = threading.RLock()
+        # See [Note: releases deferred while a lock is held] in _locks.py.
+        self.lock = HeldLock(threading.RLock())
         self.by_storage: weakref.WeakValueDictionary[Any, Entry] = weakref.WeakValueDictionary()
         self.by_seq: weakref.WeakValueDictionary[int, Entry] = weakref.WeakValueDictionary()
         # Storages a save kept while under the limit (see [Note: kept once, kept for good]).
@@ -247,7 +249,11 @@ class Step:
 
     def release(self, offset: int, nbytes: int) -> None:
         """An entry died: nothing needs its bytes any more (``offset`` -1: it has no region
-        of the scratch file)."""
+        of the scratch file). Now, or once this thread holds none of the step's locks (see
+        [Note: releases deferred while a lock is held])."""
+        when_free(self._release, offset, nbytes)
+
+    def _release(self, offset: int, nbytes: int) -> None:
         with self.lock:
             self.live -= 1
             if self.live == 0:

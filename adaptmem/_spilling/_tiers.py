@@ -25,6 +25,7 @@ import torch
 
 from .._common.devices import stream_module
 from .._common.libc import libc_function
+from ._locks import HeldLock
 
 __all__ = ["DiskFile", "check_directory", "default_directory", "in_memory", "host_buffer",
            "byte_view", "Mover", "Transfers", "HostLink"]
@@ -185,7 +186,8 @@ class DiskFile:
         self.fd = self._file.fileno()
         self._end = 0
         self._free: list[tuple[int, int]] = []  # (offset, bytes), by offset, never adjacent
-        self._lock = threading.Lock()
+        # See [Note: releases deferred while a lock is held] in _locks.py.
+        self._lock = HeldLock(threading.Lock())
 
     def reserve(self, nbytes: int) -> int:
         """The offset of a region of ``nbytes`` (aligned to 4 KiB for the page cache)."""

@@ -1286,3 +1286,42 @@ def test_gpu_spilled_step_gives_bitwise_gradients_and_holds_less_device_memory(
     assert handle.stats.tensors_spilled >= 15
     assert handle.stats.tensors_restored == handle.stats.tensors_spilled
     assert held1 < 0.5 * held0, (held1, held0)
+
+
+@pytest.mark.parametrize("held", ["file", "step"])
+def test_a_collection_while_a_spill_lock_is_held_does_not_deadlock(held: str,
+                                                                   tmp_path: Path) -> None:
+    # A graph reachable only through a reference cycle is freed by a garbage collection,
+    # which can run inside any allocation: here, while the thread holds the scratch file's
+    # lock (its free list is searched under it) or the step's. Its spilled entries give
+    # their regions back then; that used to wait on the lock its own thread held, for good.
+    w = torch.randn(64, 64, requires_grad=True)
+    handle = adaptive.spill(threshold=0, limit=0, to=str(tmp_path))
+    finished = threading.Event()
+    freed: list[int] = []
+
+    def step() -> None:
+        with handle:
+            inner = handle._local.steps[-1][0]
+            cycle: list[Any] = []
+            cycle.append(cycle)
+            cycle.append(torch.tanh(torch.randn(8, 64) @ w).exp())  # its saved tensors spill
+            live = inner.live
+            deadline = time.monotonic() + 10
+            while inner.copies.futures and time.monotonic() < deadline:
+                time.sleep(0.01)  # written: the writer holds them no more, only the cycle
+            time.sleep(0.05)
+            del cycle
+            lock = inner.copies.disk._lock if held == "file" else inner.lock
+            with lock:
+                gc.collect()  # the cycle's entries die here
+            freed.append(live - inner.live)  # their releases ran once the lock was let go
+            (torch.tanh(torch.randn(8, 64) @ w).exp().sum()).backward()
+        finished.set()
+
+    worker = threading.Thread(target=step, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert finished.is_set(), "the step hung"
+    assert freed[0] >= 2  # tanh's output and exp's, given back
+    assert w.grad is not None
