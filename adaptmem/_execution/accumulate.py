@@ -33,8 +33,8 @@ snapshot's reach.
 [Note: a batch shorter than its size]
 ``@adaptive.batch`` does not know how many items a call has: toma's contract passes a size
 and the function splits its data. A training step split with ``adaptive.microbatches`` does
-tell: the attempt that runs sets a ``_Split`` (a context variable, so threads and tasks keep
-their own), and ``microbatches(batchsize, ...)`` files the batch's length under the size it
+tell: the attempt that runs is the current ``Attempt`` (``_common/attempts.py``, a context
+variable, so threads and tasks keep their own), and ``microbatches(batchsize, ...)`` files the batch's length under the size it
 was asked to split by. Where the batch is shorter than the size the decorator passed, the
 attempt really ran the batch's length (one micro-batch of all of it): a failure is filed at
 that length, so the retry halves from there rather than running the same single micro-batch
@@ -45,7 +45,6 @@ A step that splits its batch itself is unchanged: the size passed is taken as th
 
 from __future__ import annotations
 
-import contextvars
 import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -54,6 +53,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 
+from .._common.attempts import Attempt, current_attempt, enter_attempt, leave_attempt
 from .._common.callables import lazy_body
 from .._common.devices import whole_number
 
@@ -154,40 +154,43 @@ class Accumulation:
 class Guarded:
     """A training step for one call of ``@adaptive.batch(accumulate=...)``: each attempt puts
     gradients and buffers back when it raises, and learns the length of the batch it split
-    (see [Note: a batch shorter than its size])."""
+    (see [Note: a batch shorter than its size]); an attempt that succeeds after failed ones
+    undoes what they made spill handles change (see [Note: a failed attempt's escalation]
+    in ``_spilling/_spill.py``)."""
 
-    __slots__ = ("_accumulation", "_func", "_snapshot", "_split")
+    __slots__ = ("_accumulation", "_func", "_snapshot", "_call", "_failed")
 
     def __init__(self, accumulation: Accumulation, func: Callable[..., Any]) -> None:
         self._accumulation = accumulation
         self._func = func
         self._snapshot: _Snapshot | None = None
-        self._split: dict[int, int] = {}
+        self._call = Attempt()
+        self._failed = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._snapshot is None:
             self._snapshot = _Snapshot(self._accumulation)
-        split: dict[int, int] = {}
-        self._split = split
-        token = _SPLIT.set(split)
+        call = self._call
+        call.split = {}
+        token = enter_attempt(call)
         try:
-            return self._func(*args, **kwargs)
+            result = self._func(*args, **kwargs)
         except BaseException:  # Ctrl-C too: a rerun must not count samples twice
+            self._failed = True
             self._snapshot.restore()
             raise
         finally:
-            _SPLIT.reset(token)
+            leave_attempt(token)
+        if self._failed:
+            while call.undo:
+                call.undo.pop()()
+        return result
 
     def ran(self, size: int) -> int:
         """The size the last attempt really ran when it was passed ``size``: the length of
         the batch it split by ``size`` where that is shorter, else ``size``."""
-        items = self._split.get(size)
+        items = self._call.split.get(size)
         return size if items is None else min(size, items)
-
-
-# The batch lengths ``microbatches`` was asked to split in the attempt running now, by size.
-_SPLIT: contextvars.ContextVar[dict[int, int] | None] = contextvars.ContextVar(
-    "adaptmem_split", default=None)
 
 
 class _Snapshot:
@@ -319,9 +322,9 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
             f"microbatches got an empty batch (length 0 along dim={dim}): a step over it "
             f"would compute no loss and leave the gradients as they are. Skip empty batches "
             f"before the step")
-    split = _SPLIT.get()
-    if split is not None:  # see [Note: a batch shorter than its size]
-        split[size] = max(total, split.get(size, 0))
+    attempt = current_attempt()
+    if attempt is not None:  # see [Note: a batch shorter than its size]
+        attempt.split[size] = max(total, attempt.split.get(size, 0))
     return _split(size, tensors, dim, total)
 
 

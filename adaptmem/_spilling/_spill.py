@@ -1,6 +1,18 @@
 """``adaptive.spill``: saved activations go to the next tier during forward and come back,
 prefetched in reverse save order, during backward. The handle; each ``with`` block is one
-``Step`` (``_hooks.py``)."""
+``Step`` (``_hooks.py``).
+
+[Note: a failed attempt's escalation]
+With ``limit="auto"``, a step that runs out of memory makes the handle keep more memory free
+for the next (three quarters, then spill everything over the threshold): the next try of a
+step that does not fit should spill more. Inside ``@adaptive.batch(accumulate=...)`` the
+failures are the batch search's own (each size too large fails once before a smaller one
+runs), and a handle escalated by them would spill everything, to disk, for the rest of the
+training at a micro-batch size that fits without it. So there a step's escalation is filed
+with the retried call (``_common/attempts.py``) and undone once an attempt at a smaller size
+succeeds: the search answered the failure. A call that fails at its smallest size keeps the
+escalation, as a step outside the decorator does.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +24,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from .._common.attempts import current_attempt
 from .._common.callables import lazy_body
 from .._common.devices import format_bytes, parse_size, whole_number
 from .._common.oom import is_oom
@@ -114,6 +127,10 @@ class Spill:
             return
         step.discard()
         if self.limit == "auto" and self.keep_free < 1.0 and exc is not None and is_oom(exc):
+            attempt = current_attempt()  # see [Note: a failed attempt's escalation]
+            if attempt is not None:
+                attempt.undo.append(functools.partial(setattr, self, "keep_free",
+                                                      self.keep_free))
             self.keep_free = min(1.0, self.keep_free + 0.25)
             logger.info("spill: the step ran out of memory with limit='auto'; the next step "
                         "keeps %.0f%% of the free memory for backward%s", self.keep_free * 100,

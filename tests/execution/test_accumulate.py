@@ -428,6 +428,36 @@ def test_a_method_decorated_with_accumulate_binds_its_instance() -> None:
     _assert_bitwise(_state(trainer.model), _plain(used))
 
 
+def test_the_searchs_failures_leave_an_auto_spill_handle_as_it_was(tmp_path: Path) -> None:
+    # limit="auto" keeps more free after a step runs out of memory. The batch search's own
+    # failures (12 and 6 fail, 3 fits) must not leave it spilling everything for good.
+    model = _model()
+    ceiling = MemoryCeiling(3)
+    model[1].fault = ceiling.require
+    handle = adaptive.spill(threshold=0, to=tmp_path)  # limit="auto"
+    step = _spilled_step(model, handle)
+    assert step(*_data()) == 3
+    assert ceiling.failures == [12, 6]
+    assert handle.keep_free == 0.5
+    _assert_bitwise(_state(model), _plain(3))
+    # Failing at the smallest size is a step that does not fit: it keeps the escalation.
+    ceiling.capacity = 0
+    with pytest.raises(OutOfMemoryError):
+        _spilled_step(model, handle)(*_data())
+    assert handle.keep_free == 1.0
+
+
+def _spilled_step(model: nn.Module, handle: Any) -> Any:
+    @adaptive.batch(initial_batchsize=N, accumulate=model, cache=adaptive.NoBatchsizeCache)
+    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> int:
+        for xb, yb, weight in adaptive.microbatches(batchsize, x, y):
+            with handle:
+                (F.mse_loss(model(xb), yb) * weight).backward()
+        return batchsize
+
+    return train_step
+
+
 @pytest.mark.parametrize("capacity", [3, 6])
 def test_accumulation_composes_with_spilling(capacity: int, tmp_path: Path) -> None:
     model = _model()
