@@ -262,7 +262,8 @@ class Step:
                 self.copies.free(offset, nbytes)
 
     def finish(self) -> None:
-        """The block ended normally: the scratch file lives on while saved tensors need it."""
+        """The block ended normally: the scratch file lives on while saved tensors need it.
+        A copy out that failed unseen is a warning (the step kept those tensors)."""
         error = self.copies.end()
         with self.lock:
             self.exited = True
@@ -274,8 +275,12 @@ class Step:
                         "%.3f s waited", self.seq, format_bytes(s.bytes_out),
                         format_bytes(s.bytes_in), s.seconds_waiting)
         if error is not None and not self.error_raised:
+            # Found only now: the tensors whose copy failed stayed in memory and the step is
+            # right (its backward may be done, its gradients added), so it does not fail for
+            # it; a copy that fails while a forward still saves raises there.
             self.error_raised = True
-            raise error
+            logger.warning("%s. The tensors whose copy failed stayed in memory (the step is "
+                           "right) instead of being spilled", error)
 
     def discard(self) -> None:
         """The block ended with an exception: drop every copy and the scratch file now."""

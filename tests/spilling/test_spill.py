@@ -752,7 +752,8 @@ def test_a_full_disk_is_a_clear_error_and_leaves_nothing(
     monkeypatch.setattr(_tiers.os, "pwrite", full)
     x = torch.randn(128, 128, requires_grad=True)
     with pytest.raises(OSError, match=why) as caught:
-        with adaptive.spill(threshold=0, limit=0, to=tmp_path):
+        # One copy out at a time: the forward's next save sees the first write's failure.
+        with adaptive.spill(threshold=0, limit=0, to=tmp_path, max_pending=1):
             _exp_chain(x, 20).sum().backward()
     assert caught.value.errno == code and str(tmp_path) in str(caught.value)
     # The scratch file is gone while the caller still holds the error (its frames once
@@ -804,6 +805,37 @@ def test_a_disk_that_fills_after_the_step_is_logged_and_the_step_is_right(
     while not any("disk is full" in r.getMessage() for r in adaptmem_log.records):
         assert time.monotonic() < deadline, "no warning about the full disk"
         time.sleep(0.01)
+    assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
+
+
+def test_a_disk_that_fills_after_the_forward_warns_and_the_step_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, adaptmem_log: Any) -> None:
+    # The block's forward saved everything before a write failed; the backward ran inside the
+    # block with the tensors kept in memory. The step is right and its gradients are added:
+    # raising at the block's end would make a caller retry it (counting them twice) or, under
+    # accumulate=, throw them away.
+    forward_done = threading.Event()
+
+    def full_after_the_forward(fd: int, data: Any, offset: int) -> int:
+        forward_done.wait(30)
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(_tiers.os, "pwrite", full_after_the_forward)
+    x = torch.randn(128, 128, requires_grad=True)
+    _exp_chain(x, 20).sum().backward()
+    expected, x.grad = x.grad, None
+    with adaptive.spill(threshold=0, limit=0, to=tmp_path) as handle:
+        loss = _exp_chain(x, 20).sum()
+        forward_done.set()
+        loss.backward()
+        copies = handle._local.steps[-1][0].copies
+        deadline = time.monotonic() + 10
+        while copies.futures and time.monotonic() < deadline:
+            time.sleep(0.01)  # every write failed while the block runs
+    assert torch.equal(x.grad, expected)
+    assert any("largest size allowed" in r.getMessage() and "the step is right" in r.getMessage()
+               for r in adaptmem_log.records)
+    assert handle.stats.tensors_spilled > 0
     assert list(tmp_path.iterdir()) == [] and _fds_into(tmp_path) == []
 
 
