@@ -34,19 +34,21 @@ snapshot's reach.
 ``@adaptive.batch`` does not know how many items a call has: toma's contract passes a size
 and the function splits its data. A training step split with ``adaptive.microbatches`` does
 tell: the attempt that runs is the current ``Attempt`` (``_common/attempts.py``, a context
-variable, so threads and tasks keep their own), and ``microbatches(batchsize, ...)`` files the batch's length under the size it
-was asked to split by. Where the batch is shorter than the size the decorator passed, the
-attempt really ran the batch's length (one micro-batch of all of it): a failure is filed at
-that length, so the retry halves from there rather than running the same single micro-batch
-again at every size down to the batch's length, and a success tells only what a short
-step's would (``SizeRecord.after_short_success``), so it does not claim the larger size fits.
-A step that splits its batch itself is unchanged: the size passed is taken as the size run.
+variable, so threads and tasks keep their own), and ``microbatches(batchsize, ...)`` files
+the batch's length under the size it was asked to split by. Where the batch is shorter than
+the size the decorator passed, the attempt really ran the batch's length (one micro-batch of
+all of it): a failure is filed at that length, so the retry halves from there rather than
+running the same single micro-batch again at every size down to the batch's length, and a
+success tells only what a short step's would (``SizeRecord.after_short_success``), so it
+does not claim the larger size fits. A step that splits its batch itself is unchanged: the
+size passed is taken as the size run.
 """
 
 from __future__ import annotations
 
+import itertools
 import types
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,6 +58,7 @@ from torch.nn.parameter import UninitializedBuffer, UninitializedParameter
 from .._common.attempts import Attempt, current_attempt, enter_attempt, leave_attempt
 from .._common.callables import lazy_body
 from .._common.devices import whole_number
+from .._common.tree import tensors_in
 
 __all__ = ["Accumulation", "Guarded", "check_accumulate", "refuse_accumulate", "microbatches"]
 
@@ -169,7 +172,7 @@ class Guarded:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._snapshot is None:
-            self._snapshot = _Snapshot(self._accumulation)
+            self._snapshot = _Snapshot(self._accumulation, (args, kwargs))
         call = self._call
         call.split = {}
         token = enter_attempt(call)
@@ -196,9 +199,16 @@ class Guarded:
 class _Snapshot:
     """The gradients (and buffers) of an ``Accumulation`` when a call started."""
 
-    def __init__(self, accumulation: Accumulation) -> None:
+    def __init__(self, accumulation: Accumulation, arguments: Any = ()) -> None:
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
-        for p in accumulation.parameters():
+        # The leaves among the step's arguments gather gradients too (an input whose
+        # gradient is wanted: adversarial training, saliency): a failed attempt's are undone.
+        seen: set[int] = set()
+        leaves = (t for t in tensors_in(arguments) if t.requires_grad and t.is_leaf)
+        for p in itertools.chain(accumulation.parameters(), leaves):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
             grad = p.grad  # None for a lazy placeholder, which a failed attempt may make
             self.grads.append((p, grad, None if grad is None else _host_copy(grad)))
         module = accumulation.module
@@ -254,7 +264,9 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
     equal the full batch's (up to floating-point summation order). Slices are views along
     ``dim``; the last micro-batch may be smaller. An argument may also be a dict of tensors
     (a tokenizer's output, a Hugging Face batch): each micro-batch gets a dict of the same
-    keys, every tensor sliced, other values passed as they are. The weight counts samples:
+    keys, every tensor sliced (in nested dicts too), other values passed as they are, but a
+    list or tuple that may hold one item per sample (as long as the batch, or holding
+    tensors) is refused: it cannot be told from one every sample shares. The weight counts samples:
     a loss averaged over tokens (a language model's, with padding) needs each micro-batch's
     token count over the whole's instead.
 
@@ -268,8 +280,8 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
         An iterator of tuples: the slices in the order given, then the weight (a float).
 
     Raises:
-        TypeError: no tensors, something that is no tensor or dict of them, or a batch size
-            that is not an int.
+        TypeError: no tensors, something that is no tensor or dict of them, a list or tuple
+            in a dict that may be per sample, or a batch size that is not an int.
         ValueError: a batch size below 1, tensors whose lengths along ``dim`` differ, or
             an empty batch (length 0).
 
@@ -294,10 +306,11 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
                         "microbatches(batchsize, inputs, targets)")
     dim = _dimension(dim)
     lengths: dict[str, int] = {}
+    sequences: dict[str, Sequence[Any]] = {}
     for i, arg in enumerate(tensors):
         where = f"argument {i + 1}"
         if isinstance(arg, Mapping):
-            found = {f"{where}[{k!r}]": t for k, t in arg.items() if isinstance(t, torch.Tensor)}
+            found = dict(_tensors_of(arg, where, sequences))
             if not found:
                 raise TypeError(f"microbatches splits tensors; {where} is a "
                                 f"{type(arg).__name__} that holds none")
@@ -317,6 +330,16 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
             f"dimension), got {', '.join(f'{n}: {k}' for n, k in lengths.items())}"
         )
     total = next(iter(lengths.values()))
+    for name, seq in sequences.items():  # per-sample lists cannot be told from shared ones
+        if len(seq) == total or any(isinstance(x, torch.Tensor) for x in seq):
+            raise TypeError(
+                f"microbatches slices the tensors of a dict (nested dicts too) and passes "
+                f"other values whole to every micro-batch; {name} is a {type(seq).__name__} "
+                f"of {len(seq)} item(s){' holding tensors' if len(seq) != total else ''}: "
+                f"it may hold one item per sample (the batch has {total}) or something every "
+                f"sample shares, which microbatches cannot tell apart. Take it out of the dict "
+                f"and slice it yourself (each micro-batch covers its slice's length of "
+                f"samples, from where the last one ended)")
     if total == 0:
         raise ValueError(
             f"microbatches got an empty batch (length 0 along dim={dim}): a step over it "
@@ -326,6 +349,20 @@ def microbatches(batchsize: int, *tensors: torch.Tensor | Mapping[str, Any],
     if attempt is not None:  # see [Note: a batch shorter than its size]
         attempt.split[size] = max(total, attempt.split.get(size, 0))
     return _split(size, tensors, dim, total)
+
+
+def _tensors_of(arg: Mapping[Any, Any], where: str,
+                sequences: dict[str, Sequence[Any]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of ``arg`` and the mappings inside it; lists and
+    tuples met on the way go to ``sequences``, by name."""
+    for k, v in arg.items():
+        name = f"{where}[{k!r}]"
+        if isinstance(v, torch.Tensor):
+            yield name, v
+        elif isinstance(v, Mapping):
+            yield from _tensors_of(v, name, sequences)
+        elif isinstance(v, (list, tuple)):
+            sequences[name] = v
 
 
 def _dimension(dim: Any) -> int:
@@ -342,8 +379,9 @@ def _split(batchsize: int, args: tuple[Any, ...], dim: int,
     def piece(arg: Any, start: int, n: int) -> Any:
         if isinstance(arg, torch.Tensor):
             return arg.narrow(dim, start, n)
-        return {k: v.narrow(dim, start, n) if isinstance(v, torch.Tensor) else v
-                for k, v in arg.items()}
+        if isinstance(arg, Mapping):
+            return {k: piece(v, start, n) for k, v in arg.items()}
+        return arg
 
     for start in range(0, total, batchsize):
         n = min(batchsize, total - start)

@@ -394,13 +394,13 @@ def load(
             together in ``load_state_dict``'s wording; a checkpoint that is missing, not a
             checkpoint, truncated or with a corrupt header or layout (tensor data carries no
             checksum: a flipped byte in it loads silently, as with ``torch.load``), or a
-            missing shard (the message names the file); a
-            non-persistent buffer on meta that no checkpoint can fill; a lazy module not
-            run yet (``nn.LazyLinear``: its shapes are unknown); the model is unchanged. Running out of memory while the load makes tensors leaves it
-            unchanged too. Also a checkpoint tensor that cannot be copied into its target
-            (naming both), a file that fails or changes while it is read, or an interrupt
-            (``KeyboardInterrupt``): a built model's tensors filled in place before it keep
-            their new values.
+            missing shard (the message names the file); a non-persistent buffer on meta
+            that no checkpoint can fill; a lazy module not run yet (``nn.LazyLinear``: its
+            shapes are unknown); the model is unchanged. Running out of memory while the
+            load makes tensors leaves it unchanged too. Also a checkpoint tensor that cannot
+            be copied into its target (naming both), a file that fails or changes while it
+            is read, or an interrupt (``KeyboardInterrupt``): a built model's tensors filled
+            in place before it keep their new values.
         TypeError / ValueError: an argument of the wrong kind or value (named in the message),
             such as ``strict``, ``copy`` or ``return_stats`` that is not a bool.
 

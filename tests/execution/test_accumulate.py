@@ -428,6 +428,26 @@ def test_a_method_decorated_with_accumulate_binds_its_instance() -> None:
     _assert_bitwise(_state(trainer.model), _plain(used))
 
 
+def test_an_inputs_gradient_counts_each_sample_once_too() -> None:
+    # A step that wants its input's gradient (adversarial training, saliency): micro-batches
+    # of 5, the first finishes its backward (adding to x.grad), the second runs out of
+    # memory. The failed attempt's contribution is undone like the parameters'.
+    model = _model()
+    model[1].fault = _fail_once_at(2)
+
+    @adaptive.batch(initial_batchsize=5, accumulate=model, cache=adaptive.NoBatchsizeCache)
+    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> int:
+        _loop(model, batchsize, x, y)
+        return batchsize
+
+    x, y = _data()
+    x.requires_grad_()
+    assert train_step(x, y) == 2
+    plain_x = x.detach().clone().requires_grad_()
+    _loop(_model(), 2, plain_x, y)
+    assert torch.equal(x.grad, plain_x.grad)
+
+
 def test_the_searchs_failures_leave_an_auto_spill_handle_as_it_was(tmp_path: Path) -> None:
     # limit="auto" keeps more free after a step runs out of memory. The batch search's own
     # failures (12 and 6 fail, 3 fits) must not leave it spilling everything for good.
@@ -491,6 +511,22 @@ def test_microbatches_split_every_tensor_and_weigh_each_piece() -> None:
     assert torch.equal(torch.cat([d["labels"] for d, _ in dicts]), y)
     assert all(d["return_dict"] is True for d, _ in dicts)
     assert [w for _, w in dicts] == [0.4, 0.4, 0.2]
+
+
+def test_microbatches_slices_nested_dicts_and_refuses_lists_that_may_be_per_sample() -> None:
+    batch = {"x": {"ids": torch.arange(4), "mask": torch.ones(4)}, "y": torch.arange(4),
+             "sizes": [3, 5], "name": "run"}
+    pieces = list(adaptive.microbatches(3, batch))
+    assert [(b["x"]["ids"].tolist(), b["y"].tolist(), w) for b, w in pieces] == [
+        ([0, 1, 2], [0, 1, 2], 0.75), ([3], [3], 0.25)]
+    assert all(b["sizes"] == [3, 5] and b["name"] == "run" for b, _ in pieces)  # shared
+    for key, value in (("labels", [{"boxes": torch.ones(1, 4)}] * 4),  # one per sample
+                       ("captions", ["a", "b", "c", "d"]),
+                       ("past", (torch.ones(4, 2), torch.ones(4, 2)))):
+        with pytest.raises(TypeError, match=rf"argument 1\['{key}'\] is a .*cannot tell apart"):
+            adaptive.microbatches(2, {"x": torch.arange(4), key: value})
+    with pytest.raises(ValueError, match=r"1\['x'\]\['ids'\]: 4, argument 1\['y'\]: 3"):
+        adaptive.microbatches(2, {"x": {"ids": torch.arange(4)}, "y": torch.arange(3)})
 
 
 @pytest.mark.parametrize("args, error, words", [
