@@ -9,8 +9,9 @@ own.
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -36,28 +37,73 @@ class CallStack(list[Frame]):
     """The frames of the modules running now, and the thread running them: a paged model
     runs one forward at a time. A second thread's forward would release the first one's
     weights while it computes (on a GPU: kernels reading memory handed to other copies),
-    so it is refused."""
+    so it is refused. The stack is the thread's from its outermost call's first hook to
+    that call's last (``ending``), taken under a lock: two threads that both found it free
+    cannot both run. ``modules``: the model's, to tell a thread still in a forward from one
+    whose forward was cut short (a ``KeyboardInterrupt`` or ``SystemExit`` skips the hooks
+    that end it)."""
 
-    __slots__ = ("thread",)
+    __slots__ = ("thread", "_lock", "_modules")
 
-    def __init__(self) -> None:
+    def __init__(self, modules: Mapping[str, nn.Module] | None = None) -> None:
         super().__init__()
-        self.thread = 0
+        self.thread = 0  # the thread whose outermost call runs now; 0: none
+        self._lock = threading.Lock()
+        self._modules: Mapping[str, nn.Module] = {} if modules is None else modules
 
     def claim(self) -> None:
-        """A hook runs on this thread: the thread owns the stack if it is empty, or if the
-        thread that left frames there has ended (its forward was cut short: the next
-        outermost call clears them). Raises ``PlacementError`` while another live thread
-        runs a forward."""
+        """A hook runs on this thread: the stack is the thread's if it is free, or if the
+        thread holding it is no longer in a forward of the model (its forward was cut
+        short: the next outermost call clears its frames). Raises ``PlacementError`` while
+        another thread runs a forward."""
         me = threading.get_ident()
-        if self and self.thread != me and any(t.ident == self.thread
-                                               for t in threading.enumerate()):
+        if self.thread == me:
+            return
+        with self._lock:
+            if self.thread and self._in_forward(self.thread):
+                raise PlacementError(
+                    f"adaptive.page: another thread is running a forward of this paged model "
+                    f"(thread {self.thread}); a paged model runs one forward at a time, since "
+                    f"each forward moves its weights. Hold a lock around the model's calls, "
+                    f"or page one copy of the model per thread")
+            self.thread = me
+
+    def ending(self, post: Callable[..., Any]) -> Callable[..., Any]:
+        """The post-hook ``post``, letting the stack go once the outermost call's has run
+        (its outputs handed back): another thread's call may begin then."""
+        def hook(*args: Any) -> Any:
+            try:
+                return post(*args)
+            finally:
+                if not self and self.thread == threading.get_ident():
+                    self.thread = 0
+
+        return hook
+
+    def check_idle(self, what: str) -> None:
+        """Raise ``PlacementError`` if a forward of the model runs now, in any thread: ``what``
+        (``remove()``) would take its weights from under it."""
+        owner = self.thread
+        if owner and self._in_forward(owner):
+            where = ("this thread, inside the forward (a hook?)"
+                     if owner == threading.get_ident() else f"thread {owner}")
             raise PlacementError(
-                f"adaptive.page: another thread is running a forward of this paged model "
-                f"(thread {self.thread}, in {type(self[0].module).__name__}); a paged model "
-                f"runs one forward at a time, since each forward moves its weights. Hold a "
-                f"lock around the model's calls, or page one copy of the model per thread")
-        self.thread = me
+                f"adaptive.page: {what} while a forward of the paged model runs in {where}; "
+                f"it would take the weights from under that forward. Call it once the "
+                f"forward has returned (hold the lock your threads call the model under)")
+
+    def _in_forward(self, thread: int) -> bool:
+        """Whether ``thread`` is inside a call of one of the model's modules now."""
+        frame = sys._current_frames().get(thread)
+        ids = {id(m) for m in self._modules.values()}
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL and id(frame.f_locals.get("self")) in ids:
+                return True
+            frame = frame.f_back
+        return False
+
+
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 class Hooks:

@@ -157,7 +157,7 @@ class Pager(Engine):
         self._input_device: torch.device | None = None
         self._inputs: MovedInputs | None = None  # the outermost call's, while it runs
         self._removed: bool | str = False  # "restoring": remove() was cut short
-        self._stack, self._quiet = CallStack(), Quiet()  # Quiet: the probe looks away
+        self._stack, self._quiet = CallStack(self._modules), Quiet()  # Quiet: the probe looks away
         self._units = paging_units(self._sizes, unit_bytes)
         self.plan = Plan("page", [], self._sizes.total_bytes, {
             "device": str(device), "unit_bytes": unit_bytes, "prefetch": prefetch,
@@ -169,7 +169,7 @@ class Pager(Engine):
         self._needs, self._schedule = Needs(), Schedule(prefetch, self._table)
         self._learner = Learner(self._modules, self._touch, self._quiet)
         self._refiner = Refiner(self._sizes, self.plan, self._stats, self._table, self)
-        self._hooks = Hooks(self._pre_hook, self._post_hook, model)
+        self._hooks = Hooks(self._pre_hook, self._stack.ending(self._post_hook), model)
         slots = self._table.slots
         self._home = next((s.origin for s in slots.values()), torch.device("cpu"))  # _hand_back
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
@@ -280,8 +280,8 @@ class Pager(Engine):
                           self.output_device)
 
     def _begin_call(self) -> None:
-        """An outermost call into the model begins: of the model, or of a submodule on its
-        own. Until a whole forward has been learned, every call is watched by the probe."""
+        """An outermost call (of the model, or a submodule on its own) begins; until a whole
+        forward was learned, the probe watches every call."""
         if self._removed:
             raise PlacementError("this Pager was removed; page the model again to use it")
         if self._stack or self._learner.probe is not None:  # interrupted past the hooks
@@ -310,10 +310,9 @@ class Pager(Engine):
         self._units = order_units(self._units, order)
         self.plan.units = list(self._units)
         self._compute_needs()
-        # Modules the learned forward never called keep their hooks (free until called): if
-        # a later forward takes that path, the probe comes back for it. So do modules inside
-        # a unit that hold paged weights (See [Note: modules inside a unit]; in place, so
-        # users' hooks keep their order).
+        # Modules the learned forward never called keep their hooks (free until called): a
+        # later forward down that path brings the probe back. So do modules inside a unit
+        # holding paged weights ([Note: modules inside a unit]; users' hooks keep order).
         needs, seen = self._needs, self._learner.seen
         for m in self._modules.values():
             mid = id(m)
@@ -378,6 +377,7 @@ class Pager(Engine):
         if self._removed is True:
             return
         if self._removed is False:  # unhooked once; a Ctrl-C past here: the next call goes on
+            self._stack.check_idle("remove()")
             self._lost, self._removed = self._unhook(), "restoring"
         elif self._lost is None and not self._table.synchronous:
             self._lost = _synchronized(self.device)  # lost since the interrupted call?

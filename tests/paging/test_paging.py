@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
 import logging
 import math
+import time
 import weakref
 from typing import Any
 
@@ -1667,6 +1669,116 @@ def test_a_second_thread_forward_is_refused_while_one_runs() -> None:
         first.join(10)
         torch.testing.assert_close(results[0], want, rtol=0, atol=0)
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)  # and from this thread
+
+
+def test_threads_racing_for_a_paged_model_are_refused_and_never_break_the_running_one() -> None:
+    # Two threads that both found the model free both ran: the refusal raised IndexError,
+    # and the forward that ran had its weights released under it.
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(128, 128) for _ in range(6)]).eval()
+    x = torch.randn(8, 128)
+    with torch.no_grad():
+        want = model(x)
+    outcomes: list[str] = []
+    deadline = time.monotonic() + 2
+
+    def worker() -> None:
+        while time.monotonic() < deadline:
+            try:
+                with torch.no_grad():
+                    got = model(x)
+                outcomes.append("ok" if torch.equal(got, want) else "WRONG")
+            except PlacementError:
+                outcomes.append("refused")
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+
+    with adaptive.page(model, "cpu", resident_bytes=0, unit_bytes="70KiB"):
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert set(outcomes) <= {"ok", "refused"}, sorted(set(outcomes) - {"ok", "refused"})[:3]
+    assert outcomes.count("ok") > 10
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
+def test_a_forward_cut_short_in_an_idle_thread_does_not_lock_out_the_others(exc: type) -> None:
+    # Torch's post-hooks do not run for a KeyboardInterrupt or SystemExit: the thread's frames
+    # stay. A thread pool's worker lives on without calling again; another thread's call
+    # finds that worker outside any forward and goes ahead.
+    import threading
+
+    class Cut(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 3:
+                raise exc()
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Sequential(nn.Linear(16, 16), Cut()),
+                          nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+    cut, release = threading.Event(), threading.Event()
+
+    def pool_worker() -> None:
+        with contextlib.suppress(BaseException), torch.no_grad():
+            model(torch.randn(3, 16))
+        cut.set()
+        release.wait(10)  # alive, idle
+
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        model(x)
+        worker = threading.Thread(target=pool_worker)
+        worker.start()
+        assert cut.wait(10)
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+        release.set()
+        worker.join(10)
+
+
+def test_remove_while_a_forward_runs_is_refused_in_any_thread() -> None:
+    import threading
+
+    started, go_on = threading.Event(), threading.Event()
+
+    class Wait(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if threading.current_thread() is not threading.main_thread():
+                started.set()
+                go_on.wait(10)
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Wait(), nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    results: list[torch.Tensor] = []
+    with torch.no_grad():
+        model(x)
+        running = threading.Thread(target=lambda: results.append(model(x)))
+        running.start()
+        assert started.wait(10)
+        with pytest.raises(PlacementError, match=r"remove\(\) while a forward of the paged "
+                                                 r"model runs in thread"):
+            pager.remove()
+        go_on.set()
+        running.join(10)
+        torch.testing.assert_close(results[0], want, rtol=0, atol=0)
+        hook = model[2].register_forward_hook(lambda *a: pager.remove())
+        with pytest.raises(PlacementError, match="runs in this thread, inside the forward"):
+            model(x)
+        hook.remove()
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    pager.remove()
+    assert adaptive.holder(model) is None
 
 
 @pytest.mark.parametrize("where", ["page", "model=", "page, a compiled submodule"])
