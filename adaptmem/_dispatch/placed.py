@@ -73,7 +73,7 @@ from torch.nn.parameter import UninitializedParameter
 from .._common.claims import check_placeable, held_for, refuse_compiled
 from .._common.devices import default_device, format_bytes, free_memory, resolve_device
 from .._common.errors import PlacementError
-from .._common.tree import calls_in_progress
+from .._common.tree import calls_in_progress, tensors_in
 from .._engines.base import HookSet
 from .._paging.api import Pager, page
 from .._placement.api import chunk
@@ -508,33 +508,60 @@ class PlacedModels:
                 **self.changes.as_dict()}
 
 
+def _holds_tensor(value: Any) -> bool:
+    return next(tensors_in(value), None) is not None
+
+
+def _refill(container: Any, items: Any) -> None:
+    """Put ``items`` back into the list or dict ``container``, in place."""
+    if isinstance(container, list):
+        container[:] = items
+    else:
+        container.clear()
+        container.update(items)
+
+
 @contextlib.contextmanager
 def fakes_put_back(models: Sequence[nn.Module]) -> Iterator[list[str]]:
     """Around the traces that predict a first size (see [Note: predicting the first size] in
     ``_execution/auto.py``): a tensor a module made during them (a cache filled on first
     use, a lazy buffer) is fake, and would poison every later call. Each such parameter,
-    buffer or tensor attribute is put back as it was before (removed if it was not there),
-    and its name is added to the list yielded, so the caller can drop the prediction."""
+    buffer or attribute (a tensor, or a list, tuple or dict holding one: torchvision's
+    anchor generators keep a list of anchors, made anew by each forward) is put back as it
+    was before (removed if it was not there; a list or dict filled in place gets its items
+    back), and its name is added to the list yielded, so the caller can drop the
+    prediction."""
     def tables(m: nn.Module) -> tuple[dict[str, Any], ...]:
         return m._parameters, m._buffers, m.__dict__
 
     before = {id(m): tuple(dict(t) for t in tables(m)) for model in models
               for m in model.modules()}
+    # The items of the containers that hold tensors, for those filled in place.
+    items = {id(v): (v, list(v) if isinstance(v, list) else dict(v))
+             for model in models for m in model.modules() for v in m.__dict__.values()
+             if isinstance(v, (list, dict)) and _holds_tensor(v)}
     left: list[str] = []
     try:
         yield left
     finally:
         from torch._subclasses.fake_tensor import FakeTensor
 
+        def fake(value: Any) -> bool:
+            return any(isinstance(t, FakeTensor) for t in tensors_in(value))
+
         for i, model in enumerate(models):
             for path, m in model.named_modules():
                 old = before.get(id(m), ({}, {}, {}))
                 for table, was in zip(tables(m), old, strict=True):
                     for name, value in list(table.items()):
-                        if not isinstance(value, FakeTensor):
+                        if not (isinstance(value, (torch.Tensor, list, tuple, dict))
+                                and fake(value)):
                             continue
                         if name in was:
                             table[name] = was[name]
                         else:
                             del table[name]
+                        kept = items.get(id(table.get(name)))
+                        if kept is not None and kept[0] is table.get(name):  # filled in place
+                            _refill(kept[0], kept[1])
                         left.append(f"model {i}: {path + '.' if path else ''}{name}")

@@ -810,6 +810,43 @@ def test_a_tensor_a_model_made_during_the_prediction_is_put_back_and_the_search_
                for r in caplog.records)
 
 
+class _Anchors(nn.Module):
+    """torchvision's AnchorGenerator: a list of tensors made anew by every forward, and a
+    dict of them filled in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 4)
+        self.cell_anchors = [torch.tensor([1.0, 2.0, 3.0, 4.0])]
+        self.by_size: dict[int, torch.Tensor] = {0: torch.zeros(4)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cell_anchors = [a.to(dtype=x.dtype, device=x.device) for a in self.cell_anchors]
+        self.by_size[x.shape[0]] = self.cell_anchors[0] * 2
+        return self.lin(x) + self.cell_anchors[0] + self.by_size[0]
+
+
+def test_tensors_a_model_keeps_in_lists_and_dicts_are_put_back_after_the_prediction() -> None:
+    torch.manual_seed(0)
+    model = _Anchors().eval()
+    data = torch.randn(256, 64)
+    with torch.no_grad():
+        expected = torch.cat([model(c) for c in data.split(32)])
+    model.by_size = {0: torch.zeros(4)}
+
+    @adaptive.batch(initial_batchsize=256, model=model, device="cpu")
+    def run(batchsize: int) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in data.split(batchsize)])
+
+    torch.testing.assert_close(run(), expected)
+    run.remove()
+    kept = [*model.cell_anchors, *model.by_size.values()]
+    assert all(type(t) is torch.Tensor for t in kept), [type(t).__name__ for t in kept]
+    with torch.no_grad():
+        torch.testing.assert_close(model(data[:32]), expected[:32])
+
+
 def _defined(model: nn.Module) -> Any:
     @adaptive.batch(initial_batchsize=16, model=model, device="cuda")
     def infer(batchsize: int, data: torch.Tensor) -> torch.Tensor:
