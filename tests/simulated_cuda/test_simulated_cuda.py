@@ -333,6 +333,39 @@ def test_a_host_tensor_that_requires_grad_moves_to_the_device_without_its_graph(
     assert done.stdout.strip() == "done"
 
 
+def test_a_device_to_device_copy_inside_a_trace_runs() -> None:
+    # torchvision's batch_images pads images into a new device buffer with copy_: under an
+    # "auto" trace both are device tensors holding fakes, and the copy wrote through a
+    # fake's storage, a segmentation fault (so this runs in a child process).
+    script = textwrap.dedent("""
+        import torch
+        from adaptmem import adaptive
+        from adaptmem.testing import simulated_cuda
+
+        images = torch.rand(32, 3, 20, 24)
+        want = torch.zeros(32, 3, 32, 32)
+        want[..., :20, :24] = images
+        with simulated_cuda(devices=1, total_memory="1GiB"):
+            @adaptive.batch(initial_batchsize="auto")
+            def pad(batchsize, images):
+                out = []
+                for i in range(0, len(images), batchsize):
+                    chunk = images[i:i + batchsize].cuda()
+                    buf = chunk.new_zeros(chunk.shape[0], 3, 32, 32)
+                    buf[..., :20, :24].copy_(chunk)
+                    out.append(buf.cpu())
+                return torch.cat(out)
+
+            assert torch.equal(pad(images), want)
+            assert pad.prediction is not None
+        print("done")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "done"
+
+
 @pytest.mark.parametrize("kind", ["plain", "causal", "mask"])
 def test_scaled_dot_product_attention_gives_the_cpus_values(kind: str) -> None:
     # Its composite picks a kernel by device type, not through the dispatcher: where torch
