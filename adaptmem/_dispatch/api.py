@@ -16,6 +16,7 @@ from typing import Any
 
 from .._common.devices import free_memory
 from .._common.errors import OutOfMemoryError, Phase
+from .._common.forks import renew_after_fork
 from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
 from .._common.peak import NotYet, fake_mode
 from .._execution import decorators
@@ -90,6 +91,10 @@ class Dispatched:
         # See [Note: a decorated function that is collected] in placed.py.
         weakref.finalize(self, _collected, placed, self.explorer).atexit = False
         self.one_at_a_time = threading.RLock()  # See [Note: calls from several threads]
+        renew_after_fork(self)  # See [Note: locks across a fork] in _common/forks.py.
+
+    def renew_locks(self) -> None:
+        self.one_at_a_time = threading.RLock()
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
@@ -364,11 +369,13 @@ class Dispatched:
         return self.inner.initial
 
     def remove(self) -> None:
-        """Give the models back exactly as they were before the first call."""
-        self.explorer.stop()
-        self.explorer.forget()
-        self.paged_size = self.paged_fails = None
-        self.placed.remove()
+        """Give the models back exactly as they were before the first call, once calls
+        running in other threads have returned."""
+        with self.one_at_a_time:
+            self.explorer.stop()
+            self.explorer.forget()
+            self.paged_size = self.paged_fails = None
+            self.placed.remove()
 
 
 def _collected(placed: PlacedModels, explorer: Explorer) -> None:

@@ -96,6 +96,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._common.devices import default_device, format_bytes, free_memory
+from .._common.forks import renew_after_fork
 from .._common.peak import (
     NotPredictable,
     NotYet,
@@ -363,6 +364,11 @@ class AutoStart:
         # Reentrant: a recursive function's traces call it again on this thread.
         self._lock = threading.RLock()
         self._deciding = False
+        renew_after_fork(self)  # See [Note: locks across a fork] in _common/forks.py.
+
+    def renew_locks(self) -> None:
+        self._lock = threading.RLock()
+        self._deciding = False  # the thread that was deciding is not in the child
 
     def decide(self, call: Callable[[int], Any], items: int | None = None) -> int | None:
         """The initial size: predicted once (thread-safe), then the same for every call.

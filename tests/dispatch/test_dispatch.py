@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import subprocess
 import sys
+import textwrap
 import threading
 import weakref
 from typing import Any
@@ -1010,3 +1012,91 @@ def test_models_that_share_a_tensor_are_refused_and_one_module_running_both_work
     assert placement["weight_bytes"] == [sum(p.numel() * 4 for p in both.parameters())]
     assert enc[1].weight is dec[2].weight and enc[1].weight.device.type == "cpu"
 
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="fork is the default start on Linux only")
+def test_a_child_forked_while_a_thread_is_inside_a_call_runs_its_own_calls() -> None:
+    # The function's lock (and its first call's prediction lock) was copied held into the
+    # child, where no thread would let it go: the child's first call hung for good.
+    script = textwrap.dedent("""
+        import faulthandler, multiprocessing, threading, time
+        import torch
+        from torch import nn
+        from adaptmem import adaptive
+
+        inside, done = threading.Event(), threading.Event()
+
+        class Wait(nn.Module):
+            def forward(self, x):
+                if threading.current_thread() is not threading.main_thread():
+                    inside.set()
+                    done.wait(20)
+                return x
+
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), Wait(), nn.Linear(16, 16)).eval()
+        data = torch.randn(8, 16)
+        with torch.no_grad():
+            want = model(data)
+
+        @adaptive.batch(initial_batchsize=8, model=model, device="cpu")
+        def infer(batchsize, x):
+            with torch.no_grad():
+                return torch.cat([model(c) for c in x.split(batchsize)])
+
+        def child():
+            faulthandler.dump_traceback_later(20, exit=True)
+            assert torch.equal(infer(data), want)
+
+        infer(data)
+        serving = threading.Thread(target=infer, args=(data,))
+        serving.start()
+        assert inside.wait(20)  # the thread is inside infer, holding its lock
+        forked = multiprocessing.get_context("fork").Process(target=child)
+        forked.start()
+        forked.join(60)
+        done.set()
+        serving.join(20)
+        print("child", forked.exitcode)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180)
+    assert done.stdout.strip() == "child 0", done.stdout + done.stderr[-2000:]
+
+
+def test_remove_waits_for_the_calls_running_in_other_threads() -> None:
+    started, go_on = threading.Event(), threading.Event()
+
+    class Wait(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if threading.current_thread() is not threading.main_thread():
+                started.set()
+                go_on.wait(10)
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Wait(), nn.Linear(16, 16)).eval()
+    data = torch.randn(8, 16)
+    with torch.no_grad():
+        want = model(data)
+
+    @adaptive.batch(initial_batchsize=8, model=model, device="cpu")
+    def infer(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.cat([model(c) for c in x.split(batchsize)])
+
+    infer(data)
+    results: list[Any] = []
+    serving = threading.Thread(target=lambda: results.append(infer(data)))
+    serving.start()
+    assert started.wait(10)
+    removing = threading.Thread(target=infer.remove)
+    removing.start()
+    removing.join(0.3)
+    assert removing.is_alive()  # waits for the call
+    go_on.set()
+    serving.join(10)
+    removing.join(10)
+    assert not removing.is_alive()
+    torch.testing.assert_close(results[0], want, rtol=0, atol=0)
+    assert adaptive.holder(model) is None
