@@ -8,7 +8,7 @@ from several threads] in ``_dispatch/api.py``), and a first call holds its predi
 lock for all its traces: a service that forks workers while a thread serves (a pre-fork
 server, ``multiprocessing`` with ``fork``) had children that hung at their first call. So
 the objects holding such locks register here, and in a forked child each makes its locks
-anew (``renew_locks``). The state they guard is as the parent's thread left it; what
+anew. The state they guard is as the parent's thread left it; what
 outlives a cut-short call is cleared by the next one as after an interrupt (a pager's
 frames of a forward that never ended, say). Locks held for a moment only are left as they
 are: a fork lands inside one rarely, as with any library.
@@ -18,22 +18,23 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["renew_after_fork"]
 
-_owners: weakref.WeakSet[Any] = weakref.WeakSet()
+_owners: weakref.WeakKeyDictionary[Any, Callable[[Any], None]] = weakref.WeakKeyDictionary()
 
 
-def renew_after_fork(owner: Any) -> None:
-    """Call ``owner.renew_locks()`` in every child process a fork makes from now on, while
-    ``owner`` lives (see [Note: locks across a fork])."""
-    _owners.add(owner)
+def renew_after_fork(owner: Any, renew: Callable[[Any], None]) -> None:
+    """Call ``renew(owner)`` in every child process a fork makes from now on, while
+    ``owner`` lives (see [Note: locks across a fork]). ``renew`` must not hold ``owner``."""
+    _owners[owner] = renew
 
 
 def _in_child() -> None:
-    for owner in list(_owners):
-        owner.renew_locks()
+    for owner, renew in list(_owners.items()):
+        renew(owner)
 
 
 if hasattr(os, "register_at_fork"):

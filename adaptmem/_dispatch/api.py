@@ -82,8 +82,7 @@ class Dispatched:
         self.inner, self.placed, self.user_context = inner, placed, context
         self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
         # A generator's or coroutine's work runs after the call returns, where no call can be
-        # timed: a function that returned one is not explored (see [Note: exploring
-        # residency]).
+        # timed: one that returned one is not explored ([Note: exploring residency]).
         self.lazy = False
         # The size that last ran paged and the smallest known to fail there, to carry over.
         self.paged_size: int | None = None
@@ -91,10 +90,7 @@ class Dispatched:
         # See [Note: a decorated function that is collected] in placed.py.
         weakref.finalize(self, _collected, placed, self.explorer).atexit = False
         self.one_at_a_time = threading.RLock()  # See [Note: calls from several threads]
-        renew_after_fork(self)  # See [Note: locks across a fork] in _common/forks.py.
-
-    def renew_locks(self) -> None:
-        self.one_at_a_time = threading.RLock()
+        renew_after_fork(self, _new_lock)  # See [Note: locks across a fork] (_common/forks)
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self.run(sys._getframe(1), self.inner, args, kwargs)
@@ -369,13 +365,16 @@ class Dispatched:
         return self.inner.initial
 
     def remove(self) -> None:
-        """Give the models back exactly as they were before the first call, once calls
-        running in other threads have returned."""
+        """Give the models back as they were before the first call (once calls return)."""
         with self.one_at_a_time:
             self.explorer.stop()
             self.explorer.forget()
             self.paged_size = self.paged_fails = None
             self.placed.remove()
+
+
+def _new_lock(dispatched: Dispatched) -> None:
+    dispatched.one_at_a_time = threading.RLock()
 
 
 def _collected(placed: PlacedModels, explorer: Explorer) -> None:

@@ -336,6 +336,11 @@ def has_fakes(result: Any) -> bool:
 # tried next.
 
 
+def _renew(start: AutoStart) -> None:
+    start._lock = threading.RLock()
+    start._deciding = False  # the thread that was deciding is not in the child
+
+
 class AutoStart:
     """The initial size of an ``"auto"`` function, decided at its first call (see
     [Note: starting where it fits]), or the first size of a ``model=`` function (see
@@ -364,11 +369,7 @@ class AutoStart:
         # Reentrant: a recursive function's traces call it again on this thread.
         self._lock = threading.RLock()
         self._deciding = False
-        renew_after_fork(self)  # See [Note: locks across a fork] in _common/forks.py.
-
-    def renew_locks(self) -> None:
-        self._lock = threading.RLock()
-        self._deciding = False  # the thread that was deciding is not in the child
+        renew_after_fork(self, _renew)  # See [Note: locks across a fork] (_common/forks.py)
 
     def decide(self, call: Callable[[int], Any], items: int | None = None) -> int | None:
         """The initial size: predicted once (thread-safe), then the same for every call.
