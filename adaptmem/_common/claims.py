@@ -220,6 +220,19 @@ def refuse_compiled(model: nn.Module, engine: str) -> None:
             f"placement fixed, take compiled modules")
 
 
+def refuse_scripted(model: nn.Module, engine: str) -> None:
+    """Refuse a TorchScript module anywhere in ``model``: it takes no forward hooks, and
+    its compiled code reads its tensors without going through Python."""
+    for name, m in model.named_modules():
+        if isinstance(m, torch.jit.ScriptModule):
+            where = "the model" if not name else f"the model's submodule {name!r}"
+            raise PlacementError(
+                f"{engine} got a TorchScript module: {where} is a {type(m).__name__} "
+                f"(torch.jit.script or trace). adaptmem places a model through forward hooks "
+                f"on its modules and by swapping their tensors, which TorchScript modules do "
+                f"not take. Use the module it was scripted from in its place")
+
+
 def check_placeable(model: Any, engine: str, allow_meta: bool = False,
                     owned_ok: bool = False) -> None:
     """Refuse, before anything changes, a model ``engine`` (``"adaptive.page"``, ...) cannot
@@ -228,6 +241,7 @@ def check_placeable(model: Any, engine: str, allow_meta: bool = False,
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_training(engine, model.named_modules(), "call model.eval() first")
+    refuse_scripted(model, engine)
     if not allow_meta:
         meta = [n for n, t in _named_tensors(model) if t.is_meta]
         if meta:

@@ -1781,6 +1781,31 @@ def test_remove_while_a_forward_runs_is_refused_in_any_thread() -> None:
     assert adaptive.holder(model) is None
 
 
+@pytest.mark.parametrize("engine", ["page", "chunk", "split", "model="])
+def test_a_torchscript_submodule_is_refused_by_name_and_the_model_left_unheld(
+        engine: str) -> None:
+    # It takes no forward hooks: page failed inside the engine with an AttributeError,
+    # chunk and split at the first call, and the model stayed held for good.
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model = nn.Sequential(nn.Linear(8, 8), scripted, nn.Linear(8, 8)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PlacementError, match=r"submodule '1' is a RecursiveScriptModule"):
+        if engine == "page":
+            adaptive.page(model, "cpu")
+        elif engine == "chunk":
+            adaptive.chunk(model, "cpu")
+        elif engine == "split":
+            adaptive.split(model, {"cpu": None})
+        else:
+            adaptive.batch(initial_batchsize=2, model=model)(lambda batchsize: None)
+    assert adaptive.holder(model) is None
+    assert not any(m._forward_pre_hooks for m in model.modules() if not isinstance(
+        m, torch.jit.ScriptModule))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    model[1] = nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()
+    adaptive.page(model, "cpu").remove()  # unscripted, it pages
+
+
 @pytest.mark.parametrize("where", ["page", "model=", "page, a compiled submodule"])
 def test_a_compiled_model_is_refused_naming_the_module_inside(where: str) -> None:
     model = nn.Sequential(nn.Linear(4, 4)).eval()
