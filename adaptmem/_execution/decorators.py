@@ -116,6 +116,15 @@ def _name_of(func: Any) -> str:
     return "partial(" * partials + name + ")" * partials
 
 
+def _ran_here_before(record: Any) -> bool:
+    """Whether ``record``'s call site knows sizes: its own, one predicted, or those of the
+    call site under other free memory (then a call that starts elsewhere than the last one
+    moved with free memory; one from a new call site just starts)."""
+    site = record.site
+    return (record.fits is not None or record.start is not None
+            or (site is not None and len(site.records) > 1))
+
+
 def _check_callable(func: Any, decorator: str) -> None:
     if not callable(func) and not isinstance(func, (staticmethod, classmethod)):
         raise TypeError(
@@ -534,7 +543,8 @@ class _Batch(_Adaptive):
             if probing:
                 log_probe(record, size, self._name, "batchsize", self._watch)
             started = _clock()
-        if not probing and size != stats.last_size and stats.last_size is not None:
+        if (not probing and size != stats.last_size and stats.last_size is not None
+                and _ran_here_before(record)):  # not a new call site starting out
             log_moved(size, stats.last_size, self._name, "batchsize", self._watch)
         # The success path: one attempt, no closure, no gc, no probing.
         before = versions(args, kwargs)  # see [Note: arguments a retry passes again]

@@ -155,12 +155,14 @@ def test_a_call_that_starts_at_another_size_as_free_memory_moves_is_reported() -
         def run(batchsize: int, x: torch.Tensor) -> torch.Tensor:
             return sum((c @ weights).relu().sum() for c in x.split(batchsize))
 
-        run(data)
-        held = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
-        run(data)
-        del held
-        events.clear()
-        run(data)  # back where 1500 fitted
+        held = None
+        for step in ("first", "held", "back"):  # one call site: calls from one line
+            if step == "held":
+                held = torch.empty(40 << 20, dtype=torch.uint8, device="cuda")
+            elif step == "back":
+                del held  # back where 1500 fitted
+                events.clear()
+            run(data)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     assert [e.kind for e in events] == ["moved"] and events[0].new_size == 1500
@@ -242,3 +244,21 @@ def test_progress_logs_again_after_log_every(
         fill(0, 6)
     lines = [r.getMessage() for r in caplog.records if "items" in r.getMessage()]
     assert [line.split(": ")[1].split(" ")[0] for line in lines] == ["2/6", "4/6", "6/6"]
+
+
+def test_a_new_call_site_starting_from_the_initial_size_is_not_called_free_memory_moving(
+        caplog: pytest.LogCaptureFixture) -> None:
+    events: list[adaptive.Adaptation] = []
+    ceiling = MemoryCeiling(16)
+
+    @adaptive.batch(initial_batchsize=64, on_adapt=events.append)
+    def run(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    assert run() == 16  # one call site: it searched down from 64
+    events.clear()
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        assert run() == 16  # another: it starts at 64 again, knowing nothing
+    assert "moved" not in [e.kind for e in events]
+    assert not any("free memory moved" in r.getMessage() for r in caplog.records)
