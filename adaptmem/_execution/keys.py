@@ -8,7 +8,8 @@ under ``@torch.inference_mode()`` shared one record. Closures of one function sh
 code, so they share sizes (closures made anew at every call neither start over nor pile up
 records), and no key holds the callable itself: a partial or a callable object holding a
 model is not kept alive. A callable object is keyed by its class with its ``__call__``'s
-code (classes that inherit one ``__call__``, every ``nn.Module``, stay apart).
+code (classes that inherit one ``__call__``, every ``nn.Module``, stay apart), and a C method
+bound to an object (``x.new_zeros``) by its class's method, not the object.
 
 A key compares by identity. Code objects compare by value, and ``co_filename`` is not part
 of the comparison: two functions written alike at the same line of two modules are equal,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
+import types
 import weakref
 from typing import Any
 
@@ -86,11 +88,23 @@ def function_key(func: Any) -> Any:
     code = getattr(getattr(func, "__func__", func), "__code__", None)
     if code is not None:
         return code_key(code)
+    if isinstance(func, _BUILTIN_METHODS):
+        # A C method bound to an object (``x.new_zeros``): keyed by the class's method, so
+        # that no record holds the object (a tensor per request, kept for good).
+        bound = getattr(func, "__self__", None)
+        if bound is not None and not isinstance(bound, (type, types.ModuleType)):
+            unbound = getattr(type(bound), getattr(func, "__name__", ""), None)
+            if unbound is not None:
+                return unbound
+        return func
     call = getattr(type(func), "__call__", None)  # noqa: B004 (the class's method)
     code = getattr(getattr(call, "__func__", call), "__code__", None)
     if code is None:
         return func
     return code_key(code, type(func))
+
+
+_BUILTIN_METHODS = (types.BuiltinMethodType, types.MethodWrapperType)
 
 
 def instance_of(func: Any) -> Any:
@@ -106,6 +120,7 @@ def instance_of(func: Any) -> Any:
         if inner is func:
             break
         func = inner
-    if getattr(func, "__code__", None) is not None or isinstance(func, type):
+    if (getattr(func, "__code__", None) is not None or isinstance(func, type)
+            or isinstance(func, _BUILTIN_METHODS)):
         return None
     return None if function_key(func) is func else func

@@ -268,3 +268,21 @@ def test_instances_that_cannot_be_weakly_referenced_share_one_record() -> None:
     first, second = Slotted(8), Slotted(8)
     assert first.infer() == 8 and second.infer() <= 8
     assert 64 not in second.ceiling.attempts  # it went on from what the first learned
+
+
+def test_a_c_method_bound_to_a_new_object_per_call_keeps_no_object_alive() -> None:
+    # x.new_zeros is a C method bound to x: keyed by the callable itself, every request's
+    # tensor stayed alive in the cache, with a record of its own.
+    from adaptmem._execution.cache import StacktraceMemoryBatchsizeCache, shared_cache
+
+    cache = shared_cache(StacktraceMemoryBatchsizeCache)  # what explicit.batch uses
+    before = len(cache)
+    alive = []
+    for _ in range(20):
+        x = torch.zeros(256, 256)
+        alive.append(weakref.ref(x))
+        assert adaptive.explicit.batch(x.new_zeros, 16).shape == (16,)
+        del x
+    gc.collect()
+    assert not any(r() is not None for r in alive)
+    assert len(cache) - before <= 1  # one call site, one record
