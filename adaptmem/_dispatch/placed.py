@@ -396,7 +396,8 @@ class PlacedModels:
         short = self.name.rsplit(".", 1)[-1]
         return (f"it is held for the decorated function {self.name} (model=...): call "
                 f"{short}.remove() first, or drop every reference to that function (its "
-                f"models are given back when it is collected)")
+                f"models are given back when it is collected: by the garbage collector's "
+                f"next pass, so with gc disabled or frozen, call gc.collect() or remove())")
 
     def abandon(self) -> None:
         """The decorated function was collected: give the models back now if that is safe,

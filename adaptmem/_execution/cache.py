@@ -308,7 +308,7 @@ class SizeRecord:
                 self.fits = (self.site.largest_fit_below(self.bucket, size)
                              if self.site is not None else None)
             self.successes = 0
-            fits = self.fits
+            fits, fails = self.fits, self.fails
         if knew_a_fit:
             self._own_site().failed(self.bucket)  # see [Note: a quiet search]
         if self.site is not None:
@@ -317,7 +317,8 @@ class SizeRecord:
             return max(floor, min(size - 1, max(fits or 0, size * 9 // 10)))
         if fits is not None:
             return max(floor, fits)
-        return max(floor, size // 2)
+        # Below the smallest size known to fail: another thread's failure, or a neighbour's.
+        return max(floor, min(size, fails if fails is not None else size) // 2)
 
     def after_success(self, size: int) -> None:
         """Record that ``size`` ran to completion."""

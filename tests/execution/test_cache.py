@@ -477,3 +477,12 @@ def test_a_failure_right_after_memory_was_taken_is_filed_under_what_was_free(
     assert seen[1][1][0] == 64 and seen[1][2] <= 20
     assert seen[2] == (64, [], 64)  # not a probe up from what fitted with less
     assert seen[3][0] <= 20 and seen[3][1] == []
+
+
+def test_a_failure_above_one_already_known_retries_below_the_known_one() -> None:
+    # Threads whose first calls fail together: one has found 256 fails while another's
+    # attempt at 1024 fails only now. Halving its own size (512) would fail again.
+    record = SizeRecord(fits=None, fails=None)
+    assert record.after_failure(256, floor=1) == 128
+    assert record.after_failure(1024, floor=1) == 128
+    assert record.fails == 256
