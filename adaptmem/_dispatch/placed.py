@@ -73,7 +73,7 @@ from torch.nn.parameter import UninitializedParameter
 from .._common.claims import check_placeable, held_for, refuse_compiled
 from .._common.devices import default_device, format_bytes, free_memory, resolve_device
 from .._common.errors import PlacementError
-from .._common.tree import calls_in_progress, tensors_in
+from .._common.tree import calls_in_progress
 from .._engines.base import HookSet
 from .._paging.api import Pager, page
 from .._placement.api import chunk
@@ -396,8 +396,7 @@ class PlacedModels:
         short = self.name.rsplit(".", 1)[-1]
         return (f"it is held for the decorated function {self.name} (model=...): call "
                 f"{short}.remove() first, or drop every reference to that function (its "
-                f"models are given back when it is collected: by the garbage collector's "
-                f"next pass, so with gc disabled or frozen, call gc.collect() or remove())")
+                f"models are given back when the garbage collector takes it: gc.collect())")
 
     def abandon(self) -> None:
         """The decorated function was collected: give the models back now if that is safe,
@@ -509,8 +508,9 @@ class PlacedModels:
                 **self.changes.as_dict()}
 
 
-def _holds_tensor(value: Any) -> bool:
-    return next(tensors_in(value), None) is not None
+# What every nn.Module keeps in its __dict__ (its parameters, buffers, hooks): walked by
+# fakes_put_back through the tables themselves, not as attributes.
+_MODULE_STATE = frozenset(nn.Module().__dict__)
 
 
 def _refill(container: Any, items: Any) -> None:
@@ -537,25 +537,35 @@ def fakes_put_back(models: Sequence[nn.Module]) -> Iterator[list[str]]:
 
     before = {id(m): tuple(dict(t) for t in tables(m)) for model in models
               for m in model.modules()}
-    # The items of the containers that hold tensors, for those filled in place.
+    # The items of the lists and dicts a module keeps (not nn.Module's own tables), for
+    # those filled in place, empty ones included (a cache filled on first use).
     items = {id(v): (v, list(v) if isinstance(v, list) else dict(v))
-             for model in models for m in model.modules() for v in m.__dict__.values()
-             if isinstance(v, (list, dict)) and _holds_tensor(v)}
+             for model in models for m in model.modules() for k, v in m.__dict__.items()
+             if isinstance(v, (list, dict)) and k not in _MODULE_STATE}
     left: list[str] = []
     try:
         yield left
     finally:
         from torch._subclasses.fake_tensor import FakeTensor
 
-        def fake(value: Any) -> bool:
-            return any(isinstance(t, FakeTensor) for t in tensors_in(value))
+        def fake(value: Any) -> bool:  # in nested lists, tuples and dicts, cycles too
+            stack, seen = [value], set()
+            while stack:
+                v = stack.pop()
+                if isinstance(v, FakeTensor):
+                    return True
+                if isinstance(v, (list, tuple, dict)) and id(v) not in seen:
+                    seen.add(id(v))
+                    stack.extend(v.values() if isinstance(v, dict) else v)
+            return False
 
         for i, model in enumerate(models):
             for path, m in model.named_modules():
                 old = before.get(id(m), ({}, {}, {}))
                 for table, was in zip(tables(m), old, strict=True):
                     for name, value in list(table.items()):
-                        if not (isinstance(value, (torch.Tensor, list, tuple, dict))
+                        if (table is m.__dict__ and name in _MODULE_STATE) or not (
+                                isinstance(value, (torch.Tensor, list, tuple, dict))
                                 and fake(value)):
                             continue
                         if name in was:

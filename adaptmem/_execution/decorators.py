@@ -559,10 +559,11 @@ class _Batch(_Adaptive):
             if is_lazy(result):
                 return self._lazy(result, size, record, cache, bound, args, kwargs)
             if accumulation is not None and func.ran(size) < size:  # type: ignore[attr-defined]
-                size = func.ran(size)  # type: ignore[attr-defined]
-                record.after_short_success(size)  # see [Note: a batch shorter than its size]
-            else:
-                record.after_success(size)
+                # See [Note: a batch shorter than its size]: like a range's last step, it
+                # says nothing of sizes (nor of where the next call starts).
+                record.after_short_success(func.ran(size))  # type: ignore[attr-defined]
+                return result
+            record.after_success(size)
             if size != stats.last_size:
                 stats.saw(size)
             return result

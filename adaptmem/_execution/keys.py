@@ -93,6 +93,8 @@ def function_key(func: Any) -> Any:
         # that no record holds the object (a tensor per request, kept for good).
         bound = getattr(func, "__self__", None)
         if bound is not None and not isinstance(bound, (type, types.ModuleType)):
+            if func.__name__ == "__call__":  # ``f.__call__`` calls ``f``: keyed as ``f``
+                return function_key(bound)
             unbound = getattr(type(bound), getattr(func, "__name__", ""), None)
             if unbound is not None:
                 return unbound

@@ -131,15 +131,18 @@ def run_sized(
                     raise
                 failure = exc
             else:
-                if ran is not None and ran(size) < size:
-                    size, short = ran(size), True
+                used = size if ran is None else ran(size)
+                ran_short = used < size
+                if ran_short:
+                    size, short = used, True
                 # A generator or coroutine has not run yet: its wrapper records the outcome.
                 if not is_lazy(result):
                     if short and not tried:
                         record.after_short_success(size)
                     else:
                         record.after_success(size)
-                if stats is not None and counts_size and size != stats.last_size:
+                if (stats is not None and counts_size and size != stats.last_size
+                        and not ran_short):  # a short batch says nothing of sizes
                     stats.saw(size)
                 if tried:
                     logger.info("%s: %s=%d fits (after %s ran out of memory)",

@@ -293,7 +293,8 @@ def _open_safetensors(path: Path) -> Checkpoint:
     return Checkpoint(entries, [name], "safetensors")
 
 
-def _open_torch(path: Path, single_key: str | None, key: str | None = None) -> Checkpoint:
+def _open_torch(path: Path, single_key: str | None, state_key: str | None = None,
+                ) -> Checkpoint:
     name = str(path)
     with open(path, "rb") as f:
         head = f.read(16)
@@ -333,7 +334,7 @@ def _open_torch(path: Path, single_key: str | None, key: str | None = None) -> C
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
-    state, extra = _state_dict_of(obj, name, key)
+    state, extra = _state_dict_of(obj, name, state_key)
     entries: dict[str, Entry] = {}
     size = path.stat().st_size
     where = None if archive is None else archive.where(obj, name)
@@ -344,7 +345,7 @@ def _open_torch(path: Path, single_key: str | None, key: str | None = None) -> C
             continue
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if offset is None:  # torch older than ~2.5 records no offsets on meta
-            return _open_torch_mapped(path, single_key, key)
+            return _open_torch_mapped(path, single_key, state_key)
         entry = Entry(key, name, shape, t.dtype, where[int(offset)], int(t.storage_offset()),
                       stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
@@ -382,7 +383,8 @@ def _not_a_checkpoint(name: str, head: bytes) -> str:
             f"begins with {head!r}")
 
 
-def _open_torch_mapped(path: Path, single_key: str | None, key: str | None) -> Checkpoint:
+def _open_torch_mapped(path: Path, single_key: str | None, state_key: str | None,
+                       ) -> Checkpoint:
     """Fallback without offsets: tensors from ``torch.load(mmap=True)``, copied from there
     (pages of the mapping count toward RSS until the load ends)."""
     name = str(path)
@@ -394,7 +396,7 @@ def _open_torch_mapped(path: Path, single_key: str | None, key: str | None) -> C
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
-    state, extra = _state_dict_of(obj, name, key)
+    state, extra = _state_dict_of(obj, name, state_key)
     entries = {k: Entry(k, name, tuple(t.shape), t.dtype, None, 0, tuple(t.stride()), tensor=t)
                for k, t in state.items()}
     return Checkpoint(entries, [name], "torch (mmap)", extra)

@@ -80,17 +80,21 @@ class CallStack(list[Frame]):
 
         return hook
 
-    def check_idle(self, what: str) -> None:
-        """Raise ``PlacementError`` if a forward of the model runs now, in any thread: ``what``
-        (``remove()``) would take its weights from under it."""
-        owner = self.thread
-        if owner and self._in_forward(owner):
-            where = ("this thread, inside the forward (a hook?)"
-                     if owner == threading.get_ident() else f"thread {owner}")
-            raise PlacementError(
-                f"adaptive.page: {what} while a forward of the paged model runs in {where}; "
-                f"it would take the weights from under that forward. Call it once the "
-                f"forward has returned (hold the lock your threads call the model under)")
+    def claim_idle(self, what: str) -> None:
+        """Take the stack for ``what`` (``remove()``), so that no forward starts meanwhile;
+        ``PlacementError`` if a forward of the model runs now, in any thread: ``what``
+        would take its weights from under it."""
+        with self._lock:
+            owner = self.thread
+            if owner and self._in_forward(owner):
+                where = ("this thread, inside the forward (a hook?)"
+                         if owner == threading.get_ident() else f"thread {owner}")
+                raise PlacementError(
+                    f"adaptive.page: {what} while a forward of the paged model runs in "
+                    f"{where}; it would take the weights from under that forward. Call it "
+                    f"once the forward has returned (hold the lock your threads call the "
+                    f"model under)")
+            self.thread = threading.get_ident()
 
     def _in_forward(self, thread: int) -> bool:
         """Whether ``thread`` is inside a call of one of the model's modules now."""

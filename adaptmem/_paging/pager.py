@@ -377,7 +377,7 @@ class Pager(Engine):
         if self._removed is True:
             return
         if self._removed is False:  # unhooked once; a Ctrl-C past here: the next call goes on
-            self._stack.check_idle("remove()")
+            self._stack.claim_idle("remove()")
             self._lost, self._removed = self._unhook(), "restoring"
         elif self._lost is None and not self._table.synchronous:
             self._lost = _synchronized(self.device)  # lost since the interrupted call?

@@ -1484,11 +1484,11 @@ class Functions(TorchFunctionMode):
         if not (dst.is_cuda or (isinstance(src, torch.Tensor) and src.is_cuda)):
             return func(*args, **kwargs)
         if dst.is_cuda and (type(src) is torch.Tensor or (
-                isinstance(src, torch.Tensor) and src.is_cuda)) and fake_mode() is None:
+                isinstance(src, torch.Tensor) and src.is_cuda and fake_mode() is None)):
             # See [Note: the per-op cost of the simulation]: what aten.copy_ would reach
             # through the dispatch mode, called directly (into a simulated tensor, whose
             # backing is written); the version counter is bumped as the in-place op would.
-            # Not under a trace: backings that are fakes go through the fake mode.
+            # Under a trace, device backings may be fakes: only the fake mode copies those.
             with _no_python_dispatch():
                 self.sim.copy(dst, src, bool(non_blocking))
             _increment_version((dst,))

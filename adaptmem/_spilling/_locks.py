@@ -16,12 +16,14 @@ waits on a lock, and the locks are taken in one order, the step's before the fil
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["HeldLock", "when_free"]
 
+logger = logging.getLogger("adaptmem")
 _local = threading.local()
 
 
@@ -45,7 +47,10 @@ def _run_pending() -> None:
     pending = getattr(_local, "pending", None)
     while pending:
         fn, args = pending.pop(0)
-        fn(*args)
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a release that fails must not stop the others
+            logger.exception("adaptive.spill: a deferred release failed")
 
 
 class HeldLock:
@@ -61,9 +66,12 @@ class HeldLock:
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         _local.depth = _depth() + 1  # before: a collection in acquire() is deferred too
-        got = bool(self._lock.acquire(blocking, timeout))
-        if not got:
-            _local.depth -= 1
+        got = False
+        try:
+            got = bool(self._lock.acquire(blocking, timeout))
+        finally:  # not taken (or a Ctrl-C while waiting): the count goes back
+            if not got:
+                _local.depth -= 1
         return got
 
     def release(self) -> None:

@@ -1100,3 +1100,30 @@ def test_remove_waits_for_the_calls_running_in_other_threads() -> None:
     assert not removing.is_alive()
     torch.testing.assert_close(results[0], want, rtol=0, atol=0)
     assert adaptive.holder(model) is None
+
+
+def test_a_cache_that_starts_empty_and_is_filled_in_place_is_emptied_again() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from adaptmem._dispatch.placed import fakes_put_back
+
+    class Filled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache: dict[int, torch.Tensor] = {}
+            self.seen: list[Any] = []
+            self.seen.append(self.seen)  # holds itself: the walk must end
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] not in self.cache:
+                self.cache[x.shape[0]] = torch.ones(x.shape[0], 4)
+            self.seen.append(x)
+            return self.lin(x) + self.cache[x.shape[0]]
+
+    model = Filled()
+    with fakes_put_back([model]) as left, FakeTensorMode(allow_non_fake_inputs=True):
+        model(torch.randn(3, 4))
+    assert sorted(left) == ["model 0: cache", "model 0: seen"]
+    assert model.cache == {} and model.seen == [model.seen]
+    assert type(model(torch.randn(3, 4))) is torch.Tensor

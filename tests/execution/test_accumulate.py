@@ -687,3 +687,18 @@ def test_microbatches_takes_a_numpy_dim() -> None:
     np = pytest.importorskip("numpy")
     pieces = list(adaptive.microbatches(2, torch.randn(3, 4), dim=np.int64(1)))
     assert [p[0].shape for p in pieces] == [(3, 2), (3, 2)]
+
+
+def test_an_epochs_short_last_batch_is_not_reported_as_free_memory_moving() -> None:
+    model = nn.Linear(4, 1)
+    events: list[adaptive.Adaptation] = []
+
+    @adaptive.batch(initial_batchsize=8, accumulate=model, on_adapt=events.append)
+    def step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        for xb, yb, w in adaptive.microbatches(batchsize, x, y):
+            (F.mse_loss(model(xb), yb) * w).backward()
+
+    for n in (32, 32, 5, 32, 32):  # an epoch's last batch has 5 samples
+        step(torch.randn(n, 4), torch.randn(n, 1))
+    assert events == []
+    assert step.stats.smallest_size == step.stats.largest_size == 8

@@ -286,3 +286,15 @@ def test_a_c_method_bound_to_a_new_object_per_call_keeps_no_object_alive() -> No
     gc.collect()
     assert not any(r() is not None for r in alive)
     assert len(cache) - before <= 1  # one call site, one record
+
+
+def test_the_call_slot_of_two_callables_gives_two_keys() -> None:
+    # Every partial's __call__ is the same slot of the partial class: keyed by that slot,
+    # two different callables would share their sizes.
+    from adaptmem._execution.keys import function_key
+
+    assert function_key(functools.partial(print).__call__) is not function_key(
+        functools.partial(sum).__call__)
+    x = torch.ones(2)
+    assert function_key(x.__add__) is function_key(torch.ones(3).__add__)
+    assert function_key(x.__add__) is not function_key(x.__radd__)

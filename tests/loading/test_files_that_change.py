@@ -65,8 +65,8 @@ _TRUNCATED_DURING_LOAD = """
     new_memory._copy, new_memory._unmap_source = copy, unmap
 
     real_open = loader.open_checkpoint
-    def open_then_truncate(p):
-        checkpoint = real_open(p)  # its header is whole
+    def open_then_truncate(p, *rest):
+        checkpoint = real_open(p, *rest)  # its header is whole
         if when == "before mapping":
             os.truncate(path, half)
         return checkpoint
@@ -119,8 +119,8 @@ def test_copy_false_of_a_checkpoint_truncated_after_its_header_was_read_is_a_loa
     torch.save(state, path) if fmt == "pt" else safetensors_torch.save_file(state, path)
     real_open = loader.open_checkpoint
 
-    def open_then_truncate(p: Path) -> object:
-        checkpoint = real_open(p)
+    def open_then_truncate(p: Path, *rest: object) -> object:
+        checkpoint = real_open(p, *rest)
         os.truncate(path, os.path.getsize(path) // 2)
         return checkpoint
 

@@ -1131,6 +1131,22 @@ def test_torch_without_storage_offsets_falls_back_to_mmap(
     model, stats = adaptive.load(Net, path, device="cpu", return_stats=True)
     _assert_same(model, source)
     assert stats.format == "torch (mmap)"
+    # The fallback reads the entry key= names too (not the tensor it was looking at).
+    torch.save({"ema": source.state_dict(), "step": 3}, tmp_path / "ema.pt")
+
+    def nested_without_offsets(*args: object, **kwargs: object) -> object:
+        obj = real_load(*args, **kwargs)  # type: ignore[arg-type]
+        if kwargs.get("map_location") == "meta":
+            for t in obj["ema"].values():  # type: ignore[index]
+                if hasattr(t.untyped_storage(), "_checkpoint_offset"):
+                    del t.untyped_storage()._checkpoint_offset
+        return obj
+
+    monkeypatch.setattr(checkpoints.torch, "load", nested_without_offsets)
+    model, stats = adaptive.load(Net, tmp_path / "ema.pt", device="cpu", key="ema",
+                                 return_stats=True)
+    _assert_same(model, source)
+    assert stats.format == "torch (mmap)"
 
 
 @pytest.mark.parametrize("key", ["state_dict", "model_state_dict", "model", "module"])

@@ -92,8 +92,8 @@ def test_a_file_that_cannot_be_opened_fails_the_load_before_anything_changes(
         os.link(f, directory / f.name)
     real_open = loader.open_checkpoint
 
-    def open_then_remove(path: Path) -> object:
-        checkpoint = real_open(path)  # every header read
+    def open_then_remove(path: Path, *rest: object) -> object:
+        checkpoint = real_open(path, *rest)  # every header read
         (directory / f"p{FILES - 1}.pt").unlink()  # the last file read
         return checkpoint
 

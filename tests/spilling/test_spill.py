@@ -1357,3 +1357,26 @@ def test_a_collection_while_a_spill_lock_is_held_does_not_deadlock(held: str,
     assert finished.is_set(), "the step hung"
     assert freed[0] >= 2  # tanh's output and exp's, given back
     assert w.grad is not None
+
+
+def test_a_spill_lock_whose_wait_was_interrupted_still_runs_deferred_releases() -> None:
+    # A Ctrl-C while waiting for the lock left the thread counted as holding it: every
+    # later release of a spilled entry queued for good (scratch files never closed).
+    from adaptmem._spilling._locks import HeldLock, when_free
+
+    class Interrupted:
+        def acquire(self, *args: Any) -> bool:
+            raise KeyboardInterrupt
+
+        def release(self) -> None:
+            raise AssertionError("never taken")
+
+    with pytest.raises(KeyboardInterrupt), HeldLock(Interrupted()):
+        pass
+    ran: list[int] = []
+    when_free(ran.append, 1)
+    assert ran == [1]  # at once: this thread holds no spill lock
+    with HeldLock(threading.Lock()):
+        when_free(ran.append, 2)
+        assert ran == [1]  # deferred while held
+    assert ran == [1, 2]
