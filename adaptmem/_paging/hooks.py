@@ -71,14 +71,7 @@ class CallStack(list[Frame]):
     def ending(self, post: Callable[..., Any]) -> Callable[..., Any]:
         """The post-hook ``post``, letting the stack go once the outermost call's has run
         (its outputs handed back): another thread's call may begin then."""
-        def hook(*args: Any) -> Any:
-            try:
-                return post(*args)
-            finally:
-                if not self and self.thread == threading.get_ident():
-                    self.thread = 0
-
-        return hook
+        return _Ending(post, self)
 
     def claim_idle(self, what: str) -> None:
         """Take the stack for ``what`` (``remove()``), so that no forward starts meanwhile;
@@ -108,6 +101,28 @@ class CallStack(list[Frame]):
 
 
 _CALL_IMPL = nn.Module._call_impl.__code__
+
+
+class _Ending:
+    """A post-hook that lets its ``CallStack`` go after the outermost call's. An object,
+    not a closure: pickling a placed model reaches the engine through it and is refused
+    there, naming ``remove()``."""
+
+    __slots__ = ("stack", "post")
+
+    def __init__(self, post: Callable[..., Any], stack: CallStack) -> None:
+        self.post, self.stack = post, stack
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Ending, (self.post, CallStack())  # the engine is reached first (and refuses)
+
+    def __call__(self, *args: Any) -> Any:
+        try:
+            return self.post(*args)
+        finally:
+            stack = self.stack
+            if not stack and stack.thread == threading.get_ident():
+                stack.thread = 0
 
 
 class Hooks:
