@@ -106,22 +106,24 @@ _CALL_IMPL = nn.Module._call_impl.__code__
 class _Ending:
     """A post-hook that lets its ``CallStack`` go after the outermost call's. An object,
     not a closure: pickling a placed model reaches the engine through it and is refused
-    there, naming ``remove()``."""
+    there, naming ``remove()``; like ``functools.partial``, ``func`` is what it calls (a
+    method of the engine: how a recording of the model finds the hooks to leave off)."""
 
-    __slots__ = ("stack", "post")
+    __slots__ = ("func", "stack")
 
-    def __init__(self, post: Callable[..., Any], stack: CallStack) -> None:
-        self.post, self.stack = post, stack
+    def __init__(self, func: Callable[..., Any], stack: CallStack | None = None) -> None:
+        self.func, self.stack = func, stack
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _Ending, (self.post, CallStack())  # the engine is reached first (and refuses)
+        # Pickled, the engine refuses; copied for a recording, its copy is left off.
+        return _Ending, (self.func,)
 
     def __call__(self, *args: Any) -> Any:
         try:
-            return self.post(*args)
+            return self.func(*args)
         finally:
             stack = self.stack
-            if not stack and stack.thread == threading.get_ident():
+            if stack is not None and not stack and stack.thread == threading.get_ident():
                 stack.thread = 0
 
 
