@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -219,3 +220,25 @@ class CallsItself(nn.Module):
         if depth > 0:
             x = x + self(x, depth - 1)
         return x * self.scale
+
+
+class WaitsOffMain(nn.Module):
+    """Identity. Called from a thread other than the main one, it sets ``started`` and waits
+    for ``go_on`` (10 s at most): a forward held in flight while the test acts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started, self.go_on = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():
+            self.started.set()
+            self.go_on.wait(10)
+        return x
+
+
+def held_in_flight() -> tuple[nn.Module, WaitsOffMain]:
+    """A small model whose forward waits in a ``WaitsOffMain`` off the main thread."""
+    torch.manual_seed(0)
+    gate = WaitsOffMain()
+    return nn.Sequential(nn.Linear(16, 16), gate, nn.Linear(16, 16)).eval(), gate

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from models import held_in_flight
 from torch import nn
 
 from adaptmem import PlacementError, adaptive
@@ -1065,17 +1066,8 @@ def test_a_child_forked_while_a_thread_is_inside_a_call_runs_its_own_calls() -> 
 
 
 def test_remove_waits_for_the_calls_running_in_other_threads() -> None:
-    started, go_on = threading.Event(), threading.Event()
-
-    class Wait(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if threading.current_thread() is not threading.main_thread():
-                started.set()
-                go_on.wait(10)
-            return x
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), Wait(), nn.Linear(16, 16)).eval()
+    model, gate = held_in_flight()
+    started, go_on = gate.started, gate.go_on
     data = torch.randn(8, 16)
     with torch.no_grad():
         want = model(data)

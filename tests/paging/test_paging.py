@@ -8,6 +8,7 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from conftest import REAL_CUDA
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from models import ZOO, CallsItself, HeadFirst, ReadsChildWeight, small_vit
+from models import ZOO, CallsItself, HeadFirst, ReadsChildWeight, held_in_flight, small_vit
 from strategies import DIM, module_trees
 from torch import nn
 from torch.nn import functional as F
@@ -1643,17 +1644,8 @@ def test_a_second_thread_forward_is_refused_while_one_runs() -> None:
     # leave weights on the device, refused at every later call.
     import threading
 
-    started, go_on = threading.Event(), threading.Event()
-
-    class Wait(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if threading.current_thread() is not threading.main_thread():
-                started.set()
-                go_on.wait(10)
-            return x
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), Wait(), nn.Linear(16, 16)).eval()
+    model, gate = held_in_flight()
+    started, go_on = gate.started, gate.go_on
     x = torch.randn(2, 16)
     with torch.no_grad():
         want = model(x)
@@ -1745,17 +1737,8 @@ def test_a_forward_cut_short_in_an_idle_thread_does_not_lock_out_the_others(exc:
 def test_remove_while_a_forward_runs_is_refused_in_any_thread() -> None:
     import threading
 
-    started, go_on = threading.Event(), threading.Event()
-
-    class Wait(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if threading.current_thread() is not threading.main_thread():
-                started.set()
-                go_on.wait(10)
-            return x
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), Wait(), nn.Linear(16, 16)).eval()
+    model, gate = held_in_flight()
+    started, go_on = gate.started, gate.go_on
     x = torch.randn(2, 16)
     with torch.no_grad():
         want = model(x)
@@ -1824,7 +1807,11 @@ def test_a_compiled_model_is_refused_naming_the_module_inside(where: str) -> Non
     assert not model._forward_pre_hooks and not compiled._forward_pre_hooks  # nothing held
 
 
-def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeypatch) -> None:
+@contextlib.contextmanager
+def _remove_cut_short(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, ...]]:
+    """A model paged on the simulated device whose ``remove()`` a Ctrl-C cut short after three
+    tensors: yields (model, its state before paging, the pager, the slots put back), inside
+    the simulation."""
     from adaptmem._engines import hoststore
 
     torch.manual_seed(0)
@@ -1832,7 +1819,7 @@ def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeyp
     before = {k: v.clone() for k, v in model.state_dict().items()}
     restore, restored = hoststore.Slot.restore, []
 
-    def interrupted(slot, *args: Any) -> None:
+    def interrupted(slot: Any, *args: Any) -> None:
         if len(restored) == 3:
             raise KeyboardInterrupt  # a Ctrl-C halfway through
         restored.append(slot)
@@ -1846,6 +1833,11 @@ def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeyp
         with pytest.raises(KeyboardInterrupt):
             pager.remove()
         monkeypatch.setattr(hoststore.Slot, "restore", restore)
+        yield model, before, pager, restored
+
+
+def test_a_remove_interrupted_while_copying_back_is_finished_by_the_next(monkeypatch) -> None:
+    with _remove_cut_short(monkeypatch) as (model, before, pager, restored):
         name = restored[0].name
         with torch.no_grad():
             model.state_dict()[name].add_(1)  # an edit to a tensor already back
@@ -1863,27 +1855,8 @@ def test_a_remove_resumed_after_the_device_is_gone_finishes_from_the_host_copies
         monkeypatch) -> None:
     # Ctrl-C halfway through remove(), then the simulation ends (the device is lost) before
     # remove() is called again: the rest comes back from the host copies, with a warning.
-    from adaptmem._engines import hoststore
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    restore, restored = hoststore.Slot.restore, []
-
-    def interrupted(slot, *args: Any) -> None:
-        if len(restored) == 3:
-            raise KeyboardInterrupt
-        restored.append(slot)
-        restore(slot, *args)
-
-    with simulated_cuda(devices=1, total_memory="64MiB"):
-        pager = adaptive.page(model, "cuda", unit_bytes=0, resident_bytes="40KiB")
-        with torch.no_grad():
-            model(torch.randn(2, 64))
-        monkeypatch.setattr(hoststore.Slot, "restore", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            pager.remove()
-        monkeypatch.setattr(hoststore.Slot, "restore", restore)
+    with _remove_cut_short(monkeypatch) as (model, before, pager, _):
+        pass
     with pytest.warns(RuntimeWarning, match="could not reach cuda:0.*host copies"):
         pager.remove()
     assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
