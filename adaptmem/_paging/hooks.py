@@ -38,7 +38,7 @@ class CallStack(list[Frame]):
     runs one forward at a time. A second thread's forward would release the first one's
     weights while it computes (on a GPU: kernels reading memory handed to other copies),
     so it is refused. The stack is the thread's from its outermost call's first hook to
-    that call's last (``ending``), taken under a lock: two threads that both found it free
+    that call's last (``let_go``), taken under a lock: two threads that both found it free
     cannot both run. ``modules``: the model's, to tell a thread still in a forward from one
     whose forward was cut short (a ``KeyboardInterrupt`` or ``SystemExit`` skips the hooks
     that end it)."""
@@ -68,10 +68,13 @@ class CallStack(list[Frame]):
                     f"or page one copy of the model per thread")
             self.thread = me
 
-    def ending(self, post: Callable[..., Any]) -> Callable[..., Any]:
-        """The post-hook ``post``, letting the stack go once the outermost call's has run
-        (its outputs handed back): another thread's call may begin then."""
-        return _Ending(post, self)
+    def let_go(self, result: Any = None) -> Any:
+        """The outermost call's last hook has run (its outputs handed back): another
+        thread's call may begin. Returns ``result``. A hook that raised before this leaves
+        the stack to a thread no longer in a forward, which the next claim takes over."""
+        if not self:
+            self.thread = 0
+        return result
 
     def claim_idle(self, what: str) -> None:
         """Take the stack for ``what`` (``remove()``), so that no forward starts meanwhile;
@@ -101,30 +104,6 @@ class CallStack(list[Frame]):
 
 
 _CALL_IMPL = nn.Module._call_impl.__code__
-
-
-class _Ending:
-    """A post-hook that lets its ``CallStack`` go after the outermost call's. An object,
-    not a closure: pickling a placed model reaches the engine through it and is refused
-    there, naming ``remove()``; like ``functools.partial``, ``func`` is what it calls (a
-    method of the engine: how a recording of the model finds the hooks to leave off)."""
-
-    __slots__ = ("func", "stack")
-
-    def __init__(self, func: Callable[..., Any], stack: CallStack | None = None) -> None:
-        self.func, self.stack = func, stack
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled, the engine refuses; copied for a recording, its copy is left off.
-        return _Ending, (self.func,)
-
-    def __call__(self, *args: Any) -> Any:
-        try:
-            return self.func(*args)
-        finally:
-            stack = self.stack
-            if stack is not None and not stack and stack.thread == threading.get_ident():
-                stack.thread = 0
 
 
 class Hooks:

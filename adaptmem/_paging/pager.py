@@ -169,7 +169,7 @@ class Pager(Engine):
         self._needs, self._schedule = Needs(), Schedule(prefetch, self._table)
         self._learner = Learner(self._modules, self._touch, self._quiet)
         self._refiner = Refiner(self._sizes, self.plan, self._stats, self._table, self)
-        self._hooks = Hooks(self._pre_hook, self._stack.ending(self._post_hook), model)
+        self._hooks = Hooks(self._pre_hook, self._post_hook, model)
         slots = self._table.slots
         self._home = next((s.origin for s in slots.values()), torch.device("cpu"))  # _hand_back
         self._guard = PlacementGuard(model, {n: s.tensor for n, s in slots.items()},
@@ -271,13 +271,14 @@ class Pager(Engine):
             if not stack:  # a submodule called on its own (an encoder, say) has finished
                 self._end_call()
                 self._end_forward(failed=True)  # only a whole forward ends the learning
+                stack.let_go()
             return None
         self._end_call()
         failed = output is None and sys.exc_info()[1] is not None
         self._end_forward(failed)
         inputs, self._inputs = self._inputs, None
-        return _hand_back(inputs, None if failed else output, self.device, self._input_device,
-                          self.output_device)
+        return stack.let_go(_hand_back(inputs, None if failed else output, self.device,
+                                       self._input_device, self.output_device))
 
     def _begin_call(self) -> None:
         """An outermost call (of the model, or a submodule on its own) begins; until a whole
@@ -323,8 +324,7 @@ class Pager(Engine):
     # -- acquiring -------------------------------------------------------------------------
 
     def _acquire(self, frame: Frame, needs: tuple[Slot, ...]) -> None:
-        """Hold ``needs`` while ``frame`` runs. What does not fit is split (see refine.py),
-        and what the module needs after the split is acquired instead."""
+        """Hold ``needs`` while ``frame`` runs; what does not fit is split first (refine.py)."""
         module = frame.module
         while True:
             try:
