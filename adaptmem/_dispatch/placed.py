@@ -572,7 +572,8 @@ def fakes_put_back(models: Sequence[nn.Module]) -> Iterator[list[str]]:
                             table[name] = was[name]
                         else:
                             del table[name]
-                        kept = items.get(id(table.get(name)))
-                        if kept is not None and kept[0] is table.get(name):  # filled in place
-                            _refill(kept[0], kept[1])
+                        now = table.get(name)
+                        kept = items.get(id(now))
+                        if kept is not None and kept[0] is now:  # filled in place
+                            _refill(*kept)
                         left.append(f"model {i}: {path + '.' if path else ''}{name}")

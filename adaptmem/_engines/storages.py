@@ -63,13 +63,12 @@ class _Storage:
         return storage
 
     def _new(self) -> torch.Tensor:
+        make = torch.empty if self.filled else torch.zeros
         if self.pinned:
             try:
-                made = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
-                return made if self.filled else made.zero_()
+                return make(self.nbytes, dtype=torch.uint8, pin_memory=True)
             except RuntimeError:  # pinned memory is a scarce resource; pageable works
                 pass
-        make = torch.empty if self.filled else torch.zeros
         return make(self.nbytes, dtype=torch.uint8, device=self.device)
 
 

@@ -95,7 +95,7 @@ def function_key(func: Any) -> Any:
         if bound is not None and not isinstance(bound, (type, types.ModuleType)):
             if func.__name__ == "__call__":  # ``f.__call__`` calls ``f``: keyed as ``f``
                 return function_key(bound)
-            unbound = getattr(type(bound), getattr(func, "__name__", ""), None)
+            unbound = getattr(type(bound), func.__name__, None)
             if unbound is not None:
                 return unbound
         return func

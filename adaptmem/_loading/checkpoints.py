@@ -186,10 +186,12 @@ def _open_index(index: Path) -> Checkpoint:
 
 def _open_keyed(path: Path, key: str) -> Checkpoint:
     """The state dict under ``key`` of the ``torch.save`` file ``path``."""
-    with open(path, "rb") if path.is_file() else contextlib.nullcontext() as f:
-        head = b"" if f is None else f.read(32)
-    if not path.is_file() or _looks_like_safetensors(head):
-        what = "a directory" if path.is_dir() else "a .safetensors file, whose keys are flat"
+    what = "a directory" if path.is_dir() else None
+    if what is None:
+        with open(path, "rb") as f:
+            if _looks_like_safetensors(f.read(32)):
+                what = "a .safetensors file, whose keys are flat"
+    if what is not None:
         raise LoadError(f"key={key!r} picks the entry of a torch.save file's dict that holds "
                         f"the state dict; {str(path)!r} is {what}. Leave key= out")
     return _open_torch(path, None, key)
