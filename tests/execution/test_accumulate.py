@@ -187,22 +187,30 @@ def test_micro_batches_that_finished_before_the_failure_are_not_counted_twice() 
     _assert_bitwise(_state(model), _plain(2))
 
 
-@pytest.mark.parametrize("cache", [adaptive.NoBatchsizeCache, adaptive.GlobalBatchsizeCache])
-def test_a_batch_shorter_than_the_size_is_retried_from_its_length(cache: Any) -> None:
-    # 12 samples under a size of 64: the first attempt runs all 12 in one micro-batch. The
-    # retry halves from 12, not from 64: 32 and 16 would run the same single micro-batch of
-    # 12 again, and fail again.
+def _sized_step(capacity: int, cache: Any, split: Callable[..., None] = _loop,
+                ) -> tuple[nn.Module, MemoryCeiling, list[int], Any]:
+    """A step from 64 over a model whose backward holds ``capacity`` samples: the model, its
+    ceiling, the sizes the step was passed, and the step (``split`` runs the batch)."""
     model = _model()
-    ceiling = MemoryCeiling(3)
+    ceiling = MemoryCeiling(capacity)
     model[1].fault = ceiling.require
     seen: list[int] = []
 
     @adaptive.batch(initial_batchsize=64, accumulate=model, cache=cache())
     def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> int:
         seen.append(batchsize)
-        _loop(model, batchsize, x, y)
+        split(model, batchsize, x, y)
         return batchsize
 
+    return model, ceiling, seen, train_step
+
+
+@pytest.mark.parametrize("cache", [adaptive.NoBatchsizeCache, adaptive.GlobalBatchsizeCache])
+def test_a_batch_shorter_than_the_size_is_retried_from_its_length(cache: Any) -> None:
+    # 12 samples under a size of 64: the first attempt runs all 12 in one micro-batch. The
+    # retry halves from 12, not from 64: 32 and 16 would run the same single micro-batch of
+    # 12 again, and fail again.
+    model, ceiling, seen, train_step = _sized_step(3, cache)
     assert train_step(*_data()) == 3
     assert seen == [64, 6, 3]
     assert ceiling.failures == [12, 6]
@@ -214,16 +222,7 @@ def test_a_short_batch_that_fits_does_not_claim_its_size_fits() -> None:
     # 12 samples at a size of 64 fit; the next call's 40 samples at 64 do not. Had the first
     # call been filed as "64 fits", the second would have stepped down from 64 by tenths
     # (memory taken as tighter than before), failing at 57, 51, ... in turn.
-    model = _model()
-    ceiling = MemoryCeiling(20)
-    model[1].fault = ceiling.require
-    seen: list[int] = []
-
-    @adaptive.batch(initial_batchsize=64, accumulate=model, cache=adaptive.GlobalBatchsizeCache())
-    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append(batchsize)
-        _loop(model, batchsize, x, y)
-
+    _, ceiling, seen, train_step = _sized_step(20, adaptive.GlobalBatchsizeCache)
     train_step(*_data())
     g = torch.Generator().manual_seed(3)
     train_step(torch.randn(40, 6, generator=g, dtype=torch.float64),
@@ -232,20 +231,15 @@ def test_a_short_batch_that_fits_does_not_claim_its_size_fits() -> None:
     assert ceiling.failures == [40]
 
 
+def _split_by_hand(model: nn.Module, batchsize: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    for xb, yb in zip(x.split(batchsize), y.split(batchsize), strict=True):
+        (F.mse_loss(model(xb), yb) * len(xb) / len(x)).backward()
+
+
 def test_a_step_that_splits_its_batch_itself_is_taken_at_the_size_passed() -> None:
     # Without microbatches the decorator cannot know the batch's length: the size passed is
     # the size run, as before.
-    model = _model()
-    ceiling = MemoryCeiling(3)
-    model[1].fault = ceiling.require
-    seen: list[int] = []
-
-    @adaptive.batch(initial_batchsize=64, accumulate=model, cache=adaptive.NoBatchsizeCache())
-    def train_step(batchsize: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        seen.append(batchsize)
-        for xb, yb in zip(x.split(batchsize), y.split(batchsize), strict=True):
-            (F.mse_loss(model(xb), yb) * len(xb) / len(x)).backward()
-
+    _, _, seen, train_step = _sized_step(3, adaptive.NoBatchsizeCache, _split_by_hand)
     train_step(*_data())
     assert seen == [64, 32, 16, 8, 4, 2]
 
