@@ -60,19 +60,24 @@ class CallStack(list[Frame]):
         if self.thread == me:
             return
         with self._lock:
-            if self.thread and self._in_forward(self.thread):
+            if self._take(me):
                 raise PlacementError(
                     f"adaptive.page: another thread is running a forward of this paged model "
                     f"(thread {self.thread}); a paged model runs one forward at a time, since "
                     f"each forward moves its weights. Hold a lock around the model's calls, "
                     f"or page one copy of the model per thread")
-            self.thread = me
+
+    def mine(self) -> bool:
+        """Whether the stack is this thread's. A post-hook runs after its pre-hook raised
+        (``always_call``): a call ``claim`` refused must not end the owner's forward (pop
+        its frames, release its weights, take its inputs)."""
+        return self.thread == threading.get_ident()
 
     def let_go(self, result: Any = None) -> Any:
         """The outermost call's last hook has run (its outputs handed back): another
         thread's call may begin. Returns ``result``. A hook that raised before this leaves
         the stack to a thread no longer in a forward, which the next claim takes over."""
-        if not self:
+        if not self and self.mine():
             self.thread = 0
         return result
 
@@ -80,17 +85,30 @@ class CallStack(list[Frame]):
         """Take the stack for ``what`` (``remove()``), so that no forward starts meanwhile;
         ``PlacementError`` if a forward of the model runs now, in any thread: ``what``
         would take its weights from under it."""
+        me = threading.get_ident()
         with self._lock:
             owner = self.thread
-            if owner and self._in_forward(owner):
+            if self._take(me):
                 where = ("this thread, inside the forward (a hook?)"
-                         if owner == threading.get_ident() else f"thread {owner}")
+                         if owner == me else f"thread {owner}")
                 raise PlacementError(
                     f"adaptive.page: {what} while a forward of the paged model runs in "
                     f"{where}; it would take the weights from under that forward. Call it "
                     f"once the forward has returned (hold the lock your threads call the "
                     f"model under)")
-            self.thread = threading.get_ident()
+
+    def _take(self, me: int) -> bool:
+        """Take the stack for thread ``me`` (under the lock), unless its owner is in a
+        forward: then the owner keeps it, and True. The stack is marked ``me``'s before the
+        owner is looked for, so an owner whose forward was cut short, calling again now, takes
+        the slow path of ``claim`` (and waits for this) instead of running beside ``me``: an
+        owner seen outside a forward has not started one unseen. (``me`` in a forward
+        itself, for ``claim_idle``: True.)"""
+        owner, self.thread = self.thread, me
+        if owner and self._in_forward(owner):
+            self.thread = owner
+            return True
+        return False
 
     def _in_forward(self, thread: int) -> bool:
         """Whether ``thread`` is inside a call of one of the model's modules now."""

@@ -14,6 +14,7 @@ learned again.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,14 @@ _METADATA = frozenset({
 # in the probe's place. A probe still on the stack under other modes (left there by code
 # that entered a mode and never exited it) is taken out from under them. The caller's mode
 # stays active until then.
+
+# [Note: a probe stranded on another thread]
+# Torch's mode stack is per thread. A watched forward cut short in one thread (a worker's
+# ``KeyboardInterrupt``) leaves the probe on that thread's stack, and the next outermost
+# call may come from another thread, which cannot reach that stack. It makes the probe look
+# away for good instead (its ops pass straight through, and it no longer holds the pager),
+# and the stranded probe is taken off when its thread next begins an outermost call of any
+# paged model. Until then that thread's ops each pay one Python call.
 
 # [Note: a device query is a use]
 # ``next(self.parameters()).device`` (Hugging Face's ``self.device``) or ``other.weight.device``
@@ -93,10 +102,16 @@ class Probe(TorchFunctionMode):
         self.on_op = on_op
         self.quiet = quiet
         self.below: list[Any] = []  # torch's mode stack when the probe went on
+        self.thread = 0  # the thread whose stack it went on
 
     def __enter__(self) -> Probe:
         self.below = torch.overrides._get_current_function_mode_stack()
+        self.thread = threading.get_ident()
         return super().__enter__()
+
+    def strand(self) -> None:
+        """Look away for good: see [Note: a probe stranded on another thread]."""
+        self.on_op, self.below = _ignore_op, []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -138,6 +153,8 @@ class Learner:
         again = self.relearn
         if again:
             self.relearn, self.learning = False, True
+        if torch._C._len_torch_function_stack():
+            _drop_stranded()
         if self.learning:
             self.calls = []
             self._watch()
@@ -168,7 +185,9 @@ class Learner:
         probe, self.probe = self.probe, None
         if probe is None:
             return None
-        if torch.overrides._get_current_function_mode() is probe:
+        if probe.thread != threading.get_ident():
+            probe.strand()
+        elif torch.overrides._get_current_function_mode() is probe:
             probe.__exit__(None, None, None)
         else:
             self._unwatch(probe)
@@ -212,4 +231,20 @@ class Learner:
         above = [torch._C._pop_torch_function_stack() for _ in range(len(stack) - drop - 1)]
         torch._C._pop_torch_function_stack()
         for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
+
+
+def _ignore_op(args: Any, kwargs: Any) -> None:
+    """What a stranded probe hands its ops to: nothing."""
+
+
+def _drop_stranded() -> None:
+    """Take this thread's stranded probes off torch's mode stack (see [Note: a probe
+    stranded on another thread]), keeping the modes above them in order."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    if not any(isinstance(m, Probe) and m.on_op is _ignore_op for m in stack):
+        return
+    popped = [torch._C._pop_torch_function_stack() for _ in stack]
+    for mode in reversed(popped):
+        if not (isinstance(mode, Probe) and mode.on_op is _ignore_op):
             torch._C._push_on_torch_function_stack(mode)

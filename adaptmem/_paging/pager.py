@@ -258,6 +258,8 @@ class Pager(Engine):
 
     def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         stack = self._stack
+        if not stack.mine():  # a call refused at its first hook: it has nothing to end
+            return None
         if stack and stack[-1].module is module:
             slots = stack.pop().slots
             if slots:
@@ -346,9 +348,7 @@ class Pager(Engine):
             return
         frame = self._stack[-1]
         for t in tree_leaves((args, kwargs)):
-            if not isinstance(t, torch.Tensor):
-                continue
-            s = self._table.by_id.get(id(t))
+            s = self._table.by_id.get(id(t))  # (ids of live tensors: no other leaf has one)
             if s is None:
                 continue
             if self._learner.learning:

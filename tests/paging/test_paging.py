@@ -1697,6 +1697,89 @@ def test_threads_racing_for_a_paged_model_are_refused_and_never_break_the_runnin
     assert outcomes.count("ok") > 10
 
 
+def test_a_refused_call_leaves_a_forward_waiting_in_the_models_own_code_alone() -> None:
+    # The refused call's post-hook (torch runs it after the pre-hook raised) ended the running
+    # forward: it popped its frame, took its inputs and let the model go, so the next call
+    # ran beside it.
+    import threading
+
+    class WaitsInItsOwnCode(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.started, self.go_on = threading.Event(), threading.Event()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.a(x)
+            if threading.current_thread() is not threading.main_thread():
+                self.started.set()
+                self.go_on.wait(10)
+            return self.b(y) + self.a.weight.sum()
+
+    torch.manual_seed(0)
+    model, x = WaitsInItsOwnCode().eval(), torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+    results: list[torch.Tensor] = []
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0), torch.no_grad():
+        model(x)
+        running = threading.Thread(target=lambda: results.append(model(x)))
+        running.start()
+        assert model.started.wait(10)
+        for _ in range(2):
+            with pytest.raises(PlacementError, match="another thread is running a forward"):
+                model(x)
+        model.go_on.set()
+        running.join(10)
+        torch.testing.assert_close(results[0], want, rtol=0, atol=0)
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+def test_a_watched_forward_cut_short_in_a_thread_strands_no_live_probe() -> None:
+    # See [Note: a probe stranded on another thread]: the first (watched) forward, cut short
+    # in a worker, left the pager's probe on the worker's mode stack; the next call came from
+    # the main thread, and the worker's every op went on through the pager for good.
+    import threading
+
+    class Cut(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 3:
+                raise KeyboardInterrupt
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Cut(), nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        want = model(x)
+    cut, go_on = threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def worker() -> None:
+        with contextlib.suppress(BaseException), torch.no_grad():
+            model(torch.randn(3, 16))
+        cut.set()
+        go_on.wait(10)
+        seen["reached"] = [getattr(m, "on_op", None) for m in
+                           torch.overrides._get_current_function_mode_stack()]
+        with torch.no_grad():
+            seen["result"] = model(x)
+        seen["after"] = len(torch.overrides._get_current_function_mode_stack())
+
+    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=0)
+    thread = threading.Thread(target=worker)
+    thread.start()
+    assert cut.wait(10)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    go_on.set()
+    thread.join(10)
+    assert all(getattr(on_op, "__self__", None) is not pager for on_op in seen["reached"])
+    torch.testing.assert_close(seen["result"], want, rtol=0, atol=0)
+    assert seen["after"] == 0  # the worker's next call took the stranded probe off
+    pager.remove()
+
+
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit])
 def test_a_forward_cut_short_in_an_idle_thread_does_not_lock_out_the_others(exc: type) -> None:
     # Torch's post-hooks do not run for a KeyboardInterrupt or SystemExit: the thread's frames
