@@ -728,7 +728,8 @@ class _Chunked(_Adaptive):
         # See [Note: arguments a retry passes again]
         step = StepReplay(
             Replay(self, self._name, rest, kwargs, None, first=2),
-            lambda s, e: func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs))
+            lambda s, e: func(*bound, tensor.narrow(dim, s, e - s), s, e, *rest, **kwargs),
+            tensor, self.output)
 
         length = tensor.shape[dim]
         if self._deciding and length:
@@ -761,6 +762,7 @@ class _ResultWriter:
         self.new = new
         self.name = name
         self.out: torch.Tensor | None = None
+        self.first = ""  # the first result's shape and span, for errors
 
     def __call__(self, start: int, end: int, result: Any) -> None:
         dim = self.dim
@@ -778,7 +780,11 @@ class _ResultWriter:
                     f"{tuple(target.shape)}; with output='input' the result replaces the "
                     f"chunk, so it must have the chunk's shape (output='new' allows others)"
                 )
-            target.copy_(result)
+            if target.is_inference() and not torch.is_inference_mode_enabled():
+                with torch.inference_mode():  # the step ran under it, the caller does not
+                    target.copy_(result)
+            else:
+                target.copy_(result)
             return
         if not -result.dim() <= dim < result.dim() or result.shape[dim] != end - start:
             raise ValueError(
@@ -792,11 +798,12 @@ class _ResultWriter:
             shape = list(result.shape)
             shape[at] = self.tensor.shape[dim]
             out = self.out = result.new_empty(shape)
+            self.first = f"{tuple(result.shape)} for [{start}, {end})"
         elif [n for i, n in enumerate(result.shape) if i != at] != [
                 n for i, n in enumerate(out.shape) if i != at] or result.dim() != out.dim():
             raise ValueError(
                 f"{self.name} returned shape {tuple(result.shape)} for [{start}, {end}), "
-                f"which does not match the first step's {tuple(out.shape)} outside "
+                f"which does not match the first step's {self.first} outside "
                 f"dimension {dim}; with output='new' every step's result has the same shape "
                 f"apart from that dimension"
             )

@@ -1021,6 +1021,65 @@ def test_chunked_output_new_collects_any_result_shape_and_dtype_like_torch_cat()
     assert empty.shape == (3, 0, 2)  # one call on the empty chunk, as torch.cat would see
 
 
+@pytest.mark.parametrize("output", ["input", "new"])
+def test_chunked_refuses_a_failed_step_that_wrote_into_its_chunk(output: str) -> None:
+    # With output="input" or "new" the step returns its values; one that wrote into its
+    # chunk and then ran out of memory was run again on the written values: 8, 4 and 2
+    # where 2 was right, with nothing said.
+    ceiling = MemoryCeiling(3)
+
+    @adaptive.chunked(initial_step=8, output=output, cache=adaptive.NoBatchsizeCache)
+    def scale(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        chunk.mul_(2)
+        ceiling.require(end - start)
+        return chunk
+
+    x = torch.ones(10)
+    with pytest.raises(ValueError, match=r"wrote into its chunk in place .* \(the input's "
+                                         r"\[0, 8\) holds what it wrote.*chunk \* 2"):
+        scale(x)
+    assert x[8:].tolist() == [1.0, 1.0]  # nothing past the failed step was touched
+    ceiling = MemoryCeiling(3)
+
+    @adaptive.chunked(initial_step=8, output=output, cache=adaptive.NoBatchsizeCache)
+    def scale_out_of_place(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        ceiling.require(end - start)
+        return chunk * 2
+
+    assert scale_out_of_place(torch.ones(10)).tolist() == [2.0] * 10
+
+
+def test_chunked_in_place_logs_a_failed_step_that_wrote_into_its_chunk(
+        caplog: pytest.LogCaptureFixture) -> None:
+    ceiling = MemoryCeiling(3)
+
+    @adaptive.chunked(initial_step=8, cache=adaptive.NoBatchsizeCache)
+    def scale(chunk: torch.Tensor, start: int, end: int) -> None:
+        chunk.mul_(2)
+        ceiling.require(end - start)
+
+    with caplog.at_level(logging.WARNING, logger="adaptmem"):
+        scale(torch.ones(10))
+    assert "scale wrote into its chunk in a step that ran out of memory" in caplog.text
+
+
+def test_chunked_output_input_writes_an_inference_tensor_back_outside_inference_mode(
+) -> None:
+    # The decorator's own write-back ran outside the step's inference_mode and raised
+    # torch's "Inplace update to inference tensor outside InferenceMode".
+    layer = nn.Linear(16, 16).eval()
+
+    @adaptive.chunked(initial_step=32, output="input")
+    @torch.inference_mode()
+    def embed(chunk: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return layer(chunk)
+
+    with torch.inference_mode():
+        features = torch.randn(100, 16)
+        want = layer(features)
+    torch.testing.assert_close(embed(features), want, rtol=0, atol=0)
+
+
 def test_chunked_output_rejects_bad_options_and_results_clearly() -> None:
     with pytest.raises(ValueError, match="output must be"):
         adaptive.chunked(initial_step=4, output="copy")
@@ -1031,7 +1090,8 @@ def test_chunked_output_rejects_bad_options_and_results_clearly() -> None:
     with pytest.raises(TypeError, match="returns its chunk's result"):
         nothing(torch.zeros(8))
     ragged = adaptive.chunked(initial_step=4, output="new")(lambda c, s, e: c.repeat(1, s + 1))
-    with pytest.raises(ValueError, match="does not match the first step"):
+    with pytest.raises(ValueError, match=r"\(4, 10\) for \[4, 8\), which does not match "
+                                         r"the first step's \(4, 2\) for \[0, 4\)"):
         ragged(torch.zeros(8, 2))
     # A later step of another dtype is refused, not cast into the first step's.
     mixed = adaptive.chunked(initial_step=4, output="new")(
@@ -1281,6 +1341,39 @@ def test_a_retry_refuses_an_iterator_the_failed_attempt_consumed() -> None:
     assert total(list(range(20))) == 190
     with pytest.raises(TypeError, match="argument 1 is an iterator.*Pass a list"):
         total(x for x in range(20))
+
+
+def test_a_retry_refuses_an_iterator_held_inside_an_argument() -> None:
+    # Only the arguments themselves were looked at: an iterator in a dict, a list or an
+    # object's attribute was retried partly consumed, and 4 or 7 items of 20 came back.
+    class Sources:
+        def __init__(self, stream: Any) -> None:
+            self.stream = stream
+            self._cursor = iter(())  # the object's own state: not what the function reads
+
+    def first_stream(sources: Any) -> Any:
+        if isinstance(sources, dict):
+            return sources["stream"]
+        return sources[0] if isinstance(sources, list) else sources.stream
+
+    ceiling = MemoryCeiling(4)
+
+    @adaptive.batch(initial_batchsize=16, cache=adaptive.NoBatchsizeCache)
+    def consume(batchsize: int, sources: Any) -> list[int]:
+        got, buf = [], []
+        for v in first_stream(sources):
+            buf.append(v)
+            if len(buf) == batchsize:
+                ceiling.require(batchsize)
+                got, buf = got + buf, []
+        ceiling.require(len(buf))
+        return got + buf
+
+    for wrap, where in [(lambda g: {"stream": g}, r"argument 1\['stream'\]"),
+                        (lambda g: [g], r"argument 1\[0\]"), (Sources, "argument 1.stream")]:
+        with pytest.raises(TypeError, match=f"its {where} is an iterator.*Pass a list"):
+            consume(wrap(x for x in range(20)))
+        assert consume(wrap(list(range(20)))) == list(range(20))
 
 
 def test_a_range_or_chunked_step_run_again_refuses_an_iterator_its_failed_attempt_consumed(
