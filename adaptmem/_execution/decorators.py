@@ -155,18 +155,55 @@ def _checked(result: Any, name: str, kind: str, starts_only: bool) -> Any:
 
 
 _INJECTED = {1: "batch size", 2: "start and end", 3: "chunk, start and end"}
+_FIRST = {1: "first positional parameter", 2: "first two positional parameters",
+          3: "first three positional parameters"}
+
+
+# The names a decorated function may give its injected parameters, by position: one found
+# at another position is a function written for another convention (``def f(data,
+# batchsize)``), which would get the size as its data and the data as its size.
+_INJECTED_NAMES = {"batch": {"batchsize": 0, "batch_size": 0},
+                   "range": {"start": 0, "end": 1},
+                   "chunked": {"chunk": 0, "start": 1, "end": 2}}
+
+
+def _misplaced(func: Callable[..., Any], kind: str, positional: list[str],
+               takes_instance: bool, signature: inspect.Signature) -> str | None:
+    """Why ``func`` cannot be called as it is written, when it names an injected parameter
+    at another position: the batch size, or both start and end (a function may take a
+    ``start`` keyword of its own); None when it names none elsewhere."""
+    expected = _INJECTED_NAMES[kind]
+    if kind != "batch" and not {"start", "end"} <= set(positional):
+        return None
+    for name, at in expected.items():
+        if name in positional and (where := positional.index(name)) != at:
+            order = [n for n in expected if n != "batch_size"] if kind != "batch" else [name]
+            rest = [n for n in positional if n not in order]
+            instance = "self, " if takes_instance else ""
+            return (
+                f"@adaptive.{kind} passes the {_INJECTED[len(set(expected.values()))]} as its "
+                f"{_FIRST[len(set(expected.values()))]}{' after the instance' * takes_instance}, "
+                f"but {_name_of(func)}{signature} has {name!r} as parameter {where + 1}: "
+                f"{positional[at]!r} would get the injected value and {name!r} a caller's "
+                f"argument. Put {', '.join(order)} first: def {getattr(func, '__name__', 'f')}"
+                f"({instance}{', '.join([*order, *rest])})")
+    return None
 
 
 def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instance: bool,
-                ) -> tuple[tuple[str, ...], int | None, inspect.Signature | None]:
+                check: bool = True,
+                ) -> tuple[tuple[str, ...], int | None, inspect.Signature | None, str | None]:
     """How ``func``, decorated with ``kind``, is called: the names of the parameters the
     decorator passes (the first ``leading`` after the instance), how many positional
-    arguments a caller may pass (None when the function takes ``*args``) and the signature
-    a caller sees. All empty or None when the function has no readable signature."""
+    arguments a caller may pass (None when the function takes ``*args``), the signature a
+    caller sees, and why a call without an instance would pass the injected values to the
+    wrong parameters (``_misplaced``). Raises ``TypeError`` when any call would, method or
+    not (``check``: false for a function in a class body, checked as a method once its class
+    is made). Empty or None when the function has no readable signature."""
     try:
         signature = inspect.signature(func)
     except (TypeError, ValueError):
-        return (), None, None
+        return (), None, None, None
     params = list(signature.parameters.values())
     head, params = (params[:1], params[1:]) if takes_instance and params else ([], params)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -180,6 +217,13 @@ def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instanc
         )
     else:
         names, limit = tuple(p.name for p in positional[:leading]), len(positional) - leading
+    misplaced = None
+    if check:  # a plain function may be set on a class later, and called as a method
+        names_given = [p.name for p in positional]
+        misplaced = _misplaced(func, kind, names_given, takes_instance, signature)
+        if misplaced and (takes_instance or _misplaced(func, kind, names_given[1:], True,
+                                                       signature)):
+            raise TypeError(misplaced)
     # What the caller passes in place of the injected parameters: the batch size nothing,
     # range's start and end themselves, chunked's one tensor. What it gets back: batch's
     # result, the list of range's step results, chunked's tensor (whatever a step returns).
@@ -195,9 +239,9 @@ def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instanc
         returns = torch.Tensor
     try:
         return names, limit, signature.replace(parameters=[*head, *params],
-                                               return_annotation=returns)
+                                               return_annotation=returns), misplaced
     except ValueError:  # a parameter of its own named "tensor"
-        return names, limit, None
+        return names, limit, None, misplaced
 
 
 def _list_of(annotation: Any) -> Any:
@@ -264,7 +308,6 @@ class _Adaptive:
         # A method called through its class gets its instance as the first argument: a
         # classmethod always, a function once found in a class (see [Note: methods]).
         self._self_first = False
-        self._read_call_shape(self._binding == "class")
         # The class body the decorator was applied in, if any (see [Note: methods]). Only a
         # namespace frame's locals are read: a function frame's would be snapshotted into a
         # dict the frame keeps, holding the caller's locals (models, tensors) alive.
@@ -272,6 +315,7 @@ class _Adaptive:
         scope = (here.f_locals if here is not None
                  and not here.f_code.co_flags & inspect.CO_OPTIMIZED else {})
         self._class_body = scope.get("__qualname__") if "__module__" in scope else None
+        self._read_call_shape(self._binding == "class")
         if inspect.iscoroutinefunction(func):
             _mark_coroutine_function(self)
         if group is not None and is_lazy_function(func):
@@ -308,8 +352,9 @@ class _Adaptive:
         """Read how callers call the function (see ``_call_shape``), given whether it takes
         an instance first."""
         self._self_first = takes_instance
-        names, self._limit, signature = _call_shape(
-            self._func, self.kind, self.leading, takes_instance)
+        names, self._limit, signature, self._misplaced = _call_shape(
+            self._func, self.kind, self.leading, takes_instance,
+            check=takes_instance or self._class_body is None)
         self._leading_names = names
         self._injected = names[0] if names else ""
         if signature is None:
@@ -453,11 +498,18 @@ class _Adaptive:
         become every call's call site (the default cache keys sizes by call site)."""
         if self._self_first:
             return self._run(caller, args[1:], kwargs, args[:1])
-        return self._run(caller, args, kwargs, ())
+        return self._run(caller, args, kwargs, self._unbound())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> Any:
         raise NotImplementedError
+
+    def _unbound(self) -> tuple[()]:
+        """No instance for a call: ``TypeError`` when the function names an injected
+        parameter at another position (see ``_call_shape``), else ``()``."""
+        if self._misplaced:
+            raise TypeError(self._misplaced)
+        return ()
 
     def size_record(self, caller: Any, bound: tuple[Any, ...] = ()) -> Any:
         """The ``SizeRecord`` a call from the frame ``caller`` uses now (its cache, context,
@@ -516,7 +568,7 @@ class _Batch(_Adaptive):
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
-        return self._run(sys._getframe(1), args, kwargs, ())
+        return self._run(sys._getframe(1), args, kwargs, self._unbound())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> Any:
@@ -639,7 +691,7 @@ class _Range(_Adaptive):
     def __call__(self, /, *args: Any, **kwargs: Any) -> list[Any]:
         if self._self_first:
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
-        return self._run(sys._getframe(1), args, kwargs, ())
+        return self._run(sys._getframe(1), args, kwargs, self._unbound())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> list[Any]:
@@ -697,7 +749,7 @@ class _Chunked(_Adaptive):
     def __call__(self, /, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._self_first:
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
-        return self._run(sys._getframe(1), args, kwargs, ())
+        return self._run(sys._getframe(1), args, kwargs, self._unbound())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> torch.Tensor:

@@ -292,3 +292,37 @@ def test_the_call_forms_pass_every_keyword_to_the_function() -> None:
     got = adaptive.explicit.chunked(lambda c, s, e, tensor, initial_step: c.add_(tensor),
                                     tensor, 4, tensor=1.0, initial_step=0)
     assert got.tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+def test_a_function_naming_an_injected_parameter_elsewhere_is_refused() -> None:
+    # The size went to the first parameter whatever it was called: def infer(data, batchsize)
+    # got data=4 and batchsize="DATA", and no error.
+    with pytest.raises(TypeError, match=r"passes the batch size as its first positional "
+                                        r"parameter, but .*\(data, x, batchsize\) has "
+                                        r"'batchsize' as parameter 3.*def <lambda>\(batchsize, "
+                                        r"data, x\)"):
+        adaptive.batch(initial_batchsize=4)(lambda data, x, batchsize: data)
+    # One that would fit as a method set on a class later is refused when called without
+    # an instance, and runs as a method.
+    infer = adaptive.batch(initial_batchsize=4, cache=adaptive.NoBatchsizeCache)(
+        lambda data, batchsize, x: (data, batchsize, x))
+    with pytest.raises(TypeError, match=r"'data' would get the injected value and "
+                                        r"'batchsize' a caller's argument"):
+        infer("DATA", 1)
+    fill = adaptive.range(initial_step=4)(lambda out, start, end: None)
+    with pytest.raises(TypeError, match=r"start and end as its first two positional "
+                                        r"parameters.*Put start, end first"):
+        fill([0] * 10, 0, 10)
+
+    class Model:
+        run = infer
+
+    model = Model()
+    assert model.run(1) == (model, 4, 1)  # the instance is its "data"
+    with pytest.raises(RuntimeError) as made:
+        class Bad:
+            @adaptive.batch(initial_batchsize=4)
+            def infer(self, x: int, batchsize: int) -> int:
+                return batchsize
+    assert "after the instance" in str(made.value.__cause__)
+    assert "def infer(self, batchsize, x)" in str(made.value.__cause__)
