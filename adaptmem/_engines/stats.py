@@ -23,6 +23,18 @@ class Stats:
         return {f.name: copy.deepcopy(getattr(self, f.name))
                 for f in fields(self) if not f.name.startswith("_")}
 
+    def snapshot(self) -> dict[str, Any]:
+        """The figures, to ``restore`` (see [Note: a trace is not counted] in
+        ``_common/reporting.py``)."""
+        return self.as_dict()
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Put back the figures of a ``snapshot``, but for refinements, which change the
+        plan for real wherever they are made."""
+        for name, value in state.items():
+            if name != "refinements":
+                setattr(self, name, value)
+
     def reset(self) -> None:
         for f in fields(self):
             if not f.name.startswith("_"):

@@ -381,6 +381,28 @@ def test_auto_and_model_together_predict_through_the_paged_model() -> None:
         torch.testing.assert_close(got, want)
 
 
+def test_the_engines_figures_count_real_forwards_only_not_the_prediction() -> None:
+    # See [Note: a trace is not counted]: one call that ran 4 forwards and moved 12 MiB
+    # reported 168 forwards and 505 MiB moved, in the pager's stats and memory_stats().
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).eval()  # 8 MiB
+    data = torch.randn(512, 512)
+    with simulated_cuda(devices=1, total_memory="12MiB"):
+        @adaptive.batch(initial_batchsize=128, model=model)
+        def run(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                return torch.cat([model(c) for c in data.split(batchsize)])
+
+        run(data)
+        stats = run.pagers[0].stats
+        paged = sum(u.nbytes for u in run.pagers[0].plan.units if u.placement == "paged")
+        assert run.stats.last_size == 128 and stats.forwards == 4
+        assert stats.bytes_moved == 4 * paged
+        shown = [s for section, s in adaptive.memory_stats().items() if "pager" in section]
+        assert shown and all(s["forwards"] == 4 for s in shown)
+        run.remove()
+
+
 def test_methods_bind_as_with_the_plain_decorator() -> None:
     model = _model(layers=1)
     data = torch.randn(8, 1024)
