@@ -215,9 +215,11 @@ def refuse_compiled(model: nn.Module, engine: str) -> None:
         raise PlacementError(
             f"{engine} got a torch.compile'd module: {where} is {type(inner).__name__} inside "
             f"torch's OptimizedModule. The pager swaps weights in and out at every call, which "
-            f"compiled code does not follow. Use the module it wraps, uncompiled (its "
-            f"_orig_mod), in its place; adaptive.chunk and adaptive.split, which keep a "
-            f"placement fixed, take compiled modules")
+            f"compiled code does not follow. Page the module it wraps (its _orig_mod) and "
+            f"call that module, or torch.compile it again after paging: the compiled object "
+            f"you have keeps running its graph without the pager (unpaged, weights where they "
+            f"were); adaptive.chunk and adaptive.split, which keep a placement fixed, take "
+            f"compiled modules")
 
 
 def refuse_scripted(model: nn.Module, engine: str) -> None:

@@ -1697,6 +1697,31 @@ def test_threads_racing_for_a_paged_model_are_refused_and_never_break_the_runnin
     assert outcomes.count("ok") > 10
 
 
+def test_an_output_object_of_the_models_own_class_left_on_the_device_is_warned_of() -> None:
+    # Outputs are moved back inside tuples, lists, dicts, namedtuples and dataclasses; a
+    # class of the model's own stayed on the device with nothing said.
+    class Output:
+        def __init__(self, hidden: torch.Tensor) -> None:
+            self.hidden = hidden
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Output:
+            return Output(self.a(x))
+
+    with simulated_cuda(devices=1), torch.no_grad():
+        model = Net().eval()
+        with adaptive.page(model, "cuda", resident_bytes=0):
+            with pytest.warns(RuntimeWarning, match=r"returned an object of class Output, "
+                                                    r"whose tensors \(hidden\) stay on "
+                                                    r"cuda:0.*Make Output a dataclass"):
+                out = model(torch.randn(2, 8))
+            assert out.hidden.device.type == "cuda"  # as the warning says
+
+
 def test_a_refused_call_leaves_a_forward_waiting_in_the_models_own_code_alone() -> None:
     # The refused call's post-hook (torch runs it after the pre-hook raised) ended the running
     # forward: it popped its frame, took its inputs and let the model go, so the next call
