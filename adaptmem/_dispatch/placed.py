@@ -206,6 +206,13 @@ def _in_forward(models: Sequence[nn.Module]) -> bool:
                for top in sys._current_frames().values())
 
 
+def _still_placeable(models: tuple[nn.Module, ...], name: str) -> None:
+    """Refuse models changed since decoration (``model.train()``) in the user's terms (not
+    the engine's: ``adaptive.page`` is not what the user called)."""
+    for model in models:
+        check_placeable(model, f"the decorated function {name} (model=)", owned_ok=True)
+
+
 class PlacedModels:
     """Pagers or chunkers for the models of one decorated function and their resident
     bytes (see [Note: batch size and residency together])."""
@@ -257,8 +264,7 @@ class PlacedModels:
         when memory grew. ``again``: the same call runs again after giving residency back,
         which keeps the engine it started with (see [Note: paging or chunking])."""
         if not self.handles:
-            device = self.device if self.device is not None else default_device()
-            self.device = resolve_device(device)
+            self.device = resolve_device(self.device or default_device())
             budget = int(WEIGHT_SHARE * free_memory(self.device))
             resident = []
             for weights in self.weights:
@@ -445,6 +451,7 @@ class PlacedModels:
                     f"function; {holder.fix()}, "
                     f"or let one decorated function run it"
                 )
+        _still_placeable(self.models, self.name)
         try:
             for model, nbytes in zip(self.models, resident, strict=True):
                 if self.engine == CHUNK:

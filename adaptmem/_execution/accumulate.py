@@ -132,14 +132,18 @@ class Accumulation:
         its work ran, so nothing is put back; it is closed and refused."""
         if isinstance(result, (types.GeneratorType, types.CoroutineType)):
             result.close()
-        raise TypeError(self._lazy_message(name))
+        raise TypeError(self._lazy_message(name, type(result).__name__))
 
     @staticmethod
-    def _lazy_message(name: Any) -> str:
+    def _lazy_message(name: Any, returned: str = "") -> str:
+        what = (f"returned a {returned} (a generator or async function behind a wrapper, "
+                f"or adaptive.microbatches(...) returned as it is), whose work runs as it is "
+                f"read. Write the step as a plain function that does the work, iterating "
+                f"microbatches inside it (for x in adaptive.microbatches(...): ...)"
+                if returned else "is a generator or async function, whose work runs later. "
+                "Write the training step as a plain function")
         return (f"adaptive.batch(accumulate=...) puts gradients back when an attempt fails, "
-                f"which it can do only while the step runs inside the call; {name!r} is a "
-                f"generator or async function, whose work runs later. Write the training "
-                f"step as a plain function")
+                f"which it can do only while the step runs inside the call; {name!r} {what}")
 
     def guard(self, func: Callable[..., Any]) -> Guarded:
         """``func`` for one call: the first attempt takes the snapshot, a failed attempt puts

@@ -639,6 +639,13 @@ class StacktraceMemoryBatchsizeCache(BatchsizeCache):
 
     def __init__(self, refresh_seconds: float = 0.5) -> None:
         super().__init__()
+        number = isinstance(refresh_seconds, (int, float)) and not isinstance(
+            refresh_seconds, bool)
+        if not number or not 0 <= refresh_seconds < float("inf"):
+            raise (ValueError if number else TypeError)(
+                f"refresh_seconds is how long a reading of free memory is reused, in "
+                f"seconds: a finite number >= 0 (0 reads it at every call); got "
+                f"{type(refresh_seconds).__name__} {refresh_seconds!r}")
         self._buckets = _FreeMemoryBuckets(refresh_seconds)
         # What the keys' ids name, kept alive: by id, since code objects compare by value
         # (see [Note: function keys] in keys.py).

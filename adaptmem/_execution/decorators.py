@@ -125,8 +125,14 @@ def _ran_here_before(record: Any) -> bool:
             or (site is not None and len(site.records) > 1))
 
 
-def _check_callable(func: Any, decorator: str) -> None:
+def _check_callable(func: Any, decorator: str, call_form: str = "") -> None:
+    """Refuse a ``func`` that is not a function; ``call_form``: how a call form (``explicit``)
+    is written, for which there is no decorating."""
     if not callable(func) and not isinstance(func, (staticmethod, classmethod)):
+        if call_form:
+            raise TypeError(
+                f"{decorator} calls a function now: {decorator}({call_form}); got "
+                f"{type(func).__name__} {func!r} as the function")
         raise TypeError(
             f"{decorator} decorates a function; got {type(func).__name__} {func!r}. "
             f"Write @{decorator}(...) above a def, or {decorator}(...)(function)"
@@ -943,6 +949,11 @@ def _factory(
         ceiling = DEFAULT_MAX_BATCHSIZE if maximum is None else _check_size(
             maximum, max_name, f'@adaptive.{cls.kind}({initial_name}="auto", {max_name}=4096)')
         initial, extra = ceiling, {**extra, "auto_ceiling": ceiling}
+    elif maximum is not None and initial is None:
+        raise TypeError(
+            f"{max_name} caps {initial_name}='auto', and no {initial_name} was given. Write "
+            f"{initial_name}='auto', {max_name}={maximum!r}, or give {initial_name} alone "
+            f"(the largest size tried)")
     elif maximum is not None:
         raise TypeError(
             f"{max_name} caps {initial_name}='auto'; with {initial_name}={initial!r} the "
@@ -1312,7 +1323,7 @@ def _execute_chunked(tensor: torch.Tensor, *sizes: Any, initial_step: int | None
 def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, /, *args: Any,
                     **kwargs: Any) -> Any:
     """``explicit.batch(fn, 128, *args, **kwargs)`` returns ``fn(batchsize, *args, **kwargs)``."""
-    _check_callable(func, "adaptive.explicit.batch")
+    _check_callable(func, "adaptive.explicit.batch", "fn, initial_batchsize, *args, **kwargs")
     decorate = batch(initial_batchsize=initial_batchsize)
     return _run_now(decorate, initial_batchsize, {}, sys._getframe(1), args, kwargs)(func)
 
@@ -1320,7 +1331,7 @@ def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, /, *args: 
 def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int, /,
                     *args: Any, **kwargs: Any) -> list[Any]:
     """``explicit.range(fn, 0, n, 64, *args)`` returns ``[fn(s, e, *args), ...]``."""
-    _check_callable(func, "adaptive.explicit.range")
+    _check_callable(func, "adaptive.explicit.range", "fn, start, end, initial_step, *args")
     decorate = range(initial_step=initial_step)
     return _run_now(  # type: ignore[no-any-return]
         decorate, initial_step, {}, sys._getframe(1), (start, end, *args), kwargs)(func)
@@ -1331,13 +1342,15 @@ def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_st
                       **kwargs: Any) -> torch.Tensor:
     """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``
     (``output=`` as for ``chunked``)."""
-    _check_callable(func, "adaptive.explicit.chunked")
+    _check_callable(func, "adaptive.explicit.chunked", "fn, tensor, initial_step, *args")
     options: dict[str, Any] = {"dimension": dimension, "output": output}
     decorate = chunked(initial_step=initial_step, dimension=dimension, output=output)
     return _run_now(  # type: ignore[no-any-return]
         decorate, initial_step, options, sys._getframe(1), (tensor, *args), kwargs)(func)
 
 
+for _form in (_explicit_batch, _explicit_range, _explicit_chunked):  # in Python's own errors
+    _form.__qualname__ = f"adaptive.explicit.{_form.__name__.rsplit('_', 1)[1]}"
 execute = SimpleNamespace(batch=_execute_batch, range=_execute_range, chunked=_execute_chunked)
 explicit = SimpleNamespace(batch=_explicit_batch, range=_explicit_range,
                            chunked=_explicit_chunked)

@@ -381,6 +381,21 @@ def test_auto_and_model_together_predict_through_the_paged_model() -> None:
         torch.testing.assert_close(got, want)
 
 
+def test_a_model_put_in_training_mode_after_decoration_is_refused_in_the_users_terms(
+) -> None:
+    # The refusal at the first call named adaptive.page, which the user never called.
+    model = nn.Linear(8, 4).eval()
+    run = adaptive.batch(initial_batchsize=2, model=model, device="cpu")(
+        lambda batchsize, x: model(x))
+    model.train()
+    with pytest.raises(PlacementError, match=r"^the decorated function .*<lambda> \(model=\) "
+                                             r"is for inference.*model.eval\(\)"):
+        run(torch.ones(2, 8))
+    model.eval()
+    assert run(torch.ones(2, 8)).shape == (2, 4)
+    run.remove()
+
+
 def test_the_engines_figures_count_real_forwards_only_not_the_prediction() -> None:
     # See [Note: a trace is not counted]: one call that ran 4 forwards and moved 12 MiB
     # reported 168 forwards and 505 MiB moved, in the pager's stats and memory_stats().

@@ -569,6 +569,20 @@ def test_accumulate_refuses_generator_and_async_steps() -> None:
             adaptive.batch(initial_batchsize=4, accumulate=nn.Linear(2, 2))(func)
 
 
+def test_accumulate_says_a_step_returning_microbatches_must_iterate_them() -> None:
+    # A plain step that returned adaptive.microbatches(...) was told it "is a generator or
+    # async function" and to be written as a plain function, which it was.
+    model = nn.Linear(4, 2)
+
+    @adaptive.batch(initial_batchsize=4, accumulate=model)
+    def step(batchsize: int, x: torch.Tensor) -> Any:
+        return adaptive.microbatches(batchsize, x)
+
+    with pytest.raises(TypeError, match=r"step' returned a generator .* iterating microbatches "
+                                        r"inside it"):
+        step(torch.ones(8, 4))
+
+
 @pytest.mark.parametrize("decorator", [adaptive.range, adaptive.chunked])
 def test_range_and_chunked_refuse_accumulate(decorator: Any) -> None:
     with pytest.raises(TypeError, match="does not take accumulate=.*@adaptive.batch"):

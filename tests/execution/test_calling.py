@@ -326,3 +326,20 @@ def test_a_function_naming_an_injected_parameter_elsewhere_is_refused() -> None:
                 return batchsize
     assert "after the instance" in str(made.value.__cause__)
     assert "def infer(self, batchsize, x)" in str(made.value.__cause__)
+
+
+def test_the_call_forms_and_the_cache_refuse_bad_input_in_their_own_words() -> None:
+    # explicit.batch(5, 4) was told to decorate (which fails), a missing size named the
+    # private _explicit_batch(), and refresh_seconds="a" failed at the second call.
+    with pytest.raises(TypeError, match=r"adaptive.explicit.batch calls a function now: "
+                                        r"adaptive.explicit.batch\(fn, initial_batchsize"):
+        adaptive.explicit.batch(5, 4)
+    with pytest.raises(TypeError, match=r"^adaptive.explicit.batch\(\) missing 1 required "
+                                        r"positional argument: 'initial_batchsize'"):
+        adaptive.explicit.batch(lambda batchsize: batchsize)
+    for bad, error in [("a", TypeError), (None, TypeError), (True, TypeError),
+                       (-1, ValueError), (float("nan"), ValueError)]:
+        with pytest.raises(error, match="refresh_seconds is how long"):
+            adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=bad)
+    with pytest.raises(TypeError, match="and no initial_batchsize was given"):
+        adaptive.batch(max_batchsize=4)(lambda batchsize: batchsize)
