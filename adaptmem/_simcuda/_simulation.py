@@ -226,14 +226,16 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     Every allocation counts against ``total_memory`` through a model of the caching
     allocator (``memory_allocated``, ``memory_reserved``, ``empty_cache``, ``mem_get_info``,
     ``set_per_process_memory_fraction``); past the limit ``torch.OutOfMemoryError`` is raised
-    with CUDA's message and nothing is allocated. Streams and events work; a copy made with
-    ``non_blocking=True`` from pinned memory completes later: ``nbytes / bandwidth`` seconds
+    with CUDA's message and nothing is allocated. Streams and events work; a copy to the
+    device made with ``non_blocking=True`` completes later: ``nbytes / bandwidth`` seconds
     after the call returns when ``bandwidth`` in GB/s is given, queued behind its stream's
     earlier copies (the host goes on meanwhile; a synchronous copy between host and device
     holds the host that long). Reading its
-    destination on a stream that did not wait for it raises ``StreamRaceError``. Freeing a
-    tensor another stream still uses without ``record_stream`` raises
-    ``SimulatedCudaError`` when the block ends.
+    destination on a stream that did not wait for it raises ``StreamRaceError``, and so does
+    a copy into a tensor another stream used, on a stream that did not wait for that use.
+    Freeing a tensor another stream still uses (without ``record_stream``, a host
+    synchronize or the allocating stream waiting for it) raises ``SimulatedCudaError``
+    when the block ends.
     Each device has a random stream of its own (``torch.cuda.manual_seed``,
     ``get_rng_state``/``set_rng_state``, ``default_generators``, ...), seeded at entry with
     ``torch.initial_seed()``; random ops on simulated tensors draw from it, not from the

@@ -1,8 +1,9 @@
 """Simulated streams and events, and the race detector.
 
 Compute runs on the host thread, in order, so a compute stream is always "caught up". What
-runs later is a copy issued with ``non_blocking=True`` from pinned memory: it becomes a job
-on its stream. See [Note: a simulated copy's timeline]. A stream that waits for an event
+runs later is a copy to the device issued with ``non_blocking=True`` (from pinned or
+pageable memory: PyTorch issues both with ``cudaMemcpyAsync``): it becomes a job on its
+stream. See [Note: a simulated copy's timeline]. A stream that waits for an event
 (``wait_event``, ``wait_stream``) learns which jobs of which streams it may now rely on; an
 op that reads a tensor a job still writes, on a stream that did not wait for that job, is a
 race and raises ``StreamRaceError``. An op on a stream that did wait blocks until the job is
@@ -17,6 +18,17 @@ stream's earlier jobs and the jobs the stream waited for. Until that time, whoev
 and nothing else runs beside the host thread: a worker thread would fight the host thread
 for the GIL (a Python-heavy forward holds it, and the copy's own bookkeeping needs it), and
 its hand-offs cost the host thread time a GPU's copy engine does not.
+
+[Note: which uses a wait orders]
+Compute runs at once, so what a stream must know of another's compute is only its order:
+each stream counts *epochs*, and an op using a tensor on it is noted with the stream's
+current epoch. Recording an event starts a new epoch, so the uses an event comes after are
+those of earlier epochs: an event carries its stream's epoch at recording (and the epochs
+its stream had waited for), and a stream waiting for it learns them (``waited_epochs``). A
+host synchronisation starts a new epoch too and marks the earlier ones done
+(``synced_epoch``). A use of stream ``u`` at epoch ``e`` is then ordered before what stream
+``s`` does next when ``s.waited_epochs[u] >= e`` or ``u.synced_epoch >= e``: a block freed
+on ``s`` may be handed out again, and a copy on ``s`` may overwrite the tensor.
 """
 
 from __future__ import annotations
@@ -76,6 +88,9 @@ class SimStream(torch.Stream):
         self.synced_seq = 0  # the host saw jobs up to here complete
         self.synced_epoch = 0
         self.waited: dict[SimStream, int] = {}  # stream -> job seq this stream waited for
+        # stream -> the epoch of its uses this stream waited for (See [Note: which uses a
+        # wait orders])
+        self.waited_epochs: dict[SimStream, int] = {}
         self._last: Job | None = None
         self._pending_deps: list[Job] = []
         self._link_free_at = 0.0  # when the stream's last job is done
@@ -146,6 +161,9 @@ class SimStream(torch.Stream):
                 continue
             if self.waited.get(stream, 0) < seq:
                 self.waited[stream] = seq
+        for stream, epoch in event.epochs.items():
+            if stream is not self and self.waited_epochs.get(stream, 0) < epoch:
+                self.waited_epochs[stream] = epoch
         self._pending_deps.extend(j for j in event.jobs if not j.finished())
 
     def wait_stream(self, stream: Any) -> None:  # type: ignore[override]
@@ -157,7 +175,12 @@ class SimStream(torch.Stream):
         return event
 
     def query(self) -> bool:  # type: ignore[override]
-        return self._last is None or self._last.finished()
+        if not all(j.finished() for j in self.pending_jobs()):
+            return False
+        # The host saw the stream's work complete: as much a synchronisation as
+        # synchronize() (code polling query() until True relies on it).
+        self.synchronize()
+        return True
 
     def synchronize(self) -> None:  # type: ignore[override]
         for job in (self._last, *self._pending_deps):
@@ -176,10 +199,14 @@ class SimStream(torch.Stream):
         for stream, seq in self.waited.items():
             if stream.synced_seq < seq:
                 stream.synced_seq = seq
+        for stream, epoch in self.waited_epochs.items():
+            if stream.synced_epoch < epoch:
+                stream.synced_epoch = epoch
         # Every stream waited for is now synced past what was waited for, which is all
-        # check_access asks: the entries say nothing more, and kept they would keep every
-        # stream ever waited for (a pager's side stream per page()) alive.
+        # check_access and a free ask: the entries say nothing more, and kept they would
+        # keep every stream ever waited for (a pager's side stream per page()) alive.
         self.waited.clear()
+        self.waited_epochs.clear()
         self._pending_deps = [j for j in self._pending_deps if not j.finished()]
 
     def enqueue(self, fn: Callable[[], None], nbytes: int, what: str) -> Job:
@@ -230,6 +257,7 @@ class SimEvent:
         self.stream: SimStream | None = None
         self.jobs: tuple[Job, ...] = ()
         self.covers: dict[SimStream, int] = {}
+        self.epochs: dict[SimStream, int] = {}  # See [Note: which uses a wait orders]
         self._recorded_at = 0.0
 
     def record(self, stream: Any = None) -> None:
@@ -237,6 +265,8 @@ class SimEvent:
         self.stream = stream
         self.jobs = tuple(j for j in stream.pending_jobs() if not j.finished())
         self.covers = {**stream.waited, stream: stream.seq}
+        self.epochs = {**stream.waited_epochs, stream: stream.epoch}
+        stream.epoch += 1  # uses from now on come after the event
         self._recorded_at = time.perf_counter()
 
     def wait(self, stream: Any = None) -> None:
@@ -244,7 +274,10 @@ class SimEvent:
         stream.wait_event(self)
 
     def query(self) -> bool:
-        return all(j.finished() for j in self.jobs)
+        if not all(j.finished() for j in self.jobs):
+            return False
+        self.synchronize()  # the host saw the event complete, as synchronize() does
+        return True
 
     def synchronize(self) -> None:
         for j in self.jobs:
@@ -252,6 +285,9 @@ class SimEvent:
         for stream, seq in self.covers.items():
             if stream.synced_seq < seq:
                 stream.synced_seq = seq
+        for stream, epoch in self.epochs.items():
+            if stream.synced_epoch < epoch:
+                stream.synced_epoch = epoch
         if self.stream is not None:
             self.stream._state.prune_host_reads()
 

@@ -284,7 +284,8 @@ class Record:
     """One simulated allocation: its device and size, the stream it was allocated on, the
     streams that used it since, and the copy that still writes it."""
 
-    __slots__ = ("index", "block", "refs", "stream", "used_on", "recorded", "pending", "host")
+    __slots__ = ("index", "block", "refs", "stream", "used_on", "used_at", "recorded",
+                 "pending", "host")
 
     def __init__(self, index: int, block: int, stream: SimStream) -> None:
         self.index = index
@@ -295,6 +296,9 @@ class Record:
         self.refs = 0
         self.stream = stream
         self.used_on: dict[SimStream, int] = {}
+        # stream -> its epoch at the last use there, the allocating stream's too: what a copy
+        # into it on another stream must be ordered after
+        self.used_at: dict[SimStream, int] = {}
         self.recorded: set[SimStream] = set()
         self.pending: Any = None
 
@@ -452,13 +456,15 @@ class Tensors:
         host, record.host = record.host, None
         if host is not None and _storage_use_count(host._cdata) == 1:  # no tensor uses it
             allocator.keep(host.nbytes(), host)
+        waited = record.stream.waited_epochs  # See [Note: which uses a wait orders]
         for stream, epoch in record.used_on.items():
-            if stream not in record.recorded and stream.synced_epoch < epoch:
+            if (stream not in record.recorded and stream.synced_epoch < epoch
+                    and waited.get(stream, 0) < epoch):
                 self.state.report(
                     f"simulated CUDA: a {record.block}-byte block allocated on "
                     f"{record.stream!r} was freed while {stream!r} may still use it (used "
-                    f"there without tensor.record_stream(that stream), and not synchronized "
-                    f"since). On a GPU the allocator can hand it to the next allocation on "
+                    f"there without tensor.record_stream(that stream), and neither synchronized "
+                    f"since nor waited for by {record.stream!r}). On a GPU the allocator can hand it to the next allocation on "
                     f"{record.stream!r} while {stream!r} still reads or writes it.")
 
     def use(self, record: Record, stream: SimStream, t: torch.Tensor, op: Any) -> None:
@@ -469,6 +475,7 @@ class Tensors:
                 record.pending = None
             else:
                 check_access(job, stream, lambda: f"{_describe(t)} (an input of {op})")
+        record.used_at[stream] = stream.epoch
         if stream is not record.stream and stream not in record.recorded:
             record.used_on[stream] = stream.epoch
 
@@ -530,7 +537,9 @@ class Tensors:
         if target is None or target.type != "cuda":
             started = time.perf_counter()
             out = aten._to_copy.default(source, device=target, **kwargs)
-            self._over_the_link(out.numel() * out.element_size(), started)
+            _over_the_link(self.state, out.numel() * out.element_size(), started)
+            if not non_blocking:
+                _host_read(self, x)
             # CUDA copies to the host with non_blocking=True into pinned memory.
             return self.mark_pinned(out) if pin or non_blocking else out
         index = self.state.device_index(target)
@@ -539,7 +548,7 @@ class Tensors:
         dtype = kwargs.get("dtype") or source.dtype
         # Counted before the copy is made: an allocation that does not fit costs nothing.
         record = self.reserve(source.numel() * dtype.itemsize, index)
-        if non_blocking and not x.is_cuda and self.is_pinned(x):
+        if non_blocking and x.is_cpu:
             memory_format = kwargs.get("memory_format") or torch.preserve_format
             dst = self.empty_backing(source, dtype, record) if (
                 memory_format is torch.preserve_format) else None
@@ -551,7 +560,7 @@ class Tensors:
         started = time.perf_counter()
         out = self.wrap(aten._to_copy.default(source, **kwargs), record)
         if not x.is_cuda:
-            self._over_the_link(source.numel() * dtype.itemsize, started)
+            _over_the_link(self.state, source.numel() * dtype.itemsize, started)
         return out
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
@@ -565,11 +574,14 @@ class Tensors:
             started = time.perf_counter()
             db.copy_(sb)
             if src.is_cuda:
-                self._over_the_link(db.numel() * db.element_size(), started)
+                _over_the_link(self.state, db.numel() * db.element_size(), started)
+                if not non_blocking:
+                    _host_read(self, src)
             return dst
         db, drec = self.lookup(dst)
         stream = self.state.current_streams[drec.index]
-        queued = non_blocking and not src.is_cuda and self.is_pinned(src)
+        _check_overwrite(drec, stream, dst)
+        queued = non_blocking and src.is_cpu
         pending = drec.pending
         if not (queued and pending is not None and pending.stream is stream):
             self.use(drec, stream, dst, "copy_()")
@@ -581,18 +593,8 @@ class Tensors:
             started = time.perf_counter()
             db.copy_(sb)
             if not src.is_cuda:
-                self._over_the_link(db.numel() * db.element_size(), started)
+                _over_the_link(self.state, db.numel() * db.element_size(), started)
         return dst
-
-    def _over_the_link(self, nbytes: int, started: float) -> None:
-        """A synchronous copy between host and device holds the host for the link's time
-        too (``nbytes / bandwidth``), as an asynchronous one holds its stream."""
-        bandwidth = self.state.bandwidth
-        if bandwidth:
-            left = started + nbytes / (bandwidth * 1e9) - time.perf_counter()
-            if left > 0:
-                time.sleep(left)
-                self.state.wait_seconds += left
 
     def _async_copy(self, dst: torch.Tensor, src: torch.Tensor, record: Record) -> None:
         stream = self.state.current_streams[record.index]
@@ -602,13 +604,49 @@ class Tensors:
                 dst.copy_(src)
 
         record.pending = job = stream.enqueue(run, nbytes, "copy")
-        if not src.is_cuda and nbytes:  # its source must not be written until the copy is done
+        # A pinned source must not be written until the copy is done; a pageable one was
+        # staged before the call returned (cudaMemcpyAsync), and may be.
+        if not src.is_cuda and nbytes and self.is_pinned(src):
             state = self.state
             state.host_reads[src.untyped_storage().data_ptr()] = job
             if job.done_at > state.host_reads_until:
                 state.host_reads_until = job.done_at
         if stream is not record.stream:
             record.used_on[stream] = stream.epoch
+
+
+def _over_the_link(state: SimState, nbytes: int, started: float) -> None:
+    """A synchronous copy between host and device holds the host for the link's time too
+    (``nbytes / bandwidth``), as an asynchronous one holds its stream."""
+    if state.bandwidth:
+        left = started + nbytes / (state.bandwidth * 1e9) - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+            state.wait_seconds += left
+
+
+def _host_read(sim: Tensors, t: torch.Tensor) -> None:
+    """The host read device tensor ``t``'s values (``item()``, a blocking copy to the host):
+    as on CUDA, it waited for everything queued on the current stream first, which is that
+    stream's synchronize()."""
+    if t.is_cuda:
+        sim.state.current_streams[sim.lookup(t)[1].index].synchronize()
+
+
+def _check_overwrite(record: Record, stream: SimStream, t: torch.Tensor) -> None:
+    """A copy on ``stream`` writes device tensor ``t``: raise if another stream used it
+    where ``stream`` is not ordered after that use (See [Note: which uses a wait orders] in
+    _streams.py)."""
+    waited = stream.waited_epochs
+    for other, epoch in record.used_at.items():
+        if other is not stream and other.synced_epoch < epoch and waited.get(other, 0) < epoch:
+            raise StreamRaceError(
+                f"simulated CUDA: a copy on {stream!r} writes {_describe(t)} that {other!r} "
+                f"used before, and {stream!r} did not wait for that use. On a GPU the copy "
+                f"can overwrite the values while {other!r} still reads them (a buffer "
+                f"refilled on a side stream). Make the copying stream wait first: "
+                f"stream.wait_stream(torch.cuda.current_stream()) before the copy, or "
+                f"stream.wait_event(event_recorded_after_the_use).")
 
 
 def check_host_write(state: SimState, t: Any, op: Any) -> None:
@@ -731,6 +769,10 @@ class Dispatch(TorchDispatchMode):
                 return sim.pin(args[0])
             if func is aten.record_stream.default:
                 return None  # only the Python binding knows the stream; see Functions
+            if func is aten._local_scalar_dense.default:  # item(), bool(), int(), float()
+                out = self._run(func, args, kwargs)
+                _host_read(sim, args[0])
+                return out
             if func is aten._pack_padded_sequence.default and args[0].is_cuda:
                 return pack_padded_sequence(sim, *args, **kwargs)
             return self._run(func, args, kwargs)

@@ -886,14 +886,20 @@ def test_ops_returning_several_tensors_give_them_on_the_device() -> None:
         assert torch.allclose(var.cpu(), torch.var_mean(x, dim=1)[0])
 
 
-def test_non_blocking_from_unpinned_memory_is_synchronous() -> None:
+def test_non_blocking_from_pageable_memory_is_a_copy_on_its_stream() -> None:
+    # PyTorch issues cudaMemcpyAsync for it: the bytes are staged before the call returns
+    # (the source may be written at once), but the copy runs on the stream.
     with simulated_cuda(bandwidth=0.001):
         host = torch.ones(1000)
         assert not host.is_pinned() and host.pin_memory().is_pinned()
         dev, side = _copy_on_a_side_stream(host)
-        started = time.perf_counter()
-        assert dev.sum().item() == 1000  # no wait needed: the copy was done at once
-        assert time.perf_counter() - started < 1
+        host.fill_(2.0)  # staged: no race
+        with pytest.raises(StreamRaceError, match="read before its copy completed"):
+            dev.sum()
+        torch.cuda.current_stream().wait_stream(side)
+        assert dev.sum().item() == 1000
+        moved = torch.ones(1000).cuda(non_blocking=True)  # on the current stream: no wait
+        assert moved.sum().item() == 1000
 
 
 @pytest.mark.parametrize("make", [
@@ -974,8 +980,8 @@ def test_synchronous_copies_over_the_link_take_its_time(to_device: bool, how: st
         started = time.perf_counter()
         if how == "to":
             out = source.to(target)
-        elif how == "cuda-or-cpu":  # non_blocking from unpinned memory is synchronous
-            out = source.cuda(non_blocking=True) if to_device else source.cpu()
+        elif how == "cuda-or-cpu":
+            out = source.cuda() if to_device else source.cpu()
         else:
             out = dest.copy_(source)
         took = time.perf_counter() - started
@@ -1043,6 +1049,107 @@ def test_record_stream_makes_that_free_safe() -> None:
         dev.sum()
         del dev
     assert sim.problems == []
+
+
+
+@pytest.mark.parametrize("wait", ["wait_event", "wait_stream"])
+def test_a_free_after_the_allocating_stream_waited_for_the_user_is_safe(wait: str) -> None:
+    # Reuse on the allocating stream is ordered after the work it waited for, as on a GPU.
+    with simulated_cuda(total_memory="256MiB") as sim:
+        side = torch.cuda.Stream()
+        x = torch.randn(1 << 20, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y = x * 2
+            event = side.record_event()
+        if wait == "wait_event":
+            torch.cuda.current_stream().wait_event(event)
+        else:
+            torch.cuda.current_stream().wait_stream(side)
+        del x
+        z = y + 1
+    assert sim.problems == [] and z.device.type == "cuda"
+
+
+def test_a_free_is_reported_when_the_user_went_on_after_the_wait() -> None:
+    with pytest.raises(SimulatedCudaError, match="nor waited for by"), simulated_cuda():
+        side = torch.cuda.Stream()
+        x = torch.ones(1000, device="cuda")
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            event = side.record_event()
+            x * 2  # after the event: the wait does not cover it
+        torch.cuda.current_stream().wait_event(event)
+        del x
+
+
+@pytest.mark.parametrize("read", ["item", "cpu", "tolist", "copy_"])
+def test_a_blocking_read_to_the_host_synchronizes_its_stream(read: str) -> None:
+    # On a GPU the host waits for all the work queued on the stream before the read.
+    def host_read(t: torch.Tensor) -> None:
+        if read == "item":
+            t.sum().item()
+        elif read == "cpu":
+            t.cpu()
+        elif read == "tolist":
+            t[:4].tolist()
+        else:
+            torch.empty(t.shape).copy_(t)
+
+    with simulated_cuda(bandwidth=1) as sim:  # the free after a read on the compute stream
+        side, host = torch.cuda.Stream(), torch.ones(1 << 18).pin_memory()
+        with torch.cuda.stream(side):
+            d = host.to("cuda", non_blocking=True)
+        torch.cuda.current_stream().wait_stream(side)
+        host_read(d * 2)
+        del d
+    assert sim.problems == []
+    with simulated_cuda(bandwidth=1):  # another stream's read after one on the copy's stream
+        side, host = torch.cuda.Stream(), torch.ones(1 << 18).pin_memory()
+        with torch.cuda.stream(side):
+            d = host.to("cuda", non_blocking=True)
+            host_read(d)
+        assert (d * 2).sum().item() == 2 * (1 << 18)
+
+
+@pytest.mark.parametrize("poll", ["event", "stream"])
+def test_polling_query_until_true_counts_as_a_synchronize(poll: str) -> None:
+    with simulated_cuda(bandwidth=1):
+        side = torch.cuda.Stream()
+        host = torch.ones(1 << 18).pin_memory()
+        with torch.cuda.stream(side):
+            d = host.to("cuda", non_blocking=True)
+            event = side.record_event()
+        done = event if poll == "event" else side
+        while not done.query():
+            time.sleep(0.001)
+        assert (d * 2).sum().item() == 2 * (1 << 18)  # the host saw the copy complete
+        host.fill_(3.0)  # and its source may be written
+
+
+
+@pytest.mark.parametrize("waits", [False, True], ids=["no-wait", "wait_stream"])
+def test_refilling_a_buffer_another_stream_still_reads_needs_a_wait(waits: bool) -> None:
+    # Double buffering: the side stream's copy may overwrite the buffer while the compute
+    # stream still reads it, unless the side stream waited for that read.
+    with simulated_cuda(total_memory="256MiB", bandwidth=1):
+        side = torch.cuda.Stream()
+        buffer = torch.empty(1 << 18, device="cuda")
+        hosts = [torch.full((1 << 18,), float(i)).pin_memory() for i in range(3)]
+        outs = []
+        for i, host in enumerate(hosts):
+            if waits:
+                side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                if i and not waits:
+                    with pytest.raises(StreamRaceError, match="did not wait for that use"):
+                        buffer.copy_(host, non_blocking=True)
+                    return
+                buffer.copy_(host, non_blocking=True)
+                event = side.record_event()
+            torch.cuda.current_stream().wait_event(event)
+            outs.append(buffer * 2)
+        assert [o[0].item() for o in outs] == [0.0, 2.0, 4.0]
 
 
 # -- random state ----------------------------------------------------------------------------
