@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import sys
+import threading
 import warnings
 from typing import Any
 
@@ -208,8 +209,14 @@ def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:
     original = loader_pinning.pin_memory
 
     def pin_memory(data: Any, device: Any = None) -> Any:
-        with _tensors.Functions(tensors), _tensors.Dispatch(tensors):
-            return original(data, device)
+        threads = tensors.state.threads
+        ident = threading.get_ident()
+        threads.add(ident)
+        try:
+            with _tensors.Functions(tensors), _tensors.Dispatch(tensors):
+                return original(data, device)
+        finally:
+            threads.discard(ident)
 
     patches.set(loader_pinning, "pin_memory", pin_memory)
 
@@ -243,8 +250,9 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
 
     Not simulated: kernel speed (ops run at CPU speed), memory fragmentation, real bus
     behaviour beyond a fixed bandwidth, autograd (every op on simulated tensors runs under
-    ``no_grad``), other threads (the simulation is active in the thread that entered it;
-    ``nn.DataParallel`` over several devices, whose replicas run in threads, is refused),
+    ``no_grad``), other threads (the simulation is active in the thread that entered it; a
+    CUDA call in another thread, and ``nn.DataParallel`` over several devices, whose
+    replicas run in threads, raise ``SimulatedCudaError``),
     ``torch.compile``, custom CUDA kernels, cuDNN (the device has none:
     ``torch.backends.cudnn.enabled`` is False inside the block, and torch takes its own
     CUDA kernels, as a build without cuDNN does) and sparse tensors (making one on the

@@ -13,9 +13,28 @@ import torch
 from ._memory import Allocator
 from ._streams import SimStream
 
-__all__ = ["SimState"]
+__all__ = ["SimGenerator", "SimState"]
 
 logger = logging.getLogger("adaptmem.testing")
+
+class SimGenerator(torch.Generator):
+    """A generator of a simulated device (``torch.Generator("cuda")``, the devices' default
+    ones): a CPU generator underneath, which the ops run on the host draw from, reporting
+    its CUDA device. See [Note: simulated random state] in _tensors.py."""
+
+    def __new__(cls, index: int) -> SimGenerator:
+        return super().__new__(cls)  # a CPU generator (torch's takes the device here)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return torch.device("cuda", self.index)
+
+    def __repr__(self) -> str:
+        return f"<simulated torch.Generator device=cuda:{self.index}>"
+
 
 class SimState:
     def __init__(self, devices: int, total: int, bandwidth: float | None) -> None:
@@ -43,8 +62,9 @@ class SimState:
         self.current_streams = list(self.default_streams)
         # See [Note: simulated random state] in _tensors.py. Seeded as torch.manual_seed(s)
         # before the block would have seeded a real device.
-        self.generators = tuple(torch.Generator().manual_seed(torch.initial_seed())
-                                for _ in range(devices))
+        self.generators = tuple(SimGenerator(i).manual_seed(torch.initial_seed())
+                                for i in range(devices))
+        self.threads = {threading.get_ident()}  # the threads the simulation is active in
         self.drawing_for: int | None = None  # the device a CPU-run factory makes values for
         self._known: dict[Any, int | None] = {}  # device_index's answers for devices, strings
 

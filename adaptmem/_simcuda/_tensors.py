@@ -93,7 +93,7 @@ from .._common.peak import count_allocation, fake_mode, register_allocations, re
 from ._errors import SimulatedCudaError, no_cpu_kernel, no_cuda_kernel, refuse_layout
 from ._kernels import CPU_EQUIVALENT, pack_padded_sequence
 from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
-from ._state import SimState
+from ._state import SimGenerator, SimState
 from ._streams import SimStream, StreamRaceError, check_access
 
 __all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "check_host_write",
@@ -682,6 +682,21 @@ def check_host_write(state: SimState, t: Any, op: Any) -> None:
         f"on an event recorded after the copy, or torch.cuda.synchronize().")
 
 
+def _check_generator(args: Any, kwargs: dict[str, Any]) -> None:
+    """Refuse ``generator=`` of another device than the op's, as torch does."""
+    generator, device = kwargs["generator"], kwargs.get("device")
+    if not isinstance(generator, torch.Generator):
+        return
+    on_device = (_is_cuda(device) if device is not None else _touches_cuda(args, kwargs))
+    kind = "cuda" if isinstance(generator, SimGenerator) else generator.device.type
+    wanted = "cuda" if on_device else "cpu"
+    if kind != wanted:
+        raise RuntimeError(
+            f"Expected a '{wanted}' device type for generator but found '{kind}' (simulated "
+            f"CUDA: a random op on the {'device' if on_device else 'host'} draws from a "
+            f"generator of its device; pass torch.Generator({wanted!r}))")
+
+
 def _has_generator(args: Any, kwargs: dict[str, Any]) -> bool:
     return (isinstance(kwargs.get("generator"), torch.Generator)
             or any(isinstance(x, torch.Generator) for x in args))
@@ -803,6 +818,11 @@ class Dispatch(TorchDispatchMode):
             # host from a device tensor's metadata, so a host tensor comes back.
             return func(*cargs, **ckwargs)
         on_host = False  # an index_put into a host tensor (with device indices)
+        if func in _MASKED_FILLS and args[0].device != args[1].device:
+            raise RuntimeError(  # CUDA's words; a 0-dim host mask is no scalar here
+                f"expected self and mask to be on the same device, but got mask on "
+                f"{args[1].device} and self on {args[0].device} (simulated CUDA: move the "
+                f"mask with .to({str(args[0].device)!r}))")
         if u.cpu_arg is not None and "device" not in kwargs:
             if func not in _MIXED_OK:
                 raise mixed(f"cuda:{index}", "cpu")
@@ -1171,6 +1191,8 @@ def _map_tensors(fn: Any, out: Any) -> Any:
 
 
 _INDEXING = {torch.Tensor.__getitem__, torch.Tensor.__setitem__}
+_MASKED_FILLS = {getattr(op, name) for op in (aten.masked_fill, aten.masked_fill_)
+                 for name in op.overloads()}
 _DEVICE_GUARD_ERROR = getattr(torch, "AcceleratorError", RuntimeError)
 
 
@@ -1370,6 +1392,8 @@ class Functions(TorchFunctionMode):
                         return handler(func, args, kwargs)
                 return handler(func, args, kwargs)
         device = kwargs.get("device")
+        if kwargs.get("generator") is not None:
+            _check_generator(args, kwargs)
         if device is not None and _is_cuda(device):
             return self._factory(func, args, kwargs)
         if kwargs.get("pin_memory"):
@@ -1620,6 +1644,4 @@ class Functions(TorchFunctionMode):
 
     def _data_ptr(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         t = args[0]
-        if not t.is_cuda:
-            return func(*args, **kwargs)
-        return self.sim.lookup(t)[0].data_ptr()
+        return self.sim.lookup(t)[0].data_ptr() if t.is_cuda else func(*args, **kwargs)

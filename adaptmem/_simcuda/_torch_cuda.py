@@ -4,13 +4,14 @@ patching that installs them for the length of a simulation only."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ._errors import SimulatedCudaError
-from ._state import SimState
+from ._state import SimGenerator, SimState
 from ._streams import SimEvent, SimStream
 
 __all__ = ["Patches", "cuda_functions"]
@@ -199,6 +200,28 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
     def nothing(*args: Any, **kwargs: Any) -> None:
         return None
 
+    def lazy_init() -> None:
+        # torch calls it before a CUDA call made without the simulation's modes: in a thread
+        # the simulation is not active in, the real driver would answer "no NVIDIA driver".
+        if threading.get_ident() not in state.threads:
+            raise SimulatedCudaError(
+                f"simulated CUDA: a CUDA call in thread {threading.current_thread().name!r}, "
+                f"where the simulation is not active: it simulates the thread that entered "
+                f"`with simulated_cuda():` (and a DataLoader's pinning thread), not others. "
+                f"Make device tensors in that thread, or test threaded code on a real GPU")
+
+    def refuse_memory_history(what: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> None:
+            enabled = kwargs.get("enabled", args[0] if args else "all")
+            if what == "_record_memory_history" and enabled in (None, False):
+                return None  # turning recording off: nothing was recorded
+            raise SimulatedCudaError(
+                f"simulated CUDA: torch.cuda.memory.{what} is not simulated (the caching "
+                f"allocator's history and snapshots live in the real CUDA runtime). Read "
+                f"torch.cuda.memory_stats() or memory_allocated() under simulated_cuda, and "
+                f"record the allocator's history on a real GPU")
+        return refuse
+
     generators = state.generators
 
     def generator(device: Any = None) -> torch.Generator:
@@ -231,7 +254,11 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
     return {
         "is_available": lambda: True,
         "is_initialized": lambda: True,
-        "_lazy_init": nothing,
+        "_lazy_init": lazy_init,
+        "_record_memory_history": refuse_memory_history("_record_memory_history"),
+        "memory_snapshot": refuse_memory_history("memory_snapshot"),
+        "_snapshot": refuse_memory_history("_snapshot"),
+        "_dump_snapshot": refuse_memory_history("_dump_snapshot"),
         "init": nothing,
         "device_count": lambda: len(allocators),
         "current_device": lambda: state.current_device,
@@ -337,6 +364,33 @@ class _Stream(_TORCH_STREAM, metaclass=_AnyStream):
         return _TORCH_STREAM(device, priority=priority, **kwargs)
 
 
+_TORCH_GENERATOR = torch.Generator
+
+
+class _AnyGenerator(type(_TORCH_GENERATOR)):  # type: ignore[misc]
+    """The simulation's ``torch.Generator`` is the real one to ``isinstance``/``issubclass``."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        return isinstance(obj, _TORCH_GENERATOR)
+
+    def __subclasscheck__(cls, sub: Any) -> bool:
+        return issubclass(sub, _TORCH_GENERATOR)
+
+
+def _generator_class(state: SimState) -> type:
+    class _Generator(_TORCH_GENERATOR, metaclass=_AnyGenerator):
+        """``torch.Generator("cuda")``: a generator of the simulated device, where torch
+        would reach the CUDA runtime."""
+
+        def __new__(cls, device: Any = "cpu") -> Any:
+            if _is_cuda_device(device):
+                index = state.device_index(device)
+                return SimGenerator(index)
+            return _TORCH_GENERATOR(device)
+
+    return _Generator
+
+
 def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, (str, torch.device)):
         return torch.device(device).type == "cuda"
@@ -346,6 +400,7 @@ def _is_cuda_device(device: Any) -> bool:
 def install(state: SimState, patches: Patches) -> None:
     cuda = cuda_functions(state)
     patches.set(torch, "Stream", _Stream)
+    patches.set(torch, "Generator", _generator_class(state))
     memory = getattr(torch.cuda, "memory", None)
     streams = getattr(torch.cuda, "streams", None)
     random = getattr(torch.cuda, "random", None)

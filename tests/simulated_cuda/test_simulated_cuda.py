@@ -210,6 +210,19 @@ def test_an_accumulating_index_put_through_a_mask_wants_the_value_on_the_device(
         assert dev.tolist() == [2.0] * 4
 
 
+def test_masked_fill_wants_its_mask_on_the_tensors_device_even_a_0_dim_one() -> None:
+    with simulated_cuda():
+        scores = torch.randn(3, 4, device="cuda")
+        message = ("expected self and mask to be on the same device, but got mask on cpu and "
+                   "self on cuda:0")
+        with pytest.raises(RuntimeError, match=message):
+            scores.masked_fill(torch.tensor(True), 0.0)
+        with pytest.raises(RuntimeError, match=message):
+            scores.masked_fill_(torch.ones(3, 4, dtype=torch.bool), torch.tensor(1.0))
+        mask = torch.ones(3, 4, dtype=torch.bool, device="cuda")
+        assert scores.masked_fill(mask, torch.tensor(2.0)).sum().item() == 24.0  # a host value
+
+
 @pytest.mark.parametrize("map_location", [
     None, "cuda", "cuda:0", torch.device("cuda", 0), {"cuda:0": "cuda:0"},
     lambda storage, location: storage.cuda()], ids=["none", "str", "index", "device", "dict",
@@ -1152,6 +1165,42 @@ def test_refilling_a_buffer_another_stream_still_reads_needs_a_wait(waits: bool)
         assert [o[0].item() for o in outs] == [0.0, 2.0, 4.0]
 
 
+
+def test_the_allocators_history_is_refused_with_a_simulated_cuda_error() -> None:
+    with simulated_cuda():
+        with pytest.raises(SimulatedCudaError, match="_record_memory_history is not simulated"):
+            torch.cuda.memory._record_memory_history(max_entries=1000)
+        torch.cuda.memory._record_memory_history(enabled=None)  # off: nothing to refuse
+        with pytest.raises(SimulatedCudaError, match="memory_snapshot is not simulated"):
+            torch.cuda.memory_snapshot()
+
+
+def test_a_cuda_call_in_another_thread_raises_a_simulated_cuda_error() -> None:
+    # In a fresh process: torch asks torch.cuda._lazy_init only until something has
+    # initialized CUDA in the process (see limitations.md).
+    script = textwrap.dedent("""
+        import threading, torch
+        from adaptmem.testing import SimulatedCudaError, simulated_cuda
+        errors = []
+        def make():
+            try:
+                torch.zeros(3, device="cuda")
+            except BaseException as exc:
+                errors.append(exc)
+        with simulated_cuda():
+            worker = threading.Thread(target=make)
+            worker.start()
+            worker.join()
+            assert torch.zeros(3, device="cuda").device.type == "cuda"
+        print(type(errors[0]).__name__, "|", errors[0])
+        """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("SimulatedCudaError |")
+    assert "where the simulation is not active" in done.stdout
+
+
 # -- random state ----------------------------------------------------------------------------
 
 _CUDA_DRAWS = {
@@ -1218,6 +1267,30 @@ def test_each_device_has_its_own_stream_and_state_round_trips() -> None:
         assert len(seeds) == 1 and seeds != {1}
         with pytest.raises(RuntimeError, match="invalid device ordinal"):
             torch.cuda.get_rng_state(2)
+
+
+def test_a_cuda_generator_draws_for_the_device_and_generators_must_match_the_device() -> None:
+    # diffusers' ``generator=torch.Generator("cuda").manual_seed(0)``.
+    with simulated_cuda(devices=2):
+        generator = torch.Generator("cuda").manual_seed(0)
+        assert generator.device == torch.device("cuda", 0)
+        assert isinstance(generator, torch.Generator)
+        assert isinstance(torch.Generator(), torch.Generator)
+        first = torch.randn(3, device="cuda", generator=generator)
+        generator.manual_seed(0)
+        assert torch.equal(torch.randn(3, device="cuda", generator=generator).cpu(), first.cpu())
+        assert torch.Generator("cuda:1").device == torch.device("cuda", 1)
+        assert torch.cuda.default_generators[1].device == torch.device("cuda", 1)
+        assert torch.Generator().device.type == "cpu"
+        with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator but "
+                                               "found 'cpu'"):
+            torch.randn(3, device="cuda", generator=torch.Generator())
+        with pytest.raises(RuntimeError, match="Expected a 'cuda' device type for generator"):
+            first.normal_(generator=torch.Generator())
+        with pytest.raises(RuntimeError, match="Expected a 'cpu' device type for generator but "
+                                               "found 'cuda'"):
+            torch.randn(3, generator=generator)
+    assert torch.Generator().device.type == "cpu"
 
 
 def test_fork_rng_on_cuda_puts_the_device_stream_back() -> None:
