@@ -32,8 +32,19 @@ class SimGenerator(torch.Generator):
     def device(self) -> torch.device:  # type: ignore[override]
         return torch.device("cuda", self.index)
 
+    def set_state(self, new_state: torch.Tensor) -> torch.Generator:
+        """Also takes a GPU's 16-byte Philox state (seed, offset; a checkpoint's
+        ``"cuda_rng_state"``): seeded with its seed, as its offset has no counterpart in a
+        CPU generator's state."""
+        if new_state.numel() == _PHILOX_STATE_BYTES and new_state.dtype == torch.uint8:
+            return self.manual_seed(int.from_bytes(bytes(new_state[:8].tolist()), "little"))
+        return super().set_state(new_state)
+
     def __repr__(self) -> str:
         return f"<simulated torch.Generator device=cuda:{self.index}>"
+
+
+_PHILOX_STATE_BYTES = 16  # a CUDA generator's state: seed and offset, 8 bytes each
 
 
 class SimState:

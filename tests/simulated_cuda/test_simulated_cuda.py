@@ -1293,6 +1293,16 @@ def test_a_cuda_generator_draws_for_the_device_and_generators_must_match_the_dev
     assert torch.Generator().device.type == "cpu"
 
 
+def test_a_gpus_16_byte_rng_state_seeds_the_device_generator_with_its_seed() -> None:
+    gpu_state = torch.tensor([*(1234).to_bytes(8, "little"), 7, *[0] * 7], dtype=torch.uint8)
+    with simulated_cuda():
+        torch.cuda.set_rng_state(gpu_state)  # a checkpoint's "cuda_rng_state" from a GPU
+        drawn = torch.randn(3, device="cuda").cpu()
+        assert torch.cuda.initial_seed() == 1234
+        torch.cuda.manual_seed(1234)
+        assert torch.equal(torch.randn(3, device="cuda").cpu(), drawn)
+
+
 def test_fork_rng_on_cuda_puts_the_device_stream_back() -> None:
     with simulated_cuda(total_memory="1GiB"):
         torch.cuda.manual_seed(3)
