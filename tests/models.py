@@ -111,6 +111,23 @@ class HeadFirst(nn.Module):
         return self.head(self.body(x))
 
 
+class WithEmptyLayer(nn.Module):
+    """A layer whose tensors hold no elements (a head of width 0): 0 bytes, yet torch still
+    checks their device and dtype when it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 16)
+        self.z = nn.Linear(16, 1)
+        self.z.weight = nn.Parameter(torch.empty(0, 16))  # nn.Linear(16, 0) warns
+        self.z.bias = nn.Parameter(torch.empty(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h + self.z(h).sum()
+
+
 # -- the zoo: small real models every engine must run unchanged ------------------------------
 
 

@@ -178,6 +178,6 @@ def _auto_unit_bytes(model: nn.Module, device: torch.device, prefetch: int,
     working = room - resident if resident is not None else room // 2
     units = max(0, working) // (prefetch + 2)
     if (resident is not None and 0 < resident < min(total, units)
-            and any(u.nbytes <= resident for u in paging_units(sizes, resident))):
+            and any(0 < u.nbytes <= resident for u in paging_units(sizes, resident))):
         units = resident
     return units

@@ -139,9 +139,9 @@ def paging_units(sizes: ModuleSizes, limit: int | None) -> list[Unit]:
     tensor_rank = {name: i for i, name in enumerate(sizes.tensors)}
 
     def visit(module: str) -> None:
+        if not sizes.subtree_tensors[module]:
+            return  # no tensors at all; empty (0-byte) ones still need their unit placed
         whole = sizes.subtree_bytes[module]
-        if whole == 0:
-            return
         if limit is None or whole <= limit or not sizes.children[module]:
             owned = take(sizes.subtree_tensors[module])
             borrowed = tuple(n for n in sizes.subtree_tensors[module] if n not in owned)

@@ -16,7 +16,15 @@ import torch
 from conftest import REAL_CUDA
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from models import ZOO, CallsItself, HeadFirst, ReadsChildWeight, held_in_flight, small_vit
+from models import (
+    ZOO,
+    CallsItself,
+    HeadFirst,
+    ReadsChildWeight,
+    WithEmptyLayer,
+    held_in_flight,
+    small_vit,
+)
 from strategies import DIM, module_trees
 from torch import nn
 from torch.nn import functional as F
@@ -1989,3 +1997,20 @@ def test_remove_after_the_device_is_gone_restores_from_the_host_copies() -> None
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert adaptive.holder(model) is None
+
+
+@pytest.mark.parametrize("resident_bytes", [0, "auto"])
+def test_a_module_whose_tensors_are_all_empty_is_paged_with_the_rest(
+    resident_bytes: int | str,
+) -> None:
+    # Planners now give such a module a 0-byte unit of its own; paging it must not change.
+    x = torch.randn(4, 16)
+    want = WithEmptyLayer().eval()(x)
+    model = WithEmptyLayer().eval()
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        with adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=resident_bytes) as p:
+            with torch.no_grad():
+                torch.testing.assert_close(model(x), want)
+                torch.testing.assert_close(model(x), want)
+            assert [u.module for u in p.plan.units] == ["a", "z"]
+    assert model.z.weight.device.type == "cpu"

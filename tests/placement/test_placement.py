@@ -20,7 +20,7 @@ import torchvision
 from conftest import run_if
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import CallsItself, HeadFirst, hf_gpt2, hf_gpt2_example
+from models import CallsItself, HeadFirst, WithEmptyLayer, hf_gpt2, hf_gpt2_example
 from strategies import (
     DIM,
     SPLIT_WIDTH,
@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 
 from adaptmem import adaptive
 from adaptmem._planning import module_sizes
+from adaptmem.testing import simulated_cuda
 
 BF16_RTOL = 5e-2
 
@@ -1361,3 +1362,20 @@ def test_outputs_of_a_call_given_token_ids_come_back_in_the_dtype_the_model_give
     assert out.dtype == expected.dtype and alone.dtype == embedded.dtype
     if loaded.startswith("bfloat16"):  # nothing converted: the same numbers
         assert torch.equal(out, expected)
+
+
+def test_a_module_whose_tensors_are_all_empty_follows_its_placement() -> None:
+    # Its 0 bytes gave it no unit: its empty weights stayed on the CPU in float32, and torch
+    # refused the mix ("mat1 and mat2 must have the same dtype", "cuda:0 and cpu").
+    x = torch.randn(4, 16)
+    want = WithEmptyLayer().eval()(x)
+    model = WithEmptyLayer().eval()
+    with adaptive.split(model, {"cpu@float64": None}), torch.no_grad():
+        torch.testing.assert_close(model(x).float(), want)
+        assert model.z.weight.dtype == torch.float64
+    with simulated_cuda(devices=1, total_memory="1GiB"):
+        model = WithEmptyLayer().eval()
+        with adaptive.chunk(model, "cuda", capacity=10**6) as c, torch.no_grad():
+            torch.testing.assert_close(model(x).cpu(), want)
+            assert c.device_map == {"": "cuda:0"}
+            assert model.z.weight.device == torch.device("cuda", 0)

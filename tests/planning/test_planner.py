@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from models import HeadFirst
+from models import HeadFirst, WithEmptyLayer
 from torch import nn
 
 from adaptmem import adaptive
@@ -68,6 +69,20 @@ def test_units_descend_only_where_a_module_is_too_large() -> None:
     fine = paging_units(sizes, 64 * 64 * 4 + 64 * 4)
     assert [u.module for u in fine] == ["0.0", "0.1", "1"]
     assert sum(u.nbytes for u in fine) == sizes.total_bytes
+
+
+def test_a_module_whose_tensors_are_all_empty_gets_a_unit_a_plan_places(tmp_path: Path) -> None:
+    # Its 0 bytes gave it no unit, so a load through the plan failed: "the plan does not
+    # place z.weight, z.bias".
+    units = paging_units(module_sizes(WithEmptyLayer()), 0)
+    assert [(u.module, u.nbytes, u.tensors) for u in units][-1] == (
+        "z", 0, ("z.weight", "z.bias"))
+    torch.save(WithEmptyLayer().state_dict(), tmp_path / "m.pt")
+    x = torch.randn(4, 16)
+    plan = adaptive.plan(WithEmptyLayer(), devices={"cpu@float64": None}, example_inputs=(x,))
+    assert plan.device_map == {"": "cpu@float64"}
+    model = adaptive.load(WithEmptyLayer, tmp_path / "m.pt", device=plan)
+    assert model.z.weight.dtype == torch.float64
 
 
 def test_bytes_by_placement_keys_are_plain_strings_for_both_kinds_of_plan() -> None:
