@@ -75,7 +75,7 @@ from .._common.devices import default_device, format_bytes, free_memory, resolve
 from .._common.errors import PlacementError
 from .._common.tree import calls_in_progress
 from .._engines.base import HookSet
-from .._paging.api import Pager, page
+from .._paging.api import Pager, page_as_asked
 from .._placement.api import chunk
 from .._placement.splitter import Chunker
 from .._planning import Placement, module_sizes
@@ -457,7 +457,7 @@ class PlacedModels:
                 if self.engine == CHUNK:
                     self.handles.append(chunk(model, self.device, capacity=nbytes))
                 else:
-                    self.handles.append(page(model, self.device, resident_bytes=nbytes))
+                    self.handles.append(page_as_asked(model, self.device, resident_bytes=nbytes))
                 held_for(self.handles[-1], self)
                 self.handles[-1].speak_as(f"the decorated function {self.name} (model=)",
                                           self.name.rsplit(".", 1)[-1])

@@ -14,7 +14,7 @@ from .._planning import ModuleSizes, Unit, module_sizes, paging_units
 from .pager import Pager
 from .slots import room_for_weights
 
-__all__ = ["Pager", "page"]
+__all__ = ["Pager", "page", "page_as_asked"]
 
 
 def _size_option(value: Any, name: str, auto_ok: bool = True) -> int | None:
@@ -34,6 +34,7 @@ def page(
     pin_memory: bool = True,
     output_device: Any = None,
     _transfer: Transfer | None = None,
+    _check_room: bool = True,
 ) -> Pager:
     """Page ``model``'s weights to ``device`` just in time, and return the ``Pager``.
 
@@ -61,6 +62,8 @@ def page(
         output_device: where outputs go; None returns them on the inputs' device (where
             the model was, for a call without tensor inputs).
         _transfer: internal (tests, benchmarks): how host masters reach the device.
+        _check_room: internal (``page_as_asked``): False takes any ``resident_bytes`` the
+            device can hold.
 
     Returns:
         A ``Pager`` with ``.plan``, ``.stats`` and ``.remove()``; also a context manager.
@@ -70,7 +73,9 @@ def page(
         ValueError: an unknown device, a negative or unparsable size or ``prefetch``, or a
             ``device_budget`` smaller than the weights one module needs at once (its own
             tensors, which are never split; the error names the module, its largest tensor
-            and the smallest budget that can work).
+            and the smallest budget that can work), or a ``resident_bytes`` whose resident
+            units leave too little room to page the rest (within ``device_budget``, or with
+            room for activations on the device; the error names the largest that leaves room).
         PlacementError: the model is in training mode, has meta tensors, or is (part of)
             a model already paged. The model is untouched in every case.
 
@@ -118,6 +123,8 @@ def page(
                 f"allows)")
     if unit_bytes == "auto":
         units = _auto_unit_bytes(model, dev, prefetch, resident, budget)
+    if _check_room and resident is not None and (budget is not None or dev.type != "cpu"):
+        _check_resident(module_sizes(model), units, resident, dev, budget)
     # Masters and resident copies must be ordinary tensors even when page() is called
     # under inference_mode, or the model could not run with autograd on afterwards.
     with torch.inference_mode(False):
@@ -126,16 +133,17 @@ def page(
                      transfer=_transfer)
 
 
-def _check_budget(sizes: ModuleSizes, budget: int) -> None:
-    """Refuse a ``device_budget`` smaller than the weights some module needs on the device at
-    once: its own tensors (and those it shares with another module), which the pager never
-    splits. A budget this size can work (with ``resident_bytes=0``); whether a smaller share
-    of it is enough with parents or resident units held too is only known at run time."""
-    units = paging_units(sizes, 0)  # the finest units: what run-time splitting reaches
-    if not units:
-        return
-    # A module running holds its own tensors while its children run: a child needs its
-    # weights on the device beside those of every ancestor with tensors of its own.
+def page_as_asked(model: nn.Module, device: Any, *, resident_bytes: int) -> Pager:
+    """``page``, taking any ``resident_bytes`` the device can hold: for the ``model=``
+    decorator, whose calls give residency back when they run out of memory."""
+    return page(model, device, resident_bytes=resident_bytes, _check_room=False)
+
+
+def _held_at_once(sizes: ModuleSizes) -> list[tuple[Unit, set[str]]]:
+    """Each of the finest units (what run-time splitting reaches) with the tensors it needs
+    on the device at once: a module running holds its own tensors while its children run,
+    so a child needs its weights beside those of every ancestor with tensors of its own."""
+    units = paging_units(sizes, 0)
     own = {u.module: u.tensors for u in units if u.own}
 
     def held_with(u: Unit) -> set[str]:
@@ -145,7 +153,76 @@ def _check_budget(sizes: ModuleSizes, budget: int) -> None:
                 names.update(tensors)
         return names
 
-    need, unit, names = max(((sizes.bytes_of(n), u, n) for u in units for n in [held_with(u)]),
+    return [(u, held_with(u)) for u in units]
+
+
+def _kept(units: list[Unit], allowance: int) -> set[str]:
+    """The tensors ``SlotTable.keep_resident`` keeps for ``allowance`` when memory allows."""
+    kept: set[str] = set()
+    used = 0
+    for u in units:
+        if u.tensors and used + u.nbytes <= allowance:
+            kept.update(u.tensors)
+            used += u.nbytes
+    return kept
+
+
+def _check_resident(sizes: ModuleSizes, unit_bytes: int | None, resident: int,
+                    device: torch.device, budget: int | None) -> None:
+    """Refuse a ``resident_bytes`` whose resident units leave too little room to page the rest:
+    the weights kept plus those the largest paged module needs at once (split as finely as
+    run time can) must fit under ``budget``, or leave room for the forward's inputs and
+    activations on ``device``; else every call would run out of memory."""
+    units = paging_units(sizes, unit_bytes)
+    held = _held_at_once(sizes)
+    most = budget if budget is not None else capacity(device)
+
+    def working_set(allowance: int) -> tuple[int, int, str]:
+        kept = _kept(units, allowance)
+        need, module = max(((sizes.bytes_of(n - kept), u.module) for u, n in held),
+                           key=lambda item: item[0], default=(0, ""))
+        return sizes.bytes_of(kept), need, module
+
+    def fits(kept: int, need: int) -> bool:
+        return need == 0 or (kept + need <= most if budget is not None else kept + need < most)
+
+    kept, need, module = working_set(resident)
+    if fits(kept, need):
+        return
+    # Keeping fewer units: the largest resident_bytes that keeps only what fits. When none
+    # does, a module alone is too large for the device: not resident_bytes' doing, and its
+    # first call says so (the model= decorator chunks such a model instead).
+    smaller = kept
+    while True:
+        if smaller == 0:
+            return
+        below, need_below, _ = working_set(smaller - 1)
+        if fits(below, need_below):
+            break
+        smaller = below
+    where = (f"more than device_budget={format_bytes(budget)} ({budget} bytes)"
+             if budget is not None else
+             f"all of the {format_bytes(most)} this process can hold on {device}, with nothing "
+             f"left for the forward's inputs and activations")
+    raise ValueError(
+        f"resident_bytes={format_bytes(resident)} would keep {format_bytes(kept)} of weights "
+        f"resident on {device}, and paging the rest needs {format_bytes(need)} more at once "
+        f"(module {module or '<root>'!r}): {format_bytes(kept + need)} ({kept + need} bytes), "
+        f"{where}, so every call would run out of memory. Give resident_bytes under {smaller} "
+        f"({format_bytes(smaller)}), which keeps {format_bytes(below)} (less leaves more room "
+        f"for activations and prefetching), or leave it out ('auto' keeps what free memory "
+        f"allows after room for the paged working set)")
+
+
+def _check_budget(sizes: ModuleSizes, budget: int) -> None:
+    """Refuse a ``device_budget`` smaller than the weights some module needs on the device at
+    once: its own tensors (and those it shares with another module), which the pager never
+    splits. A budget this size can work (with ``resident_bytes=0``); whether a smaller share
+    of it is enough with parents or resident units held too is only known at run time."""
+    held = _held_at_once(sizes)
+    if not held:
+        return
+    need, unit, names = max(((sizes.bytes_of(n), u, n) for u, n in held),
                             key=lambda item: item[0])
     if need <= budget:
         return

@@ -6,6 +6,7 @@ import functools
 import gc
 import logging
 import math
+import re
 import time
 import weakref
 from collections.abc import Iterator
@@ -938,10 +939,48 @@ def test_a_budget_below_what_one_module_needs_is_refused_at_page_naming_the_smal
         assert pager.stats.peak_device_bytes <= layer
 
 
+def _pager_past_the_checks(model: nn.Module, **options: Any) -> adaptive.Pager:
+    """A pager ``page()`` would refuse: what a model whose needs only its forward shows (a
+    module reading weights another owns) meets at run time."""
+    options = {"unit_bytes": None, "prefetch": 1, "resident_bytes": None,
+               "device_budget": None, "pin_memory": False, "output_device": None, **options}
+    return adaptive.Pager(model, torch.device("cpu"), **options)
+
+
+def test_resident_units_that_leave_no_room_to_page_the_rest_are_refused() -> None:
+    # page() took them, and every call then ran out of memory.
+    model, x, expected, layer = _blocks()
+    with pytest.raises(ValueError, match=rf"resident_bytes=.* would keep .*\(module '0\.2'\).*"
+                                         rf"more than device_budget=.*resident_bytes under "
+                                         rf"{layer} "):
+        adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=layer,
+                      device_budget=layer + layer // 2)
+    assert torch.equal(model(x), expected)  # untouched
+    with adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=layer - 1,
+                       device_budget=layer + layer // 2), torch.no_grad():
+        assert torch.equal(model(x), expected)
+
+
+def test_resident_units_that_fill_the_device_are_refused_naming_what_fits() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).eval()  # 32 MiB
+    x = torch.ones(1, 1024)
+    with simulated_cuda(devices=1, total_memory="32MiB"):
+        with pytest.raises(ValueError, match=r"keep 28\.0 MiB .* needs 4\.0 MiB more .*\(module "
+                                             r"'7'\).* all of the 32\.0 MiB .* cuda:0, .*"
+                                             r"resident_bytes under (\d+) \(28\.0 MiB\)") as info:
+            adaptive.page(model, "cuda", resident_bytes="31MiB")
+        assert model[0].weight.device.type == "cpu"
+        largest = int(re.search(r"under (\d+)", str(info.value))[1]) - 1  # type: ignore[index]
+        with adaptive.page(model, "cuda", resident_bytes=largest) as pager, torch.no_grad():
+            model(x)
+            assert pager.stats.peak_device_bytes <= 28 * 2**20 + 8 * 2**12
+
+
 def test_a_tensor_that_does_not_fit_beside_resident_units_raises_a_transfer_error() -> None:
     model, x, expected, layer = _blocks()
-    pager = adaptive.page(model, "cpu", unit_bytes=0, resident_bytes=layer,
-                          device_budget=layer + layer // 2)
+    pager = _pager_past_the_checks(model, unit_bytes=0, resident_bytes=layer,
+                                   device_budget=layer + layer // 2)
     with pytest.raises(OutOfMemoryError, match=r"'0\.2'.*KiB.*device_budget") as info:
         model(x)
     assert info.value.phase == "transfer"
@@ -1016,8 +1055,10 @@ def test_the_smallest_budget_counts_the_own_tensors_parents_hold_around_a_child(
             assert torch.equal(model(ids), expected)
     # With a resident unit taking some of it, the transfer error says what the running
     # parent holds cannot be split by unit_bytes, and the budget it needs.
-    with adaptive.page(model, "cpu", device_budget=need, resident_bytes=300,
-                       unit_bytes=0), torch.no_grad():
+    with pytest.raises(ValueError, match=r"module '0.emb'\): .* more than device_budget"):
+        adaptive.page(model, "cpu", device_budget=need, resident_bytes=300, unit_bytes=0)
+    with _pager_past_the_checks(model, device_budget=need, resident_bytes=300,
+                                unit_bytes=0), torch.no_grad():
         with pytest.raises(OutOfMemoryError) as info:
             model(ids)
     message = str(info.value)
