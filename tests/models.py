@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
@@ -126,6 +128,20 @@ class WithEmptyLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
         return h + self.z(h).sum()
+
+
+def dynamically_quantized() -> nn.Module:
+    """Two linear layers quantized by ``torch.ao``: their int8 weights are packed in
+    ``torch.ScriptObject``s, not parameters. Skips where this torch no longer has it."""
+    quantize = getattr(torch.ao.quantization, "quantize_dynamic", None)
+    if quantize is None:
+        pytest.skip("this torch has no torch.ao.quantization.quantize_dynamic")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
+    with warnings.catch_warnings():
+        # torch.ao's own deprecation, and quantized tensors' (torch warns once per process)
+        warnings.simplefilter("ignore")
+        return quantize(model, {nn.Linear}, dtype=torch.qint8).eval()
 
 
 # -- the zoo: small real models every engine must run unchanged ------------------------------

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -321,6 +321,8 @@ def _open_torch(path: Path, single_key: str | None, state_key: str | None = None
         raise
     except Exception as exc:
         why = str(exc) or type(exc).__name__
+        if "Quantized" in why:  # torch cannot make a quantized tensor on meta
+            raise LoadError(_quantized(name, path)) from None
         if "meta tensor" in why:  # torch rebuilds a sparse (or other packed) tensor eagerly
             why += (" (it holds a tensor torch rebuilds when loading, such as a sparse one: "
                     "adaptive.load reads dense tensors; load this file with torch.load)")
@@ -376,6 +378,39 @@ def _not_weights_only(name: str, why: str) -> str:
             f"torch.load(weights_only=True) does, which refuses them. If you trust the file, "
             f"allow those types around the load: with torch.serialization.safe_globals([...]): "
             f"adaptive.load(...); or save model.state_dict() alone")
+
+
+def _quantized(name: str, path: Path) -> str:
+    """Why ``name`` (at ``path``), which holds quantized tensors, is refused, naming the first
+    key that holds one when the file can be mapped to find it."""
+    where = ""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        key = _first_quantized(obj, "")
+        if key is not None:
+            where = f" (first: {key[0]!r}, {key[1]})"
+    except Exception:  # the key is a courtesy: the refusal stands without it
+        pass
+    return (f"{name!r} holds quantized tensors{where}, which adaptive.load does not read: it "
+            f"reads dense tensors. Load it with model.load_state_dict(torch.load(path)) into "
+            f"the quantized model")
+
+
+def _first_quantized(obj: Any, prefix: str) -> tuple[str, torch.dtype] | None:
+    """The key path and dtype of the first quantized tensor in ``obj`` (nested dicts, lists
+    and tuples, as a quantized module's state dict holds its packed weights)."""
+    if isinstance(obj, torch.Tensor):
+        return (prefix, obj.dtype) if obj.is_quantized else None
+    items = (obj.items() if isinstance(obj, dict) else
+             enumerate(obj) if isinstance(obj, (list, tuple)) else ())
+    for k, v in items:
+        found = _first_quantized(v, f"{prefix}[{k}]" if isinstance(k, int) else
+                                 f"{prefix}.{k}" if prefix else str(k))
+        if found is not None:
+            return found
+    return None
 
 
 def _not_a_checkpoint(name: str, head: bytes) -> str:

@@ -39,7 +39,7 @@ from .._common.oom import is_oom
 from .._common.reporting import report
 from .._engines.base import Engine, LoadTargets
 from .._engines.stats import LoadStats
-from .._planning import ModuleSizes, Plan, module_sizes, split_label
+from .._planning import HiddenWeightsError, ModuleSizes, Plan, module_sizes, split_label
 from .checkpoints import Checkpoint, Entry, Reader, copy_to, is_extra_state_key, open_checkpoint
 
 __all__ = ["load", "empty_model"]
@@ -452,6 +452,9 @@ def load(
     device = _through_holder(model, device, dtype, copy)
     try:
         sizes = module_sizes(model)
+    except HiddenWeightsError as exc:  # packed (quantized) weights
+        raise LoadError(f"{exc}. To load this model's checkpoint, use "
+                        f"model.load_state_dict(torch.load(path))") from None
     except ValueError as exc:  # a lazy module's tensor, whose shape is not known yet
         raise LoadError(f"{exc}. adaptive.load needs every tensor's shape before it reads; it "
                         f"does not size lazy modules from the checkpoint as load_state_dict "

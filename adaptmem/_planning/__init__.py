@@ -16,7 +16,7 @@ from .peak import activation_report, predict_model, predict_per_item
 from .plan import Plan
 from .planner import cannot_run_on_meta, plan, split_inputs
 from .recording import Recording, record_execution_order, record_forward
-from .sizes import ModuleSizes, TensorInfo, module_sizes, tensor_bytes
+from .sizes import HiddenWeightsError, ModuleSizes, TensorInfo, module_sizes, tensor_bytes
 from .targets import (
     Target,
     auto_capacity,
@@ -33,7 +33,7 @@ from .units import Placement, Unit, assign_devices, order_units, paging_units, s
 
 __all__ = [
     "activation_report", "predict_model", "predict_per_item",
-    "ATOMIC_MODULE_TYPES", "ModuleSizes", "Placement", "Plan", "Recording", "Target",
+    "ATOMIC_MODULE_TYPES", "HiddenWeightsError", "ModuleSizes", "Placement", "Plan", "Recording", "Target",
     "TensorInfo", "Unit", "assign_devices", "auto_capacity", "capacity_of",
     "check_capacity", "check_ties", "dtype_name", "label_for_unit", "make_label", "map_key", "module_sizes",
     "order_units", "own_ties_where_first_used", "paging_units", "parse_dtype",

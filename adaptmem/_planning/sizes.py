@@ -13,7 +13,15 @@ from torch.nn.parameter import is_lazy
 
 from .._common.tree import join_name, registrations
 
-__all__ = ["TensorInfo", "ModuleSizes", "module_sizes", "tensor_bytes"]
+__all__ = ["HiddenWeightsError", "TensorInfo", "ModuleSizes", "module_sizes", "tensor_bytes"]
+
+_NOT_OURS = ("Run a quantized model without adaptmem (dynamic quantization runs on the "
+             "CPU), or give adaptmem the float model")
+
+
+class HiddenWeightsError(ValueError):
+    """A model keeps weights adaptmem cannot count or move: packed in a ``torch.ScriptObject``
+    (``torch.ao`` quantized modules' ``_packed_params``) or quantized tensors."""
 
 
 def tensor_bytes(t: torch.Tensor, dtype: torch.dtype | None = None) -> int:
@@ -73,6 +81,18 @@ class ModuleSizes:
         return max(self.tensors.values(), key=lambda t: t.nbytes, default=None)
 
 
+def _refuse_packed(name: str, module: nn.Module) -> None:
+    """Refuse ``module`` when it keeps weights outside its parameters and buffers, where they
+    would count as 0 bytes and stay where they are."""
+    packed = next((k for k, v in vars(module).items() if isinstance(v, torch.ScriptObject)),
+                  None)
+    if packed is not None:
+        raise HiddenWeightsError(
+            f"module {name or '<root>'!r} ({type(module).__name__}) keeps its weights packed "
+            f"in {packed!r} (a torch.ScriptObject, as torch.ao quantized modules do), outside "
+            f"its parameters and buffers, where adaptmem cannot count or move them. {_NOT_OURS}")
+
+
 def module_sizes(model: nn.Module) -> ModuleSizes:
     """Walk ``model`` once and count bytes per module, dtype-aware, ties counted once."""
     modules: list[str] = []
@@ -85,6 +105,7 @@ def module_sizes(model: nn.Module) -> ModuleSizes:
     for mod_name, module in walked:
         seen_modules[id(module)] = mod_name
     for mod_name, module in walked:
+        _refuse_packed(mod_name, module)
         modules.append(mod_name)
         own[mod_name] = []
         # A child registered under two names is the child of its first registration only
@@ -104,6 +125,10 @@ def module_sizes(model: nn.Module) -> ModuleSizes:
                 f"{'parameter' if r.kind == 'parameter' else 'buffer'}: its shape is not known "
                 f"yet. Run one forward pass (or build the module with its sizes) before "
                 f"handing the model to adaptmem")
+        if t.is_quantized:
+            raise HiddenWeightsError(
+                f"{r.name!r} is a quantized tensor ({t.dtype}), which adaptmem cannot count or "
+                f"move. {_NOT_OURS}")
         aliases[r.name] = []
         own[r.module_name].append(r.name)
         tensors[r.name] = TensorInfo(r.name, r.module_name, r.attr, r.kind, tensor_bytes(t),

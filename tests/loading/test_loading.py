@@ -19,7 +19,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import OddOffsets
+from models import OddOffsets, dynamically_quantized
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1489,6 +1489,28 @@ def test_an_uninitialised_lazy_module_is_a_clear_error(into: str, tmp_path: Path
                                         r"parameter.*Run one forward pass.*does not size lazy "
                                         r"modules from the checkpoint"):
         adaptive.load(lazy if into == "factory" else lazy(), tmp_path / "m.pt")
+
+
+@pytest.mark.parametrize("into", ["float", "quantized"])
+def test_quantized_weights_are_refused_naming_the_key_and_load_state_dict(
+    into: str, tmp_path: Path,
+) -> None:
+    # The file was "not a readable torch.save checkpoint", followed by 6.8 KB of torch's
+    # dispatcher listing (QuantizedMeta); the quantized model's own weights counted 0 B.
+    quantized = dynamically_quantized()
+    torch.save(quantized.state_dict(), tmp_path / "q.pt")
+    if into == "float":
+        match = (r"q.pt' holds quantized tensors \(first: '0._packed_params._packed_params"
+                 r"\[0\]', torch.qint8\), which adaptive.load does not read.*"
+                 r"model.load_state_dict\(torch.load\(path\)\)")
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    else:
+        match = (r"module '0._packed_params' \(LinearPackedParams\) keeps its weights packed"
+                 r".*model.load_state_dict\(torch.load\(path\)\)")
+        model = dynamically_quantized()
+    with pytest.raises(LoadError, match=match) as info:
+        adaptive.load(model, tmp_path / "q.pt")
+    assert len(str(info.value)) < 600
 
 
 @pytest.mark.filterwarnings("ignore:Validating sparse tensor invariants")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import HeadFirst, WithEmptyLayer
+from models import HeadFirst, WithEmptyLayer, dynamically_quantized
 from torch import nn
 
 from adaptmem import adaptive
@@ -239,3 +239,23 @@ def test_a_model_on_meta_that_cannot_run_there_is_planned_in_registration_order(
     # Another error of the model's, on meta too, is raised as it was.
     with pytest.raises(RuntimeError, match="reduction dim"):
         adaptive.plan(model, example_inputs=torch.empty(2, 5, device="meta"))
+
+
+@pytest.mark.parametrize("how", ["plan", "page", "chunk", "split"])
+def test_weights_packed_by_quantization_are_refused_naming_the_module(how: str) -> None:
+    # They live in a ScriptObject, not in parameters: the plan said "0 units, 0 B" and page
+    # took a 64 KiB budget while placing nothing.
+    model = dynamically_quantized()
+    x = torch.randn(2, 64)
+    want = model(x)
+    with pytest.raises(ValueError, match=r"module '0._packed_params' \(LinearPackedParams\) "
+                                         r"keeps its weights packed .*without adaptmem"):
+        if how == "plan":
+            adaptive.plan(model, unit_bytes=0)
+        elif how == "page":
+            adaptive.page(model, "cpu", device_budget="64KiB")
+        elif how == "chunk":
+            adaptive.chunk(model, "cpu", capacity=10**6)
+        else:
+            adaptive.split(model, {"cpu@bfloat16": None})
+    assert torch.equal(model(x), want)
