@@ -6,6 +6,7 @@ its inputs: see [Note: recording on a copy] in ``recording.py``.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -67,13 +68,15 @@ def plan(
         example_inputs: a tensor, a tuple of positional inputs, or a dict of keyword inputs
             (meta works). One forward, on a copy of the model (which does not change),
             learns the execution order.
-        order: module names in execution order, when already known.
+        order: module names in execution order, each once, when already known (for a
+            model that cannot run ``example_inputs``' forward); not with ``example_inputs``.
 
     Returns:
         A ``Plan``: ``print(plan)`` is a table, ``plan.device_map`` a ``{module: device}`` dict.
 
     Raises:
-        TypeError / ValueError: a bad argument, named in the message.
+        TypeError / ValueError: a bad argument, named in the message; ``order`` with
+            ``example_inputs``, or naming a module twice.
         PlacementError: the model does not fit the devices given.
 
     Example:
@@ -94,6 +97,12 @@ def plan(
         if isinstance(order, str) or not isinstance(order, Sequence):
             raise TypeError(f"order must be a list of module names in execution order, got "
                             f"{order!r}")
+        if example_inputs is not None:
+            raise TypeError(
+                "order= and example_inputs= both give the execution order (the forward "
+                "example_inputs runs records it, with the weights each module reads); pass "
+                "one: order= for a model that cannot run that forward, example_inputs= "
+                "otherwise")
         known = set(sizes.modules)
         unknown = [n for n in order if n not in known]
         if unknown:
@@ -101,6 +110,12 @@ def plan(
                 f"order names {', '.join(repr(n) for n in unknown[:5])}"
                 f"{' ...' if len(unknown) > 5 else ''}, not module(s) of this model; give "
                 f"names as model.named_modules() does")
+        twice = sorted(n for n, times in Counter(order).items() if times > 1)
+        if twice:
+            raise ValueError(
+                f"order names {', '.join(repr(n) for n in twice[:5])}"
+                f"{' ...' if len(twice) > 5 else ''} more than once; give each module once, "
+                f"where it first runs")
     recording = None
     unrecorded = None  # why a model on meta could not run the example forward
     if example_inputs is not None:
@@ -114,10 +129,10 @@ def plan(
             unrecorded = (f"the model cannot run on the meta device "
                           f"({first_line(exc, typed=False)}); units are in "
                           f"registration order: build it with real weights, or pass order= "
-                          f"the modules' execution order")
+                          f"the modules' execution order instead of example_inputs=")
             logger.info("adaptive.plan: %s", unrecorded)
         else:
-            order = recording.order if order is None else order
+            order = recording.order
     result = _plan(model, sizes, recording, unit_bytes, devices, dtype, order)
     if unrecorded is not None:
         result.options["activations"] = {"predicted": False, "reason": unrecorded}

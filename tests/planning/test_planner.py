@@ -187,6 +187,20 @@ def test_plan_rejects_what_is_not_a_module() -> None:
         adaptive.plan(nn.Linear(2, 2), unit_bytes="lots")
 
 
+def test_an_order_naming_a_module_twice_or_given_with_example_inputs_is_refused() -> None:
+    # Both were taken: a name given twice silently, and order= silently overrode the order
+    # example_inputs' forward recorded.
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"order names '1' more than once; give each module "
+                                         r"once"):
+        adaptive.plan(model, order=["1", "0", "1"])
+    with pytest.raises(TypeError, match=r"order= and example_inputs= both give the execution "
+                                        r"order.*pass one"):
+        adaptive.plan(model, order=["1", "0"], example_inputs=torch.randn(1, 2))
+    assert [u.module for u in adaptive.plan(model, unit_bytes=0, order=["1", "0"]).units] == [
+        "1", "0"]
+
+
 def test_split_unit_keeps_ownership_and_borrows_ties() -> None:
     from adaptmem._planning import split_unit
 
