@@ -72,23 +72,28 @@ def _torchvision_builder(spec: str) -> Any:
             f"'package.module:factory' path") from None
 
 
-def _factory(spec: str) -> Any:
+def _factory(spec: str, label: str = "model", wanted: str = "factory",
+             role: str = "a function or class that builds the model") -> Any:
+    """The object ``spec`` (``package.module:attribute``) names; errors start with ``label``
+    ("model 'x'", "--example 'x'") and ask for a ``wanted`` that is ``role``."""
+    label = f"{label} {spec!r}"
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
-        raise _UsageError(f"model {spec!r}: write a factory as 'package.module:factory', "
-                          f"e.g. 'torchvision.models:resnet18'")
+        like = "torchvision.models:resnet18" if wanted == "factory" else "mymodels:make_inputs"
+        raise _UsageError(f"{label}: write a {wanted} as 'package.module:{wanted}', e.g. "
+                          f"{like!r}")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's path
-        raise _UsageError(f"model {spec!r}: cannot import {module_name!r} ({first_line(exc)}); "
+        raise _UsageError(f"{label}: cannot import {module_name!r} ({first_line(exc)}); "
                           f"check the module path and that it is importable here") from None
     found: Any = module
     for part in attr.split("."):
         try:
             found = getattr(found, part)
         except AttributeError:
-            raise _UsageError(f"model {spec!r}: {module_name!r} has no attribute {attr!r}; "
-                              f"name a function or class that builds the model") from None
+            raise _UsageError(f"{label}: {module_name!r} has no attribute {attr!r}; "
+                              f"name {role}") from None
     return found
 
 
@@ -155,7 +160,7 @@ def _example_from(spec: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
     a tensor, a tuple of positional inputs or a dict of keyword inputs."""
     from ._planning import split_inputs
 
-    maker = _factory(spec)
+    maker = _factory(spec, "--example", "function", "a function that returns the example inputs")
     if not callable(maker):
         raise _UsageError(f"--example {spec!r} is {type(maker).__name__}, not a function; name "
                           f"a function that returns the example inputs")
@@ -282,6 +287,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ._common.errors import AdaptmemError
     from ._planning import module_sizes, plan, plan_placement
 
+    if args.image_size is not None and (args.example is not None or ":" in args.model):
+        why = ("--example gives the inputs" if args.example is not None else
+               f"{args.model!r} is a factory, not a torchvision model")
+        raise _UsageError(f"--image-size sizes the example input of a torchvision model, but "
+                          f"{why}, so it would be ignored; leave it out")
+    if args.image_size is None:
+        args.image_size = 224
     if args.image_size <= 0:
         raise _UsageError(f"--image-size must be a positive number of pixels, got "
                           f"{args.image_size}")
@@ -416,8 +428,9 @@ def _parser() -> argparse.ArgumentParser:
                         "reserve; needs the device); not for split (sizes go in --device)")
     p.add_argument("--dtype", default=None, help="dtype weights take on the placed device(s), "
                    "e.g. float16 or bfloat16 (chunk: the resident device only)")
-    p.add_argument("--image-size", type=int, default=224,
-                   help="example input size for vision models (default 224)")
+    p.add_argument("--image-size", type=int, default=None,
+                   help="example input size for torchvision models (default 224); not with "
+                        "a factory or --example")
     p.add_argument("--example", default=None, metavar="PACKAGE.MODULE:FUNCTION",
                    help="a function returning example inputs (a tensor, tuple or dict of "
                         "keyword inputs, made on meta) whose forward gives the execution "

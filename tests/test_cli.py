@@ -125,6 +125,22 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
          "the capacity after '=' is empty"),
         (["plan", "resnet18", "--mode", "split", "--device", "cuda:0=2.5", "--device", "cpu"],
          "write a unit, e.g. '2.5GiB'"),
+        # A mistake in --example was reported as one in the model ("model 'models:gated':
+        # ... name a function or class that builds the model").
+        (["plan", "models:gated", "--example", "models:make_inputs"],
+         "error: --example 'models:make_inputs': 'models' has no attribute 'make_inputs'; "
+         "name a function that returns the example inputs"),
+        (["plan", "models:gated", "--example", "no_such_package_xyz:make"],
+         "error: --example 'no_such_package_xyz:make': cannot import"),
+        (["plan", "models:gated", "--example", "models"],
+         "error: --example 'models': write a function as 'package.module:function'"),
+        # --image-size was ignored without a word where it sizes nothing.
+        (["plan", "models:gated", "--image-size", "64"],
+         "--image-size sizes the example input of a torchvision model, but 'models:gated' is "
+         "a factory"),
+        (["plan", "resnet18", "--example", "models:vit_small_example", "--image-size", "64"],
+         "--image-size sizes the example input of a torchvision model, but --example gives "
+         "the inputs"),
     ],
 )
 def test_plan_errors_are_one_line_with_exit_status_2(
