@@ -95,12 +95,22 @@ def make_oom(kind: str = "cuda", nbytes: int = 2 * 1024**3) -> BaseException:
     ``kind`` is one of ``OOM_KINDS``: cuda, cuda-runtime, cuda-driver, cuda-driver-api, hip,
     mps, xpu, cublas, cudnn, cudnn-alloc, cufft, cusolver, cusparse, cpu, python, two-args.
     """
-    try:
-        exc_type, templates = OOM_KINDS[kind]
-    except KeyError:
-        raise ValueError(f"kind={kind!r} is unknown; use one of {sorted(OOM_KINDS)}") from None
+    if not isinstance(kind, str) or kind not in OOM_KINDS:
+        raise (ValueError if isinstance(kind, str) else TypeError)(
+            f"kind={kind!r} is unknown; use one of {sorted(OOM_KINDS)}")
+    exc_type, templates = OOM_KINDS[kind]
+    _check_amount(nbytes, "nbytes", "a number of bytes")
     args = tuple(t.format(n=nbytes, gib=nbytes / 1024**3, mib=nbytes / 1024**2) for t in templates)
     return exc_type(*args)
+
+
+def _check_amount(value: Any, name: str, what: str) -> None:
+    """Refuse a ``value`` that is not a real number >= 0 (NaN, a bool, a string)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what} (an int >= 0), got {type(value).__name__} "
+                        f"{value!r}")
+    if not value >= 0:  # NaN too
+        raise ValueError(f"{name} must be {what} >= 0, got {value!r}")
 
 
 def raise_oom(kind: str = "cuda", nbytes: int = 2 * 1024**3) -> None:
@@ -118,17 +128,25 @@ class MemoryCeiling:
 
     def __init__(self, capacity: int, kind: str = "cuda") -> None:
         make_oom(kind)  # fail early on an unknown kind
-        given: Any = capacity  # annotated int; NumPy numbers and floats are numbers too
-        if isinstance(given, bool) or not isinstance(given, numbers.Real):
-            raise TypeError(f"capacity must be a number of units (items, bytes, ...), got "
-                            f"{type(capacity).__name__} {capacity!r}")
-        self.capacity = capacity
+        self.capacity = capacity  # checked: see the property
         self.kind = kind
         self.attempts: list[int] = []
         self.failures: list[int] = []
         self._lock = threading.Lock()
 
+    @property
+    def capacity(self) -> int:
+        """What the pretend device holds; set it at any time (a number >= 0)."""
+        return self._capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        # NumPy numbers and floats are numbers too; infinity holds anything.
+        _check_amount(value, "capacity", "a number of units (items, bytes, ...)")
+        self._capacity = value
+
     def require(self, n: int) -> None:
+        _check_amount(n, "require(n)", "the units asked for")
         with self._lock:
             self.attempts.append(n)
             fits = n <= self.capacity

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from adaptmem import OutOfMemoryError, adaptive
-from adaptmem.testing import make_oom
+from adaptmem.testing import MemoryCeiling, make_oom, raise_oom
 
 
 class _Model:
@@ -343,3 +343,25 @@ def test_the_call_forms_and_the_cache_refuse_bad_input_in_their_own_words() -> N
             adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=bad)
     with pytest.raises(TypeError, match="and no initial_batchsize was given"):
         adaptive.batch(max_batchsize=4)(lambda batchsize: batchsize)
+
+
+def test_the_testing_helpers_refuse_bad_amounts_before_recording_anything() -> None:
+    # MemoryCeiling(-5) and NaN were taken (NaN refused every request), require("x")
+    # recorded "x" and then failed with a raw TypeError, make_oom(nbytes="2GiB") failed
+    # inside a format string, and raise_oom(["cuda"]) with "unhashable type".
+    for bad, error in [(-5, ValueError), (float("nan"), ValueError), ("lots", TypeError),
+                       (True, TypeError)]:
+        with pytest.raises(error, match="capacity must be a number of units"):
+            MemoryCeiling(bad)
+    ceiling = MemoryCeiling(10)
+    with pytest.raises(TypeError, match=r"require\(n\) must be the units asked for"):
+        ceiling.require("x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="capacity must be"):
+        ceiling.capacity = "lots"  # type: ignore[assignment]
+    assert ceiling.attempts == [] and ceiling.capacity == 10
+    with pytest.raises(TypeError, match="nbytes must be a number of bytes"):
+        make_oom(nbytes="2GiB")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="nbytes must be a number of bytes >= 0"):
+        make_oom(nbytes=-1)
+    with pytest.raises(TypeError, match=r"kind=\['cuda'\] is unknown"):
+        raise_oom(["cuda"])  # type: ignore[arg-type]
