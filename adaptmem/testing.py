@@ -109,7 +109,7 @@ def _check_amount(value: Any, name: str, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {what} (an int >= 0), got {type(value).__name__} "
                         f"{value!r}")
-    if not value >= 0:  # NaN too
+    if not float(value) >= 0:  # NaN too
         raise ValueError(f"{name} must be {what} >= 0, got {value!r}")
 
 
