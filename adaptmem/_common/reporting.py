@@ -10,21 +10,12 @@ weakly, so registering never keeps a model or a handle alive.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any, Protocol
 
-__all__ = ["Reports", "report", "live_reports", "untouched"]
-
-# [Note: a trace is not counted] ``initial_batchsize="auto"`` and ``model=`` run the
-# function on fake tensors to predict its peak; the engines it calls count that run as if it
-# were real (a pager's forwards, transfers and bytes moved: 168 forwards after a call that
-# ran 4). Their figures are put back as they were when the trace ends. A source that can be
-# put back offers ``snapshot()`` and ``restore(state)``; the decorators' own counters, which
-# a trace does not touch, offer neither.
+__all__ = ["Reports", "report", "live_reports"]
 
 
 class Reports(Protocol):
@@ -61,17 +52,3 @@ def live_reports() -> list[tuple[str, Reports]]:
     with _lock:
         entries = sorted(_live.values(), key=lambda e: e[0])
     return [(section, stats) for _, section, stats in entries]
-
-
-@contextlib.contextmanager
-def untouched() -> Iterator[None]:
-    """Every live source's figures as they were before the block (those that can be put
-    back): see [Note: a trace is not counted]."""
-    with _lock:
-        sources = [stats for _, _, stats in _live.values() if hasattr(stats, "restore")]
-    saved = [(stats, stats.snapshot()) for stats in sources]  # type: ignore[attr-defined]
-    try:
-        yield
-    finally:
-        for stats, state in saved:
-            stats.restore(state)  # type: ignore[attr-defined]

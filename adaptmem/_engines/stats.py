@@ -8,8 +8,16 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .._common.devices import format_bytes
+from .._common.peak import fake_mode
 
-__all__ = ["Stats", "PagingStats", "PlacementStats", "LoadStats"]
+__all__ = ["Stats", "PagingStats", "PlacementStats", "LoadStats", "TraceCounts"]
+
+# [Note: a trace is not counted] ``initial_batchsize="auto"`` and ``model=`` run the
+# function on fake tensors to predict its peak; an engine it calls counted that forward as
+# if it were real (a pager's forwards, transfers and bytes moved: 168 forwards after a call
+# that ran 4). An engine's forward under a fake mode (``TraceCounts``) puts its figures back
+# as they were when it ends. Only that forward's own figures: an engine runs one forward at
+# a time, and other threads' forwards of other engines meanwhile are counted as usual.
 
 
 @dataclass
@@ -24,8 +32,7 @@ class Stats:
                 for f in fields(self) if not f.name.startswith("_")}
 
     def snapshot(self) -> dict[str, Any]:
-        """The figures, to ``restore`` (see [Note: a trace is not counted] in
-        ``_common/reporting.py``)."""
+        """The figures, to ``restore`` (see [Note: a trace is not counted])."""
         return self.as_dict()
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -96,3 +103,24 @@ class LoadStats(Stats):
     bytes_direct: int = 0
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
+
+
+class TraceCounts:
+    """An engine's forwards under a trace leave its ``stats`` as they were: see [Note: a
+    trace is not counted]."""
+
+    __slots__ = ("stats", "saved")
+
+    def __init__(self, stats: Stats) -> None:
+        self.stats = stats
+        self.saved: dict[str, Any] | None = None
+
+    def begin(self) -> None:
+        """An outermost forward begins: its figures are kept if it runs under a trace."""
+        self.saved = self.stats.snapshot() if fake_mode() is not None else None
+
+    def end(self) -> None:
+        """That forward ended: a traced one's figures are put back."""
+        if self.saved is not None:
+            self.stats.restore(self.saved)
+            self.saved = None

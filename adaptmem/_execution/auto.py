@@ -106,7 +106,6 @@ from .._common.peak import (
     fit,
     is_fake,
 )
-from .._common.reporting import untouched
 from .retry import is_lazy
 
 __all__ = ["AUTO", "DEFAULT_MAX_BATCHSIZE", "AutoStart", "has_fakes"]
@@ -229,8 +228,7 @@ def _trace(call: Callable[[int], Any], size: int, device: torch.device,
     try:
         # No gradients: a backward would set real parameters' .grad to fakes (autograd
         # assigns a missing .grad without an op the guard could see); it fails instead.
-        # The engines' figures stay as they were: see [Note: a trace is not counted].
-        with torch.no_grad(), mode, tracker, _Guard(), untouched():
+        with torch.no_grad(), mode, tracker, _Guard():
             result = call(size)
             if is_lazy(result):  # none of its work done, or not where a trace sees it
                 if result.__class__ in LAZY:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -99,15 +99,17 @@ class CallStack(list[Frame]):
 
     def _take(self, me: int) -> bool:
         """Take the stack for thread ``me`` (under the lock), unless its owner is in a
-        forward: then the owner keeps it, and True. The stack is marked ``me``'s before the
-        owner is looked for, so an owner whose forward was cut short, calling again now, takes
-        the slow path of ``claim`` (and waits for this) instead of running beside ``me``: an
-        owner seen outside a forward has not started one unseen. (``me`` in a forward
-        itself, for ``claim_idle``: True.)"""
-        owner, self.thread = self.thread, me
+        forward (``me`` too, for ``claim_idle``): then the owner keeps it, and True. The
+        stack stays the owner's while it is looked for: marked ``me``'s meanwhile, the
+        owner's own hooks would take it for another thread's (its next pre-hook refused, its
+        post-hooks skipped). An owner whose forward was cut short that calls again in that
+        moment takes the fast path and runs beside ``me``: a window of a few microseconds,
+        after a ``KeyboardInterrupt``, that a lock on every hook would close at a cost to
+        every forward."""
+        owner = self.thread
         if owner and self._in_forward(owner):
-            self.thread = owner
             return True
+        self.thread = me
         return False
 
     def _in_forward(self, thread: int) -> bool:
@@ -151,6 +153,14 @@ class Hooks:
     def remove(self, module: nn.Module) -> None:
         """Unhook ``module``, if it is hooked."""
         self.installed.remove(module)
+
+    def keep_needed(self, modules: Iterable[nn.Module], needed: Container[int],
+                    seen: Container[int]) -> None:
+        """Unhook the modules a learned forward called (ids in ``seen``) that need no hooks
+        (ids not in ``needed``), but the root."""
+        for m in modules:
+            if id(m) in seen and id(m) not in needed and m is not self.root:
+                self.remove(m)
 
     def __contains__(self, module: nn.Module) -> bool:
         return module in self.installed

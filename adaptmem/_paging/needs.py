@@ -67,6 +67,10 @@ class Needs:
             return self.alone.get(mid, needs)
         return needs
 
+    def hooked(self) -> set[int]:
+        """The ids of the modules that acquire something, in any call."""
+        return self.by_module.keys() | self.alone.keys()
+
     def compute(self, units: Sequence[Unit], modules: dict[str, nn.Module], table: SlotTable,
                 learner: Learner) -> None:
         """Recompute from ``units`` and, once a forward is learned, what ``learner`` saw

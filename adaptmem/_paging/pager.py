@@ -35,7 +35,7 @@ from .._common.tree import calls_in_progress, dataclass_fields, first_tensor_dev
 from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
 from .._engines.hoststore import LOADED, Slot, make_slots
-from .._engines.stats import PagingStats
+from .._engines.stats import PagingStats, TraceCounts
 from .._engines.transfer import Transfer, transfer_for
 from .._planning import Placement, Plan, Unit, module_sizes, order_units, paging_units
 from .hooks import CallStack, Frame, Hooks
@@ -171,6 +171,7 @@ class Pager(Engine):
         self.model, self.device, self.prefetch, self.budget = model, device, prefetch, device_budget
         self.output_device = output_device
         self._stats, self._sizes = PagingStats(), module_sizes(model)
+        self._counts = TraceCounts(self._stats)
         self._modules = dict(model.named_modules())
         self._name_of = {id(m): n for n, m in self._modules.items()}
         self._input_device: torch.device | None = None
@@ -316,6 +317,7 @@ class Pager(Engine):
         self._schedule.restart()
         self._table.modes = modes_on()  # See [Note: version reads skip torch function modes]
         self._table.settle(block=False)
+        self._counts.begin()  # See [Note: a trace is not counted]
         if self._learner.begin_call():  # learning again: every module watched
             for m in self._modules.values():
                 self._hooks.add(m)
@@ -323,6 +325,7 @@ class Pager(Engine):
     def _end_call(self) -> None:
         """The outermost call into the model ended (see ``SlotTable.end_call``)."""
         self._table.end_call()
+        self._counts.end()
         self._guard.adopt_replacements()
 
     def _end_forward(self, failed: bool) -> None:
@@ -335,12 +338,8 @@ class Pager(Engine):
         # Modules the learned forward never called keep their hooks (free until called): a
         # later forward down that path brings the probe back. So do modules inside a unit
         # holding paged weights ([Note: modules inside a unit]; users' hooks keep order).
-        needs, seen = self._needs, self._learner.seen
-        for m in self._modules.values():
-            mid = id(m)
-            if (mid in seen and mid not in needs.by_module and mid not in needs.alone
-                    and m is not self.model):
-                self._hooks.remove(m)
+        self._hooks.keep_needed(self._modules.values(), self._needs.hooked(),
+                                self._learner.seen)
 
     # -- acquiring -------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from .._common.inputs import MovedInputs
+from .._common.peak import fake_mode
 from .._common.tree import dataclass_fields, map_tensors
 from .._engines.base import HookSet
 from .._engines.guard import PlacementGuard
@@ -215,8 +216,9 @@ class BoundaryHooks:
 
     def _mover(self, device: torch.device | None,
                dtype: torch.dtype | None) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A tensor moved to ``device`` (floating ones to ``dtype``), its bytes counted."""
-        stats = self.stats
+        """A tensor moved to ``device`` (floating ones to ``dtype``), its bytes counted (not
+        under a trace: See [Note: a trace is not counted] in ``_engines/stats.py``)."""
+        stats = self.stats if fake_mode() is None else PlacementStats()
 
         def move(t: torch.Tensor) -> torch.Tensor:
             want = dtype if dtype is not None and t.is_floating_point() else t.dtype

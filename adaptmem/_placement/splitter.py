@@ -266,7 +266,8 @@ class Splitter(BoundaryHooks, Engine):
                     self._place_first(args, kwargs)
         else:
             self._guard.check()
-        self.stats.forwards += 1
+        if fake_mode() is None:  # See [Note: a trace is not counted] in _engines/stats.py
+            self.stats.forwards += 1
         return self._pre("", module, args, kwargs)
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> Any:

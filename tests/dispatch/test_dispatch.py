@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -379,6 +380,36 @@ def test_auto_and_model_together_predict_through_the_paged_model() -> None:
     run.remove()
     for got in results:
         torch.testing.assert_close(got, want)
+
+
+def test_a_trace_leaves_another_threads_figures_counted() -> None:
+    # The first fix put every engine's figures back at the end of a trace: the forwards
+    # another thread ran meanwhile, on a model the traced function never used, were lost.
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).eval()
+    x = torch.randn(2, 16)
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=64, device="cpu")
+    def predict(batchsize: int, data: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.1)
+        return data[:batchsize] * 2
+
+    ran, stop = [0], threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            with torch.no_grad():
+                model(x)
+            ran[0] += 1
+
+    with adaptive.page(model, "cpu", resident_bytes=0) as pager:
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        try:
+            predict(torch.randn(64, 16))
+        finally:
+            stop.set()
+            thread.join(10)
+        assert ran[0] > 0 and pager.stats.forwards == ran[0]
 
 
 def test_a_model_put_in_training_mode_after_decoration_is_refused_in_the_users_terms(

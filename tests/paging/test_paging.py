@@ -1731,8 +1731,9 @@ def test_threads_racing_for_a_paged_model_are_refused_and_never_break_the_runnin
                 with torch.no_grad():
                     got = model(x)
                 outcomes.append("ok" if torch.equal(got, want) else "WRONG")
-            except PlacementError:
-                outcomes.append("refused")
+            except PlacementError as exc:  # never the running thread's own forward
+                mine = f"(thread {threading.get_ident()})" in str(exc)
+                outcomes.append(f"refused its own forward: {exc}" if mine else "refused")
             except Exception as exc:  # noqa: BLE001 - what the test looks for
                 outcomes.append(f"{type(exc).__name__}: {exc}")
 
