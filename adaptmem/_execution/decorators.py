@@ -176,9 +176,13 @@ _INJECTED_NAMES = {"batch": {"batchsize": 0, "batch_size": 0},
 def _misplaced(func: Callable[..., Any], kind: str, positional: list[str],
                takes_instance: bool, signature: inspect.Signature) -> str | None:
     """Why ``func`` cannot be called as it is written, when it names an injected parameter
-    at another position: the batch size, or both start and end (a function may take a
-    ``start`` keyword of its own); None when it names none elsewhere."""
+    at another position among ``positional`` (its positional parameters without a default:
+    one with a default is an option of its own, ``batch_size=32``): the batch size, or both
+    start and end (a function may take a ``start`` of its own); None when it names none
+    elsewhere, or the batch size's place holds one of its names already."""
     expected = _INJECTED_NAMES[kind]
+    if kind == "batch" and positional[:1] and positional[0] in expected:
+        return None
     if kind != "batch" and not {"start", "end"} <= set(positional):
         return None
     for name, at in expected.items():
@@ -225,7 +229,7 @@ def _call_shape(func: Callable[..., Any], kind: str, leading: int, takes_instanc
         names, limit = tuple(p.name for p in positional[:leading]), len(positional) - leading
     misplaced = None
     if check:  # a plain function may be set on a class later, and called as a method
-        names_given = [p.name for p in positional]
+        names_given = [p.name for p in positional if p.default is p.empty]
         misplaced = _misplaced(func, kind, names_given, takes_instance, signature)
         if misplaced and (takes_instance or _misplaced(func, kind, names_given[1:], True,
                                                        signature)):

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import logging
 import types
 from collections.abc import Callable, Iterator, Mapping
-from itertools import islice
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ def _named(args: tuple[Any, ...], kwargs: dict[str, Any], first: int
 
 
 _DEPTH, _BUDGET = 4, 10_000  # how deep and how many objects the retry's check walks
+# Endless iterators an object holds as a counter (``self.ids = itertools.count()``): reading
+# from one is not reading items a retry would miss.
+_COUNTERS = (itertools.count, itertools.cycle, itertools.repeat)
 _OPAQUE = (torch.Tensor, nn.Module, str, bytes, bytearray, memoryview, type, io.IOBase,
            types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 
@@ -59,12 +62,16 @@ def _iterator_in(value: Any, where: str) -> tuple[str, Iterator[Any]] | None:
     is: ``argument 1['stream']``, ``argument 2.reader``."""
     seen: set[int] = set()
     todo = [(value, where, 0)]
-    while todo and len(seen) < _BUDGET:
+    visited = 0
+    while todo and visited < _BUDGET:
         obj, path, depth = todo.pop()
-        if id(obj) in seen or isinstance(obj, _OPAQUE) or obj is None:
+        visited += 1
+        if isinstance(obj, _OPAQUE) or obj is None or id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, Iterator):
+            if depth and isinstance(obj, _COUNTERS):  # held as a counter: nothing to miss
+                continue
             return path, obj
         if depth == _DEPTH:
             continue
@@ -82,7 +89,7 @@ def _iterator_in(value: Any, where: str) -> tuple[str, Iterator[Any]] | None:
             except TypeError:  # no __dict__ (numbers, C objects)
                 continue
             items = ((f"{path}.{k}", v) for k, v in attributes.items() if k[:1] != "_")
-        todo.extend((v, p, depth + 1) for p, v in reversed(list(islice(items, _BUDGET))))
+        todo.extend((v, p, depth + 1) for p, v in reversed(list(itertools.islice(items, _BUDGET))))
     return None
 
 

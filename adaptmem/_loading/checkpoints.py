@@ -321,7 +321,7 @@ def _open_torch(path: Path, single_key: str | None, state_key: str | None = None
         raise
     except Exception as exc:
         why = str(exc) or type(exc).__name__
-        if "Quantized" in why:  # torch cannot make a quantized tensor on meta
+        if "'QuantizedMeta' backend" in why:  # torch cannot make a quantized tensor on meta
             raise LoadError(_quantized(name, path)) from None
         if "meta tensor" in why:  # torch rebuilds a sparse (or other packed) tensor eagerly
             why += (" (it holds a tensor torch rebuilds when loading, such as a sparse one: "

@@ -211,6 +211,8 @@ def _pin_in_loader_threads(tensors: Tensors, patches: Patches) -> None:
     def pin_memory(data: Any, device: Any = None) -> Any:
         threads = tensors.state.threads
         ident = threading.get_ident()
+        if ident in threads:  # the thread the simulation runs in (a loader without workers)
+            return original(data, device)
         threads.add(ident)
         try:
             with _tensors.Functions(tensors), _tensors.Dispatch(tensors):

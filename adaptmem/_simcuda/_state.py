@@ -43,6 +43,18 @@ class SimGenerator(torch.Generator):
     def __repr__(self) -> str:
         return f"<simulated torch.Generator device=cuda:{self.index}>"
 
+    def __reduce__(self) -> Any:
+        """Copied (``copy.deepcopy``) or pickled as a generator of its device, with its
+        state: torch's own reduction would make a CPU generator of it."""
+        return _restored, (self.index, self.get_state())
+
+
+def _restored(index: int, state: torch.Tensor) -> SimGenerator:
+    """A simulated device's generator, from ``SimGenerator.__reduce__``."""
+    generator = SimGenerator(index)
+    generator.set_state(state)
+    return generator
+
 
 _PHILOX_STATE_BYTES = 16  # a CUDA generator's state: seed and offset, 8 bytes each
 

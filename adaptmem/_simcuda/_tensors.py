@@ -546,8 +546,7 @@ class Tensors:
         refuse_layout(source.layout, "a copy to the device (.to, .cuda, module.to)",
                       self.devices[index])
         dtype = kwargs.get("dtype") or source.dtype
-        # Counted before the copy is made: an allocation that does not fit costs nothing.
-        record = self.reserve(source.numel() * dtype.itemsize, index)
+        record = self.reserve(source.numel() * dtype.itemsize, index)  # before: none if no room
         if non_blocking and x.is_cpu:
             memory_format = kwargs.get("memory_format") or torch.preserve_format
             dst = self.empty_backing(source, dtype, record) if (
@@ -561,6 +560,7 @@ class Tensors:
         out = self.wrap(aten._to_copy.default(source, **kwargs), record)
         if not x.is_cuda:
             _over_the_link(self.state, source.numel() * dtype.itemsize, started)
+            self.state.current_streams[index].synchronize()  # as CUDA's memcpy_and_sync
         return out
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
@@ -592,8 +592,9 @@ class Tensors:
         else:
             started = time.perf_counter()
             db.copy_(sb)
-            if not src.is_cuda:
+            if not src.is_cuda:  # a blocking copy from the host syncs its stream, as CUDA's
                 _over_the_link(self.state, db.numel() * db.element_size(), started)
+                stream.synchronize()  # memcpy_and_sync does
         return dst
 
     def _async_copy(self, dst: torch.Tensor, src: torch.Tensor, record: Record) -> None:

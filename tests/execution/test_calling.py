@@ -365,3 +365,20 @@ def test_the_testing_helpers_refuse_bad_amounts_before_recording_anything() -> N
         make_oom(nbytes=-1)
     with pytest.raises(TypeError, match=r"kind=\['cuda'\] is unknown"):
         raise_oom(["cuda"])  # type: ignore[arg-type]
+
+
+def test_parameters_with_defaults_named_like_the_injected_ones_are_options() -> None:
+    # The first check refused these: a batch_size option after the injected batchsize, a
+    # library's batchsize=32 option, range and chunked steps with start/end options.
+    def embed(batchsize: int, texts: list[str], batch_size: int | None = None) -> int:
+        return batchsize
+
+    def encode(bs: int, data: list[str], batchsize: int = 32) -> int:
+        return bs
+
+    def fill(lo: int, hi: int, data: Any, start: int = 0, end: int | None = None) -> int:
+        return hi - lo
+
+    assert adaptive.batch(initial_batchsize=4)(embed)(["a"]) == 4
+    assert adaptive.batch(initial_batchsize=4)(encode)(["a"]) == 4
+    assert adaptive.range(initial_step=4)(fill)(0, 8, None) == [4, 4]

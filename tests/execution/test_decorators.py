@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import re
 import sys
@@ -1350,6 +1351,7 @@ def test_a_retry_refuses_an_iterator_held_inside_an_argument() -> None:
         def __init__(self, stream: Any) -> None:
             self.stream = stream
             self._cursor = iter(())  # the object's own state: not what the function reads
+            self.ids = itertools.count()  # a counter: nothing a retry would miss
 
     def first_stream(sources: Any) -> Any:
         if isinstance(sources, dict):

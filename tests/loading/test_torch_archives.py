@@ -159,6 +159,19 @@ def test_a_malicious_pickle_runs_nothing_and_names_what_it_would_call(tmp_path: 
     assert not (tmp_path / "ran-on-load").exists()
 
 
+class QuantizedConfig:
+    """A user's config class whose name says "Quantized": no quantized tensor in sight."""
+
+
+def test_a_class_named_quantized_is_refused_as_an_object_not_as_quantized_tensors(
+        tmp_path: Path) -> None:
+    # Any load failure with "Quantized" in it was taken for a quantized tensor on meta.
+    torch.save({"state_dict": _net().state_dict(), "config": QuantizedConfig()},
+               tmp_path / "run.pt")
+    with pytest.raises(LoadError, match=r"holds objects other than tensors .*QuantizedConfig"):
+        adaptive.load(_net, tmp_path / "run.pt")
+
+
 def test_objects_torch_load_refuses_name_the_type_and_safe_globals(tmp_path: Path) -> None:
     import argparse
 

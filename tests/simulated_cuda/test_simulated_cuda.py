@@ -1627,3 +1627,40 @@ def test_slices_bounded_by_a_0_dim_device_tensor_read_and_write_as_on_a_gpu() ->
             warnings.simplefilter("ignore")
             assert t[[slice(None, n), 3]].cpu().tolist() == [3, 8]
         assert t[[0, 1]].shape == (2, 5)  # a list of rows is still advanced indexing
+
+
+def test_a_loader_pinning_in_the_simulations_own_thread_keeps_the_simulation_on() -> None:
+    # A DataLoader without workers pins in the main thread; pinning took that thread off
+    # the simulation's list, and every later CUDA call there raised SimulatedCudaError.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    with simulated_cuda():
+        loader = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4, pin_memory=True)
+        assert all(batch.is_pinned() for (batch,) in loader)
+        assert torch.cuda.get_sync_debug_mode() == 0
+        assert (torch.ones(2, device="cuda") * 2).sum().item() == 4.0
+
+
+def test_a_copied_device_generator_stays_on_its_device_with_its_state() -> None:
+    # copy.deepcopy made a CPU generator of it, which the device's random ops then refused.
+    import copy
+
+    with simulated_cuda():
+        generator = torch.Generator("cuda").manual_seed(3)
+        copied = copy.deepcopy(generator)
+        assert copied.device == torch.device("cuda", 0)
+        drawn = torch.randn(4, device="cuda", generator=copied)
+        assert torch.equal(drawn.cpu(), torch.randn(4, device="cuda", generator=generator).cpu())
+
+
+def test_a_blocking_copy_from_the_host_synchronizes_its_stream() -> None:
+    # As CUDA's memcpy_and_sync: a free after it is no misuse (it was reported as one).
+    with simulated_cuda():
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            made = torch.empty(100, device="cuda")
+        torch.cuda.current_stream().wait_stream(side)
+        made.copy_(torch.ones(100))
+        del made
+        moved = torch.ones(100).to("cuda")
+        assert moved.sum().item() == 100.0
