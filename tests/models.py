@@ -270,6 +270,27 @@ class WaitsOffMain(nn.Module):
         return x
 
 
+class _WaitsInItsOwnCode(nn.Module):
+    """Waits in a ``WaitsOffMain`` called from its own forward between two layers (not as a
+    submodule: the model's own frame is the innermost one), then reads a child's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.gate = WaitsOffMain()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gate.forward(self.a(x))  # no module call: no hooks of its own
+        return self.b(y) + self.a.weight.sum()
+
+
+def held_in_own_code() -> tuple[nn.Module, WaitsOffMain]:
+    """A model whose forward waits in its own code off the main thread (``WaitsOffMain``)."""
+    torch.manual_seed(0)
+    model = _WaitsInItsOwnCode().eval()
+    return model, model.gate
+
+
 def held_in_flight() -> tuple[nn.Module, WaitsOffMain]:
     """A small model whose forward waits in a ``WaitsOffMain`` off the main thread."""
     torch.manual_seed(0)
