@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .._common.claims import check_placeable
-from .._common.devices import format_bytes, parse_size, resolve_device
+from .._common.devices import format_bytes, parse_device, parse_size, resolve_device
 from .._planning import (
     Target,
     auto_capacity,
@@ -102,12 +102,19 @@ def split(
     """
     check_placeable(model, "adaptive.chunk/split", _allow_meta)
     out_dev = None if output_device is None else resolve_device(output_device, "output_device")
+    if device_map is None and _is_module_map(devices, model):
+        raise TypeError(
+            f"devices={dict(devices)!r} maps module names to devices: that is a device_map; "
+            f"pass it as adaptive.split(model, device_map=...), and devices= as "
+            f"{{device: capacity}} (e.g. {{'cuda:0': '20GiB', 'cpu': None}}) or a list")
     if devices is None:
         if device_map is None:
             raise TypeError("split needs devices ({'cuda:0': '20GiB', 'cpu': None}) or device_map")
         if not isinstance(device_map, Mapping) or not device_map:
             raise TypeError(f"device_map must be a non-empty dict {{module: device}}, got "
                             f"{device_map!r}")
+        for key, value in device_map.items():  # named by its entry, not as a devices key
+            resolve_device(map_label(value).partition("@")[0], f"device_map[{str(key)!r}]")
         devices = {v: None for v in dict.fromkeys(map_label(v) for v in device_map.values())}
     targets = targets_from_devices(devices, dtype, reserve)
     if device_map is not None and not isinstance(device_map, Mapping):
@@ -116,6 +123,27 @@ def split(
     if device_map is not None or example_inputs is not None:
         _undo_on_failure(handle, partial(handle.place, device_map, example_inputs=example_inputs))
     return handle
+
+
+def _is_module_map(devices: Any, model: nn.Module) -> bool:
+    """Whether ``devices`` is a ``{module name: device}`` map (a plan's ``device_map``): every
+    key a module name of ``model`` and no device name, every value a device name."""
+    if not isinstance(devices, Mapping) or not devices:
+        return False
+    names = dict(model.named_modules())
+    return all(isinstance(key, str) and key in names and not _is_device_name(key)
+               and _is_device_name(value) for key, value in devices.items())
+
+
+def _is_device_name(value: Any) -> bool:
+    """Whether ``value`` names a device (here or not): ``"cuda:7"``, ``"cpu@bfloat16"``, ``0``."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, torch.device)):
+        return False
+    try:
+        parse_device(map_label(value).partition("@")[0])
+    except ValueError:
+        return False
+    return True
 
 
 def chunk(

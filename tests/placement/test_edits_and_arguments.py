@@ -171,3 +171,22 @@ def test_a_device_map_key_that_more_specific_keys_overrule_everywhere_is_refused
         assert s.device_map == {"0": "cpu@bfloat16", "1": "cpu", "2": "cpu@bfloat16"}
         with torch.no_grad():
             torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
+
+
+def test_a_plans_device_map_passed_as_devices_is_named_a_device_map() -> None:
+    model = _model()
+    device_map = adaptive.plan(model, devices={"cpu@bfloat16": 200, "cpu": None}).device_map
+    with pytest.raises(TypeError, match=r"maps module names to devices: that is a device_map; "
+                                        r"pass it as adaptive.split\(model, device_map=\.\.\.\)"):
+        adaptive.split(model, device_map)
+    with adaptive.split(model, device_map=device_map, example_inputs=torch.ones(1, 8)) as s:
+        assert s.device_map == device_map
+
+
+def test_a_device_map_value_naming_a_missing_gpu_names_its_entry() -> None:
+    model = _model()
+    with simulated_cuda(devices=2, total_memory="64MiB"):
+        with pytest.raises(ValueError, match=r"^device_map\['1'\]='cuda:7' but only 2 CUDA "):
+            adaptive.split(model, device_map={"0": "cuda:0", "1": "cuda:7"})
+        with pytest.raises(ValueError, match=r"^device_map\['1'\]='cuda:7'"):
+            adaptive.split(model, device_map={"0": 0, "1": 7})
