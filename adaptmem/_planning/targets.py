@@ -124,7 +124,7 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
             key, key_dtype = key[0], parse_dtype(key[1], f"the dtype in devices key {key!r}")
         elif isinstance(key, str) and "@" in key:
             key, key_dtype = split_label(key)
-        dev = resolve_device(key, f"devices key {key!r}") if probe else parse_device(key, f"devices key {key!r}")
+        dev = (resolve_device if probe else _plan_device)(key, f"devices key {key!r}")
         if key_dtype is None:
             if isinstance(dtype, Mapping):
                 names = [k for k in dtype if str(k) in (str(key), str(dev))
@@ -164,6 +164,21 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
 def _names_device(name: Any, dev: torch.device) -> bool:
     """Whether a dtype key such as ``"cuda"`` names the device ``dev`` (``cuda:0``)."""
     try:
-        return parse_device(name, "dtype key") == dev
+        return _plan_device(name, "dtype key") == dev
     except (ValueError, TypeError):
         return False
+
+
+def _plan_device(key: Any, name: str) -> torch.device:
+    """A device for a plan, which may be for another machine: a name with an index is taken
+    as it is, while ``"cuda"`` without one (and None) is the current device where this
+    machine has that kind, as ``split`` reads it; elsewhere index 0."""
+    if key is None:
+        return resolve_device(None, name)
+    dev = parse_device(key, name)
+    if dev.type != "cpu" and not isinstance(key, int) and torch.device(key).index is None:
+        try:
+            return resolve_device(key, name)
+        except ValueError:  # no such accelerator here: plan for another machine's first
+            pass
+    return dev

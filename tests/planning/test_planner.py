@@ -273,3 +273,25 @@ def test_weights_packed_by_quantization_are_refused_naming_the_module(how: str) 
         else:
             adaptive.split(model, {"cpu@bfloat16": None})
     assert torch.equal(model(x), want)
+
+
+@pytest.mark.parametrize("devices", [{"cuda": None}, ["cuda"], {None: None},
+                                     {"cuda@float16": "4MiB", "cpu": None}])
+def test_plan_reads_cuda_as_the_current_device_as_split_does(devices: object,
+                                                              tmp_path: Path) -> None:
+    from adaptmem.testing import simulated_cuda
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)).eval()
+    with simulated_cuda(devices=2, total_memory="64MiB"):
+        torch.cuda.set_device(1)
+        planned = adaptive.plan(model, devices=devices, dtype={"cuda": torch.float16}
+                                if devices == ["cuda"] else None)
+        assert {u.placement.partition("@")[0] for u in planned.units} == {"cuda:1"}
+        with adaptive.split(model, devices, dtype={"cuda": torch.float16}
+                            if devices == ["cuda"] else None,
+                            example_inputs=torch.ones(1, 64)) as s:
+            assert s.device_map == planned.device_map
+        torch.save(model.state_dict(), tmp_path / "model.pt")
+        loaded = adaptive.load(lambda: nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)),
+                               tmp_path / "model.pt", device=planned)
+        assert {t.device for t in loaded.state_dict().values()} == {torch.device("cuda", 1)}
