@@ -124,6 +124,16 @@ def plan_placement(
                 f"but its capacity is {format_bytes(t.capacity)}; raise that capacity or add "
                 f"an unlimited device last, e.g. {{..., 'cpu': None}}"
             )
+    for members in _shared_budgets(targets):
+        held = sum(used.get(t.label, 0) for t in members)
+        if held > (members[0].capacity or 0):
+            raise PlacementError(
+                f"the model does not fit: {', '.join(t.label for t in members)} would hold "
+                f"{format_bytes(held)} together but {members[0].device}'s 'auto' budget is "
+                f"{format_bytes(members[0].capacity or 0)} for all of them (see "
+                f"[Note: one budget per device]); add an unlimited device last, e.g. "
+                f"{{..., 'cpu': None}}"
+            )
     converts = any(t.dtype is not None for t in targets)
     if converts:  # sizes in the dtype each unit takes there
         placed = [replace(u, nbytes=sizes.bytes_of(
@@ -156,10 +166,33 @@ def _assign_within_capacity(units: Sequence[Unit], sizes: ModuleSizes, targets: 
         used = placed_bytes(placed, sizes, by_label)
         over = {label: used.get(label, 0) - cap for label, cap in limits.items()
                 if cap is not None and cap > 0 and used.get(label, 0) > cap}
-        if not over or targets[-1].label in over:  # the last device takes what is left
+        if targets[-1].label in over:  # the last device takes what is left
             return placed, used
         for label, excess in over.items():
             limits[label] = max(0, limits[label] - excess)  # type: ignore[operator]
+        # See [Note: one budget per device]: the later keys on a device give way.
+        shrunk = False
+        for members in _shared_budgets(targets):
+            excess = sum(used.get(t.label, 0) for t in members) - (members[0].capacity or 0)
+            for t in reversed(members):
+                give = min(excess, used.get(t.label, 0))
+                if give <= 0 or t is targets[-1]:
+                    continue
+                limits[t.label] = min(limits[t.label] or 0, used[t.label] - give)
+                excess -= give
+                shrunk = True
+        if not over and not shrunk:
+            return placed, used
+
+
+def _shared_budgets(targets: Sequence[Target]) -> list[list[Target]]:
+    """Targets that draw on one device's ``"auto"`` budget, in order, where there are two or
+    more on a device."""
+    pools: dict[Any, list[Target]] = {}
+    for t in targets:
+        if t.shared:
+            pools.setdefault(t.device, []).append(t)
+    return [members for members in pools.values() if len(members) > 1]
 
 
 def own_ties_where_first_used(units: Sequence[Unit], sizes: ModuleSizes) -> list[Unit]:

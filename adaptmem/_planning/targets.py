@@ -23,12 +23,16 @@ __all__ = [
 @dataclass(frozen=True)
 class Target:
     """One place units can go: a device, a capacity in bytes (None: unlimited), the dtype
-    floating weights take there (None: keep theirs) and the label plans and device maps use."""
+    floating weights take there (None: keep theirs) and the label plans and device maps use.
+
+    ``shared``: the capacity is the device's ``"auto"`` budget, which every shared target on
+    the same device draws from together, in order (see [Note: one budget per device])."""
 
     device: torch.device
     capacity: int | None
     dtype: torch.dtype | None
     label: str
+    shared: bool = False
 
 
 def parse_dtype(value: Any, name: str = "dtype") -> torch.dtype | None:
@@ -116,7 +120,8 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
         raise ValueError("devices is empty: name at least one device, e.g. {'cpu': None}")
     if dtype is not None and not isinstance(dtype, Mapping):
         dtype = parse_dtype(dtype)
-    resolved = []
+    resolved: list[tuple[torch.device, int | None, torch.dtype | None]] = []
+    autos: list[bool] = []
     matched: set[Any] = set()  # keys of a dtype mapping that named one of the devices
     for key, capacity in items:
         key_dtype = None
@@ -133,8 +138,9 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
                 key_dtype = parse_dtype(dtype[names[0]], f"dtype[{key!r}]") if names else None
             else:
                 key_dtype = dtype
-        cap: int | None
-        if isinstance(capacity, str) and capacity == "auto":
+        cap: int | None = None
+        auto = isinstance(capacity, str) and capacity == "auto"
+        if auto:
             if not probe:  # "auto" reads free memory: the device must be here after all
                 try:
                     resolve_device(key, "devices key")
@@ -143,12 +149,12 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
                         f"{exc}; capacity 'auto' reads the device's free memory, so to plan "
                         f"for another machine give bytes, e.g. {{{str(key)!r}: '20GiB'}}"
                     ) from None
-            cap, _ = auto_capacity(dev, reserve)
         else:
             cap = capacity_of(capacity, f"devices[{key!r}]")
             if probe:
                 check_capacity(dev, cap, f"devices[{key!r}]")
         resolved.append((dev, cap, key_dtype))
+        autos.append(auto)
     if isinstance(dtype, Mapping):
         unknown = [k for k in dtype if k not in matched]
         if unknown:
@@ -158,7 +164,44 @@ def targets_from_devices(devices: Any, dtype: Any, reserve: Any, *, probe: bool 
                 f"({', '.join(repr(str(d)) for d, _, _ in resolved)}); key dtype by the "
                 f"devices given")
     labels = qualify_labels([(d, t) for d, _, t in resolved])
-    return [Target(d, c, t, label) for (d, c, t), label in zip(resolved, labels, strict=True)]
+    budgets = _device_budgets(resolved, autos, labels, reserve, probe)
+    return [Target(d, budgets[d] if auto else c, t, label, shared=auto)
+            for (d, c, t), auto, label in zip(resolved, autos, labels, strict=True)]
+
+
+# [Note: one budget per device]
+# Keys of ``devices`` that name one physical device (``"cuda:0@float16"``, ``"cuda:0"``) hold
+# its one memory. Their explicit capacities together must fit what the device can hold, and
+# their ``"auto"`` capacities are one budget (free memory minus the reserve, less the explicit
+# capacities there), drawn in order: each key fills from what the keys before it left, so
+# the first takes all it needs. A budget read per key would count the free memory once for
+# each, and the plan would hold more than the device has.
+def _device_budgets(resolved: Sequence[tuple[torch.device, int | None, torch.dtype | None]],
+                    autos: Sequence[bool], labels: Sequence[str], reserve: Any, probe: bool
+                    ) -> dict[torch.device, int]:
+    """The ``"auto"`` budget of each device some key gives ``"auto"``; refuses explicit
+    capacities on one accelerator that together pass what it can hold."""
+    explicit: dict[torch.device, list[tuple[str, int]]] = {}
+    for (dev, cap, _), auto, key in zip(resolved, autos, labels, strict=True):
+        if not auto and cap is not None and dev.type != "cpu":
+            explicit.setdefault(dev, []).append((key, cap))
+    if probe:
+        for dev, given in explicit.items():
+            total = sum(cap for _, cap in given)
+            most = device_capacity(dev)
+            if len(given) > 1 and total > most:
+                raise ValueError(
+                    f"devices gives {dev} {format_bytes(total)} in all "
+                    f"({', '.join(f'{k!r}: {format_bytes(c)}' for k, c in given)}), more than "
+                    f"it can hold ({format_bytes(most)} for this process); keys on one device "
+                    f"share its memory, so give capacities that add up to at most what is "
+                    f"free there, or 'auto' for one shared budget")
+    budgets: dict[torch.device, int] = {}
+    for (dev, _, _), auto in zip(resolved, autos, strict=True):
+        if auto and dev not in budgets:
+            room, _ = auto_capacity(dev, reserve)
+            budgets[dev] = max(0, room - sum(cap for _, cap in explicit.get(dev, [])))
+    return budgets
 
 
 def _names_device(name: Any, dev: torch.device) -> bool:

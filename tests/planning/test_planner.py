@@ -295,3 +295,37 @@ def test_plan_reads_cuda_as_the_current_device_as_split_does(devices: object,
         loaded = adaptive.load(lambda: nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)),
                                tmp_path / "model.pt", device=planned)
         assert {t.device for t in loaded.state_dict().values()} == {torch.device("cuda", 1)}
+
+
+def test_auto_capacities_on_one_device_share_its_budget() -> None:
+    from adaptmem.testing import simulated_cuda
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(32)]).eval()
+    devices = {"cuda:0@float16": "auto", "cuda:0@bfloat16": "auto", "cuda:0": "auto",
+               "cpu": None}
+    with simulated_cuda(devices=1, total_memory="40MiB"):
+        from adaptmem._planning import auto_capacity
+
+        budget, _ = auto_capacity(torch.device("cuda:0"))
+        planned = adaptive.plan(model, devices=devices).bytes_by_placement()
+        on_gpu = sum(n for label, n in planned.items() if label.startswith("cuda:0"))
+        assert 0 < on_gpu <= budget
+        assert planned["cuda:0@float16"] == on_gpu  # the first key fills first
+        x = torch.randn(2, 1024)
+        expected = model(x)
+        device_map = adaptive.plan(model, devices=devices, example_inputs=x).device_map
+        with adaptive.split(model, devices, example_inputs=x) as s:  # before: out of memory
+            assert s.device_map == device_map
+            torch.testing.assert_close(model(x), expected, atol=0.05, rtol=0.05)
+
+
+def test_explicit_capacities_on_one_device_that_pass_its_memory_are_refused() -> None:
+    from adaptmem.testing import simulated_cuda
+
+    model = nn.Sequential(nn.Linear(8, 8)).eval()
+    with simulated_cuda(devices=1, total_memory="40MiB"):
+        with pytest.raises(ValueError, match=r"^devices gives cuda:0 60\.0 MiB in all "
+                                             r"\('cuda:0@float16': 30\.0 MiB, 'cuda:0': 30\.0 MiB"
+                                             r"\), more than it can hold"):
+            adaptive.split(model, {"cuda:0@float16": "30MiB", "cuda:0": "30MiB", "cpu": None})
