@@ -283,6 +283,7 @@ def _placements(sizes: ModuleSizes, device: Any, making: bool) -> Callable[[str]
         if unplanned:
             raise LoadError(f"the plan does not place {', '.join(unplanned[:5])}"
                             f"{' ...' if len(unplanned) > 5 else ''}; make it from this model")
+        _check_plan_sizes(device, sizes, where)
         pin = torch.cuda.is_available()
         resolved: dict[str, tuple[torch.device, bool, torch.dtype | None]] = {}
         for place in set(where.values()):
@@ -301,6 +302,28 @@ def _placements(sizes: ModuleSizes, device: Any, making: bool) -> Callable[[str]
         return lambda name: (None, False, None)
     dev = resolve_device(device)
     return lambda name: (dev, False, None)
+
+
+def _check_plan_sizes(plan: Plan, sizes: ModuleSizes, where: Mapping[str, str]) -> None:
+    """Refuse a plan made for another model: one naming tensors this model lacks, or whose
+    units' bytes are not what this model's tensors take there (a device would receive more
+    than the plan gave it)."""
+    how = ("make the plan from this model: adaptive.plan(adaptive.empty_model(factory), "
+           "devices=...)")
+    extra = [n for n in where if n not in sizes.tensors]
+    if extra:
+        raise LoadError(f"the plan places {', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}"
+                        f", which this model does not have: it was made for another model; "
+                        f"{how}")
+    for unit in plan.units:
+        dtype = None if unit.placement == "paged" else plan.dtype_of(unit.placement)
+        actual = sizes.bytes_of(unit.tensors, dtype)
+        if actual != unit.nbytes:
+            raise LoadError(
+                f"the plan sized unit {unit.module or '(the whole model)'!r} at "
+                f"{format_bytes(unit.nbytes)} on {unit.placement}, but this model's tensors "
+                f"there take {format_bytes(actual)}: it was made for a model of other shapes "
+                f"or dtypes; {how}")
 
 
 def _plan_target(plan: Plan, label: str) -> tuple[torch.device, bool, torch.dtype | None]:

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptmem import LoadError, adaptive
 from adaptmem._planning import module_sizes
+from adaptmem.testing import simulated_cuda
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -1913,3 +1914,25 @@ def test_loads_in_several_threads_leave_the_process_thread_stack_size_alone(tmp_
         for _ in range(3):
             list(pool.map(lambda _: adaptive.load(build, path, device="cpu"), range(4)))
             assert threading.stack_size() == before
+
+
+def test_plan_for_other_shapes_or_names_is_refused(tmp_path: Path) -> None:
+    def big() -> nn.Module:
+        return nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+
+    path = _save("pt", big().state_dict(), tmp_path)
+    with simulated_cuda(devices=1, total_memory="16MiB"):
+        stale = adaptive.plan(adaptive.empty_model(
+            lambda: nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))), devices={"cuda:0": None})
+        with pytest.raises(LoadError, match=r"^the plan sized unit '0' at 1\.1 KiB on cuda:0, "
+                                            r"but this model's tensors there take 257\.0 KiB: "
+                                            r".*make the plan from this model"):
+            adaptive.load(big, path, device=stale)
+        wider = adaptive.plan(adaptive.empty_model(
+            lambda: nn.Sequential(*big(), nn.Linear(2, 2))), devices={"cuda:0": None})
+        with pytest.raises(LoadError, match=r"^the plan places 2\.weight, 2\.bias, which this "
+                                            r"model does not have"):
+            adaptive.load(big, path, device=wider)
+        assert torch.cuda.memory_allocated() == 0
+        fresh = adaptive.plan(adaptive.empty_model(big), devices={"cuda:0": None})
+        assert adaptive.load(big, path, device=fresh)[0].weight.is_cuda
