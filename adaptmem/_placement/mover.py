@@ -2,7 +2,8 @@
 
 Placement swaps tensor storage only (``param.data = ...``): parameter identity, ``state_dict``
 keys and module classes never change. Where a unit's dtype differs from a tensor's own, the
-original is kept for ``remove()``; see [Note: writes to a converted copy]. Where only the
+original is kept for ``remove()``, in host memory (see [Note: originals kept in host
+memory]); see [Note: writes to a converted copy]. Where only the
 device changes, it is not, and a tensor coming back is laid out in its storage as it was;
 see [Note: storages rebuilt on restore] in ``_engines/storages.py``.
 
@@ -18,6 +19,14 @@ costs one conversion and one copy to the original's device per converted tensor,
 re-placement and at ``remove()``, which moves every unconverted tensor back anyway. The
 loader (``load_targets``) writes both the placed copy and the original, so its writes
 compare equal and are not carried twice.
+
+[Note: originals kept in host memory] The original a dtype change replaced is kept in host
+memory, also when it lived on an accelerator (a model moved to the GPU, then placed there in
+float16): kept on the device it would hold the model twice, in both dtypes, there, beyond
+what the plan counts, and a model that fits once converted would not fit. ``remove()``
+brings it back to its device, laid out as it was (see [Note: storages rebuilt on
+restore]), so the device must then have room for the original again. Its trip to the host
+costs one copy per converted tensor at placement.
 
 [Note: no placement inside a trace] Under a ``FakeTensorMode`` (the traces that predict a
 decorated function's memory, see ``_execution/auto.py``) a copy of a weight is a fake
@@ -125,7 +134,9 @@ class PlacedTensors:
             placed = (home.copy_(source) if home is not None
                       else source.to(device=target.device, dtype=want, copy=True))
         if want != dtype or source.is_meta:
-            self._kept.setdefault(name, source)
+            if name not in self._kept:  # See [Note: originals kept in host memory]
+                self._kept[name] = (source if source.is_meta or source.device.type == "cpu"
+                                    else source.to("cpu"))
         else:
             self._kept.pop(name, None)
         set_data(t, placed)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -173,7 +174,8 @@ class Splitter(BoundaryHooks, Engine):
         self._hooks.clear()
         with torch.no_grad():
             self._guard.put_back()
-            self._placed.restore_all()
+            with self._moving():
+                self._placed.restore_all()
         self._guard.release()
         self._let_go()
 
@@ -240,11 +242,21 @@ class Splitter(BoundaryHooks, Engine):
         the boundary hooks at the new placement."""
         # Not inference tensors, even when the first call runs under inference_mode: the
         # model must still run with autograd on afterwards.
-        with torch.inference_mode(False):
+        with torch.inference_mode(False), self._moving():
             self._placed.apply(units)
-        self._guard.expect({n: t.data for n, t in self._placed.tensors.items()})
         self._specs = module_specs(units, self._sizes, self._modules, self._targets,
                                    self._placed.original, self._placed.tensors)
+
+    @contextmanager
+    def _moving(self) -> Iterator[None]:
+        """While tensors move, the guard holds meta stand-ins for the data at rest, which it
+        would otherwise keep alive on its device until every tensor had moved (see [Note:
+        originals kept in host memory] in ``mover.py``); after, the data then at rest."""
+        self._guard.expect({n: t.data.to("meta") for n, t in self._placed.tensors.items()})
+        try:
+            yield
+        finally:
+            self._guard.expect({n: t.data for n, t in self._placed.tensors.items()})
 
     # -- the root's hooks -----------------------------------------------------------------
     def _root_pre(self, module: nn.Module, args: Any, kwargs: Any) -> Any:

@@ -190,3 +190,28 @@ def test_a_device_map_value_naming_a_missing_gpu_names_its_entry() -> None:
             adaptive.split(model, device_map={"0": "cuda:0", "1": "cuda:7"})
         with pytest.raises(ValueError, match=r"^device_map\['1'\]='cuda:7'"):
             adaptive.split(model, device_map={"0": 0, "1": 7})
+
+
+@pytest.mark.parametrize("place", ["split float16", "chunk float16", "split cpu bfloat16"])
+def test_converting_a_model_on_the_gpu_keeps_its_originals_in_host_memory(place: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]).eval()  # 16 MiB
+    x = torch.randn(2, 1024)
+    expected = model(x)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with simulated_cuda(devices=1, total_memory="24MiB"):
+        model.cuda()
+        if place == "split float16":  # 8 MiB once converted: fits beside nothing else
+            handle = adaptive.split(model, {"cuda:0@float16": None}, example_inputs=x.cuda())
+        elif place == "chunk float16":
+            handle = adaptive.chunk(model, "cuda", capacity="12MiB", dtype=torch.float16,
+                                    example_inputs=x.cuda())
+        else:
+            handle = adaptive.split(model, {"cpu@bfloat16": None}, example_inputs=x.cuda())
+        gpu = sum(n for k, n in handle.plan.bytes_by_placement().items() if "cuda" in k)
+        assert torch.cuda.memory_allocated() <= gpu + 64 * 1024
+        torch.testing.assert_close(model(x.cuda()).cpu(), expected, atol=0.05, rtol=0.05)
+        handle.remove()
+        assert torch.cuda.memory_allocated() >= 16 * 2**20
+        for name, value in model.state_dict().items():
+            assert value.is_cuda and torch.equal(value.cpu(), before[name]), name
