@@ -257,7 +257,7 @@ def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
     """Targets for --mode chunk/split, as ``adaptive.chunk`` / ``adaptive.split`` make them,
     and the plan options those record."""
     from ._placement import chunk_targets
-    from ._planning import Target, parse_dtype, qualify_labels
+    from ._planning import parse_dtype, targets_from_devices
 
     dtype = parse_dtype(args.dtype, "--dtype")
     specs = args.device or ["cuda:0"]
@@ -274,13 +274,18 @@ def _placement_targets(args: argparse.Namespace) -> tuple[list[Any], dict[str, A
     if args.budget is not None:
         raise _UsageError("--budget is for page and chunk; with --mode split write "
                           "--device cuda:0=20GiB --device cpu")
-    triples = []
+    # As adaptive.split reads its devices: "auto" keys on one device share its budget (See
+    # [Note: one budget per device] in _planning/targets.py).
+    devices: dict[Any, Any] = {}
     for spec in specs:
-        device, dt, capacity = _device_spec(spec, dtype)
-        triples.append((device, _capacity(capacity, device, f"--device {spec!r} capacity"), dt))
-    labels = qualify_labels([(d, t) for d, _, t in triples])
-    targets = [Target(d, c, t, label) for (d, c, t), label in zip(triples, labels, strict=True)]
-    return targets, {"reserve": "auto"}
+        device, dt, text = _device_spec(spec, dtype)
+        size = _capacity(text, device, f"--device {spec!r} capacity")  # "auto": here?
+        key = str(device) if dt is None else (str(device), dt)
+        if key in devices:
+            raise _UsageError(f"--device {spec!r} names {device}"
+                              f"{'' if dt is None else f' in {dt}'} again; give each once")
+        devices[key] = "auto" if text == "auto" else size
+    return targets_from_devices(devices, None, "auto", probe=False), {"reserve": "auto"}
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

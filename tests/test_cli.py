@@ -435,3 +435,24 @@ def test_plan_says_why_a_model_that_cannot_run_on_meta_has_no_activation_figures
     data = json.loads(capsys.readouterr().out)
     assert data["options"]["activations"]["predicted"] is False
     assert "item()" in data["options"]["activations"]["reason"]
+
+
+def test_split_auto_devices_on_one_device_share_its_budget(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # adaptive.split and adaptive.plan share one "auto" budget between the dtype keys of one
+    # device; the command read the free memory once per --device, and planned more than
+    # the device holds.
+    from adaptmem.testing import simulated_cuda
+
+    def on_device(*devices: str) -> int:
+        command = ["plan", "resnet50", "--image-size", "32", "--mode", "split", "--json"]
+        assert main([*command, *[a for d in devices for a in ("--device", d)]]) == 0
+        placed = json.loads(capsys.readouterr().out)["options"]["placed_bytes"]
+        return sum(n for label, n in placed.items() if label.startswith("cuda:0"))
+
+    with simulated_cuda(devices=1, total_memory="40MiB"):
+        alone = on_device("cuda:0=auto", "cpu")  # one key: the whole budget (two keys: 1.5x)
+        assert 0 < on_device("cuda:0@float16=auto", "cuda:0=auto", "cpu") <= alone
+    with pytest.raises(SystemExit):
+        main(["plan", "resnet18", "--mode", "split", "--device", "cpu", "--device", "cpu"])
+    assert "names cpu again" in capsys.readouterr().err
