@@ -508,18 +508,17 @@ class _Adaptive:
         become every call's call site (the default cache keys sizes by call site)."""
         if self._self_first:
             return self._run(caller, args[1:], kwargs, args[:1])
-        return self._run(caller, args, kwargs, self._unbound())
+        return self._run(caller, args, kwargs, self._unbound() if self._misplaced else ())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> Any:
         raise NotImplementedError
 
     def _unbound(self) -> tuple[()]:
-        """No instance for a call: ``TypeError`` when the function names an injected
-        parameter at another position (see ``_call_shape``), else ``()``."""
-        if self._misplaced:
-            raise TypeError(self._misplaced)
-        return ()
+        """A call without an instance of a function that names an injected parameter at
+        another position (see ``_call_shape``): ``TypeError``. Called only then: the
+        success path reads ``_misplaced`` and calls nothing."""
+        raise TypeError(self._misplaced)
 
     def size_record(self, caller: Any, bound: tuple[Any, ...] = ()) -> Any:
         """The ``SizeRecord`` a call from the frame ``caller`` uses now (its cache, context,
@@ -578,7 +577,7 @@ class _Batch(_Adaptive):
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if self._self_first:  # Model.infer(model, x): the instance comes first
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
-        return self._run(sys._getframe(1), args, kwargs, self._unbound())
+        return self._run(sys._getframe(1), args, kwargs, self._unbound() if self._misplaced else ())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> Any:
@@ -701,7 +700,7 @@ class _Range(_Adaptive):
     def __call__(self, /, *args: Any, **kwargs: Any) -> list[Any]:
         if self._self_first:
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
-        return self._run(sys._getframe(1), args, kwargs, self._unbound())
+        return self._run(sys._getframe(1), args, kwargs, self._unbound() if self._misplaced else ())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> list[Any]:
@@ -759,7 +758,7 @@ class _Chunked(_Adaptive):
     def __call__(self, /, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._self_first:
             return self._run(sys._getframe(1), args[1:], kwargs, args[:1])
-        return self._run(sys._getframe(1), args, kwargs, self._unbound())
+        return self._run(sys._getframe(1), args, kwargs, self._unbound() if self._misplaced else ())
 
     def _run(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
              bound: tuple[Any, ...]) -> torch.Tensor:

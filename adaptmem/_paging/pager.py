@@ -31,7 +31,7 @@ from .._common.devices import format_bytes, mover, synchronize, to_device
 from .._common.errors import PlacementError, first_line
 from .._common.inputs import MovedInputs
 from .._common.reporting import report
-from .._common.tree import calls_in_progress, dataclass_fields, first_tensor_device
+from .._common.tree import calls_in_progress, first_tensor_device
 from .._engines.base import Engine
 from .._engines.guard import PlacementGuard
 from .._engines.hoststore import LOADED, Slot, make_slots
@@ -105,18 +105,18 @@ def _warn_if_opaque(output: Any, device: torch.device, target: torch.device) -> 
     """Warn when the model returned an object of a class of its own holding tensors on
     ``device``: outputs are moved back only inside tuples, lists, dicts, namedtuples and
     dataclasses, so they would stay there unseen."""
-    if isinstance(output, (torch.Tensor, tuple, list, dict)) or dataclass_fields(output):
+    if isinstance(output, (torch.Tensor, tuple, list, dict)) or hasattr(
+            type(output), "__dataclass_fields__"):  # (per forward: the type's attribute only)
         return
     held = [n for n, v in getattr(output, "__dict__", {}).items()
             if isinstance(v, torch.Tensor) and v.device == device]
     if held:
+        name = type(output).__name__
         warnings.warn(
-            f"adaptive.page: the model returned an object of class {type(output).__name__}, "
-            f"whose tensors ({', '.join(held[:3])}) stay on {device}: outputs are moved to "
-            f"{target} only "
-            f"inside tuples, lists, dicts, namedtuples and dataclasses. Make "
-            f"{type(output).__name__} a dataclass, or move its tensors yourself",
-            RuntimeWarning, stacklevel=2)
+            f"adaptive.page: the model returned an object of class {name}, whose tensors "
+            f"({', '.join(held[:3])}) stay on {device}: outputs are moved to {target} only "
+            f"inside tuples, lists, dicts, namedtuples and dataclasses. Make {name} a "
+            f"dataclass, or move its tensors yourself", RuntimeWarning, stacklevel=2)
 
 
 def _synchronized(device: torch.device) -> BaseException | None:

@@ -33,7 +33,8 @@ from .units import Placement, Unit, assign_devices, order_units, paging_units, s
 
 __all__ = [
     "activation_report", "predict_model", "predict_per_item",
-    "ATOMIC_MODULE_TYPES", "HiddenWeightsError", "ModuleSizes", "Placement", "Plan", "Recording", "Target",
+    "ATOMIC_MODULE_TYPES", "HiddenWeightsError", "ModuleSizes", "Placement", "Plan",
+    "Recording", "Target",
     "TensorInfo", "Unit", "assign_devices", "auto_capacity", "capacity_of",
     "check_capacity", "check_ties", "dtype_name", "label_for_unit", "make_label", "map_key", "module_sizes",
     "order_units", "own_ties_where_first_used", "paging_units", "parse_dtype",

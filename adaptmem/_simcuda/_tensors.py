@@ -456,16 +456,16 @@ class Tensors:
         host, record.host = record.host, None
         if host is not None and _storage_use_count(host._cdata) == 1:  # no tensor uses it
             allocator.keep(host.nbytes(), host)
-        waited = record.stream.waited_epochs  # See [Note: which uses a wait orders]
-        for stream, epoch in record.used_on.items():
+        for stream, epoch in record.used_on.items():  # See [Note: which uses a wait orders]
             if (stream not in record.recorded and stream.synced_epoch < epoch
-                    and waited.get(stream, 0) < epoch):
+                    and record.stream.waited_epochs.get(stream, 0) < epoch):
                 self.state.report(
                     f"simulated CUDA: a {record.block}-byte block allocated on "
                     f"{record.stream!r} was freed while {stream!r} may still use it (used "
-                    f"there without tensor.record_stream(that stream), and neither synchronized "
-                    f"since nor waited for by {record.stream!r}). On a GPU the allocator can hand it to the next allocation on "
-                    f"{record.stream!r} while {stream!r} still reads or writes it.")
+                    f"there without tensor.record_stream(that stream), neither synchronized "
+                    f"since nor waited for by {record.stream!r}). On a GPU the allocator can "
+                    f"hand it to the next allocation on {record.stream!r} while {stream!r} "
+                    f"still reads or writes it.")
 
     def use(self, record: Record, stream: SimStream, t: torch.Tensor, op: Any) -> None:
         """An op on ``stream`` uses ``record``: races raise; cross-stream uses are noted."""
