@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib
 import inspect
 import json
 import subprocess
@@ -406,6 +407,12 @@ def test_python_dash_m_adaptmem_runs_the_command_line() -> None:
     done = subprocess.run([sys.executable, "-m", "adaptmem", "plan", "--help"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "usage: adaptmem plan" in done.stdout
+
+
+def test_importing_the_main_module_runs_no_command() -> None:
+    # tools that import every module of a package (pydoc, test collectors) import __main__
+    sys.modules.pop("adaptmem.__main__", None)
+    importlib.import_module("adaptmem.__main__")  # used to exit with the usage error
 
 
 @pytest.mark.parametrize("argv", [["demo", "--seconds", "1"],

@@ -18,11 +18,22 @@ __all__ = [
     "RankError",
     "oom_error_for",
     "first_line",
+    "add_note",
     "EXCEPTION_GROUP",
 ]
 
 # ``BaseExceptionGroup`` (Python 3.11+), None before: what ``asyncio.TaskGroup`` raises.
 EXCEPTION_GROUP: type[BaseException] | None = getattr(builtins, "BaseExceptionGroup", None)
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Add ``note`` to ``exc`` as ``exc.add_note`` does (Python 3.11+); on Python 3.10, which
+    prints no notes, append it to a string message instead, so that it is still seen."""
+    method = getattr(exc, "add_note", None)
+    if method is not None:
+        method(note)
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n{note}", *exc.args[1:])
 
 
 def first_line(exc: BaseException, limit: int = 200, typed: bool = True) -> str:

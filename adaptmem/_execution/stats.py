@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 
 from .._common.devices import default_device, free_memory
+from .._common.errors import add_note
 
 __all__ = ["CallStats", "Adaptation", "AdaptationKind", "Watch"]
 
@@ -206,10 +207,8 @@ class Watch:
         try:
             callback(event)
         except Exception as exc:  # see [Note: a failing callback]
-            add_note = getattr(exc, "add_note", None)  # Python 3.11+
-            if add_note is not None:
-                add_note(f"raised by the on_adapt callback {callback!r} of "
-                         f"{self.stats.name} for {event}")
+            add_note(exc, f"raised by the on_adapt callback {callback!r} of "
+                          f"{self.stats.name} for {event}")
             raise
 
     def _free(self) -> int | None:

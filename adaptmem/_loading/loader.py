@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._common.claims import holders, owner_of
 from .._common.devices import default_device, format_bytes, resolve_device
-from .._common.errors import LoadError
+from .._common.errors import LoadError, add_note
 from .._common.oom import is_oom
 from .._common.reporting import report
 from .._engines.base import Engine, LoadTargets
@@ -218,11 +218,10 @@ def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
             model = factory()
     except (RuntimeError, NotImplementedError) as exc:
         if "meta" in str(exc):  # the constructor read a weight's values (orthogonal's .item())
-            exc.add_note(
-                "adaptmem: the factory ran under adaptive.empty_model, which puts parameters on "
-                "the meta device (no values), and its constructor reads them. Build the model "
-                "yourself and pass it to adaptive.load (filled in place), or use "
-                "model.load_state_dict")
+            add_note(exc, "adaptmem: the factory ran under adaptive.empty_model, which puts "
+                     "parameters on the meta device (no values), and its constructor reads them. "
+                     "Build the model yourself and pass it to adaptive.load (filled in place), "
+                     "or use model.load_state_dict")
         raise
     if not isinstance(model, nn.Module):
         raise TypeError(f"factory {factory!r} returned {type(model).__name__}, not an nn.Module")
