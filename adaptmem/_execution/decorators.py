@@ -898,6 +898,16 @@ class _BoundAdaptive:
         return self._adaptive.__doc__
 
     @property
+    def __self__(self) -> Any:
+        """The instance (or class) bound, as a bound method's ``__self__``."""
+        return self._obj
+
+    @property
+    def __func__(self) -> Any:
+        """The decorated function, as a bound method's ``__func__``."""
+        return self._adaptive
+
+    @property
     def __signature__(self) -> inspect.Signature | None:
         """The decorated method's signature without its instance, as callers see it."""
         signature = getattr(self._adaptive, "__signature__", None)
@@ -915,6 +925,12 @@ class _BoundAdaptive:
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as a bound method is: its instance (or class) and the attribute's name.
+        # Reading the attribute binds anew, so pickling this object by name would fail.
+        name = self._adaptive.__qualname__.rpartition(".")[2]  # type: ignore[attr-defined]
+        return getattr, (self._obj, name)
 
     def call_from(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """As ``_Adaptive.call_from``, bound to the instance (or class)."""

@@ -534,10 +534,29 @@ def picklable(batchsize: int) -> int:
     return batchsize
 
 
+class Picklable:
+    scale = 3
+
+    @adaptive.batch(initial_batchsize=4)
+    @classmethod
+    def total(cls, batchsize: int, items: list[int]) -> int:
+        return cls.scale * sum(items[:batchsize]) + batchsize
+
+    @adaptive.batch(initial_batchsize=4)
+    def sum(self, batchsize: int, items: list[int]) -> int:
+        return sum(items[:batchsize]) + batchsize
+
+
 def test_decorated_functions_pickle_by_name() -> None:
     import pickle
 
     assert pickle.loads(pickle.dumps(picklable)) is picklable
+    # bound methods pickle as bound methods do: the instance (or class) and the name; a
+    # decorated classmethod used to fail ("not the same object as Picklable.total")
+    total = pickle.loads(pickle.dumps(Picklable.total))
+    assert total(list(range(10))) == 3 * 6 + 4  # the class, then the size
+    method = pickle.loads(pickle.dumps(Picklable().sum))
+    assert method(list(range(10))) == 6 + 4 and isinstance(method.__self__, Picklable)
 
 
 @pytest.mark.gpu
