@@ -11,6 +11,16 @@ tensors are claimed as modules are, by identity, and a placement that would take
 another engine holds is refused before anything changes, naming the tensor, the other
 model and the way out: place a module containing both (its engine places the shared tensor
 once), or remove the first.
+
+[Note: a dropped model is freed]
+The tables hold handles weakly. A handle is kept alive by the model it holds (the hooks it
+registered on the model's modules refer to it), so ``adaptive.page(model, ...)`` written as
+a statement keeps the model paged, and ``holder(model)`` finds the handle, for as long as
+the model lives. Once the user drops both, the model and its handle only refer to each
+other and the garbage collector frees them, with the device copies and the pinned host
+copies. Held strongly here, they lived as long as the process: a service that reloads its
+model by dropping the old one filled its device with old versions. A dead handle's tensor
+claims are dropped when it dies.
 """
 
 from __future__ import annotations
@@ -28,7 +38,8 @@ __all__ = ["Owner", "claim", "release", "holder", "holders", "held_for", "owner_
            "refuse_if_held", "check_placeable", "refuse_compiled", "public_holder",
            "LOST_HANDLE"]
 
-_CLAIMS: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+# module -> a weak reference to the handle holding it: See [Note: a dropped model is freed].
+_CLAIMS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 # id(tensor) -> (weak reference to the handle, the tensor's name in the handle's model): See
 # [Note: one engine per tensor]. Not a weak reference to the tensor, which would stop
 # torch.utils.swap_tensors (how a meta tensor is materialised in place); a claiming handle
@@ -65,10 +76,18 @@ def claim(modules: Iterable[nn.Module], handle: Any,
           tensors: Mapping[str, torch.Tensor] | None = None) -> None:
     """Mark every module of a model, and its ``tensors`` (by name), as held by ``handle``,
     which keeps the tensors alive until it calls ``release``."""
+    named = dict(tensors or {})
+    ids = [id(t) for t in named.values()]
+
+    def forget(ref: weakref.ref[Any]) -> None:  # the handle died without release()
+        for key in ids:
+            if _TENSOR_CLAIMS.get(key, (None,))[0] is ref:
+                del _TENSOR_CLAIMS[key]
+
+    ref = weakref.ref(handle, forget)
     for m in modules:
-        _CLAIMS[m] = handle
-    ref = weakref.ref(handle)
-    for name, t in (tensors or {}).items():
+        _CLAIMS[m] = ref
+    for name, t in named.items():
         _TENSOR_CLAIMS[id(t)] = (ref, name)
 
 
@@ -76,7 +95,7 @@ def release(modules: Iterable[nn.Module], handle: Any,
             tensors: Iterable[torch.Tensor] = ()) -> None:
     """Drop ``handle``'s marks (and only its own)."""
     for m in modules:
-        if _CLAIMS.get(m) is handle:
+        if _claimant(m) is handle:
             del _CLAIMS[m]
     for t in tensors:
         held = _TENSOR_CLAIMS.get(id(t))
@@ -87,10 +106,16 @@ def release(modules: Iterable[nn.Module], handle: Any,
 def holder(model: nn.Module) -> Any:
     """The handle holding ``model`` or any module inside it, or None."""
     for m in model.modules():
-        handle = _CLAIMS.get(m)
+        handle = _claimant(m)
         if handle is not None:
             return handle
     return None
+
+
+def _claimant(module: nn.Module) -> Any:
+    """The live handle holding ``module`` itself, or None."""
+    ref = _CLAIMS.get(module)
+    return None if ref is None else ref()
 
 
 def public_holder(model: nn.Module) -> Any:
@@ -132,7 +157,7 @@ def holders(model: nn.Module) -> list[Any]:
     """Every handle holding ``model`` or a module inside it, each once, in module order."""
     found: dict[int, Any] = {}
     for m in model.modules():
-        handle = _CLAIMS.get(m)
+        handle = _claimant(m)
         if handle is not None:
             found.setdefault(id(handle), handle)
     return list(found.values())

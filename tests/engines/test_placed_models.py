@@ -486,6 +486,43 @@ def test_a_dropped_handle_is_found_by_holder_and_removed(engine: str) -> None:
         adaptive.holder(model.state_dict())
 
 
+_ON_A_DEVICE: dict[str, Callable[[nn.Module], Any]] = {
+    "page": lambda m: adaptive.page(m, "cuda", resident_bytes="auto"),
+    "chunk": lambda m: adaptive.chunk(m, "cuda", capacity="3MiB"),
+    "split": lambda m: adaptive.split(m, {"cuda": "3MiB", "cpu": None}),
+}
+
+
+@pytest.mark.parametrize("engine", _ON_A_DEVICE)
+def test_a_model_dropped_with_its_handle_gives_its_device_memory_back(engine: str) -> None:
+    """A service reloading its model drops the old one and its handle without ``remove()``:
+    the old model, its device copies and its claims used to live as long as the process
+    (after a few reloads every new version ran fully paged). A dropped handle still keeps
+    a live model placed."""
+    import gc
+    import weakref
+
+    from adaptmem._common import claims
+    from adaptmem.testing import simulated_cuda
+
+    x = torch.randn(4, 512)
+    with simulated_cuda(devices=1, total_memory="64MiB"), torch.no_grad():
+        dropped = []
+        for version in range(3):
+            model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)]).eval()
+            expected = model(x)
+            _ON_A_DEVICE[engine](model)  # the handle is not kept
+            gc.collect()
+            torch.testing.assert_close(model(x).cpu(), expected)  # still placed
+            assert adaptive.holder(model) is not None and torch.cuda.memory_allocated() > 0
+            dropped.append(weakref.ref(model))
+            del model
+            gc.collect()
+            assert all(r() is None for r in dropped), f"version {version} kept alive"
+            assert torch.cuda.memory_allocated() == 0
+        assert not claims._TENSOR_CLAIMS
+
+
 def test_holder_does_not_hand_out_the_engine_of_a_function_decorated_with_model() -> None:
     model = _model()
 
