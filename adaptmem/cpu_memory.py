@@ -27,11 +27,17 @@ import math
 import mmap
 import numbers
 import os
-import resource
 import sys
 import weakref
+from types import ModuleType
 
 import psutil
+
+resource: ModuleType | None
+try:
+    import resource
+except ImportError:  # Windows: no rlimits, so no cap (set_cpu_memory_limit says so)
+    resource = None
 
 __all__ = ["set_cpu_memory_limit", "get_available_cpu_memory", "cpu_memory_info", "held_bytes",
            "map_file"]
@@ -92,10 +98,11 @@ def set_cpu_memory_limit(gib: float | None) -> None:
         >>> adaptive.cpu_memory.set_cpu_memory_limit(None)  # doctest: +SKIP
     """
     global _original_limit, _limit_bytes, _cap_bytes
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or resource is None:
         raise OSError(
             f"set_cpu_memory_limit needs Linux (RLIMIT_DATA counts mappings only there); "
-            f"this is {sys.platform}"
+            f"this is {sys.platform}{'' if resource else ' without the resource module'}: "
+            f"leave the CPU uncapped here, or cap it on Linux"
         )
     if _original_limit is None:
         _original_limit = resource.getrlimit(resource.RLIMIT_DATA)
@@ -180,7 +187,7 @@ def map_file(fileno: int) -> mmap.mmap:
 def _move_limit(delta: int) -> None:
     """Move the soft ``RLIMIT_DATA`` of the cap in force by ``delta`` bytes."""
     global _limit_bytes
-    if _limit_bytes is None or _original_limit is None:
+    if _limit_bytes is None or _original_limit is None or resource is None:
         return
     soft = max(0, _limit_bytes + delta)
     hard = _original_limit[1]

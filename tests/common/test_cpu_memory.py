@@ -113,6 +113,24 @@ def test_a_cap_below_what_is_already_held_is_refused() -> None:
         adaptive.cpu_memory.set_cpu_memory_limit(0.001)
 
 
+def test_adaptmem_imports_without_the_resource_module_and_only_the_cap_refuses() -> None:
+    # Windows has no resource module; psutil's Linux module needs it, Windows' does not.
+    result = _run("""
+        import sys
+        import psutil
+        sys.modules["resource"] = None
+        from adaptmem import adaptive
+        print("AVAILABLE", adaptive.cpu_memory.get_available_cpu_memory() > 0)
+        try:
+            adaptive.cpu_memory.set_cpu_memory_limit(8)
+        except OSError as exc:
+            print("REFUSED", exc)
+    """)
+    assert result.returncode == 0, result.stderr
+    assert "AVAILABLE True" in result.stdout
+    assert "REFUSED set_cpu_memory_limit needs Linux" in result.stdout
+
+
 def test_available_memory_without_a_cap_is_what_the_machine_reports() -> None:
     import psutil
 
