@@ -198,12 +198,126 @@ def _move_limit(delta: int) -> None:
 
 
 def cpu_memory_info() -> tuple[int, int]:
-    """``(available, total)`` bytes for this process: under the cap when one is set."""
+    """``(available, total)`` bytes for this process: what the machine has, within the memory
+    limit of its control group (a container's, see [Note: a container's memory limit]) and
+    under the cap when one is set.
+
+    >>> cpu_memory_info()[1] > 0
+    True
+    """
     vm = psutil.virtual_memory()
-    if _limit_bytes is None or _cap_bytes is None:
-        return int(vm.available), int(vm.total)
-    left = max(0, _limit_bytes - _status_kib("VmData"))
-    return min(int(vm.available), left), min(int(vm.total), _cap_bytes)
+    available, total = int(vm.available), int(vm.total)
+    group = _cgroup_memory(available)
+    if group is not None:
+        available, total = min(available, group[0]), min(total, group[1])
+    if _limit_bytes is not None and _cap_bytes is not None:
+        left = max(0, _limit_bytes - _status_kib("VmData"))
+        available, total = min(available, left), min(total, _cap_bytes)
+    return available, total
+
+
+# [Note: a container's memory limit]
+# A container's memory limit (``docker run -m``, a Kubernetes pod's ``limits.memory``, a
+# systemd unit's ``MemoryMax``) belongs to its control group: cgroup v2's ``memory.max``,
+# against ``memory.current``, or cgroup v1's ``memory.limit_in_bytes``, against
+# ``memory.usage_in_bytes``. The machine's figures (psutil, /proc/meminfo) do not see it,
+# and a process that goes over it is killed by the kernel, with no error the decorators
+# could adapt to. So free CPU memory is the least of the machine's available memory and
+# what the limit of each group leaves (the process's own group and those above it: a limit
+# binds everything under it), and the total is the least of the machine's and the limits.
+# A group's usage counts the page cache of files read in it (a checkpoint loaded): the
+# kernel reclaims those pages before it kills, so the inactive ones (``inactive_file`` in
+# ``memory.stat``, v1's ``total_inactive_file``) count as free, as in the kubelet's
+# working set (usage less inactive_file); active file pages count as used, erring toward
+# less. ``memory.high`` (throttling, not killing) is not read.
+# The groups are found once, in /proc/self/cgroup under /sys/fs/cgroup: the process's own
+# folder and each above it, where a folder missing (a container that sees its own group at
+# /sys/fs/cgroup, not the host's path) is passed over for the one above. Only groups
+# with a limit then are kept: a limit added later to a group that had none is not seen
+# (its value changing is). Each read is then two small files a limited group, and its
+# ``memory.stat`` only where the limit leaves less than the machine. No files, odd
+# contents: no limit, the machine's figures.
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_PROC_CGROUP = "/proc/self/cgroup"
+_NO_LIMIT = 2**62  # cgroup v1 writes "no limit" as about 2**63
+# (limit file, usage file, stat file, key of inactive file pages in it) per limited group
+_groups: list[tuple[str, str, str, str]] | None = None
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _group_bytes(path: str) -> int | None:
+    """The bytes a cgroup file ``path`` holds (a limit, a usage); None for no limit ("max",
+    v1's about 2**63) or no reading."""
+    try:
+        text = _read_text(path).strip()
+        nbytes = None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+    return nbytes if nbytes is not None and 0 <= nbytes < _NO_LIMIT else None
+
+
+def _limited_groups() -> list[tuple[str, str, str, str]]:
+    """The files of this process's control groups that limit memory, found once."""
+    global _groups
+    if _groups is not None:
+        return _groups
+    found: list[tuple[str, str, str, str]] = []
+    try:
+        lines = _read_text(_PROC_CGROUP).splitlines()
+    except (OSError, ValueError):
+        lines = []
+    for line in lines:
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if number == "0" and not controllers:  # cgroup v2
+            folder = _CGROUP_ROOT
+            names = ("memory.max", "memory.current", "memory.stat", "inactive_file")
+        elif "memory" in controllers.split(","):  # cgroup v1's memory hierarchy
+            folder = _CGROUP_ROOT + "/memory"
+            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat",
+                     "total_inactive_file")
+        else:
+            continue
+        parts = [p for p in path.strip().split("/") if p and p not in (".", "..")]
+        for depth in range(len(parts), -1, -1):
+            group = "/".join([folder, *parts[:depth]]) + "/"
+            if _group_bytes(group + names[0]) is not None:
+                found.append((group + names[0], group + names[1], group + names[2], names[3]))
+    _groups = found
+    return found
+
+
+def _cgroup_memory(machine_available: int) -> tuple[int, int] | None:
+    """``(room, limit)``: the least any limited control group of this process leaves free,
+    and the smallest limit; None where none limits memory (see [Note: a container's memory
+    limit])."""
+    room, limits = machine_available, []
+    for limit_file, usage_file, stat_file, inactive_key in _limited_groups():
+        limit, used = _group_bytes(limit_file), _group_bytes(usage_file)
+        if limit is None or used is None:
+            continue
+        left = limit - used
+        if left < room:  # the limit binds: its reclaimable page cache is free too
+            left = min(limit, left + _stat_bytes(stat_file, inactive_key))
+        room = min(room, max(0, left))
+        limits.append(limit)
+    return (room, min(limits)) if limits else None
+
+
+def _stat_bytes(path: str, key: str) -> int:
+    """The ``key`` line of a cgroup's ``memory.stat``, 0 where there is none."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return max(0, int(value))
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def get_available_cpu_memory() -> int:

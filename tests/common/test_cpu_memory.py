@@ -7,9 +7,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
-from adaptmem import adaptive
+from adaptmem import PlacementError, adaptive, cpu_memory
+from adaptmem._common.devices import capacity
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
@@ -206,3 +208,87 @@ def test_a_numpy_number_is_a_cap_like_any_number() -> None:
         assert adaptive.cpu_memory.get_available_cpu_memory() > 0
     finally:
         adaptive.cpu_memory.set_cpu_memory_limit(None)
+
+
+MiB = 2**20
+
+
+def _control_groups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, membership: str,
+                    files: dict[str, str]) -> None:
+    """A fake /sys/fs/cgroup holding ``files`` (path under it: text), and a fake
+    /proc/self/cgroup reading ``membership``."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self_cgroup").write_text(membership)
+    monkeypatch.setattr(cpu_memory, "_CGROUP_ROOT", str(root))
+    monkeypatch.setattr(cpu_memory, "_PROC_CGROUP", str(tmp_path / "self_cgroup"))
+    monkeypatch.setattr(cpu_memory, "_groups", None)  # found again, restored afterwards
+
+
+def _linears(count: int) -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(count)])
+
+
+def test_a_containers_memory_limit_bounds_free_cpu_memory_and_the_plans_capacity(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # docker run -m 1g, 200 MiB in use: the machine's figures would offer it all.
+    _control_groups(monkeypatch, tmp_path, "0::/\n", {
+        "memory.max": f"{1024 * MiB}\n", "memory.current": f"{200 * MiB}\n",
+        "memory.stat": "anon 209715200\ninactive_file 0\n"})
+    assert adaptive.cpu_memory.get_available_cpu_memory() == 824 * MiB
+    assert adaptive.cpu_memory.cpu_memory_info()[1] == 1024 * MiB
+    assert capacity(torch.device("cpu")) == 1024 * MiB
+    # "auto": free less the reserve (half of what is free, with so little): 412 MiB.
+    assert adaptive.plan(_linears(4), devices={"cpu": "auto"}).device_map == {"": "cpu"}
+    with pytest.raises(PlacementError, match="its capacity is 412.0 MiB"):
+        adaptive.plan(_linears(8), devices={"cpu": "auto"})  # 512 MiB
+
+
+def test_reclaimable_page_cache_in_a_container_counts_as_free(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A checkpoint read in the container leaves its pages in the group's usage.
+    _control_groups(monkeypatch, tmp_path, "0::/\n", {
+        "memory.max": f"{1024 * MiB}\n", "memory.current": f"{900 * MiB}\n",
+        "memory.stat": f"anon {300 * MiB}\nactive_file 0\ninactive_file {600 * MiB}\n"})
+    assert adaptive.cpu_memory.get_available_cpu_memory() == 724 * MiB
+
+
+def test_a_limit_on_a_group_above_the_process_binds_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A pod's limit over its container's group, which has none of its own.
+    _control_groups(monkeypatch, tmp_path, "0::/kubepods/pod1/box\n", {
+        "kubepods/pod1/memory.max": f"{512 * MiB}\n",
+        "kubepods/pod1/memory.current": f"{100 * MiB}\n",
+        "kubepods/pod1/box/memory.max": "max\n",
+        "kubepods/pod1/box/memory.current": f"{100 * MiB}\n"})
+    assert adaptive.cpu_memory.cpu_memory_info() == (412 * MiB, 512 * MiB)
+
+
+def test_a_cgroup_v1_limit_counts_where_the_container_sees_its_own_group_at_the_root(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _control_groups(monkeypatch, tmp_path, "5:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc\n", {
+        "memory/memory.limit_in_bytes": f"{1024 * MiB}\n",
+        "memory/memory.usage_in_bytes": f"{300 * MiB}\n",
+        "memory/memory.stat": f"inactive_file 1\ntotal_inactive_file {100 * MiB}\n"})
+    assert adaptive.cpu_memory.cpu_memory_info() == (824 * MiB, 1024 * MiB)
+
+
+@pytest.mark.parametrize("membership, files", [
+    ("0::/\n", {"memory.max": "max\n", "memory.current": "1\n"}),
+    ("0::/\n", {"memory.max": "a lot\n", "memory.current": "1\n"}),
+    ("0::/\n", {"memory.max": "1048576\n"}),  # no usage to read
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": "9223372036854771712\n",
+                      "memory/memory.usage_in_bytes": "1\n"}),  # v1's "no limit"
+    ("", {}),
+])
+def test_without_a_readable_memory_limit_the_machines_figures_stand(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, membership: str,
+        files: dict[str, str]) -> None:
+    import psutil
+
+    _control_groups(monkeypatch, tmp_path, membership, files)
+    assert adaptive.cpu_memory.cpu_memory_info()[1] == psutil.virtual_memory().total
+    assert adaptive.cpu_memory.get_available_cpu_memory() > 1024**2
