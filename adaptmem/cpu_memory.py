@@ -202,18 +202,41 @@ def cpu_memory_info() -> tuple[int, int]:
     limit of its control group (a container's, see [Note: a container's memory limit]) and
     under the cap when one is set.
 
+    Raises:
+        OSError: none of these can be read (psutil fails and the system has no other count).
+
     >>> cpu_memory_info()[1] > 0
     True
     """
-    vm = psutil.virtual_memory()
-    available, total = int(vm.available), int(vm.total)
-    group = _cgroup_memory(available)
+    machine = _machine_memory()
+    group = _cgroup_memory(machine[0] if machine else _NO_LIMIT)
+    if machine is None and group is None:
+        raise OSError("free CPU memory is unknown here: psutil.virtual_memory() failed (is "
+                      "/proc/meminfo readable?), the system reports no page counts and no "
+                      "cgroup memory limit could be read; give capacities in bytes rather "
+                      "than 'auto'")
+    available, total = machine or (_NO_LIMIT, _NO_LIMIT)
     if group is not None:
         available, total = min(available, group[0]), min(total, group[1])
     if _limit_bytes is not None and _cap_bytes is not None:
         left = max(0, _limit_bytes - _status_kib("VmData"))
         available, total = min(available, left), min(total, _cap_bytes)
     return available, total
+
+
+def _machine_memory() -> tuple[int, int] | None:
+    """``(available, total)`` bytes of the machine: psutil's, else the kernel's page counts
+    (free pages only, so less: /proc/meminfo unreadable), else None."""
+    try:
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+    except Exception:  # no /proc/meminfo, not allowed to read it: a probe must not fail
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
+        return None
 
 
 # [Note: a container's memory limit]

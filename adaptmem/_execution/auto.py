@@ -497,7 +497,12 @@ class AutoStart:
 
     def _decide(self, call: Callable[[int], Any], items: int | None) -> int | None:
         device = self.device if self.device is not None else default_device()
-        free = free_memory(device)
+        try:
+            free = free_memory(device)
+        except Exception as exc:  # nothing to fit the traces into: search as without them
+            logger.info("%s: %s cannot read the free memory on %s (%s); the search starts at "
+                        "%s", self.name, self.asked, device, exc, self.largest)
+            return self.ceiling
         try:
             start, prediction = self._search(call, free, device, items)
         except Flat as exc:

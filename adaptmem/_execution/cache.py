@@ -102,6 +102,7 @@ PROBE_AFTER_MAX = 1 << 20
 #   within one bucket) is retried a tenth smaller, or at what fitted with less free memory
 #   if that is more, not halved: a halving would pin the call site far below what fits.
 BUCKETS_PER_OCTAVE = 4
+UNKNOWN_BUCKET = 0  # free memory that cannot be read: below every reading (1 MiB is 80)
 FIRST_GROWTH = 0.25
 MAX_GROWTH = 0.5
 RESET_BUCKETS = 2
@@ -570,8 +571,12 @@ class _FreeMemoryBuckets:
         hit = self.cached.get(device)
         if hit is not None and now - hit[0] < self.interval:
             return hit[1]
-        free = free_memory(device if device is not None else default_device())
-        bucket = int(math.log2(max(free, 1 << 20)) * self.per_octave)
+        try:
+            free = free_memory(device if device is not None else default_device())
+        except Exception:  # no reading (CPU memory unknown): the last one stands, else one
+            bucket = hit[1] if hit is not None else UNKNOWN_BUCKET  # bucket for them all
+        else:
+            bucket = int(math.log2(max(free, 1 << 20)) * self.per_octave)
         self.cached[device] = (now, bucket)
         return bucket
 

@@ -292,3 +292,36 @@ def test_without_a_readable_memory_limit_the_machines_figures_stand(
     _control_groups(monkeypatch, tmp_path, membership, files)
     assert adaptive.cpu_memory.cpu_memory_info()[1] == psutil.virtual_memory().total
     assert adaptive.cpu_memory.get_available_cpu_memory() > 1024**2
+
+
+def _meminfo_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    def refused() -> None:
+        raise PermissionError(13, "Permission denied", "/proc/meminfo")
+
+    monkeypatch.setattr(psutil, "virtual_memory", refused)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sysconf page counts: Linux")
+def test_without_psutils_reading_free_cpu_memory_comes_from_the_kernels_page_counts(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import psutil
+
+    total = psutil.virtual_memory().total
+    _control_groups(monkeypatch, tmp_path, "", {})
+    _meminfo_refused(monkeypatch)
+    assert 0 < adaptive.cpu_memory.get_available_cpu_memory() <= total
+    assert adaptive.plan(_linears(1), devices={"cpu": "auto"}).device_map == {"": "cpu"}
+
+
+def test_without_the_machines_figures_a_containers_limit_is_the_reading(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _control_groups(monkeypatch, tmp_path, "0::/\n", {
+        "memory.max": f"{1024 * MiB}\n", "memory.current": f"{200 * MiB}\n"})
+    _meminfo_refused(monkeypatch)
+    monkeypatch.delattr(cpu_memory.os, "sysconf")  # as on Windows: no page counts
+    assert adaptive.cpu_memory.cpu_memory_info() == (824 * MiB, 1024 * MiB)
+    _control_groups(monkeypatch, tmp_path, "", {})
+    with pytest.raises(OSError, match="free CPU memory is unknown.*capacities in bytes"):
+        adaptive.cpu_memory.get_available_cpu_memory()

@@ -165,6 +165,36 @@ def test_objects_of_a_failed_attempt_are_gone_before_the_retry(held_by: str) -> 
     assert alive_at_retry == [False, False, False]  # 3 earlier objects, each dead at its retry
 
 
+@pytest.mark.parametrize("unreadable", ["psutil", "everything"])
+def test_decorators_work_where_free_cpu_memory_cannot_be_read(
+        monkeypatch: pytest.MonkeyPatch, unreadable: str) -> None:
+    import psutil
+
+    import adaptmem.cpu_memory
+
+    def refused(*args: Any) -> Any:
+        raise PermissionError(13, "Permission denied", "/proc/meminfo")
+
+    # psutil alone (no /proc/meminfo), or every reading adaptmem could take.
+    monkeypatch.setattr(psutil, "virtual_memory", refused)
+    if unreadable == "everything":
+        monkeypatch.setattr(adaptmem.cpu_memory, "cpu_memory_info", refused)
+    ceiling = MemoryCeiling(100)
+
+    @adaptive.batch(initial_batchsize=256, device="cpu",
+                    cache=adaptive.StacktraceMemoryBatchsizeCache(refresh_seconds=0.0))
+    def infer(batchsize: int) -> int:
+        ceiling.require(batchsize)
+        return batchsize
+
+    @adaptive.batch(initial_batchsize="auto", max_batchsize=64, device="cpu")
+    def total(batchsize: int, data: torch.Tensor) -> float:
+        return float(sum(chunk.sum() for chunk in data.split(batchsize)))
+
+    assert [infer(), infer()] == [64, 64]  # halved to what fits, then remembered
+    assert total(torch.ones(1000)) == 1000.0
+
+
 def test_success_path_runs_no_gc_and_reads_free_memory_at_most_once(monkeypatch) -> None:
     collects = []
     probes = []
