@@ -344,8 +344,8 @@ def _stat_bytes(path: str, key: str) -> int:
 
 
 def get_available_cpu_memory() -> int:
-    """Bytes this process can still allocate: under the cap if one is set, else what the
-    machine reports as available.
+    """Bytes this process can still allocate: what the machine reports as available, within
+    a container's memory limit and under the cap if one is set (see ``cpu_memory_info``).
 
     >>> get_available_cpu_memory() > 0
     True
