@@ -42,7 +42,7 @@ from ..cpu_memory import map_file
 from .direct import DIRECT_PIECE, DirectReads, soft_limit
 from .entries import Entry, contiguous_stride
 from .new_memory import NewMemory, populate
-from .open_files import OpenFiles
+from .open_files import FileId, OpenFiles, file_id, replaced_message
 from .staging import Staging, copy_to
 
 __all__ = ["Entry", "Checkpoint", "Reader", "open_checkpoint", "TORCH_SUFFIXES", "copy_to",
@@ -76,6 +76,9 @@ class Checkpoint:
     files: list[str]
     format: str
     extra_states: dict[str, object] = field(default_factory=dict)
+    # file -> (st_dev, st_ino) of the file its header was read from (see [Note: a file
+    # replaced during a load]).
+    identities: dict[str, FileId] = field(default_factory=dict)
 
 
 def is_extra_state_key(key: object) -> bool:
@@ -137,8 +140,10 @@ def _merge(parts: list[Checkpoint], fmt: str) -> Checkpoint:
     entries: dict[str, Entry] = {}
     files: list[str] = []
     extra: dict[str, object] = {}
+    identities: dict[str, FileId] = {}
     for part in parts:
         extra.update(part.extra_states)
+        identities.update(part.identities)
         for key, entry in part.entries.items():
             if key in entries:
                 raise LoadError(
@@ -148,7 +153,7 @@ def _merge(parts: list[Checkpoint], fmt: str) -> Checkpoint:
             entries[key] = entry
         files.extend(part.files)
     kinds = sorted({p.format for p in parts})
-    return Checkpoint(entries, files, f"{fmt} ({', '.join(kinds)})", extra)
+    return Checkpoint(entries, files, f"{fmt} ({', '.join(kinds)})", extra, identities)
 
 
 def _open_index(index: Path) -> Checkpoint:
@@ -189,12 +194,11 @@ def _open_keyed(path: Path, key: str) -> Checkpoint:
     what = "a directory" if path.is_dir() else None
     if what is None:
         with open(path, "rb") as f:
-            if _looks_like_safetensors(f.read(32)):
-                what = "a .safetensors file, whose keys are flat"
-    if what is not None:
-        raise LoadError(f"key={key!r} picks the entry of a torch.save file's dict that holds "
-                        f"the state dict; {str(path)!r} is {what}. Leave key= out")
-    return _open_torch(path, None, key)
+            if not _looks_like_safetensors(f.read(32)):
+                return _open_torch(path, f, None, key)
+            what = "a .safetensors file, whose keys are flat"
+    raise LoadError(f"key={key!r} picks the entry of a torch.save file's dict that holds "
+                    f"the state dict; {str(path)!r} is {what}. Leave key= out")
 
 
 def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
@@ -203,21 +207,22 @@ def _open_file(path: Path, single_key: str | None = None) -> Checkpoint:
     if path.stat().st_size == 0:
         raise LoadError(f"checkpoint file {str(path)!r} is empty (0 bytes): was it written "
                         f"completely?")
+    # One open for the whole header: see [Note: a file replaced during a load].
     with open(path, "rb") as f:
         head = f.read(32)
-    # The bytes decide where they are clear, the suffix where they are not: a file named
-    # for one format holding the other (renamed, or a suffix in capitals) is read as what it
-    # is, and a Git LFS pointer left where a checkpoint should be is named as one.
-    if head.startswith(b"PK\x03\x04"):  # a zip archive: torch.save's format since 1.6
-        return _open_torch(path, single_key)
-    if head.startswith(b"version https://git-lfs"):  # model.safetensors, as often as not
-        raise LoadError(f"{str(path)!r} is a Git LFS pointer, not the checkpoint it stands for: "
-                        f"fetch the file itself (git lfs pull, or download it again)")
-    if _looks_like_safetensors(head):
-        return _open_safetensors(path)
-    if head.startswith(_LEGACY_MAGIC) or path.suffix.lower() != ".safetensors":
-        return _open_torch(path, single_key)
-    return _open_safetensors(path)  # named so, and nothing else: its own error says why
+        # The bytes decide where they are clear, the suffix where they are not: a file named
+        # for one format holding the other (renamed, or a suffix in capitals) is read as what
+        # it is, and a Git LFS pointer left where a checkpoint should be is named as one.
+        if head.startswith(b"PK\x03\x04"):  # a zip archive: torch.save's format since 1.6
+            return _open_torch(path, f, single_key)
+        if head.startswith(b"version https://git-lfs"):  # model.safetensors, as often as not
+            raise LoadError(f"{str(path)!r} is a Git LFS pointer, not the checkpoint it stands "
+                            f"for: fetch the file itself (git lfs pull, or download it again)")
+        if _looks_like_safetensors(head):
+            return _open_safetensors(path, f)
+        if head.startswith(_LEGACY_MAGIC) or path.suffix.lower() != ".safetensors":
+            return _open_torch(path, f, single_key)
+        return _open_safetensors(path, f)  # named so, and nothing else: its own error says why
 
 
 # torch.save before 1.6: a pickle (protocol 2) whose first object is torch's magic number.
@@ -229,26 +234,28 @@ def _looks_like_safetensors(head: bytes) -> bool:
     return len(head) > 8 and head[8:9] == b"{" and 0 < int.from_bytes(head[:8], "little")
 
 
-def _open_safetensors(path: Path) -> Checkpoint:
+def _open_safetensors(path: Path, f: BinaryIO) -> Checkpoint:
+    """The header of ``path``, read through ``f`` (open on it)."""
     # The header is parsed here rather than through safetensors.safe_open: safe_open maps the
     # whole file privately, which counts toward RLIMIT_DATA (set_cpu_memory_limit) and puts
     # every page it touches into this process's RSS. The checks mirror safetensors' own.
     name = str(path)
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if not 0 < length <= min(_MAX_HEADER, size - 8):
-            raise LoadError(f"{name!r} is truncated or not a safetensors file: its header "
-                            f"length field reads {length} for a file of {size} bytes (it "
-                            f"begins with {head!r})")
-        try:
-            header = json.loads(f.read(length))
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-        except ValueError as exc:
-            raise LoadError(f"{name!r} is corrupt: its safetensors header is not valid JSON "
-                            f"({exc})") from None
+    stat = os.fstat(f.fileno())
+    size = stat.st_size
+    f.seek(0)
+    head = f.read(8)
+    length = int.from_bytes(head, "little") if len(head) == 8 else -1
+    if not 0 < length <= min(_MAX_HEADER, size - 8):
+        raise LoadError(f"{name!r} is truncated or not a safetensors file: its header "
+                        f"length field reads {length} for a file of {size} bytes (it "
+                        f"begins with {head!r})")
+    try:
+        header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except ValueError as exc:
+        raise LoadError(f"{name!r} is corrupt: its safetensors header is not valid JSON "
+                        f"({exc})") from None
     data_start = 8 + length
     entries: dict[str, Entry] = {}
     spans = []
@@ -292,14 +299,18 @@ def _open_safetensors(path: Path) -> Checkpoint:
         state = "truncated" if data_start + covered > size else "corrupt"
         raise LoadError(f"{name!r} is {state}: its header describes {data_start + covered} "
                         f"bytes, the file has {size}")
-    return Checkpoint(entries, [name], "safetensors")
+    return Checkpoint(entries, [name], "safetensors", identities={name: file_id(stat)})
 
 
-def _open_torch(path: Path, single_key: str | None, state_key: str | None = None,
-                ) -> Checkpoint:
+def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
+                state_key: str | None = None) -> Checkpoint:
+    """The pickle and archive layout of the ``torch.save`` file ``path``, read through ``f``
+    (open on it)."""
     name = str(path)
-    with open(path, "rb") as f:
-        head = f.read(16)
+    stat = os.fstat(f.fileno())
+    f.seek(0)
+    head = f.read(16)
+    f.seek(0)
     legacy = not head.startswith(b"PK\x03\x04")  # a zip archive, the format since torch 1.6
     archive = None
     try:
@@ -307,16 +318,17 @@ def _open_torch(path: Path, single_key: str | None, state_key: str | None = None
             # The pre-1.6 format stores no offsets; it can only be read whole.
             # A pickle torch.save did not write (protocol 4, pickle.dump's) is refused below
             # as no checkpoint: torch's warning that it may not parse it says less.
-            with open(path, "rb") as f, warnings.catch_warnings():  # a file, not a name
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
                 obj = torch.load(f, map_location="cpu", weights_only=True)
             logger.info("adaptmem.load: %s is a legacy torch.save file; read it whole", name)
         else:
-            archive = _check_archive(path)
+            archive = _check_archive(path, f)
+            f.seek(0)
             # On the meta device torch reads the pickle only and records where each storage
-            # lies in the archive (`_checkpoint_offset`); no data is read or mapped.
-            with open(path, "rb") as f:  # a file: torch.load reads a *.safetensors name
-                obj = torch.load(f, map_location="meta", weights_only=True)  # as safetensors
+            # lies in the archive (`_checkpoint_offset`); no data is read or mapped. A file,
+            # not a name: torch.load reads a *.safetensors name as safetensors.
+            obj = torch.load(f, map_location="meta", weights_only=True)
     except LoadError:
         raise
     except Exception as exc:
@@ -340,7 +352,7 @@ def _open_torch(path: Path, single_key: str | None, state_key: str | None = None
         obj = {single_key: obj}
     state, extra = _state_dict_of(obj, name, state_key)
     entries: dict[str, Entry] = {}
-    size = path.stat().st_size
+    size = stat.st_size
     where = None if archive is None else archive.where(obj, name)
     for key, t in state.items():
         shape, stride = tuple(t.shape), tuple(t.stride())
@@ -349,14 +361,14 @@ def _open_torch(path: Path, single_key: str | None, state_key: str | None = None
             continue
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if offset is None:  # torch older than ~2.5 records no offsets on meta
-            return _open_torch_mapped(path, single_key, state_key)
+            return _open_torch_mapped(path, file_id(stat), single_key, state_key)
         entry = Entry(key, name, shape, t.dtype, where[int(offset)], int(t.storage_offset()),
                       stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
             raise LoadError(f"{name!r} is truncated or corrupt: tensor {key!r} lies past the "
                             f"end of the file")
         entries[key] = entry
-    return Checkpoint(entries, [name], "torch", extra)
+    return Checkpoint(entries, [name], "torch", extra, {name: file_id(stat)})
 
 
 def _not_weights_only(name: str, why: str) -> str:
@@ -420,10 +432,11 @@ def _not_a_checkpoint(name: str, head: bytes) -> str:
             f"begins with {head!r}")
 
 
-def _open_torch_mapped(path: Path, single_key: str | None, state_key: str | None,
-                       ) -> Checkpoint:
+def _open_torch_mapped(path: Path, identity: FileId, single_key: str | None,
+                       state_key: str | None) -> Checkpoint:
     """Fallback without offsets: tensors from ``torch.load(mmap=True)``, copied from there
-    (pages of the mapping count toward RSS until the load ends)."""
+    (pages of the mapping count toward RSS until the load ends). ``identity``: the file's
+    whose archive was checked."""
     name = str(path)
     logger.info("adaptmem.load: this torch gives no storage offsets; reading %s through "
                 "torch.load(mmap=True)", name)
@@ -431,20 +444,26 @@ def _open_torch_mapped(path: Path, single_key: str | None, state_key: str | None
         obj = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
+    # torch.load takes a name here: the file it mapped is the one the name reaches after it
+    # (or a save that lands in between fails the check: a LoadError, not garbage).
+    with contextlib.suppress(OSError):
+        if file_id(os.stat(name)) != identity:
+            raise LoadError(replaced_message(name))
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
     state, extra = _state_dict_of(obj, name, state_key)
     entries = {k: Entry(k, name, tuple(t.shape), t.dtype, None, 0, tuple(t.stride()), tensor=t)
                for k, t in state.items()}
-    return Checkpoint(entries, [name], "torch (mmap)", extra)
+    return Checkpoint(entries, [name], "torch (mmap)", extra, {name: identity})
 
 
-def _check_archive(path: Path) -> _Archive:
+def _check_archive(path: Path, f: BinaryIO) -> _Archive:
     """Refuse what cannot be read in place (another byte order, compressed tensors); return
-    where each tensor record's bytes lie (see [Note: where a record's bytes lie])."""
+    where each tensor record's bytes lie (see [Note: where a record's bytes lie]). ``f``:
+    ``path`` open."""
     records: dict[str, tuple[int, int]] = {}
     computed = False
-    with zipfile.ZipFile(path) as z, open(path, "rb", buffering=0) as f:
+    with zipfile.ZipFile(f) as z:
         if _fadvise is not None:
             # 30 bytes per tensor record, spread over the file: asked for all at once (one
             # page each, no read-ahead), a cold file's are read together, not one by one.
@@ -474,6 +493,9 @@ def _check_archive(path: Path) -> _Archive:
                 start = (info.header_offset + 30 + int.from_bytes(head[26:28], "little")
                          + int.from_bytes(head[28:30], "little"))
                 records[info.filename.rpartition("/data/")[2]] = (start, info.file_size)
+    if _fadvise is not None:  # torch.load reads the pickle through ``f`` next
+        with contextlib.suppress(OSError):
+            _fadvise(f.fileno(), 0, 0, os.POSIX_FADV_NORMAL)
     return _Archive(records, computed)
 
 
@@ -717,9 +739,9 @@ class Reader:
     new memory in and read pieces, direct reads for cold files, and a reader thread with two
     staging chunks for conversions (see [Note: reading speed])."""
 
-    def __init__(self, files: int = 1) -> None:
-        # See [Note: a directory of many files].
-        self._files = OpenFiles(self.wait, self._advice)
+    def __init__(self, files: int = 1, identities: Mapping[str, FileId] | None = None) -> None:
+        # See [Note: a directory of many files] and [Note: a file replaced during a load].
+        self._files = OpenFiles(self.wait, self._advice, identities)
         self._maps: dict[str, mmap.mmap] = {}
         self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
         self._staging = Staging(self._fill, _CHUNK)

@@ -162,6 +162,12 @@ class DirectReads:
                 with contextlib.suppress(OSError):
                     fd = os.open(name, os.O_RDONLY | int(_O_DIRECT or 0)
                                  | getattr(os, "O_CLOEXEC", 0))
+                if fd is not None and not _same_file(fd, fileno):
+                    # See [Note: a file replaced during a load]: ``fileno`` is the one read.
+                    logger.info("adaptmem.load: %s was replaced during the load; reading it "
+                                "through the page cache", name)
+                    os.close(fd)
+                    fd = None
             self._fds[name] = fd
             if fd is not None and _fadvise is not None:
                 # Small tensors read through the cache must not read ahead into large ones.
@@ -237,3 +243,9 @@ class DirectReads:
         with self._lock:
             self.bytes += got
         return got
+
+
+def _same_file(a: int, b: int) -> bool:
+    """Whether descriptors ``a`` and ``b`` are open on the same file."""
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)

@@ -493,7 +493,7 @@ def load(
         # written by the reads): an allocation that fails (out of memory on the device)
         # leaves the model as it was.
         unloaded = _unloaded(model, dests, sources, stats)
-        with Reader(files=len(ckpt.files)) as reader:
+        with Reader(files=len(ckpt.files), identities=ckpt.identities) as reader:
             pending = _read_all(reader, ckpt, dests, sources, copy, stats)
             _commit(model, sizes, {**pending, **unloaded})
             _restore_extra_states(reader, ckpt, restores)

@@ -6,12 +6,27 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import BinaryIO
 
 from .._common.errors import LoadError
 
-__all__ = ["OpenFiles"]
+__all__ = ["FileId", "OpenFiles", "file_id", "replaced_message"]
+
+FileId = tuple[int, int]  # (st_dev, st_ino): which file a name reached when it was opened
+
+# [Note: a file replaced during a load]
+# Trainers save by writing a new file and renaming it over the checkpoint (os.replace). A
+# load that opened the path again after reading the header (a file of many, or the O_DIRECT
+# descriptor) then read the new file at the old header's offsets: garbage weights, no error.
+# So each file's header is read through one open (the format sniff, the safetensors header,
+# the zip directory and torch's pickle alike), and the (st_dev, st_ino) of that descriptor
+# goes with the checkpoint (`Checkpoint.identities`). Every later open of the name is
+# checked against it (one fstat per open, not per tensor): the reads' own descriptors
+# (`OpenFiles`) refuse a different file with a LoadError that asks to load again, and an
+# O_DIRECT descriptor that reaches a different file is closed unused (the tensors are read
+# through the checked descriptor, see direct.py). A file written in place, without a rename,
+# is the same file: see [Note: a file that shrinks during a load].
 
 # [Note: a directory of many files]
 # A checkpoint may be a directory of one file per tensor: hundreds or thousands of files.
@@ -31,10 +46,13 @@ class OpenFiles:
     for every read in flight; ``advice(name)`` is the ``posix_fadvise`` advice a file gets
     when it is opened."""
 
-    def __init__(self, settle: Callable[[], None], advice: Callable[[str], int | None]) -> None:
+    def __init__(self, settle: Callable[[], None], advice: Callable[[str], int | None],
+                 identities: Mapping[str, FileId] | None = None) -> None:
         self._files: dict[str, BinaryIO] = {}
         self._settle = settle
         self._advice = advice
+        # name -> the file its header was read from (see [Note: a file replaced during a load])
+        self._identities = identities or {}
 
     def get(self, name: str) -> BinaryIO:
         """``name`` open for reading (unbuffered); the file of a read in flight stays open."""
@@ -69,8 +87,25 @@ class OpenFiles:
                 self.close()  # descriptors held elsewhere in the process: give ours back
                 return self._open(name)
             raise LoadError(f"cannot open checkpoint file {name!r}: {exc}") from None
+        expected = self._identities.get(name)
+        if expected is not None and file_id(os.fstat(f.fileno())) != expected:
+            f.close()
+            raise LoadError(replaced_message(name))
         advice = self._advice(name)
         if _FADVISE is not None and advice is not None:
             with contextlib.suppress(OSError):
                 _FADVISE(f.fileno(), 0, 0, advice)
         return f
+
+
+def file_id(stat: os.stat_result) -> FileId:
+    """Which file ``stat`` describes (see [Note: a file replaced during a load])."""
+    return stat.st_dev, stat.st_ino
+
+
+def replaced_message(name: str) -> str:
+    """The error for checkpoint file ``name`` replaced by another after its header was read."""
+    return (f"{name!r} was replaced during the load: its header was read from one file, and "
+            f"the name now reaches another (a save that writes a new file and renames it over "
+            f"the checkpoint, as trainers do). Nothing was read from the new file; load again "
+            f"once the save is done")

@@ -128,3 +128,82 @@ def test_copy_false_of_a_checkpoint_truncated_after_its_header_was_read_is_a_loa
     with pytest.raises(LoadError, match="truncated"):
         adaptive.load(lambda: nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256)), path,
                       device="cpu", copy=False)
+
+
+# [Note: a file replaced during a load]: an audit hook (which cannot be removed: it acts only
+# while `_replace_at` is armed) renames a new checkpoint over the file just before the n-th
+# open of its name, as a trainer's save (write a temporary file, os.replace) would land.
+_replace_at: dict[str, object] = {}
+_hooked: list[bool] = []
+
+
+def _replace_before_open(event: str, args: tuple[object, ...]) -> None:
+    if event != "open" or not _replace_at or not args or not isinstance(
+            args[0], (str, bytes, os.PathLike)):
+        return
+    if os.fsdecode(args[0]) == _replace_at["path"]:
+        _replace_at["opens"] = int(_replace_at["opens"]) + 1  # type: ignore[call-overload]
+        if _replace_at["opens"] == _replace_at["when"]:
+            os.replace(str(_replace_at["new"]), str(_replace_at["path"]))
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(2**20))
+        self.v = nn.Parameter(torch.empty(2**20))
+
+
+def _save(state: dict[str, torch.Tensor], path: Path) -> None:
+    if path.suffix == ".pt":
+        torch.save(state, path)
+    else:
+        safetensors_torch.save_file(state, path)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="cold files need posix_fadvise")
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+@pytest.mark.parametrize("fmt", ["safetensors", "pt", "shards"])
+def test_a_checkpoint_replaced_during_a_load_is_read_whole_from_one_file_or_refused(
+    fmt: str, cold: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if not _hooked:
+        sys.addaudithook(_replace_before_open)
+        _hooked.append(True)
+    old = {"w": torch.full((2**20,), 1.0), "v": torch.full((2**20,), 1.0)}
+    # The new file's tensors lie elsewhere: read at the old offsets, they are garbage.
+    new = {"a": torch.full((1000,), 7.0), "w": torch.full((2**20,), 2.0),
+           "v": torch.full((2**20,), 2.0)}
+    suffix = ".pt" if fmt == "pt" else ".safetensors"
+    if fmt == "shards":  # the second of two shards is replaced
+        (tmp_path / "model-1.safetensors").unlink(missing_ok=True)
+        safetensors_torch.save_file({"w": old["w"]}, tmp_path / "model-1.safetensors")
+        old, new = {"v": old["v"]}, {"a": new["a"], "v": new["v"]}
+    (tmp_path / "saving").mkdir()  # not in the checkpoint's directory: no shard of it
+    path, fresh = tmp_path / f"model-2{suffix}", tmp_path / "saving" / f"new{suffix}"
+    outcomes = set()
+    for when in range(1, 8):
+        _save(old, path)
+        _save(new, fresh)
+        if cold:
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        _replace_at.update(path=str(path), new=fresh, opens=0, when=when)
+        try:
+            model = adaptive.load(_Two, tmp_path if fmt == "shards" else path, strict=False)
+        except LoadError as exc:
+            assert "replaced during the load" in str(exc), (when, exc)
+            outcomes.add("refused")
+            continue
+        finally:
+            opens = _replace_at["opens"]
+            _replace_at.clear()
+        replaced = (model.v,) if fmt == "shards" else (model.w, model.v)
+        values = {float(x) for t in replaced for x in t.detach().unique()}
+        assert values in ({1.0}, {2.0}), (when, sorted(values)[:5])  # never a mix, no garbage
+        outcomes.add("old" if values == {1.0} else "new")
+        if int(opens) < when:  # type: ignore[call-overload]
+            break  # the load opened the file fewer times: no later open to replace it before
+    assert {"old", "new"} <= outcomes, outcomes
