@@ -15,6 +15,7 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -51,7 +52,17 @@ logger = logging.getLogger("adaptmem")
 # partly cached one is copied from the cache; both are filled without zeroing them first
 # where the system allows (see [Note: filling new memory from the page cache]), else their
 # new pages are faulted in ahead in one call (MADV_POPULATE_WRITE): a warm load never
-# touches the disk. Where the file system refuses O_DIRECT (open or read fails with EINVAL: tmpfs on
+# touches the disk. mincore tells the truth only about files the process owns, may write or
+# holds CAP_FOWNER over (Linux 5.0+, `can_do_mincore`): for any other file (a model store of
+# another user, files baked into an image for a non-root user) it says every page is resident,
+# and every cold load went through the page cache. For those files cachestat (Linux 6.5+)
+# counts the cached pages instead (`_mincore_truthful`, `_cached_pages`); where it is missing
+# or refused (kernels since 2025 restrict it as mincore), a one-byte RWF_NOWAIT read of the
+# range's first and last page, on a duplicate of the buffered descriptor, says whether they
+# are cached (`_page_cached`): a miss starts reading just that page (the descriptor reads
+# no further ahead, POSIX_FADV_RANDOM), 4 KiB of the cache per probe, and stays a miss for
+# the load (`_probe`); the range is taken for cached only when both pages are. Where that is refused too, residency is unknown and
+# the file is read through the page cache, as where there is no mincore. Where the file system refuses O_DIRECT (open or read fails with EINVAL: tmpfs on
 # older kernels, some FUSE file systems), the file is read through the page cache as before.
 # A file read this way is not left in the page cache: loading it again reads the disk again,
 # at the same speed.
@@ -74,6 +85,7 @@ _DIRECT_MIN = 2**20  # smaller tensors (biases, norms) are ordinary memory, read
 DIRECT_PIECE = 64 * 2**20
 _O_DIRECT = getattr(os, "O_DIRECT", None)
 _preadv = getattr(os, "preadv", None)
+_nowait = getattr(os, "RWF_NOWAIT", None)
 _fadvise = getattr(os, "posix_fadvise", None)
 _PAGE = mmap.PAGESIZE
 
@@ -82,6 +94,66 @@ _mmap = libc_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, c
                                ctypes.c_int, ctypes.c_long], ctypes.c_void_p)
 _munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
 _MAP_FAILED = ctypes.c_void_p(-1).value
+_syscall = libc_function("syscall", None, ctypes.c_long)
+_SYS_CACHESTAT = 451  # the same on every architecture
+_CAP_FOWNER = 3
+
+
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_uint64) for f in ("nr_cache", "nr_dirty", "nr_writeback",
+                                                "nr_evicted", "nr_recently_evicted")]
+
+
+def _cached_pages(fd: int, offset: int, n: int) -> int | None:
+    """How many pages of bytes ``[offset, offset + n)`` of ``fd`` the page cache holds, from
+    cachestat (Linux 6.5+); None where it is missing or refused."""
+    if _syscall is None:
+        return None
+    got = _Cachestat()
+    if _syscall(ctypes.c_long(_SYS_CACHESTAT), ctypes.c_int(fd),
+                ctypes.byref(_CachestatRange(offset, n)), ctypes.byref(got),
+                ctypes.c_uint(0)) != 0:
+        return None
+    return int(got.nr_cache)
+
+
+def _page_cached(fd: int, offset: int) -> bool | None:
+    """Whether the page cache holds the page of ``fd`` at ``offset``, from a one-byte
+    RWF_NOWAIT read (a miss starts reading that page); None where such reads are refused."""
+    if _preadv is None or _nowait is None:
+        return None
+    try:
+        _preadv(fd, [bytearray(1)], offset, _nowait)
+    except BlockingIOError:
+        return False
+    except OSError:  # EOPNOTSUPP, EINVAL: a file system without it
+        return None
+    return True
+
+
+def _has_fowner() -> bool:
+    """Whether this process holds CAP_FOWNER (Linux; False where that cannot be read)."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(line for line in f if line.startswith("CapEff:"))
+        return bool(int(caps.split()[1], 16) >> _CAP_FOWNER & 1)
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+
+
+def _mincore_truthful(name: str, fileno: int, fowner: Callable[[], bool]) -> bool:
+    """Whether mincore tells this process which pages of ``name`` (open as ``fileno``) are
+    cached: it owns the file, has CAP_FOWNER (``fowner()``) or may write it, as the kernel
+    decides."""
+    if os.fstat(fileno).st_uid == os.geteuid() or fowner():
+        return True
+    if os.access in os.supports_effective_ids:
+        return os.access(name, os.W_OK, effective_ids=True)
+    return os.access(name, os.W_OK)
 
 
 def soft_limit(kind: str) -> int | None:
@@ -107,13 +179,20 @@ class DirectReads:
         self._fds: dict[str, int | None] = {}  # file -> its O_DIRECT descriptor, or None
         self._stale: list[int] = []  # descriptors given up on, closed in close()
         self._views: dict[str, tuple[int, int]] = {}  # file -> untouched mapping (address, size)
+        # Files mincore lies about (see [Note: reading past the page cache]): -> (whether
+        # cachestat answers, the descriptor asked); those nothing answers for are in _unknown.
+        self._probes: dict[str, tuple[bool, int]] = {}
+        self._unknown: set[str] = set()
+        self._missed: dict[str, set[int]] = {}  # file -> pages RWF_NOWAIT probes missed
+        self._has_fowner: bool | None = None
         self._regions: dict[int, tuple[int, int]] = {}  # tensor address -> its mapping's span
         self._lock = threading.Lock()
         self.bytes = 0  # read past the page cache
 
     def close(self) -> None:
         """Close descriptors and mappings; call once no read is running."""
-        for fd in [*self._fds.values(), *self._stale]:
+        dups = [fd for stat, fd in self._probes.values() if not stat]
+        for fd in [*self._fds.values(), *self._stale, *dups]:
             if fd is not None:
                 os.close(fd)
         self._fds.clear()
@@ -122,6 +201,14 @@ class DirectReads:
             _munmap(address, size)
         self._views.clear()
         self._regions.clear()
+        self._probes.clear()
+        self._unknown.clear()
+        self._missed.clear()
+
+    def _fowner(self) -> bool:
+        if self._has_fowner is None:
+            self._has_fowner = _has_fowner()
+        return self._has_fowner
 
     def active(self, name: str) -> bool:
         """Whether ``name`` is read past the page cache (buffered reads of it must not read
@@ -169,6 +256,16 @@ class DirectReads:
                     os.close(fd)
                     fd = None
             self._fds[name] = fd
+            if fd is not None and not _mincore_truthful(name, fileno, self._fowner):
+                if _cached_pages(fd, 0, _PAGE) is not None:
+                    self._probes[name] = (True, fd)
+                elif _page_cached(fileno, 0) is not None:
+                    self._probes[name] = (False, os.dup(fileno))  # ``fileno`` may be closed
+                else:
+                    logger.info("adaptmem.load: cannot tell which pages of %s the page cache "
+                                "holds (mincore would say all: the file is not this user's "
+                                "to write); reading it through the cache", name)
+                    self._unknown.add(name)
             if fd is not None and _fadvise is not None:
                 # Small tensors read through the cache must not read ahead into large ones.
                 with contextlib.suppress(OSError):
@@ -198,7 +295,7 @@ class DirectReads:
         """Whether the page cache holds every page of bytes ``[offset, offset + n)``; False
         for bytes past the end of the mapping (the read finds out what is there)."""
         view = self._views.get(name)
-        if view is None:
+        if view is None or name in self._unknown:
             return True
         address, size = view
         if offset + n > size:  # See [Note: a file that shrinks during a load]
@@ -207,8 +304,28 @@ class DirectReads:
         pages = -(-(offset + n - first) // _PAGE)
         if pages <= 0:
             return True
+        probe = self._probes.get(name)
+        if probe is not None:
+            stat, fd = probe
+            if stat:
+                held = _cached_pages(fd, first, pages * _PAGE)
+                return held is None or held >= pages
+            return self._probe(name, fd, first, first + (pages - 1) * _PAGE)
         flags = resident_pages(address + first, pages * _PAGE)
         return flags is None or b"\0" not in flags
+
+    def _probe(self, name: str, fd: int, *pages: int) -> bool:
+        """Whether the cache holds ``pages`` of ``name``, asked with RWF_NOWAIT reads of
+        ``fd``; a page such a read missed stays a miss (the read brought it in)."""
+        missed = self._missed.setdefault(name, set())
+        for page in pages:
+            hit = page not in missed and _page_cached(fd, page)
+            if hit is None:
+                return True
+            if not hit:
+                missed.add(page)
+                return False
+        return True
 
     def read(self, name: str, fileno: int, region: tuple[int, int], address: int, offset: int,
              n: int) -> int:
