@@ -35,5 +35,12 @@ class SmallStackPool(ThreadPoolExecutor):
             previous = threading.stack_size(self._stack_bytes)
             try:
                 super()._adjust_thread_count()  # type: ignore[misc]
+            except RuntimeError:
+                # The system starts no more threads (RLIMIT_NPROC, a cgroup's pids.max): the
+                # work queued runs on the threads there are. With none, the caller is told
+                # (the work is queued: shut the pool down with cancel_futures=True).
+                if not self._threads:  # type: ignore[attr-defined]
+                    raise
+                self._max_workers = len(self._threads)  # type: ignore[attr-defined]
             finally:
                 threading.stack_size(previous)

@@ -28,7 +28,7 @@ import sys
 import threading
 import warnings
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -749,6 +749,7 @@ class Reader:
         self._workers: ThreadPoolExecutor | None = None
         self._new = NewMemory()
         self._reads: list[Future[None]] = []
+        self._threadless = False  # no worker thread could start: the caller reads
         self._direct = DirectReads(files)
         self._lock = threading.Lock()
 
@@ -866,20 +867,19 @@ class Reader:
         skipped) on background threads, in order (see [Note: faulting new memory ahead])."""
         # Tensors laid out for O_DIRECT are faulted in by the reads themselves.
         self._new.fault_ahead([t for t in tensors if self._direct.region(t.data_ptr()) is None],
-                              self._pool_of_workers, _CHUNK)
+                              self._submit, _CHUNK)
 
     def read_into(self, entry: Entry, dest: torch.Tensor, wait: bool = True) -> None:
         """Read ``entry`` straight into ``dest`` (``can_read_into``), through its pointer:
         no autograd, no version-counter bump. With ``wait=False`` the pieces are read on
         the reader threads and ``dest`` is complete once ``wait()`` returns; a tensor made
         by ``empty_for`` is read past the page cache where the cache does not hold it."""
-        if wait:
+        if wait or self._threadless:
             self._fill(entry.file, entry.start, dest)
             return
         fd = self._file(entry.file).fileno()
         region = self._direct.region(dest.data_ptr())
         fill = self._new.fills(dest.data_ptr())
-        workers = self._pool_of_workers()
         n = entry.nbytes
         start = entry.start
         # Pieces end on piece boundaries of the file, so that only a tensor's first and last
@@ -888,15 +888,34 @@ class Reader:
         cuts = [0, *range(piece - start % piece, n, piece), n]
         for a, b in zip(cuts, cuts[1:], strict=False):
             if b > a:
-                self._reads.append(workers.submit(
-                    self._read_piece_of, dest, entry.file, fd, region, a, start + a, b - a,
-                    fill))
+                args = (dest, entry.file, fd, region, a, start + a, b - a, fill)
+                read = self._submit(self._read_piece_of, *args)
+                if read is None:
+                    self._read_piece_of(*args)
+                else:
+                    self._reads.append(read)
 
     def _read_piece_of(self, dest: torch.Tensor, name: str, fd: int,
                        region: tuple[int, int] | None, at: int, offset: int, n: int,
                        fill: bool) -> None:
         # ``dest`` is passed to keep its memory alive while a thread writes into it.
         self._read_piece(name, fd, region, dest.data_ptr() + at, offset, n, fill)
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> Future[None] | None:
+        """``fn(*args)`` started on a worker thread; None, not run, where no thread can
+        start (a process at its limit on threads): the caller runs it."""
+        if self._threadless:
+            return None
+        pool = self._pool_of_workers()
+        try:
+            return pool.submit(fn, *args)
+        except RuntimeError as exc:  # no thread at all: SmallStackPool uses those there are
+            logger.info("adaptmem.load: no reader thread can start (%s); reading on the "
+                        "calling thread", exc)
+            self._threadless = True
+            self._workers = None
+            pool.shutdown(wait=False, cancel_futures=True)  # drops the work just queued
+            return None
 
     def _pool_of_workers(self) -> ThreadPoolExecutor:
         if self._workers is None:

@@ -17,7 +17,7 @@ import platform
 import re
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -322,10 +322,11 @@ class NewMemory:
             return self._fd
 
     def fault_ahead(self, tensors: list[torch.Tensor],
-                    workers: Callable[[], ThreadPoolExecutor], chunk: int) -> None:
+                    submit: Callable[..., Future[None] | None], chunk: int) -> None:
         """Start faulting in the pages of ``tensors`` (ordinary CPU memory; others, and those
-        filled from the page cache, are skipped) on ``workers()``, in order, ``chunk`` bytes
-        at a time."""
+        filled from the page cache, are skipped) on worker threads (``submit(fn, *args)``,
+        None where no thread can start: the reads then fault them), in order, ``chunk``
+        bytes at a time."""
         if _madvise is None:
             return
         storages = [t.untyped_storage() for t in tensors
@@ -335,13 +336,15 @@ class NewMemory:
         spans = [(a, n) for a, n in spans if n >= _PAGE]
         if not spans:
             return
-        pool = workers()
         for address, nbytes in spans:
             if address in self._faulting:  # one storage behind several tensors (ties)
                 continue
-            self._faulting[address] = [
-                pool.submit(populate, address + done, min(chunk, nbytes - done))
-                for done in range(0, nbytes, chunk)]
+            chunks = self._faulting[address] = []
+            for done in range(0, nbytes, chunk):
+                started = submit(populate, address + done, min(chunk, nbytes - done))
+                if started is None:
+                    return
+                chunks.append(started)
 
     def faulted(self, dest: torch.Tensor, start: int, end: int, chunk: int) -> None:
         """Wait until the faulting threads are done with bytes ``[start, end)`` of ``dest``:

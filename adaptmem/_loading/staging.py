@@ -21,7 +21,7 @@ much as before; memory is the tensor and one chunk.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ class Staging:
         self._chunks: list[torch.Tensor] = []
         self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
         self._pool: ThreadPoolExecutor | None = None
+        self._threadless = False  # no reader thread could start: the caller reads
 
     def close(self) -> None:
         """Wait for the reader thread and the device copies; free the staging memory."""
@@ -88,14 +89,11 @@ class Staging:
                 event.synchronize()
             self._fill(entry.file, start + a * item, chunks[i % 2][: (b - a) * item])
 
-        pool = self._pool
-        if pool is None:
-            pool = self._pool = ThreadPoolExecutor(1, thread_name_prefix="adaptmem-load")
-        future = pool.submit(fetch, 0)
+        future = self._start(fetch, 0)
         for i, (a, b) in enumerate(pieces):
             future.result()
             if i + 1 < len(pieces):
-                future = pool.submit(fetch, i + 1)
+                future = self._start(fetch, i + 1)
             piece = chunks[i % 2][: (b - a) * item].view(entry.dtype)
             for flat in flats:
                 copy_to(flat[a:b], piece, non_blocking=flat.device.type == "cuda")
@@ -104,6 +102,23 @@ class Staging:
                     event.record()
                     self._pending[i % 2] = event
         future.result()
+
+    def _start(self, fetch: Callable[[int], None], i: int) -> Future[None]:
+        """``fetch(i)`` on the reader thread; done on this one where no thread can start (a
+        process at its limit on threads)."""
+        if not self._threadless:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="adaptmem-load")
+            try:
+                return self._pool.submit(fetch, i)
+            except RuntimeError:  # the work is queued with no thread to run it: drop it
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+                self._threadless = True
+        done: Future[None] = Future()
+        fetch(i)
+        done.set_result(None)
+        return done
 
     def _chunk_buffers(self, pinned: bool) -> list[torch.Tensor]:
         if len(self._chunks) != 2 or (pinned and not self._chunks[0].is_pinned()):

@@ -8,6 +8,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -83,3 +84,39 @@ def test_concurrent_factory_loads_leave_later_modules_real(tmp_path: Path) -> No
             t.join()
     assert nn.Module.register_parameter is ORIGINAL
     assert nn.Linear(2, 2).weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("started", [0, 1], ids=["no-thread", "one-thread"])
+@pytest.mark.parametrize("into", ["factory", "built", "converted"])
+def test_a_load_where_no_more_threads_can_start_reads_on_the_calling_thread(
+    into: str, started: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A process at its thread limit (RLIMIT_NPROC, a container's pids.max): the reads the
+    # loader's threads would do run on the threads there are, or on the calling thread.
+    torch.manual_seed(0)
+    # 17.2 MiB: more than one staging chunk when converted, more than one piece when read.
+    source = nn.Embedding(4096, 1100)
+    path = tmp_path / "model.pt"
+    torch.save(source.state_dict(), path)
+    want = torch.load(path, weights_only=True)
+    real_start = threading.Thread.start
+    starts = []
+
+    def refusing_start(self: threading.Thread) -> None:
+        if len(starts) >= started:
+            raise RuntimeError("can't start new thread")
+        starts.append(self)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refusing_start)
+    if into == "factory":
+        model = adaptive.load(lambda: nn.Embedding(4096, 1100), path)
+    elif into == "built":
+        model = adaptive.load(nn.Embedding(4096, 1100), path)
+    else:
+        model = adaptive.load(lambda: nn.Embedding(4096, 1100), path, dtype=torch.float64)
+    monkeypatch.undo()
+    got = model.weight.detach()
+    assert torch.equal(got, want["weight"].to(got.dtype))
+    for t in starts:
+        t.join(timeout=10)
