@@ -743,6 +743,7 @@ class Reader:
         # See [Note: a directory of many files] and [Note: a file replaced during a load].
         self._files = OpenFiles(self.wait, self._advice, identities)
         self._maps: dict[str, mmap.mmap] = {}
+        self._unmappable: set[str] = set()  # files mapping failed for: read instead
         self._advised: dict[str, int] = {}  # file -> end of the range asked to be read ahead
         self._staging = Staging(self._fill, _CHUNK)
         # Threads that fault new memory in and read pieces (see [Note: the loader's pool]).
@@ -967,15 +968,21 @@ class Reader:
             entry.file in self._maps
             or len(self._maps) < (soft_limit("RLIMIT_NOFILE") or sys.maxsize) // 4)
 
-    def mapped(self, entry: Entry) -> torch.Tensor:
-        """``entry`` as a tensor backed by a private (copy-on-write) mapping of its file."""
+    def mapped(self, entry: Entry) -> torch.Tensor | None:
+        """``entry`` as a tensor backed by a private (copy-on-write) mapping of its file;
+        None where the file cannot be mapped (a file system without mmap): read it."""
+        if entry.file in self._unmappable:
+            return None
         f = self._file(entry.file)
         mm = self._maps.get(entry.file)
         if mm is None:
             try:
                 mm = map_file(f.fileno())  # See [Note: file mappings and the cap]
             except (OSError, ValueError) as exc:
-                raise LoadError(f"cannot map checkpoint file {entry.file!r}: {exc}") from None
+                logger.info("adaptmem.load: cannot map %s (%s); reading its tensors instead "
+                            "(copy=False falls back to copy=True)", entry.file, exc)
+                self._unmappable.add(entry.file)
+                return None
             self._maps[entry.file] = mm
         if entry.start + entry.nbytes > len(mm):  # it shrank since its header was read
             raise LoadError(f"{entry.file!r} is truncated: it has {len(mm)} bytes now, and "

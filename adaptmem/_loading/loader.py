@@ -929,7 +929,9 @@ def _targets(reader: Reader, entry: Entry, dest: _Dest,
     tensor needs no writing. With ``copy=False`` a built model's own CPU tensor is mapped
     too (its ``.data`` is swapped at the commit) where no conversion is needed."""
     if not copy and _mappable(reader, entry, dest):
-        return reader.mapped(entry), []
+        mapped = reader.mapped(entry)
+        if mapped is not None:  # else a file that cannot be mapped: read as copy=True
+            return mapped, []
     if dest.into:
         return None, dest.into
     assert dest.device is not None

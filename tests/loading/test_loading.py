@@ -1053,6 +1053,29 @@ def test_copy_false_keeps_cpu_tensors_backed_by_the_file(fmt: str, tmp_path: Pat
     assert torch.equal(again.scale, source.scale)
 
 
+@pytest.mark.parametrize("into", ["factory", "built"])
+def test_copy_false_on_a_file_system_that_refuses_mmap_reads_the_tensors_instead(
+    into: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import errno
+
+    from adaptmem._loading import checkpoints
+
+    def refusing(fileno: int) -> object:  # some FUSE and network file systems
+        raise OSError(errno.ENODEV, "No such device")
+
+    monkeypatch.setattr(checkpoints, "map_file", refusing)
+    source = _source()
+    path = _save("pt", source.state_dict(), tmp_path)
+    with caplog.at_level(logging.INFO, logger="adaptmem"):
+        model, stats = adaptive.load(Net if into == "factory" else Net(), path, device="cpu",
+                                     copy=False, return_stats=True)
+    _assert_same(model, source)
+    assert stats.bytes_mapped == 0 and stats.bytes_read > 0
+    assert "cannot map" in caplog.text
+
+
 class _Two(nn.Module):
     def __init__(self) -> None:
         super().__init__()
