@@ -13,6 +13,7 @@ import errno
 import logging
 import mmap
 import os
+import platform
 import sys
 import threading
 from collections.abc import Callable
@@ -54,16 +55,18 @@ logger = logging.getLogger("adaptmem")
 # new pages are faulted in ahead in one call (MADV_POPULATE_WRITE): a warm load never
 # touches the disk. mincore tells the truth only about files the process owns, may write or
 # holds CAP_FOWNER over (Linux 5.0+, `can_do_mincore`): for any other file (a model store of
-# another user, files baked into an image for a non-root user) it says every page is resident,
-# and every cold load went through the page cache. For those files cachestat (Linux 6.5+)
-# counts the cached pages instead (`_mincore_truthful`, `_cached_pages`); where it is missing
-# or refused (kernels since 2025 restrict it as mincore), a one-byte RWF_NOWAIT read of the
-# range's first and last page, on a duplicate of the buffered descriptor, says whether they
-# are cached (`_page_cached`): a miss starts reading just that page (the descriptor reads
-# no further ahead, POSIX_FADV_RANDOM), 4 KiB of the cache per probe, and stays a miss for
-# the load (`_probe`); the range is taken for cached only when both pages are. Where that is refused too, residency is unknown and
-# the file is read through the page cache, as where there is no mincore. Where the file system refuses O_DIRECT (open or read fails with EINVAL: tmpfs on
-# older kernels, some FUSE file systems), the file is read through the page cache as before.
+# another user, files baked into an image for a non-root user) it says every page is
+# resident, and every cold load went through the page cache. For those files cachestat
+# (Linux 6.5+) counts the cached pages instead (`_mincore_truthful`, `_cached_pages`); where
+# it is missing or refused (kernels since 2025 restrict it as mincore), a one-byte
+# RWF_NOWAIT read of the range's first and last page, on a duplicate of the buffered
+# descriptor, says whether they are cached (`_page_cached`): a miss starts reading just that
+# page (the descriptor reads no further ahead, POSIX_FADV_RANDOM), 4 KiB of the cache per
+# probe, and stays a miss for the load (`_probe`); the range is taken for cached only when
+# both pages are. Where that is refused too, residency is unknown and the file is read
+# through the page cache, as where there is no mincore. Where the file system refuses
+# O_DIRECT (open or read fails with EINVAL: tmpfs on older kernels, some FUSE file systems),
+# the file is read through the page cache as before.
 # A file read this way is not left in the page cache: loading it again reads the disk again,
 # at the same speed.
 #
@@ -94,8 +97,10 @@ _mmap = libc_function("mmap", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, c
                                ctypes.c_int, ctypes.c_long], ctypes.c_void_p)
 _munmap = libc_function("munmap", [ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int)
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_syscall = libc_function("syscall", None, ctypes.c_long)
-_SYS_CACHESTAT = 451  # the same on every architecture
+# cachestat is 451 on every architecture but alpha (561), where it is not asked.
+_syscall = None if platform.machine().startswith("alpha") else libc_function(
+    "syscall", None, ctypes.c_long)
+_SYS_CACHESTAT = 451
 _CAP_FOWNER = 3
 
 
