@@ -10,9 +10,11 @@ import inspect
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from types import CoroutineType
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar, overload
+
+import torch
 
 from .._common.devices import free_memory
 from .._common.errors import OutOfMemoryError, Phase
@@ -21,12 +23,39 @@ from .._common.oom import drop_frames, is_oom, raised_by, transfer_errors_shrink
 from .._common.peak import NotYet, fake_mode
 from .._execution import decorators
 from .._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache, user_frame
+from .._execution.decorated import (
+    BatchDecorator,
+    BatchOptions,
+    ChunkedDecorator,
+    ChunkedOptions,
+    Decorated,
+    RangeDecorator,
+    RangeOptions,
+)
 from .._execution.lazy import named_as
 from .._execution.retry import LAZY_TYPES
+from .decorated import (
+    PlacingBatchDecorator,
+    PlacingChunkedDecorator,
+    PlacingDecorated,
+    PlacingRangeDecorator,
+)
 from .explore import Explorer
 from .placed import PAGE, PlacedModels, check_models, fakes_put_back
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from typing_extensions import Unpack
+
+    # What model= takes: a module, or a sequence (or nn.ModuleList) of modules.
+    Models: TypeAlias = torch.nn.Module | Sequence[torch.nn.Module]
+
 __all__ = ["Dispatched", "batch", "range", "chunked"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 # [Note: called inside another decorator's trace]
@@ -467,14 +496,14 @@ MODEL_DOC = """
 """
 
 
-def _with_model(plain: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any]:
+def _with_model(plain: Callable[..., Any]) -> Callable[[_F], _F]:
     """Give a dispatching decorator ``plain``'s name, documentation and signature, plus
     the ``model`` keyword."""
     signature = inspect.signature(plain)
     parameters = [*signature.parameters.values(),
                   inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, default=None)]
 
-    def adopt(dispatching: Callable[..., Any]) -> Any:
+    def adopt(dispatching: _F) -> _F:
         functools.update_wrapper(dispatching, plain)
         dispatching.__module__ = __name__  # pickled by name from here, where it lives
         dispatching.__doc__ = (plain.__doc__ or "").rstrip() + MODEL_DOC
@@ -485,17 +514,64 @@ def _with_model(plain: Callable[..., Any]) -> Callable[[Callable[..., Any]], Any
     return adopt
 
 
+# The typed forms (see [Note: typed decorators] in _execution/decorated.py): decorator or
+# function given, with or without model=.
+@overload
+def batch(func: None = None, /, *, initial_batchsize: int | Literal["auto"],
+          model: None = None, **options: Unpack[BatchOptions]) -> BatchDecorator: ...
+@overload
+def batch(func: None = None, /, *, initial_batchsize: int | Literal["auto"], model: Models,
+          **options: Unpack[BatchOptions]) -> PlacingBatchDecorator: ...
+@overload
+def batch(func: Callable[Concatenate[int, P], R], /, *,
+          initial_batchsize: int | Literal["auto"], model: None = None,
+          **options: Unpack[BatchOptions]) -> Decorated[P, R]: ...
+@overload
+def batch(func: Callable[Concatenate[int, P], R], /, *,
+          initial_batchsize: int | Literal["auto"], model: Models,
+          **options: Unpack[BatchOptions]) -> PlacingDecorated[P, R]: ...
 @_with_model(decorators.batch)
 def batch(func: Callable[..., Any] | None = None, *, model: Any = None, **options: Any) -> Any:
     return _dispatched(decorators.batch, "batch", func, model, options)
 
 
+@overload
+def range(func: None = None, /, *, initial_step: int | Literal["auto"],  # noqa: A001
+          model: None = None, **options: Unpack[RangeOptions]) -> RangeDecorator: ...
+@overload
+def range(func: None = None, /, *, initial_step: int | Literal["auto"],  # noqa: A001
+          model: Models, **options: Unpack[RangeOptions]) -> PlacingRangeDecorator: ...
+@overload
+def range(func: Callable[Concatenate[int, int, P], R], /, *,  # noqa: A001
+          initial_step: int | Literal["auto"], model: None = None,
+          **options: Unpack[RangeOptions]) -> Decorated[Concatenate[int, int, P], list[R]]: ...
+@overload
+def range(func: Callable[Concatenate[int, int, P], R], /, *,  # noqa: A001
+          initial_step: int | Literal["auto"], model: Models,
+          **options: Unpack[RangeOptions],
+          ) -> PlacingDecorated[Concatenate[int, int, P], list[R]]: ...
 @_with_model(decorators.range)
 def range(func: Callable[..., Any] | None = None, *, model: Any = None,  # noqa: A001
           **options: Any) -> Any:
     return _dispatched(decorators.range, "range", func, model, options)
 
 
+@overload
+def chunked(func: None = None, /, *, initial_step: int | Literal["auto"],
+            model: None = None, **options: Unpack[ChunkedOptions]) -> ChunkedDecorator: ...
+@overload
+def chunked(func: None = None, /, *, initial_step: int | Literal["auto"], model: Models,
+            **options: Unpack[ChunkedOptions]) -> PlacingChunkedDecorator: ...
+@overload
+def chunked(func: Callable[Concatenate[torch.Tensor, int, int, P], object], /, *,
+            initial_step: int | Literal["auto"], model: None = None,
+            **options: Unpack[ChunkedOptions],
+            ) -> Decorated[Concatenate[torch.Tensor, P], torch.Tensor]: ...
+@overload
+def chunked(func: Callable[Concatenate[torch.Tensor, int, int, P], object], /, *,
+            initial_step: int | Literal["auto"], model: Models,
+            **options: Unpack[ChunkedOptions],
+            ) -> PlacingDecorated[Concatenate[torch.Tensor, P], torch.Tensor]: ...
 @_with_model(decorators.chunked)
 def chunked(func: Callable[..., Any] | None = None, *, model: Any = None,
             **options: Any) -> Any:

@@ -8,8 +8,7 @@ import sys
 import time
 import types
 from collections.abc import Callable
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import torch
 
@@ -37,7 +36,15 @@ from .retry import (
 )
 from .stats import Adaptation, CallStats, Watch
 
-__all__ = ["batch", "range", "chunked", "execute", "explicit"]
+if TYPE_CHECKING:
+    from typing_extensions import Never, Unpack
+
+    from .decorated import BatchOptions, ChunkedOptions, RangeOptions
+
+__all__ = ["CallForms", "DecorateAndRun", "batch", "range", "chunked", "execute", "explicit"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _clock = time.perf_counter  # bound once: read on every call whose size may fail
 _LAZY_KINDS = (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
@@ -1313,63 +1320,100 @@ def _refuse_positional_size(form: str, sizes: tuple[Any, ...], head: str = "") -
             f"positional argument(s)")
 
 
-def _execute_batch(*sizes: Any, initial_batchsize: int | None = None, **options: Any) -> Any:
-    """Decorate and run at once: ``execute.batch(initial_batchsize=128)(fn)`` calls
-    ``fn(batchsize)`` and returns its result."""
-    _refuse_positional_size("batch", sizes)
-    decorate = batch(initial_batchsize=initial_batchsize, **options)
-    return _run_now(decorate, initial_batchsize, options, sys._getframe(1), ())
+# [Note: the call forms' namespaces] ``adaptive.execute`` and ``adaptive.explicit`` are
+# instances of classes of static methods, so a type checker knows their forms (a misspelled
+# form is an error) and each form's own types. A form reads its caller's frame
+# (``sys._getframe(1)``): it is the function itself, never a wrapper. ``*sizes`` is typed
+# Never, so toma's positional size is a type error as it is a TypeError at run time; the
+# options are typed (see [Note: typed decorators] in decorated.py).
+class DecorateAndRun:
+    """``adaptive.execute``: decorate a function and run it at once,
+    ``execute.batch(initial_batchsize=128)(fn)``."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def batch(*sizes: Never, initial_batchsize: int | Literal["auto"] | None = None,
+              **options: Unpack[BatchOptions]) -> Callable[[Callable[[int], R]], R]:
+        """Decorate and run at once: ``execute.batch(initial_batchsize=128)(fn)`` calls
+        ``fn(batchsize)`` and returns its result."""
+        _refuse_positional_size("batch", sizes)
+        decorate = batch(initial_batchsize=initial_batchsize, **options)
+        return _run_now(decorate, initial_batchsize, dict(options), sys._getframe(1), ())
+
+    @staticmethod
+    def range(start: int, end: int, *sizes: Never,
+              initial_step: int | Literal["auto"] | None = None,
+              **options: Unpack[RangeOptions],
+              ) -> Callable[[Callable[[int, int], R]], list[R]]:
+        """``execute.range(0, n, initial_step=64)(fn)`` runs ``fn(s, e)`` over ``[0, n)`` now."""
+        if sizes:
+            _refuse_positional_size("range", sizes, f"{start!r}, {end!r}, ")
+        decorate = range(initial_step=initial_step, **options)
+        return _run_now(decorate, initial_step, dict(options), sys._getframe(1), (start, end))
+
+    @staticmethod
+    def chunked(tensor: torch.Tensor, *sizes: Never,
+                initial_step: int | Literal["auto"] | None = None,
+                **options: Unpack[ChunkedOptions],
+                ) -> Callable[[Callable[[torch.Tensor, int, int], object]], torch.Tensor]:
+        """``execute.chunked(t, initial_step=64, dimension=1)(fn)`` runs ``fn(chunk, s, e)``
+        now."""
+        _refuse_positional_size("chunked", sizes, "tensor, ")
+        decorate = chunked(initial_step=initial_step, **options)
+        return _run_now(decorate, initial_step, dict(options), sys._getframe(1), (tensor,))
+
+    def __repr__(self) -> str:
+        return "adaptive.execute"
 
 
-def _execute_range(start: int, end: int, *sizes: Any, initial_step: int | None = None,
-                   **options: Any) -> Any:
-    """``execute.range(0, n, initial_step=64)(fn)`` runs ``fn(s, e)`` over ``[0, n)`` now."""
-    if sizes:
-        _refuse_positional_size("range", sizes, f"{start!r}, {end!r}, ")
-    decorate = range(initial_step=initial_step, **options)
-    return _run_now(decorate, initial_step, options, sys._getframe(1), (start, end))
+class CallForms:
+    """``adaptive.explicit``: run a function adaptively in one call,
+    ``explicit.batch(fn, 128, *args, **kwargs)``; the forms' own parameters are
+    positional-only, so every keyword is the function's."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def batch(func: Callable[Concatenate[int, P], R],
+              initial_batchsize: int | Literal["auto"], /,
+              *args: P.args, **kwargs: P.kwargs) -> R:
+        """``explicit.batch(fn, 128, *args, **kwargs)`` returns ``fn(batchsize, *args,
+        **kwargs)``."""
+        _check_callable(func, "adaptive.explicit.batch", "fn, initial_batchsize, *args, **kwargs")
+        decorate = batch(initial_batchsize=initial_batchsize)
+        return _run_now(  # type: ignore[no-any-return]
+            decorate, initial_batchsize, {}, sys._getframe(1), args, kwargs)(func)
+
+    @staticmethod
+    def range(func: Callable[Concatenate[int, int, P], R], start: int, end: int,
+              initial_step: int | Literal["auto"], /,
+              *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """``explicit.range(fn, 0, n, 64, *args)`` returns ``[fn(s, e, *args), ...]``."""
+        _check_callable(func, "adaptive.explicit.range", "fn, start, end, initial_step, *args")
+        decorate = range(initial_step=initial_step)
+        return _run_now(  # type: ignore[no-any-return]
+            decorate, initial_step, {}, sys._getframe(1), (start, end, *args), kwargs)(func)
+
+    @staticmethod
+    def chunked(func: Callable[..., object], tensor: torch.Tensor,
+                initial_step: int | Literal["auto"], /, *args: Any, dimension: int = 0,
+                output: Literal["input", "new"] | None = None,
+                **kwargs: Any) -> torch.Tensor:
+        """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``
+        (``output=`` as for ``chunked``)."""
+        _check_callable(func, "adaptive.explicit.chunked", "fn, tensor, initial_step, *args")
+        options: dict[str, Any] = {"dimension": dimension, "output": output}
+        decorate = chunked(initial_step=initial_step, dimension=dimension, output=output)
+        return _run_now(  # type: ignore[no-any-return]
+            decorate, initial_step, options, sys._getframe(1), (tensor, *args), kwargs)(func)
+
+    def __repr__(self) -> str:
+        return "adaptive.explicit"
 
 
-def _execute_chunked(tensor: torch.Tensor, *sizes: Any, initial_step: int | None = None,
-                     **options: Any) -> Any:
-    """``execute.chunked(t, initial_step=64, dimension=1)(fn)`` runs ``fn(chunk, s, e)`` now."""
-    _refuse_positional_size("chunked", sizes, "tensor, ")
-    decorate = chunked(initial_step=initial_step, **options)
-    return _run_now(decorate, initial_step, options, sys._getframe(1), (tensor,))
-
-
-# The call forms' own parameters are positional-only: every keyword is the function's.
-def _explicit_batch(func: Callable[..., Any], initial_batchsize: int, /, *args: Any,
-                    **kwargs: Any) -> Any:
-    """``explicit.batch(fn, 128, *args, **kwargs)`` returns ``fn(batchsize, *args, **kwargs)``."""
-    _check_callable(func, "adaptive.explicit.batch", "fn, initial_batchsize, *args, **kwargs")
-    decorate = batch(initial_batchsize=initial_batchsize)
-    return _run_now(decorate, initial_batchsize, {}, sys._getframe(1), args, kwargs)(func)
-
-
-def _explicit_range(func: Callable[..., Any], start: int, end: int, initial_step: int, /,
-                    *args: Any, **kwargs: Any) -> list[Any]:
-    """``explicit.range(fn, 0, n, 64, *args)`` returns ``[fn(s, e, *args), ...]``."""
-    _check_callable(func, "adaptive.explicit.range", "fn, start, end, initial_step, *args")
-    decorate = range(initial_step=initial_step)
-    return _run_now(  # type: ignore[no-any-return]
-        decorate, initial_step, {}, sys._getframe(1), (start, end, *args), kwargs)(func)
-
-
-def _explicit_chunked(func: Callable[..., Any], tensor: torch.Tensor, initial_step: int, /,
-                      *args: Any, dimension: int = 0, output: str | None = None,
-                      **kwargs: Any) -> torch.Tensor:
-    """``explicit.chunked(fn, t, 64, *args, dimension=1)`` runs ``fn(chunk, s, e, *args)``
-    (``output=`` as for ``chunked``)."""
-    _check_callable(func, "adaptive.explicit.chunked", "fn, tensor, initial_step, *args")
-    options: dict[str, Any] = {"dimension": dimension, "output": output}
-    decorate = chunked(initial_step=initial_step, dimension=dimension, output=output)
-    return _run_now(  # type: ignore[no-any-return]
-        decorate, initial_step, options, sys._getframe(1), (tensor, *args), kwargs)(func)
-
-
-for _form in (_explicit_batch, _explicit_range, _explicit_chunked):  # in Python's own errors
-    _form.__qualname__ = f"adaptive.explicit.{_form.__name__.rsplit('_', 1)[1]}"
-execute = SimpleNamespace(batch=_execute_batch, range=_execute_range, chunked=_execute_chunked)
-explicit = SimpleNamespace(batch=_explicit_batch, range=_explicit_range,
-                           chunked=_explicit_chunked)
+execute = DecorateAndRun()
+explicit = CallForms()
+for _space, _forms in (("execute", DecorateAndRun), ("explicit", CallForms)):
+    for _name in ("batch", "range", "chunked"):  # the names Python's errors and help() show
+        vars(_forms)[_name].__func__.__qualname__ = f"adaptive.{_space}.{_name}"
