@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numbers
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -113,7 +113,7 @@ def _check_amount(value: Any, name: str, what: str) -> None:
         raise ValueError(f"{name} must be {what} >= 0, got {value!r}")
 
 
-def raise_oom(kind: str = "cuda", nbytes: int = 2 * 1024**3) -> None:
+def raise_oom(kind: str = "cuda", nbytes: int = 2 * 1024**3) -> NoReturn:
     """Raise ``make_oom(kind, nbytes)``."""
     raise make_oom(kind, nbytes)
 

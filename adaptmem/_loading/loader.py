@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 from torch import nn
@@ -43,6 +43,8 @@ from .._planning import HiddenWeightsError, ModuleSizes, Plan, module_sizes, spl
 from .checkpoints import Checkpoint, Entry, Reader, copy_to, is_extra_state_key, open_checkpoint
 
 __all__ = ["load", "empty_model"]
+
+M = TypeVar("M", bound=nn.Module)  # the model's own type, kept by load and empty_model
 
 logger = logging.getLogger("adaptmem")
 
@@ -177,7 +179,7 @@ def _writes_values(func: Any) -> bool:
     return writes
 
 
-def empty_model(factory: Callable[[], nn.Module]) -> nn.Module:
+def empty_model(factory: Callable[[], M]) -> M:
     """Build ``factory()`` with its parameters on the meta device, so they cost no memory.
 
     Buffers are built for real on the CPU: they are small, and constructors compute the
@@ -332,6 +334,30 @@ def _plan_target(plan: Plan, label: str) -> tuple[torch.device, bool, torch.dtyp
     return resolve_device(name, f"plan placement {label!r}"), False, plan.dtype_of(label)
 
 
+# Typed by the model given (a module, or a factory's), and by return_stats.
+@overload
+def load(model_or_factory: M, checkpoint: str | os.PathLike[str], *, device: Any = None,
+         strict: bool = True, dtype: torch.dtype | None = None, copy: bool = True,
+         return_stats: Literal[False] = False, key: str | None = None) -> M: ...
+@overload
+def load(model_or_factory: Callable[[], M], checkpoint: str | os.PathLike[str], *,
+         device: Any = None, strict: bool = True, dtype: torch.dtype | None = None,
+         copy: bool = True, return_stats: Literal[False] = False, key: str | None = None,
+         ) -> M: ...
+@overload
+def load(model_or_factory: M, checkpoint: str | os.PathLike[str], *, device: Any = None,
+         strict: bool = True, dtype: torch.dtype | None = None, copy: bool = True,
+         return_stats: Literal[True], key: str | None = None) -> tuple[M, LoadStats]: ...
+@overload
+def load(model_or_factory: Callable[[], M], checkpoint: str | os.PathLike[str], *,
+         device: Any = None, strict: bool = True, dtype: torch.dtype | None = None,
+         copy: bool = True, return_stats: Literal[True], key: str | None = None,
+         ) -> tuple[M, LoadStats]: ...
+@overload
+def load(model_or_factory: nn.Module | Callable[[], nn.Module],
+         checkpoint: str | os.PathLike[str], *, device: Any = None, strict: bool = True,
+         dtype: torch.dtype | None = None, copy: bool = True, return_stats: bool = False,
+         key: str | None = None) -> nn.Module | tuple[nn.Module, LoadStats]: ...
 def load(
     model_or_factory: nn.Module | Callable[[], nn.Module],
     checkpoint: str | os.PathLike[str],
