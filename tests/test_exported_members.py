@@ -15,9 +15,10 @@ def test_the_top_level_exports_only_the_front_door() -> None:
 
 def test_the_adaptive_namespace_exports_the_designed_api() -> None:
     assert sorted(adaptive.__all__) == sorted([
-        "Adaptation", "AdaptmemError", "BatchsizeCache", "CallStats", "Chunker",
-        "GlobalBatchsizeCache", "LoadError", "NoBatchsizeCache", "OutOfMemoryError", "Pager",
-        "Plan", "PlacementError", "RankError", "Splitter",
+        "Adaptation", "AdaptmemError", "BatchsizeCache", "CallStats", "Chunker", "Decorated",
+        "GlobalBatchsizeCache", "LoadError", "LoadStats", "MemoryStats", "NoBatchsizeCache",
+        "OutOfMemoryError", "Pager", "PagingStats", "Plan", "PlacementError", "RankError",
+        "SizeRecord", "Spill", "SpillStats", "Splitter",
         "StacktraceMemoryBatchsizeCache", "batch", "chunk", "chunked", "cpu_memory",
         "empty_model", "execute", "explicit", "get_default_cache", "holder", "is_oom", "load",
         "memory_stats", "microbatches", "page", "plan", "range", "set_default_cache", "spill", "split",
