@@ -1277,8 +1277,13 @@ def chunked(
 # calls are too small to tell, or a failed trace waiting for its call's outcome) is kept per
 # function (its key: a partial's function, a wrapper's wrapped one), call site and options,
 # and a later call there goes on from it, as a decorated function does; the call site's size
-# record carries what was learnt since. The function itself is never kept.
+# record carries what was learnt since. The function itself is never kept. Options that
+# change nothing predicted (``on_adapt``, ``progress``) are not part of the key: a callback
+# made per request (a partial naming the request) made every call trace again and kept a
+# decision per request. At most ``_DECIDED_LIMIT`` decisions are kept, the oldest dropped.
 _decided: dict[Any, AutoStart] = {}
+_DECIDED_LIMIT = 1024
+_NOT_PREDICTED = frozenset({"on_adapt", "progress"})
 
 
 def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any],
@@ -1291,7 +1296,8 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
                 and decorated._auto is not None):
             # Keys, not code objects, which compare by value (see [Note: function keys]).
             key = (decorated.kind, decorated._key, code_key(caller.f_code), caller.f_lineno,
-                   tuple(sorted((k, repr(v)) for k, v in options.items())))
+                   tuple(sorted((k, repr(v)) for k, v in options.items()
+                                if k not in _NOT_PREDICTED)))
             known = _decided.get(key)
             if known is not None:
                 decorated._auto = known
@@ -1299,6 +1305,8 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
                     decorated.initial = known.initial
                     decorated._deciding = False
             else:
+                if len(_decided) >= _DECIDED_LIMIT:
+                    del _decided[next(iter(_decided))]
                 _decided[key] = decorated._auto
         return decorated._run(caller, args, {} if kwargs is None else kwargs, ())
 

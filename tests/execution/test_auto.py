@@ -463,6 +463,35 @@ def test_the_decorate_and_run_form_predicts_once_per_call_site() -> None:
     assert counts[0] > 1 and counts[1:] == [1, 1], counts  # traced at the first call only
 
 
+def test_a_callback_made_per_call_does_not_make_the_decorate_and_run_form_trace_again() -> None:
+    # A service passing on_adapt=partial(notify, request_id): the callback's repr was part
+    # of the key the decision is kept under, so every request traced again (13x the time)
+    # and kept one more decision.
+    import functools
+
+    from adaptmem._execution import decorators
+
+    runs: list[int] = []
+    data = torch.randn(128, 64)
+    seen: list[tuple[int, object]] = []
+
+    def work(batchsize: int) -> torch.Tensor:
+        runs.append(batchsize)
+        return torch.cat([c.exp().sum(1) for c in data.split(batchsize)])
+
+    def notify(request: int, event: object) -> None:
+        seen.append((request, event))
+
+    counts, kept = [], len(decorators._decided)
+    for request in range(4):
+        runs.clear()
+        adaptive.execute.batch(initial_batchsize="auto", max_batchsize=128, device="cpu",
+                               on_adapt=functools.partial(notify, request))(work)
+        counts.append(len(runs))
+    assert counts[0] > 1 and counts[1:] == [1, 1, 1], counts  # traced at the first call only
+    assert len(decorators._decided) == kept + 1
+
+
 def test_the_decorate_and_run_form_stops_tracing_calls_too_small_to_tell() -> None:
     # Too few items for the memory to grow with the size: a decorated function traces three
     # calls and then runs from the maximum. The decorate-and-run form counted each call as
