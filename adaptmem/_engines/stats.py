@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,12 +21,11 @@ __all__ = ["Stats", "PagingStats", "PlacementStats", "LoadStats", "TraceCounts"]
 
 @dataclass
 class Stats:
-    """Base for engine counters: ``as_dict()``, ``reset()`` and a readable ``str``."""
-
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Base for engine counters: ``as_dict()``, ``reset()`` and a readable ``str``. Plain
+    values only, so that stats pickle (returned from a worker process), deep-copy and go
+    through ``dataclasses.asdict``."""
 
     def as_dict(self) -> dict[str, Any]:
-        # Not dataclasses.asdict: it deep-copies the lock, which cannot be copied.
         return {f.name: copy.deepcopy(getattr(self, f.name))
                 for f in fields(self) if not f.name.startswith("_")}
 
