@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from .._common.claims import LOST_HANDLE, refuse_training
+from .._common.claims import LOST_HANDLE, owner_of, refuse_training
 from .._common.errors import PlacementError
 from .._common.tree import registrations
 
@@ -68,12 +68,14 @@ class NotCopyable:
     held_as = "placed"  # what a model held by this engine is: "paged" or "placed"
 
     def _refuse_copy(self) -> NoReturn:
+        owner = owner_of(self)  # a function decorated with model=: its remove() frees it
+        fix = (f". Call {self.handle_name}.remove() first (the model is then exactly as "
+               f"before; {LOST_HANDLE}), copy or save it, and place it again" if owner is None
+               else f"; {owner.fix()}; then copy or save it")
         raise PlacementError(
             f"cannot copy or pickle a model while {self.made_by} holds it (copy.deepcopy, "
             f"torch.save of the whole model): its tensors are the placed ones and its hooks "
-            f"belong to this {type(self).__name__}. Call {self.handle_name}.remove() first (the "
-            f"model is then exactly as before; {LOST_HANDLE}), copy or save it, and place it "
-            f"again"
+            f"belong to this {type(self).__name__}{fix}"
         )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> NoReturn:

@@ -536,3 +536,23 @@ def test_holder_does_not_hand_out_the_engine_of_a_function_decorated_with_model(
         adaptive.holder(model)
     run.remove()
     assert adaptive.holder(model) is None
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "torch.save"])
+def test_copying_a_model_a_decorated_function_holds_names_that_functions_remove(
+        copier: str) -> None:
+    model = _model()
+
+    @adaptive.batch(initial_batchsize=4, model=model)
+    def run(batchsize: int) -> torch.Tensor:
+        with torch.no_grad():
+            return model(_X[:batchsize])
+
+    run()
+    with pytest.raises(PlacementError, match=r"cannot copy or pickle") as refused:
+        copy.deepcopy(model) if copier == "deepcopy" else torch.save(model, io.BytesIO())
+    message = str(refused.value)
+    assert "run.remove() first" in message and "pager.remove()" not in message
+    assert "adaptive.holder" not in message  # which would refuse: not the user's to remove
+    run.remove()
+    copy.deepcopy(model)
