@@ -14,8 +14,8 @@ user's own handle.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping
-from typing import Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from torch.utils.hooks import RemovableHandle
 from .._common.claims import claim, release
 from .guard import NotCopyable, PlacementGuard
 
-__all__ = ["Engine", "HookSet", "LoadTargets"]
+__all__ = ["Engine", "HookSet", "LoadTargets", "RootHook"]
 
 _E = TypeVar("_E", bound="Engine")
 
@@ -79,6 +79,35 @@ class HookSet:
         self._by_module.clear()
 
 
+class RootHook:
+    """One of an engine's hooks on the model itself, which hands the engine the model as the
+    module called. ``copy.copy(model)`` makes a module that shares the model's parameters,
+    children and hook dicts: calling it runs these hooks with the copy, and the model is what
+    runs. ``torch.jit.script`` compiles hooks, and reading this one's ``__globals__`` (which
+    it does first) raises the refusal: see [Note: no capture of a placed model] in
+    ``guard.py``. ``func`` is the engine's method (as for a ``partial``, which the recorder
+    reads to tell the engine's hooks)."""
+
+    __slots__ = ("func", "root")
+
+    def __init__(self, func: Callable[..., Any], root: nn.Module) -> None:
+        self.func, self.root = func, root
+
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        return self.func(self.root, *args)
+
+    @property
+    def __name__(self) -> str:
+        return f"adaptmem_{getattr(self.func, '__name__', 'hook')}"
+
+    @property
+    def __globals__(self) -> dict[str, Any]:
+        engine = getattr(self.func, "__self__", None)
+        if isinstance(engine, Engine):
+            engine.refuse_capture("torch.jit.script")
+        raise AttributeError("__globals__")
+
+
 class Engine(NotCopyable, abc.ABC):
     """A placement handle: holds a model's modules from ``_hold`` until ``remove()``.
 
@@ -95,6 +124,11 @@ class Engine(NotCopyable, abc.ABC):
         copied nor converted] in guard.py): for code about to place the model again, which
         would drop the change (``remove()`` registers the original objects)."""
         self._guard.check()
+
+    def refuse_capture(self, what: str) -> NoReturn:
+        """Raise the ``PlacementError`` saying that ``what`` (``torch.jit.script``) does not
+        take a placed model: see [Note: no capture of a placed model] in ``guard.py``."""
+        self._guard.refuse_capture(what)
 
     def speak_as(self, engine: str, handle: str) -> None:
         """The refusals of the model's calls name ``engine`` as what holds it and

@@ -23,6 +23,19 @@ copies, copies in another dtype) and its hooks are the engine's bound methods.
   model's own state: it is accepted at the end of that call, checked from then on, and
   kept by ``remove()``, in the dtype and device of the object it replaced.
 
+[Note: no capture of a placed model]
+``torch.jit.script``, ``torch.jit.trace`` and ``torch.export.export`` of a placed model failed
+inside PyTorch (script compiles the engine's hooks: ``SetComp aren't supported``; trace of a
+paged model: an internal assert asking to report a bug to PyTorch), or worse, a trace of a
+chunked model succeeded with today's placement baked in and failed once removed. Trace and
+export run the model, so the check at every outermost call (``check``) refuses them, at
+the cost of one C call and one flag read. Script runs nothing: it compiles the model's
+hooks, the root's first, reading each one's ``__name__`` and then its ``__globals__``; the
+engine's hooks on the root are ``RootHook`` objects (``base.py``) whose ``__globals__``
+raises this refusal. ``torch.compile`` is left alone: it graph-breaks on the hooks and runs.
+Strict export (``strict=True``) traces the refusal with dynamo, which reports it inside its
+own ``Unsupported`` error.
+
 [Note: a module put into a placed model]
 ``model.head = nn.Linear(...)``, ``model[2] = ...``, ``model.append(...)`` or a bias set
 where there was none, between calls, registers tensors the engine never placed: on the host
@@ -152,6 +165,10 @@ class PlacementGuard:
             raise PlacementError(
                 f"this {self._handle} was removed, and the model is no longer placed; "
                 f"{self._engine}(model, ...) places it again")
+        if _tracing_state() is not None or _is_exporting():  # See [Note: no capture ...]
+            self._passed = False
+            self.refuse_capture("torch.jit.trace" if _tracing_state() is not None
+                                else "torch.export")
         # This runs at every call. Metadata reads, with torch function modes off: a mode (a
         # simulated device's) would otherwise see two calls per tensor, and has nothing to
         # change.
@@ -180,6 +197,18 @@ class PlacementGuard:
         if self.on_new_data is not None:
             self.follow_new_data()
         self._passed = True
+
+    def refuse_capture(self, what: str) -> NoReturn:
+        """Raise the ``PlacementError`` saying that ``what`` (``torch.jit.script``, ...)
+        does not take a placed model. See [Note: no capture of a placed model]."""
+        unplaced = (": a TorchScript module cannot be placed itself" if "jit" in what else "")
+        raise PlacementError(
+            f"{what} does not support a model while {self._engine} holds it: the engine "
+            f"places it through forward hooks and by swapping its tensors between calls, "
+            f"which {what} does not follow (what it made would keep this placement, or fail "
+            f"inside PyTorch), so nothing was captured. Capture the model before placing it, "
+            f"or call {self._handle}.remove() first (the model is then exactly as before) and "
+            f"capture it then; what {what} makes runs unplaced{unplaced}")
 
     def rename(self, engine: str, handle: str) -> None:
         """Speak of the model's holder as ``engine`` and of its handle as ``handle`` (a
@@ -352,6 +381,8 @@ for _register in (nn.modules.module.register_module_module_registration_hook,
     _register(_registered)
 
 
+_tracing_state = torch._C._get_tracing_state  # not None under torch.jit.trace
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)  # torch 2.4 and later
 _dtype_of = operator.attrgetter("dtype")
 _no_modes = torch._C.DisableTorchFunction
 _training = operator.attrgetter("training")

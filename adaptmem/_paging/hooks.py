@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from .._common.errors import PlacementError
-from .._engines.base import HookSet
+from .._engines.base import HookSet, RootHook
 from .._engines.hoststore import Slot
 
 __all__ = ["CallStack", "Frame", "Hooks"]
@@ -129,7 +129,8 @@ _CALL_IMPL = nn.Module._call_impl.__code__
 class Hooks:
     """One ``pre``/``post`` hook pair per module, added at most once. On ``root``, ``post``
     runs before the forward hooks the model had: they see the outputs handed back, as
-    without a pager."""
+    without a pager; both are ``RootHook`` objects there (a shallow copy of the model runs
+    as the model)."""
 
     __slots__ = ("pre", "post", "installed", "root")
 
@@ -144,11 +145,14 @@ class Hooks:
         """Hook ``module``, unless it is hooked already."""
         if module in self.installed:
             return
+        root = module is self.root
+        pre, post = ((RootHook(self.pre, module), RootHook(self.post, module)) if root
+                     else (self.pre, self.post))
         self.installed.add(
             module,
-            module.register_forward_pre_hook(self.pre, with_kwargs=True),
-            module.register_forward_hook(self.post, with_kwargs=True, always_call=True,
-                                         prepend=module is self.root))
+            module.register_forward_pre_hook(pre, with_kwargs=True),
+            module.register_forward_hook(post, with_kwargs=True, always_call=True,
+                                         prepend=root))
 
     def remove(self, module: nn.Module) -> None:
         """Unhook ``module``, if it is hooked."""

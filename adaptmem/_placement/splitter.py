@@ -21,7 +21,7 @@ from .._common.errors import PlacementError
 from .._common.peak import NotYet, fake_mode
 from .._common.reporting import report
 from .._common.tree import calls_in_progress, canonical_tensors
-from .._engines.base import Engine, HookSet
+from .._engines.base import Engine, HookSet, RootHook
 from .._engines.guard import PlacementGuard
 from .._engines.stats import PlacementStats
 from .._planning import (
@@ -106,10 +106,11 @@ class Splitter(BoundaryHooks, Engine):
         self._hold(self._modules.values(), tensors)
         # The root's post hook runs before forward hooks the model had: they see the outputs
         # handed back, as without a placement.
-        self._hooks.add(model,
-                        model.register_forward_pre_hook(self._root_pre, with_kwargs=True),
-                        model.register_forward_hook(self._root_post, always_call=True,
-                                                    prepend=True))
+        self._hooks.add(model,  # RootHook: see its docstring
+                        model.register_forward_pre_hook(RootHook(self._root_pre, model),
+                                                        with_kwargs=True),
+                        model.register_forward_hook(RootHook(self._root_post, model),
+                                                    always_call=True, prepend=True))
 
     # -- public surface -------------------------------------------------------------------
     @property

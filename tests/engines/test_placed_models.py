@@ -556,3 +556,54 @@ def test_copying_a_model_a_decorated_function_holds_names_that_functions_remove(
     assert "adaptive.holder" not in message  # which would refuse: not the user's to remove
     run.remove()
     copy.deepcopy(model)
+
+
+def _capture(how: str, model: nn.Module) -> Any:
+    if how == "torch.jit.script":
+        return torch.jit.script(model)
+    if how == "torch.jit.trace":
+        return torch.jit.trace(model, (_X,))
+    return torch.export.export(model, (_X,))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("how", ["torch.jit.script", "torch.jit.trace", "torch.export"])
+def test_torchscript_tracing_and_export_of_a_placed_model_are_refused_naming_remove(
+        engine: str, how: str) -> None:
+    if how == "torch.export" and not hasattr(torch.compiler, "is_exporting"):
+        pytest.skip("torch.compiler.is_exporting arrived in torch 2.4")
+    model = _model()
+    expected = model(_X)
+    original = _state(model)
+    handle = ENGINES[engine](model)
+    with torch.no_grad():
+        placed_output = model(_X)
+    with pytest.raises(PlacementError, match=rf"^{how} does not support a model while "
+                                             rf"adaptive\.\w+ holds it.*\w+\.remove\(\) first"):
+        _capture(how, model)
+    with torch.no_grad():
+        assert torch.equal(model(_X), placed_output)  # the placed model runs on
+    handle.remove()
+    _assert_as_before(model, original)
+    if how == "torch.jit.trace":  # once removed: captured unplaced
+        torch.testing.assert_close(_capture(how, model)(_X), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["page", "chunk"])
+def test_a_shallow_copy_of_a_placed_model_runs_as_the_model(engine: str) -> None:
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).eval()
+    x = torch.randn(2, 64)
+    expected = model(x)
+    with torch.no_grad():
+        handle = (adaptive.page(model, "cuda", unit_bytes=0, resident_bytes=40_000)
+                  if engine == "page" else adaptive.chunk(model, "cuda", capacity=40_000))
+        model(x)
+        shallow = copy.copy(model)  # shares the model's parameters, children and hooks
+        out = shallow(x)
+        assert out.device == x.device
+        torch.testing.assert_close(out, expected)
+        assert handle.stats.forwards == 2
+        torch.testing.assert_close(model(x), expected)
+    handle.remove()
+    assert all(p.device.type == "cpu" for p in model.parameters())
