@@ -104,7 +104,7 @@ class RootHook:
     def __globals__(self) -> dict[str, Any]:
         engine = getattr(self.func, "__self__", None)
         if isinstance(engine, Engine):
-            engine.refuse_capture("torch.jit.script")
+            engine._refuse_capture("torch.jit.script")
         raise AttributeError("__globals__")
 
 
@@ -125,7 +125,7 @@ class Engine(NotCopyable, abc.ABC):
         would drop the change (``remove()`` registers the original objects)."""
         self._guard.check()
 
-    def refuse_capture(self, what: str) -> NoReturn:
+    def _refuse_capture(self, what: str) -> NoReturn:
         """Raise the ``PlacementError`` saying that ``what`` (``torch.jit.script``) does not
         take a placed model: see [Note: no capture of a placed model] in ``guard.py``."""
         self._guard.refuse_capture(what)
