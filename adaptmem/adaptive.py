@@ -13,7 +13,7 @@ from ._common.errors import (
 from ._common.oom import is_oom
 from ._dispatch import batch, chunked
 from ._dispatch import range as range  # noqa: A004 - mirrors toma's name
-from ._engines.stats import LoadStats, PagingStats
+from ._engines.stats import LoadStats, PagingStats, PlacementStats
 from ._execution.accumulate import microbatches
 from ._execution.cache import (
     BatchsizeCache,
@@ -50,6 +50,7 @@ __all__ = [
     "PagingStats",
     "Plan",
     "PlacementError",
+    "PlacementStats",
     "RankError",
     "SizeRecord",
     "Spill",

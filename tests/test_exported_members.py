@@ -17,7 +17,8 @@ def test_the_adaptive_namespace_exports_the_designed_api() -> None:
     assert sorted(adaptive.__all__) == sorted([
         "Adaptation", "AdaptmemError", "BatchsizeCache", "CallStats", "Chunker", "Decorated",
         "GlobalBatchsizeCache", "LoadError", "LoadStats", "MemoryStats", "NoBatchsizeCache",
-        "OutOfMemoryError", "Pager", "PagingStats", "Plan", "PlacementError", "RankError",
+        "OutOfMemoryError", "Pager", "PagingStats", "Plan", "PlacementError", "PlacementStats",
+        "RankError",
         "SizeRecord", "Spill", "SpillStats", "Splitter",
         "StacktraceMemoryBatchsizeCache", "batch", "chunk", "chunked", "cpu_memory",
         "empty_model", "execute", "explicit", "get_default_cache", "holder", "is_oom", "load",

@@ -104,8 +104,21 @@ class RootHook:
     def __globals__(self) -> dict[str, Any]:
         engine = getattr(self.func, "__self__", None)
         if isinstance(engine, Engine):
+            _forget_script_types(self.root)
             engine._refuse_capture("torch.jit.script")
         raise AttributeError("__globals__")
+
+
+def _forget_script_types(model: nn.Module) -> None:
+    """Drop the types ``torch.jit.script`` stored for ``model``'s module classes before it
+    reached the refusal: they hold the modules' hooks, and so the engine and the model, for
+    the life of the process. The store is a cache of types shared between scripted modules
+    of one class; a later script builds them again."""
+    store = getattr(getattr(torch.jit, "_recursive", None), "concrete_type_store", None)
+    types = getattr(store, "type_store", None)
+    if isinstance(types, dict):
+        for module in model.modules():
+            types.pop(type(module), None)
 
 
 class Engine(NotCopyable, abc.ABC):

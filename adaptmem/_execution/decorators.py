@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import pickle
 import sys
+import threading
 import time
 import types
 from collections.abc import Callable
@@ -934,10 +936,20 @@ class _BoundAdaptive:
         return self._adaptive._run(sys._getframe(1), args, kwargs, (self._obj,))  # type: ignore[attr-defined]
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled as a bound method is: its instance (or class) and the attribute's name.
-        # Reading the attribute binds anew, so pickling this object by name would fail.
-        name = self._adaptive.__qualname__.rpartition(".")[2]  # type: ignore[attr-defined]
-        return getattr, (self._obj, name)
+        # Pickled as a bound method is: its instance (or class) and the name of the class
+        # attribute that holds the decorated function (``run = adaptive.batch(...)(_impl)``
+        # holds it as ``run``, not ``_impl``). Reading the attribute binds anew, so pickling
+        # this object by name would fail.
+        owner = self._obj if isinstance(self._obj, type) else type(self._obj)
+        for klass in owner.__mro__:
+            for name, value in list(vars(klass).items()):
+                if value is self._adaptive and getattr(
+                        getattr(self._obj, name, None), "_adaptive", None) is self._adaptive:
+                    return getattr, (self._obj, name)
+        raise pickle.PicklingError(
+            f"cannot pickle {self!r}: no attribute of {owner.__qualname__} reads as this "
+            f"decorated method, so it could not be found again when unpickled; set it on the "
+            f"class under a name and pickle it as read from there")
 
     def call_from(self, caller: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """As ``_Adaptive.call_from``, bound to the instance (or class)."""
@@ -1282,6 +1294,7 @@ def chunked(
 # made per request (a partial naming the request) made every call trace again and kept a
 # decision per request. At most ``_DECIDED_LIMIT`` decisions are kept, the oldest dropped.
 _decided: dict[Any, AutoStart] = {}
+_decided_lock = threading.Lock()
 _DECIDED_LIMIT = 1024
 _NOT_PREDICTED = frozenset({"on_adapt", "progress"})
 
@@ -1298,16 +1311,17 @@ def _run_now(decorator: Callable[..., Any], initial: Any, options: dict[str, Any
             key = (decorated.kind, decorated._key, code_key(caller.f_code), caller.f_lineno,
                    tuple(sorted((k, repr(v)) for k, v in options.items()
                                 if k not in _NOT_PREDICTED)))
-            known = _decided.get(key)
+            with _decided_lock:
+                known = _decided.get(key)
+                if known is None:
+                    if len(_decided) >= _DECIDED_LIMIT:
+                        del _decided[next(iter(_decided))]
+                    _decided[key] = decorated._auto
             if known is not None:
                 decorated._auto = known
                 if known.initial is not None:
                     decorated.initial = known.initial
                     decorated._deciding = False
-            else:
-                if len(_decided) >= _DECIDED_LIMIT:
-                    del _decided[next(iter(_decided))]
-                _decided[key] = decorated._auto
         return decorated._run(caller, args, {} if kwargs is None else kwargs, ())
 
     return run
@@ -1336,9 +1350,8 @@ def _refuse_positional_size(form: str, sizes: tuple[Any, ...], head: str = "") -
 # options are typed (see [Note: typed decorators] in decorated.py).
 class DecorateAndRun:
     """``adaptive.execute``: decorate a function and run it at once,
-    ``execute.batch(initial_batchsize=128)(fn)``."""
-
-    __slots__ = ()
+    ``execute.batch(initial_batchsize=128)(fn)``. Its forms can be patched on the instance
+    (``monkeypatch.setattr(adaptive.execute, "batch", ...)``), as they could on a namespace."""
 
     @staticmethod
     def batch(*sizes: Never, initial_batchsize: int | Literal["auto"] | None = None,
@@ -1378,9 +1391,8 @@ class DecorateAndRun:
 class CallForms:
     """``adaptive.explicit``: run a function adaptively in one call,
     ``explicit.batch(fn, 128, *args, **kwargs)``; the forms' own parameters are
-    positional-only, so every keyword is the function's."""
-
-    __slots__ = ()
+    positional-only, so every keyword is the function's. Its forms can be patched on the
+    instance, as they could on a namespace."""
 
     @staticmethod
     def batch(func: Callable[Concatenate[int, P], R],

@@ -589,6 +589,25 @@ def test_torchscript_tracing_and_export_of_a_placed_model_are_refused_naming_rem
         torch.testing.assert_close(_capture(how, model)(_X), expected)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_model_dropped_after_a_refused_script_is_freed(engine: str) -> None:
+    # torch.jit.script stores the types it built before reaching the refusal, hooks and
+    # all: they held the engine and the model for the life of the process.
+    import gc
+    import weakref
+
+    model = _model()
+    handle = ENGINES[engine](model)
+    with torch.no_grad():
+        model(_X)
+    with pytest.raises(PlacementError):
+        torch.jit.script(model)
+    dropped = weakref.ref(model)
+    del model, handle
+    gc.collect()
+    assert dropped() is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine", ["page", "chunk"])
 def test_a_shallow_copy_of_a_placed_model_runs_as_the_model(engine: str) -> None:

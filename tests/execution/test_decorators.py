@@ -576,6 +576,11 @@ class Picklable:
     def sum(self, batchsize: int, items: list[int]) -> int:
         return sum(items[:batchsize]) + batchsize
 
+    def _impl(self, batchsize: int, items: list[int]) -> int:
+        return sum(items[:batchsize]) + batchsize
+
+    run = adaptive.batch(initial_batchsize=4)(_impl)
+
 
 def test_decorated_functions_pickle_by_name() -> None:
     import pickle
@@ -587,6 +592,10 @@ def test_decorated_functions_pickle_by_name() -> None:
     assert total(list(range(10))) == 3 * 6 + 4  # the class, then the size
     method = pickle.loads(pickle.dumps(Picklable().sum))
     assert method(list(range(10))) == 6 + 4 and isinstance(method.__self__, Picklable)
+    # under the name that holds it, not its function's: pickling Picklable().run as
+    # "_impl" gave back the plain function, which ran without sizing
+    run = pickle.loads(pickle.dumps(Picklable().run))
+    assert run(list(range(10))) == 6 + 4 and run.__name__ == "_impl"
 
 
 @pytest.mark.gpu
@@ -1664,3 +1673,11 @@ def test_a_keyword_named_self_reaches_the_function(kind: str) -> None:
         adaptive.chunked(initial_step=4)(lambda c, s, e, self=None: got.append(self))(
             torch.zeros(8), self="x")
     assert got and set(got) == {"x"}
+
+
+def test_the_call_forms_can_be_patched_in_a_users_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    # as they could while they were namespaces: a user's test stubs a form out
+    monkeypatch.setattr(adaptive.execute, "batch", lambda **options: lambda fn: fn(2))
+    assert adaptive.execute.batch(initial_batchsize=64)(lambda size: size * 10) == 20
+    monkeypatch.undo()
+    assert adaptive.execute.batch(initial_batchsize=64)(lambda size: size * 10) == 640
