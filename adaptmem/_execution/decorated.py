@@ -54,13 +54,11 @@ S = TypeVar("S")
 S_contra = TypeVar("S_contra", contravariant=True)
 
 
-class Decorated(Protocol[P, R_co]):
-    """A function decorated by ``adaptive.batch``, ``range`` or ``chunked``."""
+class _Figures(Protocol):
+    """What every decorated function has, bound or not."""
 
     __name__: str
     __qualname__: str
-
-    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
     @property
     def stats(self) -> CallStats:
@@ -75,12 +73,15 @@ class Decorated(Protocol[P, R_co]):
         """The initial (largest) size tried."""
 
 
-class DecoratedMethod(Protocol[S_contra, P, R_co]):
+class Decorated(_Figures, Protocol[P, R_co]):
+    """A function decorated by ``adaptive.batch``, ``range`` or ``chunked``."""
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+
+class DecoratedMethod(_Figures, Protocol[S_contra, P, R_co]):
     """A method decorated by ``adaptive.batch``, ``range`` or ``chunked``: bound to an
     instance, a ``Decorated`` without the size."""
-
-    __name__: str
-    __qualname__: str
 
     def __call__(self, instance: S_contra, /, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
@@ -89,18 +90,6 @@ class DecoratedMethod(Protocol[S_contra, P, R_co]):
                 ) -> DecoratedMethod[S_contra, P, R_co]: ...
     @overload
     def __get__(self, obj: S_contra, objtype: type | None = None) -> Decorated[P, R_co]: ...
-
-    @property
-    def stats(self) -> CallStats:
-        """Calls, attempts, failed attempts and sizes (``adaptive.CallStats``)."""
-
-    @property
-    def prediction(self) -> Any:
-        """The first call's ``"auto"`` prediction, or None."""
-
-    @property
-    def initial(self) -> int:
-        """The initial (largest) size tried."""
 
 
 class BatchDecorator(Protocol):
