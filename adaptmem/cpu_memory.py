@@ -283,32 +283,57 @@ def _group_bytes(path: str) -> int | None:
     return nbytes if nbytes is not None and 0 <= nbytes < _NO_LIMIT else None
 
 
+def control_group_folders(controller: str) -> list[tuple[str, bool]]:
+    """This process's control groups for ``controller``: its own group's folder, then each
+    above it up to the root (a limit binds everything under it). A folder may not exist (a
+    container that sees its own group at the root, see [Note: a container's memory limit]):
+    reading its files then fails. adaptmem's loader reads the groups' CPU quota.
+
+    Args:
+        controller: the controller whose cgroup v1 hierarchy to look in ("memory", "cpu");
+            cgroup v2 has one hierarchy for all.
+
+    Returns:
+        ``(folder, v1)`` pairs, each folder ending in "/", ``v1`` true for cgroup v1's
+        (whose files are named otherwise); [] where /proc/self/cgroup cannot be read.
+
+    >>> all(folder.endswith("/") for folder, v1 in control_group_folders("cpu"))
+    True
+    """
+    try:
+        lines = _read_text(_PROC_CGROUP).splitlines()
+    except (OSError, ValueError):
+        return []
+    found = []
+    for line in lines:
+        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if number == "0" and not controllers:  # cgroup v2
+            folder, v1 = _CGROUP_ROOT, False
+        elif controller in controllers.split(","):  # cgroup v1's hierarchy holding it
+            # mounted under its controllers' names ("cpu,cpuacct"), often linked from each
+            folder, v1 = f"{_CGROUP_ROOT}/{controllers}", True
+            if not os.path.isdir(folder):
+                folder = f"{_CGROUP_ROOT}/{controller}"
+        else:
+            continue
+        parts = [p for p in path.strip().split("/") if p and p not in (".", "..")]
+        found += [("/".join([folder, *parts[:depth]]) + "/", v1)
+                  for depth in range(len(parts), -1, -1)]
+    return found
+
+
 def _limited_groups() -> list[tuple[str, str, str, str]]:
     """The files of this process's control groups that limit memory, found once."""
     global _groups
     if _groups is not None:
         return _groups
     found: list[tuple[str, str, str, str]] = []
-    try:
-        lines = _read_text(_PROC_CGROUP).splitlines()
-    except (OSError, ValueError):
-        lines = []
-    for line in lines:
-        number, controllers, path = (line.split(":", 2) + ["", ""])[:3]
-        if number == "0" and not controllers:  # cgroup v2
-            folder = _CGROUP_ROOT
-            names = ("memory.max", "memory.current", "memory.stat", "inactive_file")
-        elif "memory" in controllers.split(","):  # cgroup v1's memory hierarchy
-            folder = _CGROUP_ROOT + "/memory"
-            names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat",
-                     "total_inactive_file")
-        else:
-            continue
-        parts = [p for p in path.strip().split("/") if p and p not in (".", "..")]
-        for depth in range(len(parts), -1, -1):
-            group = "/".join([folder, *parts[:depth]]) + "/"
-            if _group_bytes(group + names[0]) is not None:
-                found.append((group + names[0], group + names[1], group + names[2], names[3]))
+    for group, v1 in control_group_folders("memory"):
+        names = (("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat",
+                  "total_inactive_file") if v1 else
+                 ("memory.max", "memory.current", "memory.stat", "inactive_file"))
+        if _group_bytes(group + names[0]) is not None:
+            found.append((group + names[0], group + names[1], group + names[2], names[3]))
     _groups = found
     return found
 
