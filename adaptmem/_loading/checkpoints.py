@@ -38,7 +38,7 @@ import torch
 
 from .._common.errors import LoadError
 from .._common.threads import SmallStackPool
-from ..cpu_memory import map_file
+from ..cpu_memory import control_group_folders, map_file
 from .direct import DIRECT_PIECE, DirectReads, soft_limit
 from .entries import Entry, contiguous_stride
 from .new_memory import NewMemory, populate
@@ -673,19 +673,68 @@ _preadv = getattr(os, "preadv", None)
 _fadvise = getattr(os, "posix_fadvise", None)
 
 
+# [Note: a container's CPU quota]
+# A container held to N CPUs (``docker run --cpus``, a Kubernetes pod's ``limits.cpu``, a
+# systemd unit's ``CPUQuota``) sees every core of the host in its affinity mask; the quota
+# belongs to its control group: cgroup v2's ``cpu.max`` ("quota period", or "max"), cgroup
+# v1's ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us`` (-1: none). A pool of a thread per
+# host core there only waits its turn, throttled. So the usable cores are the affinity
+# mask's, within ceil(quota / period) of each group of the process, its own and those above
+# it (found as for memory, see [Note: a container's memory limit] in cpu_memory.py). The
+# quota files are found once per process; they and the affinity mask are read at each load
+# (when its pool starts: a few small files), so ``docker update --cpus`` and a mask set after
+# import count. No files, odd contents: no quota.
+_quota_files: list[tuple[str, str | None]] | None = None  # (quota, period or None for v2)
+
+
+def _cpu_quota_files() -> list[tuple[str, str | None]]:
+    """The files of this process's control groups that can hold a CPU quota, found once."""
+    global _quota_files
+    if _quota_files is None:
+        _quota_files = [
+            (folder + "cpu.cfs_quota_us", folder + "cpu.cfs_period_us") if v1
+            else (folder + "cpu.max", None)
+            for folder, v1 in control_group_folders("cpu")
+            if os.path.exists(folder + ("cpu.cfs_quota_us" if v1 else "cpu.max"))]
+    return _quota_files
+
+
+def _quota_cores(quota_file: str, period_file: str | None) -> int | None:
+    """The cores a group's CPU quota allows (at least 1); None for no quota or no reading."""
+    try:
+        with open(quota_file) as f:
+            text = f.read().split()
+        if period_file is None:  # v2: "quota period"
+            quota, period = text[0], text[1]
+        else:
+            with open(period_file) as f:
+                quota, period = text[0], f.read().strip()
+        if quota == "max" or int(quota) <= 0 or int(period) <= 0:  # v1 writes -1 for none
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _usable_cores() -> int:
     """The cores this process may run on: its affinity mask (where the system has one),
-    within its control group's CPU quota (cgroup v2 ``cpu.max``, a container's limit)."""
+    within its control groups' CPU quota (see [Note: a container's CPU quota])."""
     affinity = getattr(os, "sched_getaffinity", None)
     cores = len(affinity(0)) if affinity is not None else os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()[:2]
-        if quota != "max":
-            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass  # no cgroup v2 quota to read
+    for quota_file, period_file in _cpu_quota_files():
+        quota = _quota_cores(quota_file, period_file)
+        if quota is not None:
+            cores = min(cores, quota)
     return cores
+
+
+def _pool_size(capped: bool) -> int:
+    """Reader threads for a load (see [Note: the loader's pool]); ``capped``: under a cap on
+    the data segment, where each thread's stack and malloc arena count for good."""
+    if _WORKERS is not None and not capped:
+        return _WORKERS
+    cores = _usable_cores()
+    return min(4, cores) if capped else max(4, min(16, cores))
 
 
 # [Note: the loader's pool]
@@ -699,9 +748,7 @@ def _usable_cores() -> int:
 # between 5 and 15 and beyond 16 not measured). Each thread maps at most new_memory._STEP
 # (4 MiB) of the file at once while it fills: 64 MiB at 16 threads, inside the guarantee
 # of the model + its largest tensor + 64 MiB (a warm copying load stages no tensor).
-_USABLE_CORES = _usable_cores()
-_WORKERS = max(4, min(16, _USABLE_CORES))
-_CORES = min(4, _USABLE_CORES)  # under a cap on the data segment
+_WORKERS: int | None = None  # a fixed pool size (benchmarks/loading.py --threads)
 _THREAD_STACK = 256 * 2**10  # faulting and reading threads only call madvise and preadv
 _PAGE = mmap.PAGESIZE
 
@@ -920,9 +967,8 @@ class Reader:
 
     def _pool_of_workers(self) -> ThreadPoolExecutor:
         if self._workers is None:
-            # Under a cap on the data segment (set_cpu_memory_limit, ulimit -d) each thread's
-            # stack and malloc arena count for good: one thread per core then.
-            n = _WORKERS if soft_limit("RLIMIT_DATA") is None else _CORES
+            # Under a cap on the data segment (set_cpu_memory_limit, ulimit -d): fewer.
+            n = _pool_size(capped=soft_limit("RLIMIT_DATA") is not None)
             self._workers = SmallStackPool(n, _THREAD_STACK, thread_name_prefix="adaptmem-load-io")
         return self._workers
 

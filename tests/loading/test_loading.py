@@ -1945,28 +1945,6 @@ def test_gpu_plan_puts_each_tensor_on_its_units_device(tmp_path: Path) -> None:
         assert str(tensors[name].device) == place, name
 
 
-@pytest.mark.parametrize(("cpu_max", "cores"), [("max 100000\n", 64), ("150000 100000\n", 2),
-                                                ("50000 100000\n", 1), (None, 64)])
-def test_the_loaders_pool_counts_the_cores_a_container_may_use(
-        cpu_max: str | None, cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 16 threads in a container held to 2 CPUs on a 64-core host would only wait for them.
-    import io
-
-    from adaptmem._loading import checkpoints
-
-    monkeypatch.setattr(checkpoints.os, "sched_getaffinity", lambda pid: set(range(64)),
-                        raising=False)
-
-    def fake_open(path: str, *args: object) -> io.StringIO:
-        if cpu_max is None:
-            raise FileNotFoundError(path)
-        assert path == "/sys/fs/cgroup/cpu.max"
-        return io.StringIO(cpu_max)
-
-    monkeypatch.setattr(checkpoints, "open", fake_open, raising=False)
-    assert checkpoints._usable_cores() == cores
-
-
 def test_loads_in_several_threads_leave_the_process_thread_stack_size_alone(tmp_path) -> None:
     """The loader's threads get small stacks; the process-wide setting that gives them is
     changed only while one starts, under a lock: loads in parallel used to leave it at
