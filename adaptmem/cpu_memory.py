@@ -249,10 +249,16 @@ def _machine_memory() -> tuple[int, int] | None:
 # what the limit of each group leaves (the process's own group and those above it: a limit
 # binds everything under it), and the total is the least of the machine's and the limits.
 # A group's usage counts the page cache of files read in it (a checkpoint loaded): the
-# kernel reclaims those pages before it kills, so the inactive ones (``inactive_file`` in
-# ``memory.stat``, v1's ``total_inactive_file``) count as free, as in the kubelet's
-# working set (usage less inactive_file); active file pages count as used, erring toward
-# less. ``memory.high`` (throttling, not killing) is not read.
+# kernel reclaims those pages before it kills, so they count as free (``memory.stat``'s
+# ``inactive_file`` and ``active_file``, v1's ``total_``), as the machine's available
+# memory counts its page cache, except file pages mapped into a process (``file_mapped``,
+# v1's ``total_mapped_file``: a model loaded with ``copy=False`` reads its weights there,
+# and evicting them would make every forward read the disk). Counting only the inactive
+# pages, as the kubelet's working set does, left a container that had read its 1 GiB
+# checkpoint twice (the second read makes the pages active, and they stay charged to the
+# group after the process ends) with 192 MiB free of a 1.5 GiB limit where 1.1 GiB
+# allocated (measured in a real cgroup v1 group). ``memory.high`` (throttling, not
+# killing) is not read.
 # The groups are found once, in /proc/self/cgroup under /sys/fs/cgroup: the process's own
 # folder and each above it, where a folder missing (a container that sees its own group at
 # /sys/fs/cgroup, not the host's path) is passed over for the one above. Only groups
@@ -263,7 +269,7 @@ def _machine_memory() -> tuple[int, int] | None:
 _CGROUP_ROOT = "/sys/fs/cgroup"
 _PROC_CGROUP = "/proc/self/cgroup"
 _NO_LIMIT = 2**62  # cgroup v1 writes "no limit" as about 2**63
-# (limit file, usage file, stat file, key of inactive file pages in it) per limited group
+# (limit file, usage file, stat file, key prefix in it: v1's "total_") per limited group
 _groups: list[tuple[str, str, str, str]] | None = None
 
 
@@ -329,9 +335,8 @@ def _limited_groups() -> list[tuple[str, str, str, str]]:
         return _groups
     found: list[tuple[str, str, str, str]] = []
     for group, v1 in control_group_folders("memory"):
-        names = (("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat",
-                  "total_inactive_file") if v1 else
-                 ("memory.max", "memory.current", "memory.stat", "inactive_file"))
+        names = (("memory.limit_in_bytes", "memory.usage_in_bytes", "memory.stat", "total_")
+                 if v1 else ("memory.max", "memory.current", "memory.stat", ""))
         if _group_bytes(group + names[0]) is not None:
             found.append((group + names[0], group + names[1], group + names[2], names[3]))
     _groups = found
@@ -343,29 +348,35 @@ def _cgroup_memory(machine_available: int) -> tuple[int, int] | None:
     and the smallest limit; None where none limits memory (see [Note: a container's memory
     limit])."""
     room, limits = machine_available, []
-    for limit_file, usage_file, stat_file, inactive_key in _limited_groups():
+    for limit_file, usage_file, stat_file, prefix in _limited_groups():
         limit, used = _group_bytes(limit_file), _group_bytes(usage_file)
         if limit is None or used is None:
             continue
         left = limit - used
         if left < room:  # the limit binds: its reclaimable page cache is free too
-            left = min(limit, left + _stat_bytes(stat_file, inactive_key))
+            left = min(limit, left + _page_cache(stat_file, prefix))
         room = min(room, max(0, left))
         limits.append(limit)
     return (room, min(limits)) if limits else None
 
 
-def _stat_bytes(path: str, key: str) -> int:
-    """The ``key`` line of a cgroup's ``memory.stat``, 0 where there is none."""
+def _page_cache(path: str, prefix: str) -> int:
+    """The bytes of a cgroup's page cache the kernel can reclaim, from its ``memory.stat``
+    (keys after ``prefix``: v1's "total_"): its file pages less those mapped into a process,
+    at least the inactive ones; 0 where there is no reading."""
+    wanted = {f"{prefix}inactive_file": "inactive", f"{prefix}active_file": "active",
+              f"{prefix}mapped_file" if prefix else "file_mapped": "mapped"}
+    found = dict.fromkeys(wanted.values(), 0)
     try:
         with open(path) as f:
             for line in f:
                 name, _, value = line.partition(" ")
-                if name == key:
-                    return max(0, int(value))
+                if name in wanted:
+                    found[wanted[name]] = max(0, int(value))
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
+    inactive = found["inactive"]
+    return max(inactive, inactive + found["active"] - found["mapped"])
 
 
 def get_available_cpu_memory() -> int:

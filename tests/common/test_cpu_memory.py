@@ -256,6 +256,30 @@ def test_reclaimable_page_cache_in_a_container_counts_as_free(
     assert adaptive.cpu_memory.get_available_cpu_memory() == 724 * MiB
 
 
+@pytest.mark.parametrize("v1", [False, True])
+def test_page_cache_read_twice_counts_as_free_but_not_mapped_weights(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, v1: bool) -> None:
+    # A checkpoint read twice: its pages are active, and stay charged to the group after
+    # the process ends. Counting only inactive pages left 192 MiB free of a 1.5 GiB limit
+    # where 1.1 GiB allocated (a real cgroup). File pages mapped into a process (weights
+    # loaded with copy=False) stay used: evicting them would make every forward read them.
+    key = "total_" if v1 else ""
+    mapped = "total_mapped_file" if v1 else "file_mapped"
+    stat = (f"anon {200 * MiB}\n{key}inactive_file {24 * MiB}\n{key}active_file {1000 * MiB}\n"
+            f"{mapped} {300 * MiB}\n")
+    if v1:
+        _control_groups(monkeypatch, tmp_path, "4:memory:/box\n", {
+            "memory/box/memory.limit_in_bytes": f"{1536 * MiB}\n",
+            "memory/box/memory.usage_in_bytes": f"{1224 * MiB}\n",
+            "memory/box/memory.stat": stat})
+    else:
+        _control_groups(monkeypatch, tmp_path, "0::/box\n", {
+            "box/memory.max": f"{1536 * MiB}\n", "box/memory.current": f"{1224 * MiB}\n",
+            "box/memory.stat": stat})
+    # 312 MiB left, plus 24 inactive and 1000 - 300 active unmapped
+    assert adaptive.cpu_memory.get_available_cpu_memory() == (312 + 24 + 700) * MiB
+
+
 def test_a_limit_on_a_group_above_the_process_binds_it(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A pod's limit over its container's group, which has none of its own.
