@@ -37,3 +37,19 @@ def test_the_testing_module_exports_its_test_doubles() -> None:
     ])
     for name in testing.__all__:
         assert getattr(testing, name) is not None, name
+
+
+def test_public_functions_show_no_underscore_parameters() -> None:
+    # help() and completion read these signatures; a parameter users may not pass is noise
+    # there (adaptive.page showed _transfer and _check_room, chunk and split _allow_meta).
+    import inspect
+
+    for name in adaptive.__all__:
+        value = getattr(adaptive, name)
+        if not inspect.isfunction(value):
+            continue
+        hidden = [p for p in inspect.signature(value).parameters if p.startswith("_")]
+        assert not hidden, f"adaptive.{name} shows {hidden}"
+        assert "_transfer" not in (value.__doc__ or ""), name
+        assert "_allow_meta" not in (value.__doc__ or ""), name
+

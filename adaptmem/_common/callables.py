@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-__all__ = ["is_lazy_function", "lazy_body"]
+__all__ = ["hide_private_parameters", "is_lazy_function", "lazy_body"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def lazy_body(func: Any) -> Any:
@@ -27,3 +30,14 @@ def is_lazy_function(func: Any) -> bool:
     unwrapping: ``lazy_body`` looks through what wraps it)."""
     return (inspect.isgeneratorfunction(func) or inspect.iscoroutinefunction(func)
             or inspect.isasyncgenfunction(func))
+
+
+def hide_private_parameters(func: _F) -> _F:
+    """``func``, its signature (what ``inspect.signature``, ``help()`` and completion in a
+    running interpreter show) without its underscore parameters: switches for adaptmem's own
+    callers and tests, which users neither need nor should lean on. They still work."""
+    signature = inspect.signature(func)
+    func.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[p for p in signature.parameters.values() if not p.name.startswith("_")])
+    return func
+

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._common.callables import hide_private_parameters
 from .._common.claims import check_placeable, refuse_compiled
 from .._common.devices import capacity, format_bytes, parse_size, resolve_device
 from .._engines.transfer import Transfer
@@ -23,6 +24,10 @@ def _size_option(value: Any, name: str, auto_ok: bool = True) -> int | None:
     return parse_size(value, name)
 
 
+# _transfer (tests, benchmarks): how host masters reach the device. _check_room
+# (page_as_asked): False takes any resident_bytes the device can hold. Hidden from the
+# signature users see.
+@hide_private_parameters
 def page(
     model: nn.Module,
     device: Any = None,
@@ -61,9 +66,6 @@ def page(
         pin_memory: pin the host masters when the device is an accelerator.
         output_device: where outputs go; None returns them on the inputs' device (where
             the model was, for a call without tensor inputs).
-        _transfer: internal (tests, benchmarks): how host masters reach the device.
-        _check_room: internal (``page_as_asked``): False takes any ``resident_bytes`` the
-            device can hold.
 
     Returns:
         A ``Pager`` with ``.plan``, ``.stats`` and ``.remove()``; also a context manager.

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._common.callables import hide_private_parameters
 from .._common.claims import check_placeable
 from .._common.devices import format_bytes, parse_device, parse_size, resolve_device
 from .._planning import (
@@ -38,6 +39,10 @@ def _undo_on_failure(handle: Splitter, step: Callable[[], None]) -> None:
         raise
 
 
+# _allow_meta (for adaptive.load): accept meta tensors and allocate them, uninitialised,
+# where the plan puts them (filled through handle.load_targets()); remove() puts the meta
+# tensors back. Hidden from the signature users see, as in chunk.
+@hide_private_parameters
 def split(
     model: nn.Module,
     devices: Any = None,
@@ -76,9 +81,6 @@ def split(
         example_inputs: a tensor, tuple of positional inputs or dict of keyword inputs;
             given, the model is placed now instead of at the first call.
         reserve: what ``"auto"`` capacities keep free for activations (see ``chunk``).
-        _allow_meta: for ``adaptive.load`` only: accept meta tensors and allocate them,
-            uninitialised, where the plan puts them (fill them through
-            ``handle.load_targets()``); ``remove()`` puts the meta tensors back.
 
     Returns:
         A ``Splitter`` with ``.plan``, ``.device_map`` (assignable), ``.stats``,
@@ -146,6 +148,7 @@ def _is_device_name(value: Any) -> bool:
     return True
 
 
+@hide_private_parameters  # _allow_meta: see split
 def chunk(
     model: nn.Module,
     device: Any = None,
@@ -175,7 +178,6 @@ def chunk(
         output_device: where outputs are returned (default: where the inputs came from).
         example_inputs: inputs for one forward that learns the execution order now; without
             them the model is placed at its first call.
-        _allow_meta: for ``adaptive.load`` only; see ``split``.
 
     Returns:
         A ``Chunker`` (``.plan``, ``.device_map``, ``.stats``, ``.remove()``, context manager).
