@@ -7,7 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["hide_private_parameters", "is_lazy_function", "lazy_body"]
+__all__ = ["ModuleOf", "hide_private_parameters", "is_lazy_function", "lazy_body"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -41,3 +41,23 @@ def hide_private_parameters(func: _F) -> _F:
         parameters=[p for p in signature.parameters.values() if not p.name.startswith("_")])
     return func
 
+
+class ModuleOf(str):
+    """The ``__module__`` of a decorated function's bound form (a class with ``__slots__``,
+    whose own ``__module__`` would answer for every instance): read through an instance, the
+    ``__module__`` of what its ``attribute`` holds, as a bound method gives its function's;
+    read from the class, the class's own module (a ``str``, so pickle and ``repr`` of the
+    class still read it as one)."""
+
+    attribute: str
+
+    def __new__(cls, module: str, attribute: str) -> ModuleOf:
+        self = super().__new__(cls, module)
+        self.attribute = attribute
+        return self
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        return self if obj is None else getattr(obj, self.attribute).__module__
+
+    def __reduce__(self) -> tuple[type[str], tuple[str]]:
+        return str, (str(self),)  # pickling the class by reference writes its module name

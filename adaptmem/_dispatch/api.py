@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar,
 
 import torch
 
+from .._common.callables import ModuleOf
 from .._common.devices import free_memory
 from .._common.errors import OutOfMemoryError, Phase
 from .._common.forks import renew_after_fork
@@ -107,6 +108,7 @@ class Dispatched:
 
     def __init__(self, inner: Any, placed: PlacedModels, context: Any) -> None:
         functools.update_wrapper(self, inner)
+        self.__wrapped__ = inner.__wrapped__  # the user's function, as without model=
         vars(self).pop("_run", None)  # a grouped batch's own bound _run came along with it
         self.inner, self.placed, self.user_context = inner, placed, context
         self.explorer = Explorer(placed.models[0], placed.weights, placed.name)
@@ -174,7 +176,7 @@ class Dispatched:
                 drop_frames(exc)
                 del exc
                 recover()
-                self._runs_again()
+                _runs_again(self.inner.stats)
                 again = True
                 continue
             if first:
@@ -262,16 +264,9 @@ class Dispatched:
             drop_frames(exc)
         del coroutine
         recover()
-        self._runs_again()
+        _runs_again(self.inner.stats)
         # Awaited the same way: a further failure gives back again, down to nothing.
         return await self.run(caller, target, args, kwargs, again=True)
-
-    def _runs_again(self) -> None:
-        """The user's call is made again after giving residency back: one call still, its
-        next attempt a retry (the decorated function counts a call at each run)."""
-        stats = self.inner.stats
-        stats.calls -= 1
-        stats.retried()
 
     def _record(self, caller: Any, target: Any, moved: bool = False) -> Any:
         """The size record of the placement in force, for a call from ``caller``; after the
@@ -353,6 +348,9 @@ class Dispatched:
     def __set_name__(self, owner: type, name: str) -> None:
         self.inner.__set_name__(owner, name)  # see [Note: methods] in decorators.py
 
+    def __repr__(self) -> str:
+        return _with_models(repr(self.inner), self.placed)
+
     @property
     def __signature__(self) -> inspect.Signature | None:
         """The signature callers see (read now: a method learns it is one late)."""
@@ -413,6 +411,13 @@ def _collected(placed: PlacedModels, explorer: Explorer) -> None:
     placed.abandon()
 
 
+def _runs_again(stats: Any) -> None:
+    """The user's call is made again after giving residency back: one call still, its next
+    attempt a retry (the decorated function counts a call at each run)."""
+    stats.calls -= 1
+    stats.retried()
+
+
 def _carry_size(size: int, fails: int | None, record: Any) -> None:
     """The engine changed at the same resident bytes (see [Note: paging or chunking]): a
     call site that knows nothing yet under the new one starts from the size that last ran
@@ -427,10 +432,18 @@ def _carry_size(size: int, fails: int | None, record: Any) -> None:
             record.fails = fails
 
 
+def _with_models(described: str, placed: PlacedModels) -> str:
+    """``described``, the repr of the plain decorated function, naming the models' classes."""
+    names = [type(model).__name__ for model in placed.models]
+    shown = names[0] if len(names) == 1 else f"[{', '.join(names)}]"
+    return f"{described[:-1]} (model={shown})>"
+
+
 class _BoundDispatched:
     """A ``Dispatched`` method bound as the plain decorator would bind it."""
 
     __slots__ = ("_dispatched", "_bound")
+    __module__ = ModuleOf(__name__, "_dispatched")  # the function's, as a bound method's
 
     def __init__(self, dispatched: Dispatched, bound: Any) -> None:
         self._dispatched = dispatched
@@ -446,6 +459,9 @@ class _BoundDispatched:
     def __signature__(self) -> inspect.Signature | None:
         """The bound method's signature, without its instance."""
         return getattr(self._bound, "__signature__", None)
+
+    def __repr__(self) -> str:
+        return _with_models(repr(self._bound), self._dispatched.placed)
 
 
 def _dispatched(decorate: Callable[..., Any], name: str, func: Any, model: Any,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import torch
 
-from .._common.callables import is_lazy_function
+from .._common.callables import ModuleOf, is_lazy_function
 from .._common.devices import resolve_device, whole_number
 from .._common.errors import AdaptmemError
 from .._common.oom import is_oom, shrinks_size
@@ -892,6 +892,7 @@ class _BoundAdaptive:
     # a bound method's are its function's; so is __doc__, hence no docstring here.
 
     __slots__ = ("_adaptive", "_obj")
+    __module__ = ModuleOf(__name__, "_adaptive")  # the function's, as a bound method's
 
     def __init__(self, adaptive: _Adaptive, obj: Any) -> None:
         self._adaptive = adaptive

@@ -6,7 +6,9 @@ raises CUDA's out-of-memory error past its total."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
+import pickle
 import re
 import subprocess
 import sys
@@ -1187,3 +1189,31 @@ def test_a_cache_that_starts_empty_and_is_filled_in_place_is_emptied_again() -> 
     assert sorted(left) == ["model 0: cache", "model 0: seen"]
     assert model.cache == {} and model.seen == [model.seen]
     assert type(model(torch.randn(3, 4))) is torch.Tensor
+
+
+def test_a_function_decorated_with_model_looks_like_one_decorated_without() -> None:
+    model = nn.Sequential(nn.Linear(2, 2)).eval()
+
+    def infer(batchsize: int, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    run = adaptive.batch(initial_batchsize=8, model=model)(infer)
+    both = adaptive.batch(initial_batchsize=8, model=[model, nn.ReLU().eval()])(infer)
+    assert repr(run) == "<adaptive.batch " + infer.__qualname__ + " (model=Sequential)>"
+    assert repr(both).endswith(" (model=[Sequential, ReLU])>")
+    assert run.__wrapped__ is infer and inspect.unwrap(run) is infer
+    assert run.__module__ == __name__
+
+    class Net:
+        @adaptive.batch(initial_batchsize=8, model=model)
+        def infer(self, batchsize: int, x: torch.Tensor) -> torch.Tensor:
+            return model(x)
+
+    bound = Net().infer
+    assert re.fullmatch(r"<bound adaptive\.batch .*Net\.infer of <.*Net object at .*> "
+                        r"\(model=Sequential\)>", repr(bound)), repr(bound)
+    assert bound.__wrapped__ is Net.__dict__["infer"].__wrapped__
+    assert bound.__wrapped__.__name__ == "infer" and not hasattr(bound.__wrapped__, "placed")
+    assert bound.__module__ == __name__ == Net.infer.__module__
+    assert pickle.loads(pickle.dumps(type(bound))) is type(bound)  # its class's is a str
+    assert torch.equal(bound(torch.ones(3, 2)), model(torch.ones(3, 2)))

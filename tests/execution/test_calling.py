@@ -4,6 +4,7 @@ signatures, the arguments range and chunked take, and the messages of wrong call
 from __future__ import annotations
 
 import inspect
+import pickle
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,8 @@ def test_a_method_read_through_an_instance_looks_like_its_function() -> None:
     assert bound.prediction is None and bound.stats is _Model.infer.stats
     assert "_Model.infer" in repr(bound) and "_Model object" in repr(bound)
     assert repr(_Model.__dict__["infer"]) == "<adaptive.batch _Model.infer>"
+    assert bound.__module__ == __name__ == _Model.__dict__["infer"].__module__
+    assert pickle.loads(pickle.dumps(type(bound))) is type(bound)  # its class's is a str
 
 
 def test_a_method_called_through_its_class_gets_its_instance_whatever_it_is_called() -> None:
