@@ -27,6 +27,8 @@ def add_example_parser(sub: Any) -> None:
     """Register ``adaptmem example train`` on the console script's subcommands."""
     example = sub.add_parser("example", help="runnable examples (train: spilling activations)")
     kinds = example.add_subparsers(dest="example", required=True)
+    # A missing example is named by its choices, "{train}", not the internal dest: the
+    # metavar is set below, once they are known (argparse's usage shows the same).
     train = kinds.add_parser(
         "train", help="a training step without spilling, then with adaptive.spill",
         description="Train one step of a torchvision model on synthetic images, first "
@@ -48,6 +50,7 @@ def add_example_parser(sub: Any) -> None:
     train.add_argument("--limit", default="auto", help="adaptive.spill limit (bytes, 'auto')")
     train.add_argument("--to", default=None, help="adaptive.spill tier: 'host' or a directory")
     train.set_defaults(func=_cmd_train, prog=train.prog)
+    kinds.metavar = "{" + ",".join(kinds.choices) + "}"
 
 
 def _step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:

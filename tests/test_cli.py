@@ -365,6 +365,8 @@ def test_every_option_of_every_subcommand_says_what_it_is_for() -> None:
      "adaptmem example train: error: argument --batch: invalid int value: 'x' "
      "(see adaptmem example train --help)"),
     ([], "adaptmem: error: the following arguments are required: command"),
+    (["example"], "adaptmem example: error: the following arguments are required: {train} "
+                  "(see adaptmem example --help)"),
     (["plan", "resnet18", "--mode", "sideways"], "adaptmem plan: error: argument --mode"),
 ])
 def test_argparses_own_errors_are_one_line_too(argv: list[str], said: str,
