@@ -145,6 +145,10 @@ class MemoryCeiling:
         _check_amount(value, "capacity", "a number of units (items, bytes, ...)")
         self._capacity = value
 
+    def __repr__(self) -> str:
+        return (f"<MemoryCeiling capacity={self.capacity} kind={self.kind!r} "
+                f"attempts={len(self.attempts)} failures={len(self.failures)}>")
+
     def require(self, n: int) -> None:
         _check_amount(n, "require(n)", "the units asked for")
         with self._lock:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._common.devices import parse_size
+from .._common.devices import format_bytes, parse_size
 from . import _active, _tensors
 from ._errors import SimulatedCudaError
 from ._state import SimState
@@ -32,6 +32,11 @@ class SimulatedCuda:
         self._tensors: Tensors | None = None
         self._patches = Patches()
         self._default_device: Any = None  # torch's default device context at __enter__
+
+    def __repr__(self) -> str:
+        link = "unlimited" if self.bandwidth is None else f"{self.bandwidth:g} GB/s"
+        return (f"<SimulatedCuda devices={self.devices} total_memory="
+                f"{format_bytes(self.total_memory)} each, bandwidth={link}>")
 
     @property
     def problems(self) -> list[str]:

@@ -133,3 +133,13 @@ def test_a_group_is_out_of_memory_and_shrinks_only_where_each_of_its_errors_does
     assert not shrinks_size(transfer) and not shrinks_size(group("g", [transfer]))
     with transfer_errors_shrink(lambda: [pager]):
         assert shrinks_size(transfer) and shrinks_size(group("g", [transfer, compute]))
+
+
+def test_a_memory_ceiling_shows_what_it_holds_and_what_it_refused() -> None:
+    from adaptmem.testing import MemoryCeiling
+
+    ceiling = MemoryCeiling(100, kind="cpu")
+    ceiling.require(3)
+    with pytest.raises(RuntimeError, match="can't allocate memory"):
+        ceiling.require(300)
+    assert repr(ceiling) == "<MemoryCeiling capacity=100 kind='cpu' attempts=2 failures=1>"

@@ -39,6 +39,13 @@ def test_devices_are_reported_as_asked() -> None:
             torch.ones(1, device="cuda:2")
 
 
+def test_a_simulation_shows_its_devices_memory_and_link() -> None:
+    assert repr(simulated_cuda()) == (
+        "<SimulatedCuda devices=1 total_memory=16.0 GiB each, bandwidth=unlimited>")
+    with simulated_cuda(devices=2, total_memory="1536MiB", bandwidth=12) as sim:
+        assert repr(sim) == "<SimulatedCuda devices=2 total_memory=1.5 GiB each, bandwidth=12 GB/s>"
+
+
 def test_nothing_of_torch_is_changed_after_the_block_even_when_it_raised() -> None:
     before = (torch.cuda.is_available, torch.cuda.Stream, torch.cuda.memory_allocated)
     real_cuda = torch.cuda.is_available()  # a real GPU beside the simulation stays usable
