@@ -10,10 +10,12 @@ from __future__ import annotations
 import gc
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from adaptmem import cpu_memory
 from adaptmem._execution.cache import StacktraceMemoryBatchsizeCache, resolve_cache
 from adaptmem.testing import simulated_cuda
 from adaptmem.testing_plugin import pytest_configure as _plugin_configure
@@ -21,6 +23,21 @@ from adaptmem.testing_plugin import simulated_cuda_device  # noqa: F401 - a fixt
 
 REAL_CUDA = torch.cuda.is_available()
 SIMULATED_DEVICES = 2
+
+
+def fake_control_groups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, membership: str,
+                        files: dict[str, str]) -> None:
+    """A fake /sys/fs/cgroup holding ``files`` (path under it: text), and a fake
+    /proc/self/cgroup reading ``membership``; the memory limit's groups are found again."""
+    root = tmp_path / "cgroup"
+    root.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self_cgroup").write_text(membership)
+    monkeypatch.setattr(cpu_memory, "_CGROUP_ROOT", str(root))
+    monkeypatch.setattr(cpu_memory, "_PROC_CGROUP", str(tmp_path / "self_cgroup"))
+    monkeypatch.setattr(cpu_memory, "_groups", None)  # found again, restored afterwards
 
 
 def run_if(*, cuda: bool = False, min_gpus: int = 1) -> pytest.MarkDecorator:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fake_control_groups
 from torch import nn
 
 from adaptmem import PlacementError, adaptive, cpu_memory
@@ -213,18 +214,7 @@ def test_a_numpy_number_is_a_cap_like_any_number() -> None:
 MiB = 2**20
 
 
-def _control_groups(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, membership: str,
-                    files: dict[str, str]) -> None:
-    """A fake /sys/fs/cgroup holding ``files`` (path under it: text), and a fake
-    /proc/self/cgroup reading ``membership``."""
-    root = tmp_path / "cgroup"
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    (tmp_path / "self_cgroup").write_text(membership)
-    monkeypatch.setattr(cpu_memory, "_CGROUP_ROOT", str(root))
-    monkeypatch.setattr(cpu_memory, "_PROC_CGROUP", str(tmp_path / "self_cgroup"))
-    monkeypatch.setattr(cpu_memory, "_groups", None)  # found again, restored afterwards
+_control_groups = fake_control_groups
 
 
 def _linears(count: int) -> nn.Module:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import fake_control_groups
 from torch import nn
 
-from adaptmem import adaptive, cpu_memory
+from adaptmem import adaptive
 from adaptmem._loading import checkpoints
 
 
@@ -17,14 +18,7 @@ def _host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, membership: str,
           files: dict[str, str], cores: int = 64) -> None:
     """A 64-core host seen through a fake /sys/fs/cgroup holding ``files`` (path under it:
     text) and a fake /proc/self/cgroup reading ``membership``."""
-    root = tmp_path / "cgroup"
-    root.mkdir()
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    (tmp_path / "self_cgroup").write_text(membership)
-    monkeypatch.setattr(cpu_memory, "_CGROUP_ROOT", str(root))
-    monkeypatch.setattr(cpu_memory, "_PROC_CGROUP", str(tmp_path / "self_cgroup"))
+    fake_control_groups(monkeypatch, tmp_path, membership, files)
     monkeypatch.setattr(checkpoints, "_quota_files", None)  # found again, restored afterwards
     monkeypatch.setattr(checkpoints, "_WORKERS", None)
     monkeypatch.setattr(checkpoints.os, "sched_getaffinity", lambda pid: set(range(cores)),
