@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NoReturn, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -105,7 +105,7 @@ class RootHook:
         engine = getattr(self.func, "__self__", None)
         if isinstance(engine, Engine):
             _forget_script_types(self.root)
-            engine._refuse_capture("torch.jit.script")
+            engine._guard.refuse_capture("torch.jit.script")
         raise AttributeError("__globals__")
 
 
@@ -137,11 +137,6 @@ class Engine(NotCopyable, abc.ABC):
         copied nor converted] in guard.py): for code about to place the model again, which
         would drop the change (``remove()`` registers the original objects)."""
         self._guard.check()
-
-    def _refuse_capture(self, what: str) -> NoReturn:
-        """Raise the ``PlacementError`` saying that ``what`` (``torch.jit.script``) does not
-        take a placed model: see [Note: no capture of a placed model] in ``guard.py``."""
-        self._guard.refuse_capture(what)
 
     def speak_as(self, engine: str, handle: str) -> None:
         """The refusals of the model's calls name ``engine`` as what holds it and
