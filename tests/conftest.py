@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,8 +54,45 @@ def run_if(*, cuda: bool = False, min_gpus: int = 1) -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(reasons), reason="; ".join(reasons) or "hardware present")
 
 
+def hold_cached_blocks() -> list[torch.Tensor]:
+    """On a real GPU, tensors that take every free block of 1 MiB or more that the caching
+    allocator keeps, so that a test's next large allocation needs new device memory, which
+    a memory fraction set just above ``memory_reserved()`` then refuses (hold the list
+    until the test ends). Without them, what earlier tests of the same process left cached
+    serves the allocation, and the fraction refuses nothing. The simulated device starts
+    each test empty: nothing to hold there."""
+    if not REAL_CUDA:
+        return []
+    held: list[torch.Tensor] = []
+    torch.cuda.empty_cache()
+    index = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total, index)
+    try:  # no new memory under this fraction: each success takes a cached block
+        size = 1 << 30
+        while size >= 1 << 20:
+            try:
+                held.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                size //= 2
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+    return held
+
+
 def pytest_configure(config: pytest.Config) -> None:
     _plugin_configure(config)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With ``ADAPTMEM_FAILURE_LOG`` set (``benchmarks/on_gpu.sh`` sets it), each failure is
+    appended to that file when it happens, traceback included: a run that a lease's time
+    limit cuts short keeps what failed before, where pytest prints its tracebacks only at
+    the end. Written by the one process that reports (xdist's controller, not its workers)."""
+    path = os.environ.get("ADAPTMEM_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 @pytest.fixture(autouse=True)

@@ -126,12 +126,35 @@ def _synchronized(device: torch.device) -> BaseException | None:
     try:
         synchronize(device)
     except Exception as exc:
-        warnings.warn(
-            f"adaptmem page: remove() could not reach {device} ({first_line(exc)}): the "
-            f"model's tensors come back from their host copies, so edits made to resident "
-            f"weights on the device since paging are lost", RuntimeWarning, stacklevel=4)
+        _warn_lost(device, exc, stacklevel=5)
         return exc
     return None
+
+
+def _restored(table: SlotTable, device: torch.device,
+              lost: BaseException | None) -> BaseException | None:
+    """Put ``table``'s tensors back (slots already restored are skipped): from ``device``
+    unless it was ``lost``, or fails a copy back although it answered the synchronize (a
+    simulation that ended, where a real GPU answers for its index); then the rest comes
+    from the host copies, as for a device that failed the synchronize. Returns why the
+    device could not be read, if it could not."""
+    try:
+        table.restore(from_device=lost is None)
+    except RuntimeError as exc:
+        if lost is not None:
+            raise
+        _warn_lost(device, exc, stacklevel=4)
+        table.restore(from_device=False)
+        return exc
+    return lost
+
+
+def _warn_lost(device: torch.device, exc: BaseException, stacklevel: int) -> None:
+    """Say that ``remove()`` restores from the host copies, ``device`` having failed."""
+    warnings.warn(
+        f"adaptmem page: remove() could not reach {device} ({first_line(exc)}): the "
+        f"model's tensors come back from their host copies, so edits made to resident "
+        f"weights on the device since paging are lost", RuntimeWarning, stacklevel=stacklevel)
 
 
 def _allowance(resident_bytes: int | None, device: torch.device, budget: int | None,
@@ -400,7 +423,7 @@ class Pager(Engine):
         elif self._lost is None and not self._table.synchronous:
             self._lost = _synchronized(self.device)  # lost since the interrupted call?
         with self._quiet, torch.inference_mode(False):
-            self._table.restore(from_device=self._lost is None)  # restored slots: skipped
+            self._lost = _restored(self._table, self.device, self._lost)
         self._guard.release()
         self._let_go()
         self._table.forget()  # See [Note: a removed pager holds nothing]

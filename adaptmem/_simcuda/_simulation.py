@@ -281,12 +281,13 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     Example:
         >>> import torch
         >>> from adaptmem.testing import simulated_cuda
+        >>> available = torch.cuda.is_available  # False without a GPU
         >>> with simulated_cuda(total_memory="1GiB"):
         ...     x = torch.ones(4, device="cuda")
         ...     print(x.device, torch.cuda.memory_allocated(), (x * 2).sum().item())
         cuda:0 512 8.0
-        >>> torch.cuda.is_available()
-        False
+        >>> torch.cuda.is_available is available  # torch as it was
+        True
     """
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
         raise ValueError(f"devices must be an int of 1 or more, got {devices!r}")

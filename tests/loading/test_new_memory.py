@@ -321,8 +321,9 @@ def test_a_copying_load_needs_its_file_no_more(tmp_path: Path) -> None:
             path = {str(tmp_path)!r} + "/" + name
             save({{k: v.clone() for k, v in net.state_dict().items()}}, path)
             open(path, "rb").read()
-            model = adaptive.load(adaptive.empty_model(
-                lambda: nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 512))), path)
+            model = adaptive.load(adaptive.empty_model(  # (where CUDA is, it goes there)
+                lambda: nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 512))), path,
+                device="cpu")
             save({{k: torch.zeros(1) for k in net.state_dict()}}, path)  # truncates first
             assert all(torch.equal(a, b) for a, b in zip(model.parameters(), net.parameters()))
             print("same", name)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import REAL_CUDA
+from conftest import REAL_CUDA, hold_cached_blocks
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from models import (
@@ -1512,10 +1512,16 @@ def test_gpu_resident_bytes_above_what_the_device_holds_is_refused_at_page() -> 
     # Accepted once, then every call ran out of memory until remove().
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(5)]).eval()  # 20 MiB
     before = _record(model)
-    with pytest.raises(ValueError, match=r"resident_bytes=1\.0 GiB would keep 20\.0 MiB of "
-                                         r"weights on cuda:0, which this process can hold "
-                                         r"16\.0 MiB of at most"):
-        adaptive.page(model, "cuda", resident_bytes="1GiB")
+    total = torch.cuda.get_device_properties(0).total_memory
+    # The simulated device holds 16 MiB; a real one is made to, by a memory fraction.
+    torch.cuda.set_per_process_memory_fraction(16 * 2**20 / total if REAL_CUDA else 1.0)
+    try:
+        with pytest.raises(ValueError, match=r"resident_bytes=1\.0 GiB would keep 20\.0 MiB "
+                                             r"of weights on cuda:0, which this process can "
+                                             r"hold 16\.0 MiB of at most"):
+            adaptive.page(model, "cuda", resident_bytes="1GiB")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
     assert _untouched(model, before)
     with adaptive.page(model, "cuda", resident_bytes="8MiB"), torch.no_grad():
         assert model(torch.randn(2, 1024)).shape == (2, 1024)
@@ -1530,7 +1536,7 @@ def test_gpu_a_layer_that_does_not_fit_says_the_device_ran_out_not_a_budget() ->
     # says that free memory counts cached blocks, which may not serve a block this size.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 2048), nn.Linear(2048, 8)).eval()  # 2 MiB layer
-    torch.cuda.empty_cache()
+    cached = hold_cached_blocks()  # (a real GPU's, from earlier tests, would serve 2 MiB)
     used = torch.cuda.memory_reserved()
     total = torch.cuda.get_device_properties(0).total_memory
     # 3 MiB more: a 2 MiB segment of small blocks (the inputs) leaves no room for 2 MiB.
@@ -1541,6 +1547,7 @@ def test_gpu_a_layer_that_does_not_fit_says_the_device_ran_out_not_a_budget() ->
                 model(torch.randn(2, 256))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+        del cached
         torch.cuda.empty_cache()
     message = str(info.value)
     assert info.value.phase == "transfer" and "module '0' needs 2.0 MiB" in message
@@ -2004,6 +2011,28 @@ def test_remove_after_the_device_is_gone_restores_from_the_host_copies() -> None
             model(torch.randn(2, 256))
     with pytest.warns(RuntimeWarning, match="could not reach cuda:0.*host copies"):
         pager.remove()
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert adaptive.holder(model) is None
+
+
+def test_remove_restores_from_the_host_copies_when_the_device_answers_but_fails_a_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a machine with a real GPU, its cuda:0 answered remove()'s synchronize after the
+    # simulation had ended, and remove() then failed reading the simulated copies back.
+    from adaptmem._paging import pager as pager_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        pager = adaptive.page(model, "cuda", resident_bytes="600KiB")
+        with torch.no_grad():
+            model(torch.randn(2, 256))
+    monkeypatch.setattr(pager_module, "synchronize", lambda device: None)  # it answers
+    with pytest.warns(RuntimeWarning, match="could not reach cuda:0 .*used after its") as seen:
+        pager.remove()
+    assert seen[0].filename == __file__  # the warning points at the caller's line
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert adaptive.holder(model) is None

@@ -464,7 +464,8 @@ def test_a_forward_that_raises_passes_through_and_the_next_call_works() -> None:
 
 @pytest.mark.gpu
 @run_if(cuda=True)
-@pytest.mark.parametrize("placer", ["chunk", "split", "split_output_device"])
+@pytest.mark.parametrize("placer", ["chunk", "split", pytest.param(
+    "split_output_device", marks=run_if(cuda=True, min_gpus=2))])  # output on cuda:1
 def test_a_model_that_calls_itself_is_one_forward_with_outputs_where_the_caller_wants(
         placer: str) -> None:
     torch.manual_seed(0)
