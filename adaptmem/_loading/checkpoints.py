@@ -313,6 +313,7 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
     f.seek(0)
     legacy = not head.startswith(b"PK\x03\x04")  # a zip archive, the format since torch 1.6
     archive = None
+    not_on_meta = False  # see [Note: tensors that are not dense]
     try:
         if legacy:
             # The pre-1.6 format stores no offsets; it can only be read whole.
@@ -320,6 +321,7 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
             # as no checkpoint: torch's warning that it may not parse it says less.
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+                warnings.filterwarnings("ignore", _SPARSE_CHECK, UserWarning)
                 obj = torch.load(f, map_location="cpu", weights_only=True)
             logger.info("adaptmem.load: %s is a legacy torch.save file; read it whole", name)
         else:
@@ -328,29 +330,35 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
             # On the meta device torch reads the pickle only and records where each storage
             # lies in the archive (`_checkpoint_offset`); no data is read or mapped. A file,
             # not a name: torch.load reads a *.safetensors name as safetensors.
-            obj = torch.load(f, map_location="meta", weights_only=True)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _SPARSE_CHECK, UserWarning)
+                obj = torch.load(f, map_location="meta", weights_only=True)
     except LoadError:
         raise
     except Exception as exc:
         why = str(exc) or type(exc).__name__
         if "'QuantizedMeta' backend" in why:  # torch cannot make a quantized tensor on meta
             raise LoadError(_quantized(name, path)) from None
-        if "meta tensor" in why:  # torch rebuilds a sparse (or other packed) tensor eagerly
-            why += (" (it holds a tensor torch rebuilds when loading, such as a sparse one: "
-                    "adaptive.load reads dense tensors; load this file with torch.load)")
-        if legacy and not head.startswith(b"\x80"):  # not a pickle either
+        if "meta tensor" in why and not legacy:
+            not_on_meta = True
+        elif legacy and not head.startswith(b"\x80"):  # not a pickle either
             raise LoadError(_not_a_checkpoint(name, head)) from None
-        if isinstance(exc, zipfile.BadZipFile):
+        elif isinstance(exc, zipfile.BadZipFile):
             raise LoadError(
                 f"{name!r} is truncated or corrupt: it begins as a torch.save archive (a zip "
                 f"file), but its archive cannot be read ({why}); was it written or downloaded "
                 f"completely?") from None
-        if "Weights only load failed" in why:
+        elif "Weights only load failed" in why:
             raise LoadError(_not_weights_only(name, why)) from None
-        raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
+        else:
+            raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
+    if not_on_meta:
+        return _open_torch_mapped(path, file_id(stat), single_key, state_key,
+                                  "torch cannot load its tensors on meta")
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
     state, extra = _state_dict_of(obj, name, state_key)
+    _refuse_not_dense(state, name)
     entries: dict[str, Entry] = {}
     size = stat.st_size
     where = None if archive is None else archive.where(obj, name)
@@ -361,7 +369,8 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
             continue
         offset = getattr(t.untyped_storage(), "_checkpoint_offset", None)
         if offset is None:  # torch older than ~2.5 records no offsets on meta
-            return _open_torch_mapped(path, file_id(stat), single_key, state_key)
+            return _open_torch_mapped(path, file_id(stat), single_key, state_key,
+                                      "this torch gives no storage offsets")
         entry = Entry(key, name, shape, t.dtype, where[int(offset)], int(t.storage_offset()),
                       stride)
         if entry.numel and entry.start + entry.span * t.dtype.itemsize > size:
@@ -425,6 +434,36 @@ def _first_quantized(obj: Any, prefix: str) -> tuple[str, torch.dtype] | None:
     return None
 
 
+# [Note: tensors that are not dense]
+# adaptive.load reads a tensor as bytes at an offset in the file, which only a dense
+# (strided) tensor is: a sparse tensor (COO, CSR, CSC, BSR, BSC) is several tensors that
+# torch rebuilds into one, and a nested one has no single shape. How torch.load on meta
+# treats them depends on the version: torch 2.14 checks a sparse tensor's invariants
+# whenever weights_only=True and fails there ("Cannot copy out of meta tensor"), torch 2.11
+# checks only where asked to and hands the tensor back, whose storage then cannot be read.
+# So the tensors of the state dict are checked once loaded, whatever the path (meta, a
+# legacy file, torch.load(mmap=True)); where torch failed on meta, the file is read again
+# through torch.load(mmap=True), which rebuilds such tensors on the CPU without reading
+# dense data, and the check names the key. A sparse tensor outside the state dict (beside
+# it in a training checkpoint) is no concern of the load: it is passed over.
+# torch 2.14 warns so at each weights_only load of a sparse tensor; the load refuses it, or
+# passes over it outside the state dict.
+_SPARSE_CHECK = "Validating sparse tensor invariants"
+
+
+def _refuse_not_dense(state: Mapping[str, torch.Tensor], name: str) -> None:
+    """Refuse a tensor of ``state`` (of the file ``name``) that is not a dense one."""
+    for key, t in state.items():
+        if t.layout is not torch.strided or t.is_nested:
+            kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+            dense = "" if t.is_nested else ", or save that tensor dense (tensor.to_dense())"
+            raise LoadError(
+                f"{name!r} is not a readable checkpoint for adaptive.load: its tensor {key!r} "
+                f"has {kind}, and adaptive.load reads dense tensors only, not one torch "
+                f"rebuilds when loading, such as a sparse one or a nested one. Load this file "
+                f"with model.load_state_dict(torch.load(path)){dense}")
+
+
 def _not_a_checkpoint(name: str, head: bytes) -> str:
     """What was expected of ``name``, which begins with ``head`` and is no torch.save file."""
     return (f"{name!r} is not a checkpoint: expected a torch.save file (a zip archive, or a "
@@ -433,15 +472,16 @@ def _not_a_checkpoint(name: str, head: bytes) -> str:
 
 
 def _open_torch_mapped(path: Path, identity: FileId, single_key: str | None,
-                       state_key: str | None) -> Checkpoint:
-    """Fallback without offsets: tensors from ``torch.load(mmap=True)``, copied from there
-    (pages of the mapping count toward RSS until the load ends). ``identity``: the file's
-    whose archive was checked."""
+                       state_key: str | None, because: str) -> Checkpoint:
+    """Fallback without offsets (``because``, for the log): tensors from
+    ``torch.load(mmap=True)``, copied from there (pages of the mapping count toward RSS until
+    the load ends). ``identity``: the file's whose archive was checked."""
     name = str(path)
-    logger.info("adaptmem.load: this torch gives no storage offsets; reading %s through "
-                "torch.load(mmap=True)", name)
+    logger.info("adaptmem.load: %s; reading %s through torch.load(mmap=True)", because, name)
     try:
-        obj = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _SPARSE_CHECK, UserWarning)
+            obj = torch.load(name, map_location="cpu", mmap=True, weights_only=True)
     except Exception as exc:
         raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {exc}") from None
     # torch.load takes a name here: the file it mapped is the one the name reaches after it
@@ -452,6 +492,7 @@ def _open_torch_mapped(path: Path, identity: FileId, single_key: str | None,
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
     state, extra = _state_dict_of(obj, name, state_key)
+    _refuse_not_dense(state, name)
     entries = {k: Entry(k, name, tuple(t.shape), t.dtype, None, 0, tuple(t.stride()), tensor=t)
                for k, t in state.items()}
     return Checkpoint(entries, [name], "torch (mmap)", extra, {name: identity})
@@ -551,6 +592,8 @@ def _storage_sizes(obj: object) -> dict[int, int]:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
+            if item.layout is not torch.strided:  # not in the state dict, not read: see
+                continue  # [Note: tensors that are not dense]
             item = item.untyped_storage()
         elif isinstance(item, torch.TypedStorage):  # torch.save of a storage itself
             item = item._untyped_storage

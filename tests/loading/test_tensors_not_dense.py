@@ -1,0 +1,75 @@
+"""Sparse and nested tensors in a ``torch.save`` file: refused naming their key, or passed
+over outside the state dict, on every torch ([Note: tensors that are not dense])."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from adaptmem import LoadError, adaptive
+
+# torch's own notes on making the test's tensors (once a process, so in whichever test runs
+# first), not about loading them.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Sparse (CSR|BSR) tensor support is in beta"),
+    pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype"),
+]
+
+
+def _as_torch_2_11(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.load as torch 2.11 runs it: sparse invariants checked only where asked (they are
+    not by default), so a sparse tensor on meta comes back instead of failing the load."""
+    def unchecked(weights_only: bool = False) -> None:
+        torch._utils._sparse_tensors_to_validate.clear()  # as the original's `finally` does
+
+    monkeypatch.setattr(torch._utils, "_validate_loaded_sparse_tensors", unchecked)
+
+
+def _nested() -> torch.Tensor:
+    return torch.nested.nested_tensor([torch.ones(2, 3), torch.ones(4, 3)], layout=torch.jagged)
+
+
+NOT_DENSE: dict[str, tuple[Callable[[], torch.Tensor], str]] = {
+    "coo": (lambda: torch.eye(3).to_sparse(), r"layout torch\.sparse_coo"),
+    "csr": (lambda: torch.eye(3).to_sparse_csr(), r"layout torch\.sparse_csr"),
+    "bsr": (lambda: torch.eye(4).to_sparse_bsr((2, 2)), r"layout torch\.sparse_bsr"),
+    "nested": (_nested, "a nested tensor"),
+}
+
+
+@pytest.mark.parametrize("torch_version", ["this", "2.11"])
+@pytest.mark.parametrize("archive", ["zip", "legacy"])
+@pytest.mark.parametrize("kind", list(NOT_DENSE))
+def test_a_tensor_that_is_not_dense_is_refused_naming_its_key(
+    kind: str, archive: str, torch_version: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    make, layout = NOT_DENSE[kind]
+    if torch_version == "2.11":
+        _as_torch_2_11(monkeypatch)
+    torch.save({"bias": torch.zeros(3), "weight": make()}, tmp_path / "s.pt",
+               _use_new_zipfile_serialization=archive == "zip")
+    with pytest.raises(LoadError, match=rf"s\.pt' is not a readable checkpoint for adaptive\."
+                                        rf"load: its tensor 'weight' has {layout}, and "
+                                        rf"adaptive\.load reads dense tensors only.*torch\.load"):
+        adaptive.load(lambda: nn.Linear(3, 3), tmp_path / "s.pt")
+
+
+@pytest.mark.parametrize("torch_version", ["this", "2.11"])
+def test_a_sparse_tensor_beside_the_state_dict_is_passed_over(
+    torch_version: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A training checkpoint: the model's state dict beside an embedding's sparse gradient.
+    if torch_version == "2.11":
+        _as_torch_2_11(monkeypatch)
+    torch.manual_seed(0)
+    source = nn.Linear(3, 3)
+    torch.save({"model": source.state_dict(), "grad": torch.eye(3).to_sparse()},
+               tmp_path / "run.pt")
+    model = adaptive.load(lambda: nn.Linear(3, 3), tmp_path / "run.pt")
+    assert torch.equal(model.weight, source.weight)
+    assert torch.equal(model.bias, source.bias)
