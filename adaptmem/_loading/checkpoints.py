@@ -24,6 +24,7 @@ import logging
 import math
 import mmap
 import os
+import re
 import sys
 import threading
 import warnings
@@ -380,25 +381,47 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
     return Checkpoint(entries, [name], "torch", extra, {name: file_id(stat)})
 
 
+# The reasons torch's weights-only unpickler gives: "Unsupported class argparse.Namespace"
+# (torch 2.1-2.3), "Unsupported global: GLOBAL argparse.Namespace was not an allowed global
+# by default" (2.4 on), "Trying to load unsupported GLOBAL posix.system whose module posix
+# is blocked", "Unsupported operand 118". torch.load wraps them in advice whose layout
+# changed from version to version (after "WeightsUnpickler error:" on the same line, on a
+# line of its own after numbered options, ...), so a reason is looked for anywhere in it.
+_REFUSAL = re.compile(r"(Unsupported global: GLOBAL|Unsupported class|Unsupported operand"
+                      r"|Trying to load unsupported GLOBAL) [^\n]*")
+
+
 def _not_weights_only(name: str, why: str) -> str:
     """What to do about a file ``torch.load(weights_only=True)`` refused (``why``)."""
-    # torch's text: a paragraph of advice, the reason (after "WeightsUnpickler error:" in
-    # some versions, on lines of its own in others), then a pointer to the documentation.
-    body = why.split("Check the documentation", 1)[0]
-    marker = "WeightsUnpickler error:"
-    body = body.split(marker, 1)[1] if marker in body else body.split("trusted source.", 1)[-1]
-    reason = " ".join(line.strip() for line in body.splitlines() if line.strip())
-    reason = reason.split(". Please use")[0]
+    found = _REFUSAL.search(why)
+    if found is not None:
+        reason = found.group(0).split(". ", 1)[0].rstrip(". ")
+    else:  # a reason not known here: what lies between torch's advice and its pointer
+        body = why.split("Check the documentation", 1)[0]
+        marker = "WeightsUnpickler error:"
+        body = (body.split(marker, 1)[1] if marker in body
+                else body.split("trusted source.", 1)[-1])
+        reason = " ".join(line.strip() for line in body.splitlines() if line.strip())
+        reason = reason.split(". Please use")[0]
     if reason.startswith("Unsupported operand"):  # not what torch.save writes
         return (f"{name!r} is not a checkpoint that torch.load(weights_only=True) can read: "
                 f"its pickle uses an instruction that loader refuses ({reason}), as a file "
                 f"written with pickle.dump rather than torch.save would. Save the state dict "
                 f"with torch.save(model.state_dict(), path)")
+    serialization = torch.serialization
+    if hasattr(serialization, "safe_globals"):  # torch 2.5 on
+        allow = ("allow those types around the load: with torch.serialization.safe_globals("
+                 "[...]): adaptive.load(...)")
+    elif hasattr(serialization, "add_safe_globals"):  # torch 2.4
+        allow = ("allow those types before the load: torch.serialization.add_safe_globals("
+                 "[...]); adaptive.load(...)")
+    else:
+        allow = (f"update torch: this one ({torch.__version__}) cannot allow them (torch 2.5 "
+                 f"can, with torch.serialization.safe_globals)")
     return (f"{name!r} holds objects other than tensors and plain containers"
             f"{f' ({reason})' if reason else ''}, and adaptive.load reads checkpoints as "
             f"torch.load(weights_only=True) does, which refuses them. If you trust the file, "
-            f"allow those types around the load: with torch.serialization.safe_globals([...]): "
-            f"adaptive.load(...); or save model.state_dict() alone")
+            f"{allow}; or save model.state_dict() alone")
 
 
 def _quantized(name: str, path: Path) -> str:

@@ -186,3 +186,96 @@ def test_objects_torch_load_refuses_name_the_type_and_safe_globals(tmp_path: Pat
         model = adaptive.load(_net, tmp_path / "run.pt")
     for key, value in source.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+
+
+# How torch.load worded its refusal of an argparse.Namespace, version by version (after
+# torch's serialization.py, `_get_wo_message` and UNSAFE_MESSAGE); the last is a layout no
+# version is known to use, with the reason on a line of its own and no "WeightsUnpickler
+# error:" before it, as the next torch may put it.
+_REFUSED_BY = {
+    "2.1-2.3": (
+        "Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` "
+        "will likely succeed, but it can result in arbitrary code execution.Do it only if you "
+        "get the file from a trusted source. WeightsUnpickler error: Unsupported class "
+        "argparse.Namespace"),
+    "2.4": (
+        "Weights only load failed. Re-running `torch.load` with `weights_only` set to `False` "
+        "will likely succeed, but it can result in arbitrary code execution. Do it only if you "
+        "got the file from a trusted source.\n Please file an issue with the following so "
+        "that we can make `weights_only=True` compatible with your use case: WeightsUnpickler "
+        "error: Unsupported global: GLOBAL argparse.Namespace was not an allowed global by "
+        "default. Please use `torch.serialization.add_safe_globals([Namespace])` to allowlist "
+        "this global if you trust this class/function.\n\nCheck the documentation of "
+        "torch.load to learn more about types accepted by default with weights_only "
+        "https://pytorch.org/docs/stable/generated/torch.load.html."),
+    "2.5": (
+        "Weights only load failed. This file can still be loaded, to do so you have two "
+        "options \n\t(1) Re-running `torch.load` with `weights_only` set to `False` will "
+        "likely succeed, but it can result in arbitrary code execution. Do it only if you got "
+        "the file from a trusted source.\n\t(2) Alternatively, to load with "
+        "`weights_only=True` please check the recommended steps in the following error "
+        "message.\n\tWeightsUnpickler error: Unsupported global: GLOBAL argparse.Namespace "
+        "was not an allowed global by default. Please use "
+        "`torch.serialization.add_safe_globals([Namespace])` or the "
+        "`torch.serialization.safe_globals([Namespace])` context manager to allowlist this "
+        "global if you trust this class/function.\n\nCheck the documentation of torch.load "
+        "to learn more about types accepted by default with weights_only "
+        "https://pytorch.org/docs/stable/generated/torch.load.html."),
+    "2.6-2.14": (
+        "Weights only load failed. This file can still be loaded, to do so you have two "
+        "options, \x1b[1mdo those steps only if you trust the source of the checkpoint\x1b[0m. "
+        "\n\t(1) In PyTorch 2.6, we changed the default value of the `weights_only` argument "
+        "in `torch.load` from `False` to `True`. Re-running `torch.load` with `weights_only` "
+        "set to `False` will likely succeed, but it can result in arbitrary code execution. "
+        "Do it only if you got the file from a trusted source.\n\t(2) Alternatively, to load "
+        "with `weights_only=True` please check the recommended steps in the following error "
+        "message.\n\tWeightsUnpickler error: Unsupported global: GLOBAL argparse.Namespace "
+        "was not an allowed global by default. Please use "
+        "`torch.serialization.add_safe_globals([argparse.Namespace])` or the "
+        "`torch.serialization.safe_globals([argparse.Namespace])` context manager to "
+        "allowlist this global if you trust this class/function.\n\nCheck the documentation "
+        "of torch.load to learn more about types accepted by default with weights_only "
+        "https://pytorch.org/docs/stable/generated/torch.load.html."),
+    "no marker": (
+        "Weights only load failed. This file can still be loaded, to do so you have two "
+        "options.\n\t(1) Re-running `torch.load` with `weights_only` set to `False` will "
+        "likely succeed. Do it only if you got the file from a trusted source.\n\t(2) "
+        "Alternatively, allowlist the global named below.\n\nUnsupported global: GLOBAL "
+        "argparse.Namespace was not an allowed global by default. Please use "
+        "`torch.serialization.safe_globals([argparse.Namespace])`.\n\nCheck the "
+        "documentation of torch.load to learn more."),
+}
+
+
+@pytest.mark.parametrize("version", list(_REFUSED_BY))
+def test_the_type_torch_load_refuses_is_named_whatever_torch_wraps_it_in(
+        version: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    def refuses(*args: Any, **kwargs: Any) -> Any:
+        raise pickle.UnpicklingError(_REFUSED_BY[version])
+
+    torch.save(_net().state_dict(), tmp_path / "run.pt")
+    monkeypatch.setattr(torch, "load", refuses)
+    reason = ("Unsupported class argparse.Namespace" if version == "2.1-2.3" else
+              "Unsupported global: GLOBAL argparse.Namespace was not an allowed global by "
+              "default")
+    with pytest.raises(LoadError) as info:
+        adaptive.load(_net, tmp_path / "run.pt")
+    assert (f"run.pt' holds objects other than tensors and plain containers ({reason}), and "
+            f"adaptive.load reads checkpoints as torch.load(weights_only=True) does"
+            ) in str(info.value)
+    assert "\n" not in str(info.value) and "\x1b" not in str(info.value)
+
+
+def test_a_torch_without_safe_globals_is_told_what_it_has(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    # torch 2.4 has add_safe_globals but not the safe_globals context manager (2.5).
+    monkeypatch.delattr(torch.serialization, "safe_globals")
+    torch.save({"state_dict": _net().state_dict(), "args": argparse.Namespace(lr=0.1)},
+               tmp_path / "run.pt")
+    with pytest.raises(LoadError, match=r"If you trust the file, allow those types before the "
+                                        r"load: torch\.serialization\.add_safe_globals\("):
+        adaptive.load(_net, tmp_path / "run.pt")
