@@ -81,7 +81,7 @@ case $step in
         }
         for part in ${STEPS:-recheck tests spill paging chunking loading}; do
             case $part in
-                recheck) within recheck.log 120 python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark "${recheck[@]}" ;;
+                recheck) within recheck.log 180 python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark "${recheck[@]}" ;;
                 tests) within gpu-tests.log 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider ;;
                 spill) within spill.log 90 python3 benchmarks/spill.py --device cuda --rounds 3 --write ;;
                 paging) within paging.log 180 python3 benchmarks/paging.py --gpu-only --write ;;

@@ -282,7 +282,8 @@ def test_the_demo_refuses_a_time_it_cannot_run_in(capsys: pytest.CaptureFixture[
         (["--cap", "-1"], "--cap must be a positive"),  # once refused after the header
         (["--cap", "nan"], "--cap must be a positive"),
         (["--cap", "lots"], "--cap 'lots' is not a memory size"),
-        (["--cap", "1MiB"], "--cap 1MiB is below the"),  # once refused after the header
+        # (--device cpu: on a GPU, --cap is refused as for the CPU only)
+        (["--cap", "1MiB", "--device", "cpu"], "--cap 1MiB is below the"),  # once after the header
         (["--threshold", "lots"], "threshold='lots' is not a size"),
         (["--device", "warp"], "not a device"),
         *([] if torch.cuda.is_available() else [  # once "use 'cpu' or None": the API's words

@@ -99,7 +99,7 @@ def _loads_here(loads: list[tuple[str, bool]]) -> list[list[int]]:
             buffer = bytearray(1 << 16)
             while f.readinto(buffer):
                 pass
-        kept.append(adaptive.load(OddOffsets, path))
+        kept.append(adaptive.load(OddOffsets, path, device="cpu"))  # (not CUDA, where it is)
         out.append(copied)
     new_memory._copy = real
     source = _source()  # made afterwards: its temporaries, freed, would be reused by a load
