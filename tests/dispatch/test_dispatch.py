@@ -337,7 +337,9 @@ def test_range_and_chunked_place_their_models_too() -> None:
         assert embed.pagers and embed.placement["placements"] == 1
         embed.remove()
         assert not embed.pagers
-    torch.testing.assert_close(got, want)
+    # Chunks of 32 against one forward of 96: another CPU's BLAS may round them apart (the
+    # values reach about 360), as it may a batch of 32 against one of 64 below.
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
 def test_bad_models_are_refused_at_decoration_and_left_as_they_were() -> None:
@@ -381,7 +383,7 @@ def test_auto_and_model_together_predict_through_the_paged_model() -> None:
     assert run.initial == 32
     run.remove()
     for got in results:
-        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
 
 
 def test_a_trace_leaves_another_threads_figures_counted() -> None:
