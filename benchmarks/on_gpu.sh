@@ -10,7 +10,7 @@
 #   bash benchmarks/on_gpu.sh lease      # all of it, cut to fit one short lease (below)
 #
 # 'lease' runs, in the order $STEPS names them (default: recheck tests spill paging chunking
-# loading; 'suite' adds the whole test suite, one worker per core up to 15), each within
+# loading; 'suite' adds the whole test suite on up to 8 workers), each within
 # what is left of $BUDGET
 # seconds (default 480): tests is pytest -m gpu, spill is spill.py --device cuda (the spill
 # tier's CUDA path, which no simulation reaches: autograd is not simulated), paging is
@@ -25,7 +25,8 @@
 # traceback to $OUT/failures.txt as it fails (tests/conftest.py), so a step cut short still
 # says why; keep to at most 8 files there (install.log, gpu.txt, failures.txt, one log per
 # step, RESULTS.md) where only 8 come back. On an H200 host the whole suite took over 360 s
-# on 15 workers (2026-11-28): give 'suite' a call of its own, STEPS=suite BUDGET=560.
+# (2026-11-28; on 15 workers whose torch each ran a thread per core, and about as fast on
+# 8): give 'suite' a call of its own, STEPS=suite BUDGET=560.
 set -uo pipefail
 step=${1:?"which step: tests, paging, chunking, loading or lease"}
 out=${OUT:-/tmp/adaptmem-gpu}
@@ -45,12 +46,16 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$out/install.log
 torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
     python3 -c "import adaptmem; from adaptmem import adaptive; print('adaptmem imports')"
 } >"$out/gpu.txt" 2>&1
-# The whole suite spreads over a worker per core (at most 15) where pytest-xdist is there.
-# pytest-benchmark (in the GPU image) warns under xdist, and this suite makes warnings
-# errors: it is turned off.
+# The whole suite spreads over up to 8 workers where pytest-xdist is there, each worker's
+# torch on its share of the cores (by default each takes every core, and 15 workers on 16
+# cores ran no faster than 8). pytest-benchmark (in the GPU image) warns under xdist, and
+# this suite makes warnings errors: it is turned off.
 suite=(python3 -m pytest -q -rfE -p no:cacheprovider -p no:benchmark)
-workers=$(nproc)
-if python3 -c "import xdist" 2>/dev/null; then suite+=(-n $((workers > 15 ? 15 : workers))); fi
+cores=$(nproc)
+workers=$((cores > 8 ? 8 : cores))
+if python3 -c "import xdist" 2>/dev/null; then
+    suite=(env OMP_NUM_THREADS=$((cores / workers)) "${suite[@]}" -n "$workers")
+fi
 mapfile -t recheck < <(grep -v '^#' benchmarks/gpu_recheck.txt | grep .)
 status=0
 run() {  # run LOG SECONDS COMMAND...: log to $out/LOG, remember the first failure
