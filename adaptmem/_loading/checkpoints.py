@@ -314,7 +314,6 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
     f.seek(0)
     legacy = not head.startswith(b"PK\x03\x04")  # a zip archive, the format since torch 1.6
     archive = None
-    not_on_meta = False  # see [Note: tensors that are not dense]
     try:
         if legacy:
             # The pre-1.6 format stores no offsets; it can only be read whole.
@@ -331,7 +330,7 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
             # On the meta device torch reads the pickle only and records where each storage
             # lies in the archive (`_checkpoint_offset`); no data is read or mapped. A file,
             # not a name: torch.load reads a *.safetensors name as safetensors.
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _meta_sparse_unchecked():
                 warnings.filterwarnings("ignore", _SPARSE_CHECK, UserWarning)
                 obj = torch.load(f, map_location="meta", weights_only=True)
     except LoadError:
@@ -340,9 +339,10 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
         why = str(exc) or type(exc).__name__
         if "'QuantizedMeta' backend" in why:  # torch cannot make a quantized tensor on meta
             raise LoadError(_quantized(name, path)) from None
-        if "meta tensor" in why and not legacy:
-            not_on_meta = True
-        elif legacy and not head.startswith(b"\x80"):  # not a pickle either
+        if "meta tensor" in why.lower():  # torch rebuilds such a tensor eagerly
+            why += (" (it holds a tensor torch rebuilds when loading, such as a nested one: "
+                    "adaptive.load reads dense tensors; load this file with torch.load)")
+        if legacy and not head.startswith(b"\x80"):  # not a pickle either
             raise LoadError(_not_a_checkpoint(name, head)) from None
         elif isinstance(exc, zipfile.BadZipFile):
             raise LoadError(
@@ -353,9 +353,6 @@ def _open_torch(path: Path, f: BinaryIO, single_key: str | None,
             raise LoadError(_not_weights_only(name, why)) from None
         else:
             raise LoadError(f"{name!r} is not a readable torch.save checkpoint: {why}") from None
-    if not_on_meta:
-        return _open_torch_mapped(path, file_id(stat), single_key, state_key,
-                                  "torch cannot load its tensors on meta")
     if isinstance(obj, torch.Tensor) and single_key is not None:
         obj = {single_key: obj}
     state, extra = _state_dict_of(obj, name, state_key)
@@ -408,6 +405,12 @@ def _not_weights_only(name: str, why: str) -> str:
                 f"its pickle uses an instruction that loader refuses ({reason}), as a file "
                 f"written with pickle.dump rather than torch.save would. Save the state dict "
                 f"with torch.save(model.state_dict(), path)")
+    if reason.startswith("Trying to load unsupported GLOBAL") and "is blocked" in reason:
+        return (f"{name!r} holds objects other than tensors and plain containers ({reason}): "
+                f"torch.load(weights_only=True), which adaptive.load reads checkpoints as, "
+                f"refuses that module whatever torch.serialization.safe_globals allows, since "
+                f"loading it can run code. Save the state dict alone, from a process that "
+                f"trusts the file: torch.save(model.state_dict(), path)")
     serialization = torch.serialization
     if hasattr(serialization, "safe_globals"):  # torch 2.5 on
         allow = ("allow those types around the load: with torch.serialization.safe_globals("
@@ -464,27 +467,63 @@ def _first_quantized(obj: Any, prefix: str) -> tuple[str, torch.dtype] | None:
 # treats them depends on the version: torch 2.14 checks a sparse tensor's invariants
 # whenever weights_only=True and fails there ("Cannot copy out of meta tensor"), torch 2.11
 # checks only where asked to and hands the tensor back, whose storage then cannot be read.
-# So the tensors of the state dict are checked once loaded, whatever the path (meta, a
-# legacy file, torch.load(mmap=True)); where torch failed on meta, the file is read again
-# through torch.load(mmap=True), which rebuilds such tensors on the CPU without reading
-# dense data, and the check names the key. A sparse tensor outside the state dict (beside
-# it in a training checkpoint) is no concern of the load: it is passed over.
+# So a load on meta skips torch's check where every tensor it would check is on meta (it
+# has no data to check; `_meta_sparse_unchecked`), and the tensors of the state dict are
+# checked once loaded, whatever the path (meta, a legacy file, torch.load(mmap=True)): the
+# refusal names the key. A sparse tensor outside the state dict (beside it in a training
+# checkpoint) is no concern of the load: it is passed over, its storages counted among the
+# archive's. Reading the file again through torch.load(mmap=True) instead would name the
+# key too, but map the whole file, which a CPU memory cap counts and the load's peak does.
 # torch 2.14 warns so at each weights_only load of a sparse tensor; the load refuses it, or
 # passes over it outside the state dict.
 _SPARSE_CHECK = "Validating sparse tensor invariants"
+_unchecked_loads = [0]  # loads on meta under way with torch's check replaced
+_unchecked_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _meta_sparse_unchecked() -> Any:
+    """Around a ``torch.load`` on meta: torch's check of loaded sparse tensors passes over a
+    batch of tensors that are all on meta (and so hold nothing to check); any other batch,
+    of any thread's load, goes through torch's own check as before."""
+    real = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
+    if real is None or getattr(real, "_adaptmem_meta", False):
+        yield  # an older torch, or another load on meta already replaced it
+        return
+
+    def check(*args: Any, **kwargs: Any) -> Any:
+        pending = getattr(torch._utils, "_sparse_tensors_to_validate", None)
+        if pending and all(t.is_meta for t in pending):
+            pending.clear()  # what torch's check does once done
+            return None
+        return real(*args, **kwargs)
+
+    check._adaptmem_meta = True  # type: ignore[attr-defined]
+    with _unchecked_lock:
+        _unchecked_loads[0] += 1
+        if _unchecked_loads[0] == 1:
+            torch._utils._validate_loaded_sparse_tensors = check
+    try:
+        yield
+    finally:
+        with _unchecked_lock:
+            _unchecked_loads[0] -= 1
+            if _unchecked_loads[0] == 0:
+                torch._utils._validate_loaded_sparse_tensors = real
 
 
 def _refuse_not_dense(state: Mapping[str, torch.Tensor], name: str) -> None:
     """Refuse a tensor of ``state`` (of the file ``name``) that is not a dense one."""
     for key, t in state.items():
         if t.layout is not torch.strided or t.is_nested:
-            kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-            dense = "" if t.is_nested else ", or save that tensor dense (tensor.to_dense())"
+            kind = "is a nested tensor" if t.is_nested else f"has layout {t.layout}"
+            fix = ("save it again with that tensor dense: {k: v.to_dense() if v.is_sparse "
+                   "else v for k, v in torch.load(path).items()}" if not t.is_nested else
+                   "load it with torch.load and give the model dense tensors")
             raise LoadError(
                 f"{name!r} is not a readable checkpoint for adaptive.load: its tensor {key!r} "
-                f"has {kind}, and adaptive.load reads dense tensors only, not one torch "
-                f"rebuilds when loading, such as a sparse one or a nested one. Load this file "
-                f"with model.load_state_dict(torch.load(path)){dense}")
+                f"{kind}, and adaptive.load reads dense tensors only, not one torch "
+                f"rebuilds when loading, such as a sparse one or a nested one; {fix}")
 
 
 def _not_a_checkpoint(name: str, head: bytes) -> str:
@@ -615,8 +654,9 @@ def _storage_sizes(obj: object) -> dict[int, int]:
     while stack:
         item = stack.pop()
         if isinstance(item, torch.Tensor):
-            if item.layout is not torch.strided:  # not in the state dict, not read: see
-                continue  # [Note: tensors that are not dense]
+            if item.layout is not torch.strided or item.is_nested:
+                stack.extend(_parts(item))  # see [Note: tensors that are not dense]
+                continue
             item = item.untyped_storage()
         elif isinstance(item, torch.TypedStorage):  # torch.save of a storage itself
             item = item._untyped_storage
@@ -629,6 +669,18 @@ def _storage_sizes(obj: object) -> dict[int, int]:
         elif isinstance(item, (list, tuple, set, frozenset)):
             stack.extend(item)
     return out
+
+
+def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors a sparse tensor ``t`` is made of (whose storages the archive holds);
+    none for a nested one."""
+    if t.layout is torch.sparse_coo:
+        return t._indices(), t._values()
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices(), t.values()
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return t.ccol_indices(), t.row_indices(), t.values()
+    return ()
 
 
 # Where training code keeps the model's state dict inside a checkpoint of more things

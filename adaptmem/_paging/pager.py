@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 from .._common.devices import format_bytes, mover, synchronize, to_device
 from .._common.errors import PlacementError, first_line
 from .._common.inputs import MovedInputs
+from .._common.oom import is_oom
 from .._common.reporting import report
 from .._common.tree import calls_in_progress, first_tensor_device
 from .._engines.base import Engine
@@ -119,14 +120,15 @@ def _warn_if_opaque(output: Any, device: torch.device, target: torch.device) -> 
             f"dataclass, or move its tensors yourself", RuntimeWarning, stacklevel=2)
 
 
-def _synchronized(device: torch.device) -> BaseException | None:
+def _synchronized(device: torch.device, stacklevel: int) -> BaseException | None:
     """Wait for ``device`` (copies in flight finish before they are read back); its error,
     with a warning, when it can no longer be used (a sticky CUDA error, a simulation that
-    ended): the host masters are then what the model is restored from."""
+    ended): the host masters are then what the model is restored from. ``stacklevel``: the
+    user's frame, counted from this function's (1)."""
     try:
         synchronize(device)
     except Exception as exc:
-        _warn_lost(device, exc, stacklevel=5)
+        _warn_lost(device, exc, stacklevel=stacklevel + 1)
         return exc
     return None
 
@@ -136,12 +138,13 @@ def _restored(table: SlotTable, device: torch.device,
     """Put ``table``'s tensors back (slots already restored are skipped): from ``device``
     unless it was ``lost``, or fails a copy back although it answered the synchronize (a
     simulation that ended, where a real GPU answers for its index); then the rest comes
-    from the host copies, as for a device that failed the synchronize. Returns why the
-    device could not be read, if it could not."""
+    from the host copies, as for a device that failed the synchronize. Running out of memory
+    is no sign of a lost device: it is raised, and the next ``remove()`` goes on from the
+    device. Returns why the device could not be read, if it could not."""
     try:
         table.restore(from_device=lost is None)
     except RuntimeError as exc:
-        if lost is not None:
+        if lost is not None or is_oom(exc):
             raise
         _warn_lost(device, exc, stacklevel=4)
         table.restore(from_device=False)
@@ -421,7 +424,7 @@ class Pager(Engine):
             self._stack.claim_idle("remove()")
             self._lost, self._removed = self._unhook(), "restoring"
         elif self._lost is None and not self._table.synchronous:
-            self._lost = _synchronized(self.device)  # lost since the interrupted call?
+            self._lost = _synchronized(self.device, 3)  # lost since the interrupted call?
         with self._quiet, torch.inference_mode(False):
             self._lost = _restored(self._table, self.device, self._lost)
         self._guard.release()
@@ -434,7 +437,7 @@ class Pager(Engine):
 
     def _unhook(self) -> BaseException | None:
         """``remove()``'s first part; returns why the device cannot be read, if it cannot."""
-        lost = None if self._table.synchronous else _synchronized(self.device)
+        lost = None if self._table.synchronous else _synchronized(self.device, 4)
         if self._learner.probe is not None:
             self._end_forward(failed=True)
         self._hooks.clear()

@@ -172,6 +172,21 @@ def test_a_class_named_quantized_is_refused_as_an_object_not_as_quantized_tensor
         adaptive.load(_net, tmp_path / "run.pt")
 
 
+def test_a_blocked_module_is_named_without_advice_to_allow_it(tmp_path: Path) -> None:
+    # torch refuses a blocked module (os.system) whatever safe_globals allows: the advice to
+    # allow it would fail when followed.
+    import os
+
+    torch.save({"state_dict": _net().state_dict(), "hook": os.system}, tmp_path / "run.pt")
+    with pytest.raises(LoadError, match=r"GLOBAL \w+\.system whose module \w+ is blocked\): "
+                                        r".*whatever torch\.serialization\.safe_globals "
+                                        r"allows.*Save the state dict alone") as info:
+        adaptive.load(_net, tmp_path / "run.pt")
+    assert "allow those types" not in str(info.value)
+    with torch.serialization.safe_globals([os.system]), pytest.raises(LoadError):
+        adaptive.load(_net, tmp_path / "run.pt")  # as the message says
+
+
 def test_objects_torch_load_refuses_name_the_type_and_safe_globals(tmp_path: Path) -> None:
     import argparse
 

@@ -8,6 +8,7 @@ import logging
 import math
 import re
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -1990,8 +1991,9 @@ def test_a_remove_resumed_after_the_device_is_gone_finishes_from_the_host_copies
     # remove() is called again: the rest comes back from the host copies, with a warning.
     with _remove_cut_short(monkeypatch) as (model, before, pager, _):
         pass
-    with pytest.warns(RuntimeWarning, match="could not reach cuda:0.*host copies"):
+    with pytest.warns(RuntimeWarning, match="could not reach cuda:0.*host copies") as seen:
         pager.remove()
+    assert seen[0].filename == __file__  # the caller's line
     assert {t.device.type for t in model.state_dict().values()} == {"cpu"}
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert adaptive.holder(model) is None
@@ -2036,6 +2038,35 @@ def test_remove_restores_from_the_host_copies_when_the_device_answers_but_fails_
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert adaptive.holder(model) is None
+
+
+def test_running_out_of_memory_in_remove_is_raised_and_the_next_remove_keeps_the_edits(
+) -> None:
+    # A full device is no lost device: remove() once warned that the edits to resident
+    # weights were lost, and put the model back from its host copies.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).eval()
+    with simulated_cuda(devices=1, total_memory="16MiB"):
+        model.to("cuda")
+        pager = adaptive.page(model, "cuda", resident_bytes="3MiB")
+        with torch.no_grad():
+            model(torch.randn(2, 512, device="cuda"))
+            resident = [m for m in model if m.weight.device.type == "cuda"]
+            for m in resident:
+                m.weight.add_(1.0)  # edits, kept by remove()
+        edited = [m.weight.detach().cpu().clone() for m in resident]
+        filler = []
+        with contextlib.suppress(torch.OutOfMemoryError):
+            while True:
+                filler.append(torch.empty(1 << 18, dtype=torch.uint8, device="cuda"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "could not reach" warning
+            with pytest.raises(torch.OutOfMemoryError):
+                pager.remove()
+        del filler
+        pager.remove()
+        assert resident and all(torch.equal(m.weight.detach().cpu(), want)
+                                for m, want in zip(resident, edited, strict=True))
 
 
 @pytest.mark.parametrize("resident_bytes", [0, "auto"])
