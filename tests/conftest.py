@@ -66,12 +66,13 @@ def tensors_on_cuda() -> int:
 
 
 def hold_cached_blocks() -> list[torch.Tensor]:
-    """On a real GPU, tensors that take every free block of 1 MiB or more that the caching
-    allocator keeps, so that a test's next large allocation needs new device memory, which
-    a memory fraction set just above ``memory_reserved()`` then refuses (hold the list
-    until the test ends). Without them, what earlier tests of the same process left cached
-    serves the allocation, and the fraction refuses nothing. The simulated device starts
-    each test empty: nothing to hold there."""
+    """On a real GPU, tensors that take every free block the caching allocator keeps that
+    could serve an allocation of 2 MiB or more (its large pool), so that a test's next such
+    allocation needs new device memory, which a memory fraction set just above
+    ``memory_reserved()`` then refuses (hold the list until the test ends; call this before
+    setting the test's fraction, which it resets to 1.0). Without them, what earlier tests
+    of the same process left cached serves the allocation, and the fraction refuses
+    nothing. The simulated device starts each test empty: nothing to hold there."""
     if not REAL_CUDA:
         return []
     held: list[torch.Tensor] = []
@@ -81,7 +82,7 @@ def hold_cached_blocks() -> list[torch.Tensor]:
     torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total, index)
     try:  # no new memory under this fraction: each success takes a cached block
         size = 1 << 30
-        while size >= 1 << 20:
+        while size > 1 << 20:  # 1 MiB and less come from the small pool
             try:
                 held.append(torch.empty(size, dtype=torch.uint8, device="cuda"))
             except torch.OutOfMemoryError:
