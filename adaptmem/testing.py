@@ -70,6 +70,8 @@ OOM_KINDS: dict[str, tuple[type[BaseException], tuple[str, ...]]] = {
         "reserved by PyTorch but unallocated.",)),
     "cublas": (RuntimeError, (
         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",)),
+    "cublas-handle": (RuntimeError, (  # a new thread's or stream's handle, device full
+        "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`",)),
     "cudnn": (RuntimeError, (
         "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
         "non-contiguous input.",)),
@@ -93,7 +95,8 @@ def make_oom(kind: str = "cuda", nbytes: int = 2 * 1024**3) -> BaseException:
     """The exception a backend of ``kind`` raises when ``nbytes`` could not be allocated.
 
     ``kind`` is one of ``OOM_KINDS``: cuda, cuda-runtime, cuda-driver, cuda-driver-api, hip,
-    mps, xpu, cublas, cudnn, cudnn-alloc, cufft, cusolver, cusparse, cpu, python, two-args.
+    mps, xpu, cublas, cublas-handle, cudnn, cudnn-alloc, cufft, cusolver, cusparse, cpu,
+    python, two-args.
     """
     if not isinstance(kind, str) or kind not in OOM_KINDS:
         raise (ValueError if isinstance(kind, str) else TypeError)(

@@ -258,6 +258,17 @@ def empty_cache(device: torch.device | None = None) -> None:
             xpu.empty_cache()
 
 
+def release_pinned() -> None:
+    """Give the pinned host memory torch keeps cached back to the system: freed pinned
+    blocks stay page-locked in torch's host allocator for reuse (each rounded up to a power
+    of two), so a pager's host copies would stay held after ``remove()``. Blocks still in
+    use, or read by a copy in flight, stay."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued work on ``device``; a no-op for the CPU."""
     if device.type in ("cuda", "xpu"):

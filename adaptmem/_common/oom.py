@@ -36,6 +36,8 @@ OOM_MESSAGES: tuple[tuple[str, str], ...] = (
     ("resource allocation failed when calling `cusparse", "cuSPARSE allocation"),
     ("CUDNN_STATUS_NOT_SUPPORTED", "cuDNN, which reports a failed workspace this way"),
     ("CUDNN_STATUS_INTERNAL_ERROR", "cuDNN, whose workspace failure can surface this way"),
+    ("CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`",
+     "cuBLAS, whose handle creation fails this way on a full device"),
     ("DefaultCPUAllocator: can't allocate memory", "CPU allocator"),
     ("DefaultCPUAllocator: not enough memory", "CPU allocator (Windows)"),
     ("PT_DEVMEM Allocation failed", "Habana HPU allocator"),

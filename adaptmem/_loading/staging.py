@@ -50,7 +50,10 @@ class Staging:
         self._chunk = chunk
         self._staging: torch.Tensor | None = None
         self._chunks: list[torch.Tensor] = []
-        self._pending: dict[int, Any] = {}  # chunk index -> event of a device copy from it
+        # chunk index -> events of the device copies still reading it, one per device: a
+        # copy is queued on its destination device's stream, which need not be the current
+        # device's (a load onto cuda:1, or a split over two GPUs).
+        self._pending: dict[int, list[Any]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._threadless = False  # no reader thread could start: the caller reads
 
@@ -59,8 +62,9 @@ class Staging:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        for event in self._pending.values():
-            event.synchronize()  # device copies still reading a pinned chunk
+        for events in self._pending.values():
+            for event in events:
+                event.synchronize()  # device copies still reading a pinned chunk
         self._pending.clear()
         self._staging = None
         self._chunks = []
@@ -84,8 +88,7 @@ class Staging:
 
         def fetch(i: int) -> None:
             a, b = pieces[i]
-            event = self._pending.pop(i % 2, None)
-            if event is not None:  # a device copy still reads this chunk
+            for event in self._pending.pop(i % 2, ()):  # device copies still reading it
                 event.synchronize()
             self._fill(entry.file, start + a * item, chunks[i % 2][: (b - a) * item])
 
@@ -95,12 +98,15 @@ class Staging:
             if i + 1 < len(pieces):
                 future = self._start(fetch, i + 1)
             piece = chunks[i % 2][: (b - a) * item].view(entry.dtype)
+            events: dict[torch.device, Any] = {}
             for flat in flats:
                 copy_to(flat[a:b], piece, non_blocking=flat.device.type == "cuda")
-                if flat.device.type == "cuda":
-                    event = torch.cuda.Event()
-                    event.record()
-                    self._pending[i % 2] = event
+                if flat.device.type == "cuda":  # recorded after its last copy from the chunk
+                    events[flat.device] = torch.cuda.current_stream(flat.device)
+            for stream in events.values():
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._pending.setdefault(i % 2, []).append(event)
         future.result()
 
     def _start(self, fetch: Callable[[int], None], i: int) -> Future[None]:
@@ -160,8 +166,7 @@ class Staging:
         # Dimensions by decreasing stride: blocks of the outermost lie apart in the file.
         order = sorted(range(len(entry.shape)), key=lambda d: -entry.stride[d])
         chunk = self._chunk_buffers(pinned=False)[0]
-        event = self._pending.pop(0, None)
-        if event is not None:  # a device copy still reads this chunk
+        for event in self._pending.pop(0, ()):  # device copies still reading this chunk
             event.synchronize()
         item = entry.dtype.itemsize
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._common.devices import format_bytes, mover, synchronize, to_device
+from .._common.devices import format_bytes, mover, release_pinned, synchronize, to_device
 from .._common.errors import PlacementError, first_line
 from .._common.inputs import MovedInputs
 from .._common.oom import is_oom
@@ -66,7 +66,10 @@ __all__ = ["Pager"]
 # at the top of a script), and ``model=`` replaces its pagers each time it gives residency
 # back: without this the masters of a removed pager stayed until the handle was dropped,
 # and then until the garbage collector's next full pass, the model's weights held twice in
-# host memory meanwhile. A removed pager keeps its plan and stats, and its model.
+# host memory meanwhile. A removed pager keeps its plan and stats, and its model. On CUDA,
+# torch's host allocator keeps freed pinned blocks page-locked for reuse, each rounded up
+# to a power of two, so the masters' memory went back to that cache, not to the system:
+# ``release_pinned`` empties the cache of blocks nothing uses.
 
 
 def _ignore(*args: Any) -> None:
@@ -430,6 +433,7 @@ class Pager(Engine):
         self._guard.release()
         self._let_go()
         self._table.forget()  # See [Note: a removed pager holds nothing]
+        release_pinned()
         self._needs, self._schedule = Needs(), Schedule(self.prefetch, self._table)
         self._hooks, self._learner = Hooks(_ignore, _ignore), Learner({}, _ignore, self._quiet)
         self._modules, self._name_of, self._inputs = {}, {}, None

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .._common.devices import synchronize
 from .._common.errors import PlacementError
 from .._common.headroom import weight_room
 from .._common.oom import free_caches, is_oom
@@ -294,16 +295,18 @@ class SlotTable:
     def keep_resident(self, units: Sequence[Unit], allowance: int) -> list[Unit]:
         """Copy units to the device for good, in order, while their bytes fit in
         ``allowance``; the first that does not fit in memory ends it. Returns ``units``,
-        each marked resident or paged."""
+        each marked resident or paged. The host waits for the copies: a forward may run on
+        any stream (a server's own), not only the one current now, which alone waits."""
         placed = []
         for unit in units:
-            slots = [self.slots[n] for n in unit.tensors]
-            used = self.resident_bytes
+            slots, used = [self.slots[n] for n in unit.tensors], self.resident_bytes
             resident = bool(slots) and used + sum(s.nbytes for s in slots) <= allowance
             if resident and not self._make_resident(slots, unit.name):
                 resident, allowance = False, used
             placed.append(replace(unit, placement=Placement.RESIDENT if resident
                                   else Placement.PAGED))
+        if self.resident_bytes:
+            synchronize(self.device)
         return placed
 
     def _make_resident(self, slots: Sequence[Slot], unit: str) -> bool:
@@ -321,11 +324,9 @@ class SlotTable:
             logger.info("adaptmem page: %s did not fit on %s while making it resident (%s); "
                         "it is paged instead", unit, self.device, exc)
             return False
-        nbytes = 0
         for s, c in zip(slots, copies, strict=True):
-            s.copy, s.state, s.resident = c, LOADED, True
-            s.tensor.data = c
-            nbytes += s.nbytes
+            s.copy, s.state, s.resident, s.tensor.data = c, LOADED, True, c
+        nbytes = sum(s.nbytes for s in slots)
         self._add(nbytes)
         self.resident_bytes += nbytes
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -371,3 +372,69 @@ def test_a_model_with_placed_parts_loads_each_part_through_its_engine(tmp_path: 
     assert torch.equal(model[1].weight, _nested()[1].weight)
     with pytest.raises(LoadError, match="holds no model now"):
         adaptive.load(model, tmp_path / "whole.pt", device=whole)  # removed by its block
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "split"])
+def test_a_staging_chunk_is_refilled_only_once_its_copies_to_another_gpu_are_done(
+        device: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reader refilled a pinned chunk once an event on the *current* device's stream had
+    # passed, but a copy to cuda:1 runs on cuda:1's stream: the chunk was overwritten while
+    # that copy still read it (silently wrong weights on a GPU). Here a torch write into the
+    # chunk before each refill raises where a copy still reads it.
+    from adaptmem._loading import checkpoints, staging
+
+    monkeypatch.setattr(checkpoints, "_CHUNK", 1 << 20)  # tensors of several chunks
+    real_init = staging.Staging.__init__
+
+    def init(self: staging.Staging, fill: Any, chunk: int) -> None:
+        def checked(file: str, offset: int, dest: torch.Tensor) -> None:
+            dest.zero_()  # a copy still reading ``dest`` makes this a stream race
+            fill(file, offset, dest)
+
+        real_init(self, checked, chunk)
+        self._threadless = True  # read on this thread: the one the simulation watches
+
+    monkeypatch.setattr(staging.Staging, "__init__", init)
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024))  # 4 MiB weights
+    torch.save(source.state_dict(), tmp_path / "m.pt")
+    with simulated_cuda(devices=2, total_memory="64MiB", bandwidth=0.5):  # 2 ms a MiB
+        assert torch.cuda.current_device() == 0
+        if device == "split":
+            model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).eval()
+            with adaptive.split(model, {"cuda:0": "5MiB", "cuda:1": None},
+                                example_inputs=torch.randn(2, 1024)) as splitter:
+                adaptive.load(model, tmp_path / "m.pt", device=splitter)
+                got = {k: v.cpu() for k, v in model.state_dict().items()}
+                assert {torch.device(d).index for d in splitter.device_map.values()} == {0, 1}
+        else:
+            model = adaptive.load(lambda: nn.Sequential(nn.Linear(1024, 1024),
+                                                        nn.Linear(1024, 1024)),
+                                  tmp_path / "m.pt", device=device)
+            assert {t.device for t in model.state_dict().values()} == {torch.device(device)}
+            got = {k: v.cpu() for k, v in model.state_dict().items()}
+    for key, value in source.state_dict().items():
+        assert torch.equal(got[key], value), key
+
+
+def test_a_gathered_view_after_a_chunked_copy_to_the_gpu_waits_for_that_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A small view of a large storage is gathered through the first staging chunk, which a
+    # copy to the device of the tensor before it may still be reading.
+    from adaptmem._loading import checkpoints
+
+    monkeypatch.setattr(checkpoints, "_CHUNK", 1 << 20)
+
+    class TwoWeights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.empty(1024, 1024))  # 4 MiB: read in chunks
+            self.b = nn.Parameter(torch.empty(1000))  # a view spread over 4 MB: gathered
+
+    torch.manual_seed(0)
+    state = {"a": torch.randn(1024, 1024), "b": torch.randn(1000 * 1000)[::1000]}
+    torch.save(state, tmp_path / "m.pt")
+    with simulated_cuda(devices=1, total_memory="64MiB", bandwidth=0.5):
+        model = adaptive.load(TwoWeights, tmp_path / "m.pt", device="cuda")
+        got = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert torch.equal(got["a"], state["a"]) and torch.equal(got["b"], state["b"])

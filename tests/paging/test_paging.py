@@ -37,7 +37,7 @@ from adaptmem import adaptive
 from adaptmem._common.errors import OutOfMemoryError, PlacementError
 from adaptmem._engines.transfer import SyncTransfer
 from adaptmem._paging.learner import is_metadata
-from adaptmem._planning import module_sizes, paging_units
+from adaptmem._planning import Placement, module_sizes, paging_units
 from adaptmem.testing import simulated_cuda
 
 
@@ -2067,6 +2067,41 @@ def test_running_out_of_memory_in_remove_is_raised_and_the_next_remove_keeps_the
         pager.remove()
         assert resident and all(torch.equal(m.weight.detach().cpu(), want)
                                 for m, want in zip(resident, edited, strict=True))
+
+
+def test_remove_gives_torchs_cached_pinned_memory_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch keeps freed pinned blocks (rounded up to a power of two) page-locked for reuse:
+    # the host copies of a removed pager went to that cache, not back to the system. (The
+    # simulated device pins exactly and caches nothing; the call is what can be checked.)
+    emptied: list[int] = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1))
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).eval()
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        pager = adaptive.page(model, "cuda", resident_bytes=0)
+        assert not emptied
+        pager.remove()
+        assert emptied == [1]
+        pager.remove()  # once only
+        assert emptied == [1]
+
+
+def test_a_paged_model_runs_on_a_stream_of_the_callers_own() -> None:
+    # Resident copies were ordered only before the stream current at page(): a forward under
+    # `torch.cuda.stream(s)` (a server's own streams) read them before they had arrived.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)]).eval()  # 8 MiB
+    x = torch.randn(4, 512)
+    with torch.no_grad():
+        want = model(x)
+    with simulated_cuda(devices=1, total_memory="64MiB", bandwidth=1), torch.no_grad():
+        with adaptive.page(model, "cuda", resident_bytes="4MiB") as pager:
+            assert {u.placement for u in pager.plan.units} == {Placement.RESIDENT,
+                                                               Placement.PAGED}
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                got = model(x.cuda())
+            stream.synchronize()
+            torch.testing.assert_close(got.cpu(), want)
 
 
 @pytest.mark.parametrize("resident_bytes", [0, "auto"])
