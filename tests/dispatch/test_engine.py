@@ -107,12 +107,18 @@ def test_a_fast_link_keeps_the_model_paged() -> None:
     data = torch.randn(512, 512)  # a large batch: the host's part costs more than the link
     with torch.no_grad():
         want = model(data)
-    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
-        run = _decorated(model, 512)
-        results = [run(data) for _ in range(4)]
-        placement = run.placement
-        pagers = len(run.pagers)
-        run.remove()
+    for _ in range(3):
+        with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+            run = _decorated(model, 512)
+            results = [run(data) for _ in range(4)]
+            placement = run.placement
+            pagers = len(run.pagers)
+            run.remove()
+        # The link is timed on a few short copies: a host busy with other processes (a CI
+        # neighbour) can stretch every one of them, and the 100 GB/s link then reads as
+        # slower than 1 GB/s. Such a reading measured the machine, not the choice: again.
+        if placement["engine_choice"]["link_bytes_per_second"] > 1e9:
+            break
     for got in results:
         torch.testing.assert_close(got, want)
     assert placement["engine"] == "page" and pagers == 1
