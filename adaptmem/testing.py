@@ -70,7 +70,7 @@ OOM_KINDS: dict[str, tuple[type[BaseException], tuple[str, ...]]] = {
         "reserved by PyTorch but unallocated.",)),
     "cublas": (RuntimeError, (
         "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",)),
-    "cublas-handle": (RuntimeError, (  # a new thread's or stream's handle, device full
+    "cublas-handle": (RuntimeError, (  # a new thread's handle, device full
         "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`",)),
     "cudnn": (RuntimeError, (
         "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "

@@ -71,7 +71,13 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from .._common.claims import check_placeable, held_for, refuse_compiled
-from .._common.devices import default_device, format_bytes, free_memory, resolve_device
+from .._common.devices import (
+    default_device,
+    format_bytes,
+    free_memory,
+    pinned_cache_kept,
+    resolve_device,
+)
 from .._common.errors import PlacementError
 from .._common.tree import calls_in_progress
 from .._engines.base import HookSet
@@ -442,15 +448,14 @@ class PlacedModels:
         # ones. Refused as the engine refuses that call, nothing moved.
         for handle in self.handles:
             handle.check_unchanged()
-        self.remove(forget_choice=False)
+        with pinned_cache_kept():  # the new pagers pin the same sizes again
+            self.remove(forget_choice=False)
         for i, model in enumerate(self.models):
             holder = _holders.get(model)
             if holder is not None and holder is not self and not holder.release_if_abandoned():
                 raise PlacementError(
                     f"model {i} ({type(model).__name__}) is placed by another decorated "
-                    f"function; {holder.fix()}, "
-                    f"or let one decorated function run it"
-                )
+                    f"function; {holder.fix()}, or let one decorated function run it")
         _still_placeable(self.models, self.name)
         try:
             for model, nbytes in zip(self.models, resident, strict=True):

@@ -126,6 +126,23 @@ def test_a_fast_link_keeps_the_model_paged() -> None:
     assert placement["engine_switches"] == 2  # to chunk for one timed call, and back
 
 
+def test_placing_again_keeps_the_pinned_cache_and_remove_empties_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each placement removes its pagers and pages the models again: emptying torch's pinned
+    # cache in between would free and pin the same buffers again (slow on a GPU).
+    emptied: list[int] = []
+    monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: emptied.append(1))
+    model = _model()
+    data = torch.randn(512, 512)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100):
+        run = _decorated(model, 512)
+        for _ in range(4):
+            run(data)
+        assert run.placement["placements"] >= 2 and not emptied  # placed again, kept
+        run.remove()
+    assert emptied == [1]
+
+
 def test_a_chunked_model_gives_residency_back_and_takes_it_again() -> None:
     model = _model()
     data = torch.randn(512, 512)

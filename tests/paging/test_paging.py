@@ -2085,6 +2085,32 @@ def test_remove_gives_torchs_cached_pinned_memory_back(monkeypatch: pytest.Monke
         assert emptied == [1]
 
 
+def test_remove_on_a_device_with_a_sticky_error_finishes_though_the_pinned_cache_cannot_empty(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Emptying torch's pinned cache frees blocks through the CUDA runtime, which fails on a
+    # device with a sticky error: remove() raised then, where it warns and restores.
+    from adaptmem._paging import pager as pager_module
+
+    sticky = "CUDA error: an illegal memory access was encountered"
+
+    def fails() -> None:
+        raise RuntimeError(sticky)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with simulated_cuda(devices=1, total_memory="64MiB"):
+        pager = adaptive.page(model, "cuda", resident_bytes=0)
+        monkeypatch.setattr(pager_module, "synchronize", lambda device: fails())
+        monkeypatch.setattr(torch._C, "_host_emptyCache", fails)
+        with pytest.warns(RuntimeWarning, match="could not reach cuda:0 .*illegal memory"):
+            pager.remove()
+        assert adaptive.holder(model) is None
+        monkeypatch.undo()
+        pager.remove()  # done: nothing to finish
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_paged_model_runs_on_a_stream_of_the_callers_own() -> None:
     # Resident copies were ordered only before the stream current at page(): a forward under
     # `torch.cuda.stream(s)` (a server's own streams) read them before they had arrived.
