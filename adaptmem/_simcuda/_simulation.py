@@ -45,7 +45,8 @@ class SimulatedCuda:
 
     @property
     def copy_stats(self) -> dict[str, float]:
-        """The host's time on ``non_blocking`` copies so far: ``copies`` (how many),
+        """The host's time on ``non_blocking`` copies so far (to the device, and to pinned
+        host memory): ``copies`` (how many),
         ``copy_seconds`` (the host thread's CPU time moving their bytes: the simulation's
         own cost, which a GPU's copy engine does not put on the host) and ``wait_seconds``
         (wall time the host slept on the link: until a ``non_blocking`` copy it needed had
@@ -246,7 +247,9 @@ def simulated_cuda(devices: int = 1, total_memory: int | str = "16GiB",
     earlier copies (the host goes on meanwhile; a synchronous copy between host and device
     holds the host that long). Reading its
     destination on a stream that did not wait for it raises ``StreamRaceError``, and so does
-    a copy into a tensor another stream used, on a stream that did not wait for that use.
+    a copy into a tensor another stream used, on a stream that did not wait for that use. A
+    ``non_blocking`` copy from the device into pinned host memory completes likewise, and a
+    host op using its destination before then (the host not synchronized) raises too.
     Freeing a tensor another stream still uses (without ``record_stream``, a host
     synchronize or the allocating stream waiting for it) raises ``SimulatedCudaError``
     when the block ends.

@@ -78,6 +78,11 @@ class SimState:
         # check_host_write in _tensors.py) while it is not empty.
         self.host_reads: dict[int, Any] = {}
         self.host_reads_until = 0.0  # when the last of those copies completes
+        # pinned host storage data_ptr -> the last non_blocking device-to-host copy writing
+        # it (Job), while that copy may be in flight; every host op reading or writing a
+        # host tensor checks it (see check_host_use in _tensors.py) while it is not empty.
+        self.host_writes: dict[int, Any] = {}
+        self.host_writes_until = 0.0
         self._ids = itertools.count(1)
         self.lock = threading.Lock()
         self.default_streams = [SimStream(i, _sim_state=self, _default=True)
@@ -146,13 +151,18 @@ class SimState:
         reading it completed, and pageable memory never takes its address.)"""
         self.pinned.pop(ptr, None)
         self.host_reads.pop(ptr, None)
+        self.host_writes.pop(ptr, None)
 
     def prune_host_reads(self) -> None:
-        """Forget the copies reading pinned memory that completed or that the host
-        synchronised with: a write to their sources is safe now."""
+        """Forget the copies reading or writing pinned memory that completed or that the
+        host synchronised with: a write to their sources, or a use of their destinations,
+        is safe now."""
         if self.host_reads:
             self.host_reads = {ptr: job for ptr, job in self.host_reads.items()
                                if job.seq > job.stream.synced_seq and not job.finished()}
+        if self.host_writes:
+            self.host_writes = {ptr: job for ptr, job in self.host_writes.items()
+                                if job.seq > job.stream.synced_seq and not job.finished()}
 
     def stop(self) -> None:
         for stream in list(self.streams):

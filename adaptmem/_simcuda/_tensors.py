@@ -96,7 +96,7 @@ from ._mixing import INDEX_PUTS, check_index_op, check_item_access, mixed
 from ._state import SimGenerator, SimState
 from ._streams import SimStream, StreamRaceError, check_access
 
-__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "check_host_write",
+__all__ = ["SimTensor", "Tensors", "Record", "Dispatch", "Functions", "check_host_write", "check_host_use",
            "set_current"]
 
 aten = torch.ops.aten
@@ -537,11 +537,8 @@ class Tensors:
         if target is None or target.type != "cuda":
             started = time.perf_counter()
             out = aten._to_copy.default(source, device=target, **kwargs)
-            _over_the_link(self.state, out.numel() * out.element_size(), started)
-            if not non_blocking:
-                _host_read(self, x)
-            # CUDA copies to the host with non_blocking=True into pinned memory.
-            return self.mark_pinned(out) if pin or non_blocking else out
+            return _to_host(self, x, record, out, non_blocking, pin, started)
+        check_host_use(self.state, x, "to()")  # a host source a copy to the host still fills?
         index = self.state.device_index(target)
         refuse_layout(source.layout, "a copy to the device (.to, .cuda, module.to)",
                       self.devices[index])
@@ -565,14 +562,16 @@ class Tensors:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> torch.Tensor:
         db, sb = dst, src
+        _check_host_copy(self.state, dst, src)
         if src.is_cuda:
             sb, srec = self.lookup(src)
             self.use(srec, self.state.current_streams[srec.index], src, "copy_()")
         if not dst.is_cuda:
-            if self.state.host_reads:
-                check_host_write(self.state, dst, "copy_()")
             started = time.perf_counter()
             db.copy_(sb)
+            if src.is_cuda and non_blocking and self.is_pinned(dst):
+                _landing(self.state, dst, srec)  # it lands later, as on CUDA
+                return dst
             if src.is_cuda:
                 _over_the_link(self.state, db.numel() * db.element_size(), started)
                 if not non_blocking:
@@ -614,6 +613,77 @@ class Tensors:
                 state.host_reads_until = job.done_at
         if stream is not record.stream:
             record.used_on[stream] = stream.epoch
+
+
+def _to_host(sim: Tensors, x: torch.Tensor, record: Record, out: torch.Tensor,
+             non_blocking: bool, pin: Any, started: float) -> torch.Tensor:
+    """Device tensor ``x`` (``record``'s) copied to the host as ``out`` (made just now):
+    with ``non_blocking``, into pinned memory as CUDA's, landing later; else the host held
+    for the link's time (from ``started``), after the stream's queued work."""
+    if non_blocking:
+        out = sim.mark_pinned(out)
+        _landing(sim.state, out, record)
+        return out
+    _over_the_link(sim.state, out.numel() * out.element_size(), started)
+    _host_read(sim, x)
+    return sim.mark_pinned(out) if pin else out
+
+
+def _landing(state: SimState, dst: torch.Tensor, record: Record) -> None:
+    """A ``non_blocking`` copy from device tensor ``record``'s into pinned host ``dst`` (its
+    values are there already): queued on the current stream of the source's device, and
+    ``dst`` may not be used until that copy completed on the link's time or the host
+    synchronised with it (``check_host_use``)."""
+    nbytes = dst.numel() * dst.element_size()
+    job = state.current_streams[record.index].enqueue(lambda: None, nbytes, "copy")
+    ptr = dst.untyped_storage().data_ptr()
+    if nbytes and ptr:
+        state.host_writes[ptr] = job
+        if job.done_at > state.host_writes_until:
+            state.host_writes_until = job.done_at
+
+
+def _check_host_copy(state: SimState, dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``copy_`` from ``src`` into ``dst``: raise where one is a host tensor that a copy in
+    flight reads (a pinned source, written) or writes (a pinned destination, used)."""
+    if not dst.is_cuda:
+        if state.host_reads:
+            check_host_write(state, dst, "copy_()")
+        if state.host_writes:
+            check_host_use(state, dst, "copy_()")
+    if not src.is_cuda and state.host_writes:
+        check_host_use(state, src, "copy_()")
+
+
+def check_host_use(state: SimState, t: Any, op: Any) -> None:
+    """An op reads or writes host tensor ``t`` (or the tensors of list ``t``): raise if it
+    is the pinned destination of a ``non_blocking`` copy from the device that has not
+    completed on the link's time, and that the host has not synchronised with."""
+    if time.perf_counter() >= state.host_writes_until:  # every such copy completed
+        state.host_writes.clear()
+        return
+    if type(t) is list or type(t) is tuple:
+        for x in t:
+            check_host_use(state, x, op)
+        return
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_cuda:
+        return
+    storage = t.untyped_storage()
+    if storage.device.type != "cpu" or not storage.data_ptr():
+        return  # a fake tensor (a trace), or an empty one
+    job = state.host_writes.get(storage.data_ptr())
+    if job is None:
+        return
+    if job.seq <= job.stream.synced_seq or job.finished():
+        state.prune_host_reads()
+        return
+    raise StreamRaceError(
+        f"simulated CUDA: {op} used {_describe(t)} while a non_blocking copy on "
+        f"{job.stream!r} still writes it (it is the pinned destination of a copy from the "
+        f"device, which has not completed, and the host has not synchronized with it). On "
+        f"a GPU it holds its old values until the copy lands. Wait for the copy first: "
+        f"stream.synchronize(), event.synchronize() on an event recorded after the copy, or "
+        f"torch.cuda.synchronize().")
 
 
 def _over_the_link(state: SimState, nbytes: int, started: float) -> None:
@@ -802,6 +872,11 @@ class Dispatch(TorchDispatchMode):
         ckwargs = u.kwargs(kwargs)
         index = u.index
         if index is None:
+            if sim.state.host_writes:  # a host tensor a copy from the device still fills?
+                for a in args:
+                    check_host_use(sim.state, a, func)
+                for a in kwargs.values():
+                    check_host_use(sim.state, a, func)
             if sim.state.host_reads:  # a host tensor written while a copy reads it?
                 for w in _written_arguments(func):
                     if isinstance(w, str):

@@ -70,8 +70,10 @@ def test_a_paged_unit_is_one_copy_and_gives_the_unpaged_output(
             _check(model(x).cpu(), expected)
         per_forward = (simulated_cuda_device.copy_stats["copies"] - before) / 3
     # One copy per unit and dtype (float32, and int64 for num_batches_tracked), and the
-    # input's, where tensor by tensor it was one per tensor.
-    assert per_forward <= 2 * 4 + 1 < tensors
+    # input's, where tensor by tensor it was one per tensor; the buffers (a few KiB each)
+    # are copied back to the host after each use, and those copies count too.
+    copied_back = sum(1 for _ in model.buffers())
+    assert per_forward - copied_back <= 2 * 4 + 1 < tensors
 
 
 @pytest.mark.gpu

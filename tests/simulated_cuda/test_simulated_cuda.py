@@ -762,6 +762,35 @@ def test_writing_a_pinned_source_before_its_copy_completed_raises() -> None:
         assert dev[:2].tolist() == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("how", ["to", "copy_"])
+def test_using_the_pinned_destination_of_a_copy_from_the_device_before_it_landed_raises(
+        how: str) -> None:
+    # On a GPU a non_blocking copy to pinned host memory returns before the bytes land: the
+    # host reads old values until it synchronizes. It used to land at once here.
+    with simulated_cuda(bandwidth=0.1):  # 4 MB at 0.1 GB/s: 40 ms
+        dev = torch.ones(10**6, device="cuda")
+        if how == "to":
+            host = dev.to("cpu", non_blocking=True)
+            assert host.is_pinned()  # as CUDA's: pinned, so that it can land later
+        else:
+            host = torch.zeros(10**6).pin_memory()
+            host.copy_(dev, non_blocking=True)
+        with pytest.raises(StreamRaceError, match="still writes it"):
+            host.sum()  # a read
+        with pytest.raises(StreamRaceError, match="still writes it"):
+            host.fill_(2)  # a write
+        with pytest.raises(StreamRaceError, match="still writes it"):
+            host.to("cuda")  # a copy back to the device
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+        assert float(host.sum()) == 10**6
+        # A copy into pageable memory is synchronous, as on CUDA: usable at once.
+        pageable = torch.zeros(10**6)
+        pageable.copy_(dev, non_blocking=True)
+        assert float(pageable.sum()) == 10**6
+
+
 def test_writing_a_pinned_parameter_or_list_or_second_output_in_flight_raises() -> None:
     # 256 KiB at 1 MB/s: 262 ms. At 26 ms it failed in a run of 16 workers on an H200 host
     # (no race seen): most likely the copy completed before the busy host reached the write.
