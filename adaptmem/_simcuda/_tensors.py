@@ -82,6 +82,7 @@ import time
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -659,31 +660,49 @@ def check_host_use(state: SimState, t: Any, op: Any) -> None:
     """An op reads or writes host tensor ``t`` (or the tensors of list ``t``): raise if it
     is the pinned destination of a ``non_blocking`` copy from the device that has not
     completed on the link's time, and that the host has not synchronised with."""
-    if time.perf_counter() >= state.host_writes_until:  # every such copy completed
-        state.host_writes.clear()
-        return
-    if type(t) is list or type(t) is tuple:
-        for x in t:
-            check_host_use(state, x, op)
-        return
-    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_cuda:
-        return
-    storage = t.untyped_storage()
-    if storage.device.type != "cpu" or not storage.data_ptr():
-        return  # a fake tensor (a trace), or an empty one
-    job = state.host_writes.get(storage.data_ptr())
-    if job is None:
-        return
-    if job.seq <= job.stream.synced_seq or job.finished():
-        state.prune_host_reads()
-        return
-    raise StreamRaceError(
+    _refuse_in_flight(state, "host_writes", t, lambda t, job: (
         f"simulated CUDA: {op} used {_describe(t)} while a non_blocking copy on "
         f"{job.stream!r} still writes it (it is the pinned destination of a copy from the "
         f"device, which has not completed, and the host has not synchronized with it). On "
         f"a GPU it holds its old values until the copy lands. Wait for the copy first: "
         f"stream.synchronize(), event.synchronize() on an event recorded after the copy, or "
-        f"torch.cuda.synchronize().")
+        f"torch.cuda.synchronize()."))
+
+
+def _refuse_in_flight(state: SimState, kind: str, t: Any,
+                      message: Callable[[torch.Tensor, Any], str]) -> None:
+    """Raise ``StreamRaceError(message(tensor, job))`` where host tensor ``t`` (or one of
+    list ``t``'s) is the memory of a copy in ``state.<kind>`` (``host_reads``: pinned
+    sources, ``host_writes``: pinned destinations) still in flight."""
+    if time.perf_counter() >= getattr(state, f"{kind}_until"):  # every such copy completed
+        getattr(state, kind).clear()
+        return
+    found = _in_flight(state, getattr(state, kind), t)
+    if found is not None:
+        raise StreamRaceError(message(*found))
+
+
+def _in_flight(state: SimState, jobs: dict[int, Any], t: Any) -> tuple[torch.Tensor, Any] | None:
+    """Host tensor ``t`` (or one of list ``t``'s) with the copy of ``jobs`` (pinned host
+    storage data_ptr -> Job) still in flight on its memory, or None."""
+    if type(t) is list or type(t) is tuple:
+        for x in t:
+            found = _in_flight(state, jobs, x)
+            if found is not None:
+                return found
+        return None
+    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided or t.is_cuda:
+        return None  # a sparse tensor is no pinned copy's source or destination
+    storage = t.untyped_storage()
+    if storage.device.type != "cpu" or not storage.data_ptr():
+        return None  # a fake tensor (a trace) has no memory to guard; an empty one none
+    job = jobs.get(storage.data_ptr())
+    if job is None:
+        return None
+    if job.seq <= job.stream.synced_seq or job.finished():
+        state.prune_host_reads()  # the others may have completed too
+        return None
+    return t, job
 
 
 def _over_the_link(state: SimState, nbytes: int, started: float) -> None:
@@ -724,33 +743,13 @@ def check_host_write(state: SimState, t: Any, op: Any) -> None:
     """An op writes host tensor ``t`` (or the tensors of list ``t``, a ``_foreach_`` op's):
     raise if a ``non_blocking`` copy still reads it (it has not completed on the link's
     time, and the host has not synchronised with it)."""
-    if time.perf_counter() >= state.host_reads_until:  # every such copy completed
-        state.host_reads.clear()
-        return
-    if type(t) is list or type(t) is tuple:
-        for x in t:
-            check_host_write(state, x, op)
-        return
-    if not isinstance(t, torch.Tensor) or t.layout is not torch.strided:
-        return  # a sparse tensor is no pinned copy's source
-    storage = t.untyped_storage()
-    if storage.device.type != "cpu":  # a fake tensor (a trace) has no memory to guard
-        return
-    ptr = storage.data_ptr()
-    if not ptr:  # empty: nothing to write
-        return
-    job = state.host_reads.get(ptr)
-    if job is None:
-        return
-    if job.seq <= job.stream.synced_seq or job.finished():
-        state.prune_host_reads()  # the others may have completed too
-        return
-    raise StreamRaceError(
+    _refuse_in_flight(state, "host_reads", t, lambda t, job: (
         f"simulated CUDA: {op} wrote {_describe(t)} while a non_blocking copy on "
         f"{job.stream!r} still reads it (it is the pinned source of that copy, which has not "
-        f"completed, and the host has not synchronized with it). On a GPU the copy can carry the new "
-        f"values. Wait for the copy first: copy_stream.synchronize(), event.synchronize() "
-        f"on an event recorded after the copy, or torch.cuda.synchronize().")
+        f"completed, and the host has not synchronized with it). On a GPU the copy can "
+        f"carry the new values. Wait for the copy first: copy_stream.synchronize(), "
+        f"event.synchronize() on an event recorded after the copy, or "
+        f"torch.cuda.synchronize()."))
 
 
 def _check_generator(args: Any, kwargs: dict[str, Any]) -> None:
