@@ -477,39 +477,41 @@ def _first_quantized(obj: Any, prefix: str) -> tuple[str, torch.dtype] | None:
 # torch 2.14 warns so at each weights_only load of a sparse tensor; the load refuses it, or
 # passes over it outside the state dict.
 _SPARSE_CHECK = "Validating sparse tensor invariants"
-_unchecked_loads = [0]  # loads on meta under way with torch's check replaced
 _unchecked_lock = threading.Lock()
+_unchecked: list[Any] = [0, None]  # loads on meta under way; torch's check they replaced
+
+
+def _check_unless_meta(*args: Any, **kwargs: Any) -> Any:
+    """torch's check of loaded sparse tensors, passing over a batch all on meta."""
+    pending = getattr(torch._utils, "_sparse_tensors_to_validate", None)
+    if pending and all(t.is_meta for t in pending):
+        pending.clear()  # what torch's check does once done
+        return None
+    return _unchecked[1](*args, **kwargs)
 
 
 @contextlib.contextmanager
 def _meta_sparse_unchecked() -> Any:
     """Around a ``torch.load`` on meta: torch's check of loaded sparse tensors passes over a
     batch of tensors that are all on meta (and so hold nothing to check); any other batch,
-    of any thread's load, goes through torch's own check as before."""
-    real = getattr(torch._utils, "_validate_loaded_sparse_tensors", None)
-    if real is None or getattr(real, "_adaptmem_meta", False):
-        yield  # an older torch, or another load on meta already replaced it
+    of any thread's load, goes through torch's own check as before. Loads that overlap
+    (threads) share one replacement, put back when the last of them ends."""
+    if getattr(torch._utils, "_validate_loaded_sparse_tensors", None) is None:
+        yield  # an older torch
         return
-
-    def check(*args: Any, **kwargs: Any) -> Any:
-        pending = getattr(torch._utils, "_sparse_tensors_to_validate", None)
-        if pending and all(t.is_meta for t in pending):
-            pending.clear()  # what torch's check does once done
-            return None
-        return real(*args, **kwargs)
-
-    check._adaptmem_meta = True  # type: ignore[attr-defined]
     with _unchecked_lock:
-        _unchecked_loads[0] += 1
-        if _unchecked_loads[0] == 1:
-            torch._utils._validate_loaded_sparse_tensors = check
+        if _unchecked[0] == 0:
+            _unchecked[1] = torch._utils._validate_loaded_sparse_tensors
+            torch._utils._validate_loaded_sparse_tensors = _check_unless_meta
+        _unchecked[0] += 1
     try:
         yield
     finally:
         with _unchecked_lock:
-            _unchecked_loads[0] -= 1
-            if _unchecked_loads[0] == 0:
-                torch._utils._validate_loaded_sparse_tensors = real
+            _unchecked[0] -= 1
+            if _unchecked[0] == 0:
+                torch._utils._validate_loaded_sparse_tensors = _unchecked[1]
+                _unchecked[1] = None
 
 
 def _refuse_not_dense(state: Mapping[str, torch.Tensor], name: str) -> None:

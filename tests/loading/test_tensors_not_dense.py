@@ -114,3 +114,19 @@ def test_the_refusal_of_a_sparse_tensor_says_how_to_save_it_dense(tmp_path: Path
     torch.save(state, tmp_path / "dense.pt")
     model = adaptive.load(lambda: nn.Linear(3, 3), tmp_path / "dense.pt", device="cpu")
     assert torch.equal(model.weight, torch.eye(3))
+
+
+def test_loads_on_meta_that_overlap_keep_torchs_sparse_check_replaced_until_the_last_ends(
+        ) -> None:
+    # Loads in two threads overlap: the first to end put torch's own check back while the
+    # second was still loading on meta, where that check fails on a sparse tensor.
+    from adaptmem._loading import checkpoints
+
+    torchs = torch._utils._validate_loaded_sparse_tensors
+    first, second = checkpoints._meta_sparse_unchecked(), checkpoints._meta_sparse_unchecked()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # not nested: the first started ends first
+    assert torch._utils._validate_loaded_sparse_tensors is not torchs
+    second.__exit__(None, None, None)
+    assert torch._utils._validate_loaded_sparse_tensors is torchs
