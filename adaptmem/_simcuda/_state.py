@@ -158,11 +158,9 @@ class SimState:
         host synchronised with: a write to their sources, or a use of their destinations,
         is safe now."""
         if self.host_reads:
-            self.host_reads = {ptr: job for ptr, job in self.host_reads.items()
-                               if job.seq > job.stream.synced_seq and not job.finished()}
+            self.host_reads = {p: job for p, job in self.host_reads.items() if job.in_flight()}
         if self.host_writes:
-            self.host_writes = {ptr: job for ptr, job in self.host_writes.items()
-                                if job.seq > job.stream.synced_seq and not job.finished()}
+            self.host_writes = {p: job for p, job in self.host_writes.items() if job.in_flight()}
 
     def stop(self) -> None:
         for stream in list(self.streams):

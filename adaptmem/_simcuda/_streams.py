@@ -64,6 +64,11 @@ class Job:
     def finished(self) -> bool:
         return time.perf_counter() >= self.done_at
 
+    def in_flight(self) -> bool:
+        """Not completed, and the host has not synchronised with it: its pinned host
+        memory (source or destination) is not the host's to use yet."""
+        return self.seq > self.stream.synced_seq and not self.finished()
+
     def wait(self) -> None:
         """Block the host until the job is done (sleeping: other threads run meanwhile)."""
         left = self.done_at - time.perf_counter()

@@ -699,7 +699,7 @@ def _in_flight(state: SimState, jobs: dict[int, Any], t: Any) -> tuple[torch.Ten
     job = jobs.get(storage.data_ptr())
     if job is None:
         return None
-    if job.seq <= job.stream.synced_seq or job.finished():
+    if not job.in_flight():
         state.prune_host_reads()  # the others may have completed too
         return None
     return t, job
