@@ -523,7 +523,9 @@ def test_a_model_dropped_with_its_handle_gives_its_device_memory_back(engine: st
         assert not claims._TENSOR_CLAIMS
 
 
-def test_holder_does_not_hand_out_the_engine_of_a_function_decorated_with_model() -> None:
+def _placed_by_run() -> tuple[nn.Module, Any]:
+    """A model and a function named ``run`` decorated with ``model=`` it, called once (the
+    model is placed, for ``run``)."""
     model = _model()
 
     @adaptive.batch(initial_batchsize=4, model=model)
@@ -532,6 +534,11 @@ def test_holder_does_not_hand_out_the_engine_of_a_function_decorated_with_model(
             return model(_X[:batchsize])
 
     run()
+    return model, run
+
+
+def test_holder_does_not_hand_out_the_engine_of_a_function_decorated_with_model() -> None:
+    model, run = _placed_by_run()
     with pytest.raises(PlacementError, match=r"not yours to remove.*run\.remove\(\)"):
         adaptive.holder(model)
     run.remove()
@@ -541,14 +548,7 @@ def test_holder_does_not_hand_out_the_engine_of_a_function_decorated_with_model(
 @pytest.mark.parametrize("copier", ["deepcopy", "torch.save"])
 def test_copying_a_model_a_decorated_function_holds_names_that_functions_remove(
         copier: str) -> None:
-    model = _model()
-
-    @adaptive.batch(initial_batchsize=4, model=model)
-    def run(batchsize: int) -> torch.Tensor:
-        with torch.no_grad():
-            return model(_X[:batchsize])
-
-    run()
+    model, run = _placed_by_run()
     with pytest.raises(PlacementError, match=r"cannot copy or pickle") as refused:
         copy.deepcopy(model) if copier == "deepcopy" else torch.save(model, io.BytesIO())
     message = str(refused.value)
