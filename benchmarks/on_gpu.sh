@@ -18,7 +18,9 @@
 # loading.py for the GPT-2 small shape, one round; 'loading-cpu' is loading.py on that host's
 # CPU (issue 16's warm target, on a second and larger machine), GPT-2 small and
 # large, two rounds; 'loading-threads' is the warm copying load there with the loader's
-# pool at 4 and 16 threads, the bandwidth limits measured in the first round only.
+# pool at 4 and 16 threads, the bandwidth limits measured in the first round only;
+# 'pinned' is pinned.py (a paged model's page-locked bytes and page() time, pinned at its
+# size against torch's allocator).
 # 'recheck' runs the tests named in benchmarks/gpu_recheck.txt (those a GPU run failed,
 # changed since without one) in one process. A step that would get under 20 seconds is
 # skipped, and says so. Every step writes its log to $OUT, and every failing test its
@@ -103,6 +105,7 @@ case $step in
                 loading) within loading.log 150 python3 benchmarks/loading.py --models small --rounds 1 --timeout 60 ;;
                 loading-cpu) within loading-cpu.log 300 python3 benchmarks/loading.py --device cpu --models small,large --rounds 2 --timeout 120 ;;
                 loading-threads) within loading-threads.log 300 python3 benchmarks/loading.py --device cpu --models small,large --cache warm --rounds 3 --only "(.pt)" --threads 4,16 --limits first --timeout 60 ;;
+                pinned) within pinned.log 90 python3 benchmarks/pinned.py --rounds 2 --write ;;
                 suite) within all-tests.log 600 "${suite[@]}" ;;
                 *) echo "unknown lease part '$part'" | tee -a "$out/gpu.txt" ;;
             esac

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import numbers
@@ -10,8 +9,7 @@ import operator
 import os
 import re
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -261,39 +259,6 @@ def empty_cache(device: torch.device | None = None) -> None:
         xpu = getattr(torch, "xpu", None)
         if xpu is not None and xpu.is_available():
             xpu.empty_cache()
-
-
-_pinned_kept = threading.local()  # .depth: pinned_cache_kept blocks open in this thread
-
-
-@contextlib.contextmanager
-def pinned_cache_kept() -> Iterator[None]:
-    """Within the block, ``release_pinned`` keeps torch's pinned cache: a placement that
-    removes its pagers only to page the same models again reuses those blocks, where
-    freeing and pinning them again would cost a device synchronize and seconds a GiB."""
-    depth = getattr(_pinned_kept, "depth", 0)
-    _pinned_kept.depth = depth + 1
-    try:
-        yield
-    finally:
-        _pinned_kept.depth = depth
-
-
-def release_pinned() -> None:
-    """Give the pinned host memory torch keeps cached back to the system: freed pinned
-    blocks stay page-locked in torch's host allocator for reuse (each rounded up to a power
-    of two), so a pager's host copies would stay held after ``remove()``. Blocks still in
-    use, or read by a copy in flight, stay; so does all of it on a device with a sticky
-    error, whose frees fail (best effort: that is logged, not raised)."""
-    if getattr(_pinned_kept, "depth", 0):
-        return
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        empty = getattr(torch._C, "_host_emptyCache", None)
-        if empty is not None:
-            try:
-                empty()
-            except RuntimeError as exc:
-                logger.debug("adaptmem: torch's pinned cache was not emptied (%s)", exc)
 
 
 def synchronize(device: torch.device) -> None:

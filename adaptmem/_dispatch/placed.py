@@ -71,14 +71,9 @@ from torch import nn
 from torch.nn.parameter import UninitializedParameter
 
 from .._common.claims import check_placeable, held_for, refuse_compiled
-from .._common.devices import (
-    default_device,
-    format_bytes,
-    free_memory,
-    pinned_cache_kept,
-    resolve_device,
-)
+from .._common.devices import default_device, format_bytes, free_memory, resolve_device
 from .._common.errors import PlacementError
+from .._common.pinning import pinned_cache_kept, release_kept
 from .._common.tree import calls_in_progress
 from .._engines.base import HookSet
 from .._paging.api import Pager, page_as_asked
@@ -210,6 +205,18 @@ def _in_forward(models: Sequence[nn.Module]) -> bool:
     for an ``Exception`` only), so a count above 0 is checked against the threads' stacks."""
     return any(calls_in_progress(top, models, stop_at=1)
                for top in sys._current_frames().values())
+
+
+def _still_free(placed: PlacedModels) -> None:
+    """Refuse to place ``placed``'s models where another decorated function holds one (and
+    still runs it), or where one can no longer be placed."""
+    for i, model in enumerate(placed.models):
+        holder = _holders.get(model)
+        if holder is not None and holder is not placed and not holder.release_if_abandoned():
+            raise PlacementError(
+                f"model {i} ({type(model).__name__}) is placed by another decorated "
+                f"function; {holder.fix()}, or let one decorated function run it")
+    _still_placeable(placed.models, placed.name)
 
 
 def _still_placeable(models: tuple[nn.Module, ...], name: str) -> None:
@@ -450,13 +457,15 @@ class PlacedModels:
             handle.check_unchanged()
         with pinned_cache_kept():  # the new pagers pin the same sizes again
             self.remove(forget_choice=False)
-        for i, model in enumerate(self.models):
-            holder = _holders.get(model)
-            if holder is not None and holder is not self and not holder.release_if_abandoned():
-                raise PlacementError(
-                    f"model {i} ({type(model).__name__}) is placed by another decorated "
-                    f"function; {holder.fix()}, or let one decorated function run it")
-        _still_placeable(self.models, self.name)
+        try:
+            _still_free(self)
+            self._place_anew(resident)
+        finally:
+            release_kept()  # what the new pagers did not take of the old ones' memory
+        self.resident = resident
+        self.changes.placements += 1
+
+    def _place_anew(self, resident: list[int]) -> None:
         try:
             for model, nbytes in zip(self.models, resident, strict=True):
                 if self.engine == CHUNK:
@@ -476,8 +485,6 @@ class PlacedModels:
         except BaseException:
             self.remove()  # all or nothing: the models as they were
             raise
-        self.resident = resident
-        self.changes.placements += 1
 
     def remove(self, forget_choice: bool = True) -> None:
         """Give every model back as it was (see ``Pager.remove``, ``Chunker.remove``); the

@@ -31,7 +31,9 @@ of one dtype share one storage while the model is placed (``state_dict()`` then 
 of it); ``remove()`` lays every tensor out in its storage as before placement (see [Note:
 storages rebuilt on restore] in ``storages.py``). Building the packs copies each tensor
 once, straight into pinned memory, where pinning tensor by tensor made a pageable CPU copy
-first for tensors on a device.
+first for tensors on a device. On CUDA a pack is pinned at its size, not at the power of two
+torch's host allocator rounds to (see [Note: pinned memory at its size] in
+``_common/pinning.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from .._common.devices import stream_module
+from .._common.pinning import extent, pinned_copy, pinned_empty
 from .._planning import ModuleSizes
 from .storages import StorageLayout
 from .transfer import Run
@@ -168,14 +171,13 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
             continue
         master: torch.Tensor = data
         original: torch.Tensor | None = data
-        if data.device.type != "cpu":
-            master, original = data.to("cpu"), None
         if pin:
             try:
-                master = master.pin_memory()
-                original = None
+                master, original = pinned_copy(data), None
             except RuntimeError:  # pinned memory is a scarce resource; pageable works
                 pass
+        if master.device.type != "cpu":
+            master, original = data.to("cpu"), None
         slots[name] = Slot(name, t, master, original, data.device, name in buffers)
     return slots
 
@@ -203,13 +205,12 @@ def _packs(tensors: dict[str, torch.Tensor], groups: Sequence[Sequence[str]],
             # The strides a copy keeps (empty_like's: a dense layout such as channels_last
             # stays, anything else becomes contiguous), on the meta device: no memory.
             stride = torch.empty_like(data, device="meta").stride()
-            extent = 1 + sum((size - 1) * st for size, st in zip(data.shape, stride, strict=True))
-            end = total + extent * data.element_size()
+            end = total + extent(data.shape, stride) * data.element_size()
             aligned = -(-end // PACK_ALIGN) * PACK_ALIGN  # where the next one may start
             layout.append((n, data, stride, total, end, aligned))
             total = aligned
         try:
-            pack = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+            pack = pinned_empty(total)  # see [Note: pinned memory at its size]
         except RuntimeError as exc:  # pinned memory is a scarce resource; pageable works
             logger.debug("adaptmem page: %d bytes of pinned memory refused (%s); the group's "
                          "tensors are pinned one by one", total, exc)

@@ -29,6 +29,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._common.pinning import pinned_empty
+
 __all__ = ["StorageLayout"]
 
 
@@ -63,12 +65,13 @@ class _Storage:
         return storage
 
     def _new(self) -> torch.Tensor:
-        make = torch.empty if self.filled else torch.zeros
         if self.pinned:
             try:
-                return make(self.nbytes, dtype=torch.uint8, pin_memory=True)
+                new = pinned_empty(self.nbytes)  # see [Note: pinned memory at its size]
+                return new if self.filled else new.zero_()
             except RuntimeError:  # pinned memory is a scarce resource; pageable works
                 pass
+        make = torch.empty if self.filled else torch.zeros
         return make(self.nbytes, dtype=torch.uint8, device=self.device)
 
 

@@ -27,10 +27,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .._common.devices import format_bytes, mover, release_pinned, synchronize, to_device
+from .._common.devices import format_bytes, mover, synchronize, to_device
 from .._common.errors import PlacementError, first_line
 from .._common.inputs import MovedInputs
 from .._common.oom import is_oom
+from .._common.pinning import release_pinned
 from .._common.reporting import report
 from .._common.tree import calls_in_progress, first_tensor_device
 from .._engines.base import Engine
@@ -67,9 +68,10 @@ __all__ = ["Pager"]
 # back: without this the masters of a removed pager stayed until the handle was dropped,
 # and then until the garbage collector's next full pass, the model's weights held twice in
 # host memory meanwhile. A removed pager keeps its plan and stats, and its model. On CUDA,
-# torch's host allocator keeps freed pinned blocks page-locked for reuse, each rounded up
-# to a power of two, so the masters' memory went back to that cache, not to the system:
-# ``release_pinned`` empties the cache of blocks nothing uses.
+# torch's host allocator keeps freed pinned blocks page-locked for reuse, so small masters'
+# memory went back to that cache, not to the system: ``release_pinned`` empties the cache of
+# blocks nothing uses (large masters are unregistered as they go: see [Note: pinned memory
+# at its size] in ``_common/pinning.py``).
 
 
 def _ignore(*args: Any) -> None:

@@ -44,6 +44,14 @@ class SimulatedCuda:
         return list(self._state.problems) if self._state is not None else []
 
     @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory in use now: each block torch's host allocator pinned
+        (``pin_memory=True``, ``Tensor.pin_memory()``) at the power of two CUDA's allocator
+        rounds it up to, and memory registered through ``torch.cuda.cudart().cudaHostRegister``
+        at its size. Freed blocks count no more (CUDA's allocator keeps them cached)."""
+        return self._state.pinned_bytes() if self._state is not None else 0
+
+    @property
     def copy_stats(self) -> dict[str, float]:
         """The host's time on ``non_blocking`` copies so far (to the device, and to pinned
         host memory): ``copies`` (how many),

@@ -73,6 +73,8 @@ class SimState:
         self.copy_seconds = 0.0
         self.wait_seconds = 0.0
         self.pinned: dict[int, Any] = {}  # host storage data_ptr -> its finalizer
+        # Host memory page-locked with cudaHostRegister: its address -> its bytes.
+        self.registered: dict[int, int] = {}
         # pinned host storage data_ptr -> the last non_blocking copy reading it (Job), while
         # that copy may be in flight; every op writing a host tensor checks it (see
         # check_host_write in _tensors.py) while it is not empty.
@@ -144,6 +146,46 @@ class SimState:
                     job.wait()
                 stream.host_synced()
         self.prune_host_reads()
+
+    def is_pinned_at(self, ptr: int) -> bool:
+        """Whether the host storage at ``ptr`` is page-locked: pinned by torch's allocator, or
+        within memory registered with ``cudaHostRegister``."""
+        if ptr in self.pinned or ptr in self.registered:
+            return True
+        return any(start <= ptr < start + size for start, size in self.registered.items())
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host memory in use: torch's pinned blocks at the power of two its host
+        allocator rounds them up to, registered memory at its size."""
+        blocks = (f.peek() for f in list(self.pinned.values()))
+        held = sum(1 << max(0, peek[0].nbytes() - 1).bit_length() for peek in blocks if peek)
+        return held + sum(self.registered.values())
+
+    def host_register(self, ptr: int, size: int, flags: int) -> int:
+        """``cudaHostRegister``: 0, or CUDA's error code (712: some of it is page-locked
+        already; 1: a size of 0)."""
+        if size <= 0:
+            return 1  # cudaErrorInvalidValue
+        if any(start < ptr + size and ptr < start + length
+               for start, length in self.registered.items()):
+            return 712  # cudaErrorHostMemoryAlreadyRegistered
+        self.registered[ptr] = size
+        return 0
+
+    def host_unregister(self, ptr: int) -> int:
+        """``cudaHostUnregister``: 0, or 713 (cudaErrorHostMemoryNotRegistered). Memory that a
+        copy in flight still reads or writes is reported: on a GPU that copy moves whatever
+        the pages hold once they are unmapped or reused."""
+        size = self.registered.pop(ptr, None)
+        if size is None:
+            return 713
+        for kind in ("host_reads", "host_writes"):
+            for at, job in list(getattr(self, kind).items()):
+                if ptr <= at < ptr + size and job.in_flight():
+                    self.report(f"simulated CUDA: registered host memory at {ptr:#x} was "
+                                f"unregistered while a non_blocking copy on {job.stream!r} "
+                                f"still used it; synchronize before freeing it")
+        return 0
 
     def unpin(self, ptr: int) -> None:
         """The pinned host storage at ``ptr`` died: its address may serve any host tensor

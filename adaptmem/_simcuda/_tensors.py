@@ -516,7 +516,7 @@ class Tensors:
         return pinned
 
     def is_pinned(self, t: torch.Tensor) -> bool:
-        return t.is_cpu and t.untyped_storage().data_ptr() in self.state.pinned
+        return t.is_cpu and self.state.is_pinned_at(t.untyped_storage().data_ptr())
 
     # -- copies --------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -251,8 +252,13 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
     def seed_all() -> None:
         manual_seed_all(generators[0].seed())
 
+    # torch.cuda.cudart(): the runtime calls code outside torch makes; those of pinning.
+    cudart = types.SimpleNamespace(cudaHostRegister=state.host_register,
+                                   cudaHostUnregister=state.host_unregister)
+
     return {
         "is_available": lambda: True,
+        "cudart": lambda: cudart,
         "is_initialized": lambda: True,
         "_lazy_init": lazy_init,
         "_record_memory_history": refuse_memory_history("_record_memory_history"),
@@ -317,8 +323,13 @@ def accelerator_functions(state: SimState, cuda: dict[str, Any]) -> dict[str, An
     def set_index(index: int) -> None:
         cuda["set_device"](index)
 
+    # torch.cuda.cudart(): the runtime calls code outside torch makes; those of pinning.
+    cudart = types.SimpleNamespace(cudaHostRegister=state.host_register,
+                                   cudaHostUnregister=state.host_unregister)
+
     return {
         "is_available": lambda: True,
+        "cudart": lambda: cudart,
         "current_accelerator": lambda check_available=False: torch.device("cuda"),
         "device_count": cuda["device_count"],
         "current_device_index": cuda["current_device"],

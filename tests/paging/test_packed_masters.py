@@ -8,7 +8,9 @@ one; those taking ``simulated_cuda_device`` count the copies the simulation saw.
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import types
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from torch import nn
 
 from adaptmem import adaptive
 from adaptmem._planning import module_sizes
-from adaptmem.testing import SimulatedCuda
+from adaptmem.testing import SimulatedCuda, simulated_cuda
 
 
 def _block(width: int) -> nn.Module:
@@ -201,3 +203,127 @@ def test_a_trace_through_resident_units_does_not_count_a_unit_per_weight() -> No
         resident = {u.placement for u in pager.plan.units}
     assert resident == {"resident"}
     assert prediction is not None and prediction.fixed_bytes < weights // 8
+
+
+_LAYER = 544 * 545 * 4  # bytes of a Linear(544, 544): one unit each
+
+
+def _over_a_power_of_two() -> tuple[nn.Module, torch.Tensor]:
+    # Units of 1.13 MiB (544 x 545 float32): torch's host allocator pins each in 2 MiB. The
+    # middle one has one tensor (a unit of one tensor is pinned on its own, not packed).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(544, 544), nn.Linear(544, 544, bias=False),
+                          nn.Linear(544, 544)).eval()
+    return model, torch.randn(3, 544)  # the simulation runs the CPU's kernels: equal
+
+
+def test_a_paged_models_pinned_masters_take_its_bytes_not_a_power_of_two_each() -> None:
+    # Pinned through torch's allocator, each pack took the next power of two (1.13 MiB ->
+    # 2 MiB, about 1.8x the weights), pinned memory the host cannot swap or reclaim.
+    model, x = _over_a_power_of_two()
+    with torch.no_grad():
+        expected = model(x)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with simulated_cuda(devices=1, total_memory="64MiB") as sim, torch.no_grad():
+        with adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0) as pager:
+            assert len(pager.plan.units) == 3
+            assert all(p.is_pinned() for p in model.parameters())
+            assert weights <= sim.pinned_bytes <= weights + 3 * 4096  # a page a unit at most
+            for _ in range(2):
+                assert torch.equal(model(x.cuda()).cpu(), expected)
+        gc.collect()
+        assert sim.pinned_bytes == 0  # unregistered, unmapped
+    assert torch.equal(model(x), expected)
+
+
+def test_pinned_masters_come_from_torchs_allocator_where_registering_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = _over_a_power_of_two()
+    with torch.no_grad():
+        expected = model(x)
+    with simulated_cuda(devices=1, total_memory="64MiB") as sim, torch.no_grad():
+        refused = types.SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: 999,
+                                        cudaHostUnregister=lambda ptr: 713)
+        with monkeypatch.context() as patches:
+            patches.setattr(torch.cuda, "cudart", lambda: refused)
+            with adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0):
+                assert all(p.is_pinned() for p in model.parameters())
+                assert sim.pinned_bytes == 3 * 2 * 2**20  # rounded, as before
+                assert torch.equal(model(x.cuda()).cpu(), expected)
+    assert torch.equal(model(x), expected)
+
+
+def test_a_state_dict_kept_past_remove_keeps_its_pinned_memory_until_it_goes() -> None:
+    # While placed, state_dict() holds views of the packs: the memory under them must stay
+    # mapped after remove() for as long as they live, and be given back after.
+    model, _ = _over_a_power_of_two()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with simulated_cuda(devices=1, total_memory="64MiB") as sim:
+        pager = adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0)
+        views = model.state_dict()
+        pager.remove()
+        gc.collect()
+        assert sim.pinned_bytes > 0
+        assert all(torch.equal(views[k], v) for k, v in before.items())
+        del views
+        gc.collect()
+        assert sim.pinned_bytes == 0
+
+
+def test_placing_again_reuses_the_pinned_memory_the_last_placement_let_go(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # model= removes its pagers only to page the same model again (pinned_cache_kept): the
+    # registered memory is kept for the new pagers, not unregistered and registered again
+    # (seconds a GiB on a GPU); what they leave is given back by release_kept().
+    from adaptmem._common.pinning import pinned_cache_kept, release_kept
+
+    model, x = _over_a_power_of_two()
+    with torch.no_grad():
+        expected = model(x)
+    with simulated_cuda(devices=1, total_memory="64MiB") as sim, torch.no_grad():
+        real = torch.cuda.cudart()
+        registered: list[int] = []
+        counting = types.SimpleNamespace(
+            cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
+            cudaHostUnregister=real.cudaHostUnregister)
+        with monkeypatch.context() as patches:
+            patches.setattr(torch.cuda, "cudart", lambda: counting)
+            pager = adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0)
+            held, first = sim.pinned_bytes, len(registered)
+            assert first == 3
+            with pinned_cache_kept():
+                pager.remove()
+            assert sim.pinned_bytes == held  # kept registered
+            pager = adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0)
+            assert len(registered) == first and sim.pinned_bytes == held
+            assert torch.equal(model(x.cuda()).cpu(), expected)
+            with pinned_cache_kept():
+                pager.remove()
+            release_kept()
+            assert sim.pinned_bytes == 0
+    assert torch.equal(model(x), expected)
+
+
+@pytest.mark.gpu
+def test_gpu_masters_are_registered_at_their_size_and_give_the_unpaged_output(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The real runtime on a GPU (cudaHostRegister, then non_blocking copies from that
+    # memory on the pager's side stream); the simulated one elsewhere.
+    model, x = _over_a_power_of_two()
+    expected = _expected(model, x)
+    real = torch.cuda.cudart()
+    registered: list[int] = []
+    unregistered: list[int] = []
+    counting = types.SimpleNamespace(
+        cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
+        cudaHostUnregister=lambda p: unregistered.append(p) or real.cudaHostUnregister(p))
+    with monkeypatch.context() as patches, torch.no_grad():
+        patches.setattr(torch.cuda, "cudart", lambda: counting)
+        with adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0, prefetch=1):
+            assert len(registered) == 3 and all(n < 2**21 for n in registered)
+            assert all(p.is_pinned() for p in model.parameters())
+            for _ in range(3):
+                _check(model(x.cuda()).cpu(), expected)
+        gc.collect()
+        assert len(unregistered) == 3
+    torch.testing.assert_close(model(x), expected.cpu())

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import ctypes
+import mmap
 import pickle
 import subprocess
 import sys
@@ -807,6 +809,46 @@ def test_writing_a_pinned_parameter_or_list_or_second_output_in_flight_raises() 
             torch.sort(torch.ones(1 << 16), out=(torch.empty(0), order))
         torch.cuda.synchronize()
         weight.add_(1)
+
+
+def test_pinned_bytes_count_torchs_blocks_rounded_and_registered_memory_as_it_is() -> None:
+    with simulated_cuda() as sim:
+        assert sim.pinned_bytes == 0
+        block = torch.empty(3 * 2**20 + 1, dtype=torch.uint8, pin_memory=True)
+        assert sim.pinned_bytes == 4 * 2**20  # CUDA's host allocator rounds to 2**k
+        memory = mmap.mmap(-1, 3 * 2**20)
+        address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+        assert torch.cuda.cudart().cudaHostRegister(address, len(memory), 0) == 0
+        assert sim.pinned_bytes == 7 * 2**20
+        del block
+        assert sim.pinned_bytes == 3 * 2**20
+        assert torch.cuda.cudart().cudaHostUnregister(address) == 0
+        assert sim.pinned_bytes == 0
+    memory.close()
+    assert sim.pinned_bytes == 0
+
+
+def test_registered_host_memory_is_pinned_and_its_copies_are_checked() -> None:
+    memory = mmap.mmap(-1, 1 << 20)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    with pytest.raises(SimulatedCudaError, match="unregistered while a non_blocking copy"):
+        with simulated_cuda(bandwidth=0.01):  # 1 MiB at 10 MB/s: 100 ms
+            cudart = torch.cuda.cudart()
+            host = torch.frombuffer(memory, dtype=torch.float32)
+            assert not host.is_pinned()
+            assert cudart.cudaHostRegister(address, len(memory), 0) == 0
+            assert host.is_pinned() and host[1000:].is_pinned()
+            assert cudart.cudaHostRegister(address + 4096, 4096, 0) == 712  # registered already
+            assert cudart.cudaHostUnregister(address + 4096) == 713  # not where one starts
+            host.fill_(1.0)
+            dev = host.to("cuda", non_blocking=True)
+            with pytest.raises(StreamRaceError, match="still reads it"):
+                host.fill_(2.0)
+            assert cudart.cudaHostUnregister(address) == 0  # reported: the copy still reads
+            torch.cuda.synchronize()
+            assert float(dev.sum()) == 2**18
+            del host
+    memory.close()
 
 
 def test_a_host_tensor_at_a_freed_pinned_sources_address_may_be_written() -> None:
