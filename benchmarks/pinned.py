@@ -100,7 +100,8 @@ def _counted(registered: list[int]) -> Iterator[None]:
         return real.cudaHostRegister(ptr, size, flags)
 
     counting = types.SimpleNamespace(cudaHostRegister=register,
-                                     cudaHostUnregister=real.cudaHostUnregister)
+                                     cudaHostUnregister=real.cudaHostUnregister,
+                                     cudaGetLastError=getattr(real, "cudaGetLastError", None))
     torch.cuda.cudart = lambda: counting  # type: ignore[assignment]
     try:
         yield

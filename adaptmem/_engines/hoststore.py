@@ -160,7 +160,7 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
                     tensors[full] = t
                     if registry is module._buffers:
                         buffers.add(full)
-    packed = _packs(tensors, groups) if pin else {}
+    packed = _packs(tensors, groups, device) if pin else {}
     slots = {}
     for name, t in tensors.items():
         data = t.data
@@ -173,7 +173,7 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
         original: torch.Tensor | None = data
         if pin:
             try:
-                master, original = pinned_copy(data), None
+                master, original = pinned_copy(data, device), None
             except RuntimeError:  # pinned memory is a scarce resource; pageable works
                 pass
         if master.device.type != "cpu":
@@ -183,10 +183,10 @@ def make_slots(modules: dict[str, nn.Module], sizes: ModuleSizes, device: torch.
 
 
 def _packs(tensors: dict[str, torch.Tensor], groups: Sequence[Sequence[str]],
-           ) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int]]:
+           device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor, int, int]]:
     """``{name: (master, pack, offset, end)}`` for the tensors of ``groups`` packed into one
-    pinned buffer per group and dtype, in ``tensors``' order, their values copied in (see
-    [Note: packed masters]). A group whose buffer cannot be pinned is left out."""
+    pinned buffer per group and dtype for ``device``, in ``tensors``' order, their values
+    copied in (see [Note: packed masters]). A group whose buffer cannot be pinned is left out."""
     rank = {n: i for i, n in enumerate(tensors)}
     by_dtype: dict[tuple[int, torch.dtype], list[str]] = {}  # one pack per dtype of a group
     for i, group in enumerate(groups):
@@ -210,7 +210,7 @@ def _packs(tensors: dict[str, torch.Tensor], groups: Sequence[Sequence[str]],
             layout.append((n, data, stride, total, end, aligned))
             total = aligned
         try:
-            pack = pinned_empty(total)  # see [Note: pinned memory at its size]
+            pack = pinned_empty(total, device)  # see [Note: pinned memory at its size]
         except RuntimeError as exc:  # pinned memory is a scarce resource; pageable works
             logger.debug("adaptmem page: %d bytes of pinned memory refused (%s); the group's "
                          "tensors are pinned one by one", total, exc)

@@ -114,6 +114,10 @@ class SimulatedCuda:
                 self._patches.undo()
                 _active.set_active(None)
                 _tensors.set_current(None)
+        if state.last_error:
+            state.report(f"a CUDA runtime call failed with error {state.last_error} and left it "
+                         f"pending: on a GPU torch's next kernel launch raises it as its own "
+                         f"(clear it with cudaGetLastError)")
         if state.problems and exc_type is None:
             raise SimulatedCudaError(
                 "simulated CUDA saw stream misuse:\n- " + "\n- ".join(state.problems))

@@ -75,6 +75,9 @@ class SimState:
         self.pinned: dict[int, Any] = {}  # host storage data_ptr -> its finalizer
         # Host memory page-locked with cudaHostRegister: its address -> its bytes.
         self.registered: dict[int, int] = {}
+        # The error of the last failed runtime call (cudaHostRegister, cudaHostUnregister)
+        # that cudaGetLastError has not cleared: on a GPU torch's next kernel launch raises it.
+        self.last_error = 0
         # pinned host storage data_ptr -> the last non_blocking copy reading it (Job), while
         # that copy may be in flight; every op writing a host tensor checks it (see
         # check_host_write in _tensors.py) while it is not empty.
@@ -158,19 +161,31 @@ class SimState:
         """Page-locked host memory in use: torch's pinned blocks at the power of two its host
         allocator rounds them up to, registered memory at its size."""
         blocks = (f.peek() for f in list(self.pinned.values()))
-        held = sum(1 << max(0, peek[0].nbytes() - 1).bit_length() for peek in blocks if peek)
+        held = sum(1 << (peek[0].nbytes() - 1).bit_length() for peek in blocks
+                   if peek and peek[0].nbytes())
         return held + sum(self.registered.values())
 
     def host_register(self, ptr: int, size: int, flags: int) -> int:
         """``cudaHostRegister``: 0, or CUDA's error code (712: some of it is page-locked
-        already; 1: a size of 0)."""
+        already, registered or pinned by torch; 1: a size of 0), left pending as CUDA's
+        runtime leaves it (see ``last_error``)."""
         if size <= 0:
-            return 1  # cudaErrorInvalidValue
+            return self.failed(1)  # cudaErrorInvalidValue
+        blocks = [(p, f.peek()[0].nbytes()) for p, f in list(self.pinned.items()) if f.peek()]
         if any(start < ptr + size and ptr < start + length
-               for start, length in self.registered.items()):
-            return 712  # cudaErrorHostMemoryAlreadyRegistered
+               for start, length in [*self.registered.items(), *blocks]):
+            return self.failed(712)  # cudaErrorHostMemoryAlreadyRegistered
         self.registered[ptr] = size
         return 0
+
+    def failed(self, error: int) -> int:
+        self.last_error = error
+        return error
+
+    def get_last_error(self) -> int:
+        """``cudaGetLastError``: the last failed call's error, cleared."""
+        error, self.last_error = self.last_error, 0
+        return error
 
     def host_unregister(self, ptr: int) -> int:
         """``cudaHostUnregister``: 0, or 713 (cudaErrorHostMemoryNotRegistered). Memory that a
@@ -178,7 +193,7 @@ class SimState:
         the pages hold once they are unmapped or reused."""
         size = self.registered.pop(ptr, None)
         if size is None:
-            return 713
+            return self.failed(713)
         for kind in ("host_reads", "host_writes"):
             for at, job in list(getattr(self, kind).items()):
                 if ptr <= at < ptr + size and job.in_flight():

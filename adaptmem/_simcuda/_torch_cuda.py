@@ -254,7 +254,8 @@ def cuda_functions(state: SimState) -> dict[str, Any]:
 
     # torch.cuda.cudart(): the runtime calls code outside torch makes; those of pinning.
     cudart = types.SimpleNamespace(cudaHostRegister=state.host_register,
-                                   cudaHostUnregister=state.host_unregister)
+                                   cudaHostUnregister=state.host_unregister,
+                                   cudaGetLastError=state.get_last_error)
 
     return {
         "is_available": lambda: True,
@@ -325,7 +326,8 @@ def accelerator_functions(state: SimState, cuda: dict[str, Any]) -> dict[str, An
 
     # torch.cuda.cudart(): the runtime calls code outside torch makes; those of pinning.
     cudart = types.SimpleNamespace(cudaHostRegister=state.host_register,
-                                   cudaHostUnregister=state.host_unregister)
+                                   cudaHostUnregister=state.host_unregister,
+                                   cudaGetLastError=state.get_last_error)
 
     return {
         "is_available": lambda: True,
@@ -412,6 +414,10 @@ def install(state: SimState, patches: Patches) -> None:
     cuda = cuda_functions(state)
     patches.set(torch, "Stream", _Stream)
     patches.set(torch, "Generator", _generator_class(state))
+    # Every simulated device has a context (torch's host allocator, and adaptmem, pin with
+    # one that has, so as not to make another).
+    patches.set(torch._C, "_cuda_hasPrimaryContext",
+                lambda index: 0 <= index < len(state.allocators))
     memory = getattr(torch.cuda, "memory", None)
     streams = getattr(torch.cuda, "streams", None)
     random = getattr(torch.cuda, "random", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import threading
 import types
 
 import pytest
@@ -242,11 +243,24 @@ def test_pinned_masters_come_from_torchs_allocator_where_registering_fails(
     with torch.no_grad():
         expected = model(x)
     with simulated_cuda(devices=1, total_memory="64MiB") as sim, torch.no_grad():
-        refused = types.SimpleNamespace(cudaHostRegister=lambda ptr, size, flags: 999,
-                                        cudaHostUnregister=lambda ptr: 713)
+        pending = [0]  # the runtime keeps a failed call's error for the thread
+
+        def register(ptr: int, size: int, flags: int) -> int:
+            pending[0] = 2  # cudaErrorMemoryAllocation
+            return 2
+
+        def last_error() -> int:
+            error, pending[0] = pending[0], 0
+            return error
+
+        refused = types.SimpleNamespace(cudaHostRegister=register,
+                                        cudaHostUnregister=lambda ptr: 713,
+                                        cudaGetLastError=last_error)
         with monkeypatch.context() as patches:
             patches.setattr(torch.cuda, "cudart", lambda: refused)
             with adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0):
+                # Cleared: left pending, torch's next kernel launch would raise it.
+                assert pending == [0]
                 assert all(p.is_pinned() for p in model.parameters())
                 assert sim.pinned_bytes == 3 * 2 * 2**20  # rounded, as before
                 assert torch.equal(model(x.cuda()).cpu(), expected)
@@ -285,7 +299,7 @@ def test_placing_again_reuses_the_pinned_memory_the_last_placement_let_go(
         registered: list[int] = []
         counting = types.SimpleNamespace(
             cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
-            cudaHostUnregister=real.cudaHostUnregister)
+            cudaHostUnregister=real.cudaHostUnregister, cudaGetLastError=real.cudaGetLastError)
         with monkeypatch.context() as patches:
             patches.setattr(torch.cuda, "cudart", lambda: counting)
             pager = adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0)
@@ -314,9 +328,10 @@ def test_gpu_masters_are_registered_at_their_size_and_give_the_unpaged_output(
     real = torch.cuda.cudart()
     registered: list[int] = []
     unregistered: list[int] = []
-    counting = types.SimpleNamespace(
+    counting = types.SimpleNamespace(  # torch's own binding may lack cudaGetLastError
         cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
-        cudaHostUnregister=lambda p: unregistered.append(p) or real.cudaHostUnregister(p))
+        cudaHostUnregister=lambda p: unregistered.append(p) or real.cudaHostUnregister(p),
+        cudaGetLastError=getattr(real, "cudaGetLastError", None))
     with monkeypatch.context() as patches, torch.no_grad():
         patches.setattr(torch.cuda, "cudart", lambda: counting)
         with adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0, prefetch=1):
@@ -327,3 +342,75 @@ def test_gpu_masters_are_registered_at_their_size_and_give_the_unpaged_output(
         gc.collect()
         assert len(unregistered) == 3
     torch.testing.assert_close(model(x), expected.cpu())
+
+
+def test_pinned_masters_are_registered_with_the_pagers_device_current(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The runtime registers with the thread's current device, making it a context if it had
+    # none (hundreds of MiB on that GPU): a model paged to cuda:1 from a thread at cuda:0
+    # registers, and unregisters, with cuda:1 current.
+    model, x = _over_a_power_of_two()
+    with torch.no_grad():
+        expected = model(x)
+    with simulated_cuda(devices=2, total_memory="64MiB"), torch.no_grad():
+        real = torch.cuda.cudart()
+        current: list[tuple[str, int]] = []
+
+        def register(ptr: int, size: int, flags: int) -> int:
+            current.append(("register", torch.cuda.current_device()))
+            return real.cudaHostRegister(ptr, size, flags)
+
+        def unregister(ptr: int) -> int:
+            current.append(("unregister", torch.cuda.current_device()))
+            return real.cudaHostUnregister(ptr)
+
+        counting = types.SimpleNamespace(cudaHostRegister=register,
+                                         cudaHostUnregister=unregister,
+                                         cudaGetLastError=real.cudaGetLastError)
+        with monkeypatch.context() as patches:
+            patches.setattr(torch.cuda, "cudart", lambda: counting)
+            with adaptive.page(model, "cuda:1", unit_bytes=_LAYER, resident_bytes=0):
+                assert torch.cuda.current_device() == 0
+                assert torch.equal(model(x.to("cuda:1")).cpu(), expected)
+            gc.collect()
+        assert current == [("register", 1)] * 3 + [("unregister", 1)] * 3
+
+
+def test_a_region_retired_while_another_thread_holds_the_kept_list_does_not_wait() -> None:
+    # The garbage collector retires regions wherever it runs, inside the code that holds the
+    # kept list too (choosing a region to reuse allocates): retiring must not take its lock.
+    from adaptmem._common import pinning
+
+    with simulated_cuda() as sim:
+        buffer = pinning.pinned_empty(2**20)
+        assert sim.pinned_bytes == 2**20
+        held, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with pinning._lock:
+                held.set()
+                done.wait(60)  # longer than the retiring thread is given
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(10)
+        buffers = [buffer]
+        del buffer
+        retired = threading.Thread(target=_drop_in_kept_block, args=(buffers,))
+        retired.start()
+        retired.join(5)
+        stuck = retired.is_alive()
+        done.set()
+        holder.join()
+        retired.join()
+        assert not stuck
+        pinning.release_kept()
+        assert sim.pinned_bytes == 0
+
+
+def _drop_in_kept_block(tensors: list[torch.Tensor]) -> None:
+    from adaptmem._common.pinning import pinned_cache_kept
+
+    with pinned_cache_kept():
+        tensors.clear()
+        gc.collect()

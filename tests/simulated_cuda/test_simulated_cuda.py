@@ -840,6 +840,8 @@ def test_registered_host_memory_is_pinned_and_its_copies_are_checked() -> None:
             assert host.is_pinned() and host[1000:].is_pinned()
             assert cudart.cudaHostRegister(address + 4096, 4096, 0) == 712  # registered already
             assert cudart.cudaHostUnregister(address + 4096) == 713  # not where one starts
+            assert cudart.cudaGetLastError() == 713  # kept for the thread until asked for
+            assert cudart.cudaGetLastError() == 0
             host.fill_(1.0)
             dev = host.to("cuda", non_blocking=True)
             with pytest.raises(StreamRaceError, match="still reads it"):
@@ -849,6 +851,14 @@ def test_registered_host_memory_is_pinned_and_its_copies_are_checked() -> None:
             assert float(dev.sum()) == 2**18
             del host
     memory.close()
+
+
+def test_a_failed_runtime_calls_error_left_pending_is_reported() -> None:
+    # CUDA's runtime keeps a failed call's error for the thread, and torch's next kernel
+    # launch raises it as its own: code that calls the runtime itself must clear it.
+    with pytest.raises(SimulatedCudaError, match="failed with error 713 and left it pending"):
+        with simulated_cuda():
+            assert torch.cuda.cudart().cudaHostUnregister(4096) == 713
 
 
 def test_a_host_tensor_at_a_freed_pinned_sources_address_may_be_written() -> None:
