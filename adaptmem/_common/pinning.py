@@ -1,18 +1,19 @@
 """Page-locked host memory of the size asked for, and giving pinned memory back.
 
 [Note: pinned memory at its size]
-torch's host allocator on CUDA rounds every pinned allocation up to a power of two (and keeps
-freed blocks page-locked for reuse): a pager's pack of a unit of 33 MiB took 64 MiB of
+torch's host allocator on CUDA rounds every pinned allocation up to a power of two (and
+keeps freed blocks page-locked for reuse): a pager's pack of a unit of 33 MiB took 64 MiB of
 page-locked host memory, a 13B-parameter Llama's layers (605 MiB in float16) 1 GiB each: up
-to 2x the weights, in memory that the system cannot swap or reclaim. So large
-pinned buffers (``EXACT_FROM`` bytes and up) are anonymous memory of their own, mapped at
-their size (rounded to pages) and registered with CUDA (``cudaHostRegister``): page-locked
-as ``pin_memory=True`` makes them, ``is_pinned()`` true, copies from them asynchronous, but
-no larger than asked. A ``Region`` lives while any tensor over it does (each holds a
+to 2x the weights, in memory that the system cannot swap or reclaim. So large pinned
+buffers (``EXACT_FROM`` bytes and up) are anonymous memory of their own, mapped at their
+size (rounded to pages) and registered with CUDA (``cudaHostRegister``): page-locked as
+``pin_memory=True`` makes them, ``is_pinned()`` true, copies from them asynchronous, but no
+larger than asked. A ``Region`` lives while any tensor over it does (each holds a
 ``memoryview`` of it); when the last goes, it is unregistered and unmapped, or, inside a
 ``pinned_cache_kept()`` block, kept registered for the next buffer it fits (a ``model=``
-placement removes its pagers only to page the same models again: pinning gigabytes again
-costs seconds). ``release_pinned()`` gives the kept ones back with torch's cached blocks.
+placement removes its pagers only to page the same models again, or to time one chunked
+call before paging them again: pinning gigabytes again costs seconds). ``release_kept()``
+gives the kept ones back, and ``release_pinned()`` those with torch's cached blocks.
 Where registering is not possible (no CUDA, ROCm, Windows, a driver that refuses), torch's
 allocator pins instead, rounded as before. Small buffers go to torch's allocator too:
 rounding them costs little, and its cache makes them cheap to pin again.

@@ -207,6 +207,14 @@ def _in_forward(models: Sequence[nn.Module]) -> bool:
                for top in sys._current_frames().values())
 
 
+def _how_to_free(name: str) -> str:
+    """Whom models are held for (the decorated function ``name``) and how to free them."""
+    return (f"it is held for the decorated function {name} (model=...): call "
+            f"{name.rsplit('.', 1)[-1]}.remove() first, or drop every reference to that "
+            f"function (its models are given back when the garbage collector takes it: "
+            f"gc.collect())")
+
+
 def _still_free(placed: PlacedModels) -> None:
     """Refuse to place ``placed``'s models where another decorated function holds one (and
     still runs it), or where one can no longer be placed."""
@@ -294,6 +302,8 @@ class PlacedModels:
             return
         if self._choosing == TIMING:
             self._choose()
+            if self._choosing == MADE:
+                release_kept()  # chunking, timed, stays: the pagers' memory is not needed
         if self._given_back_at is not None:
             self._calls += 1
             if self._calls >= RESTORE_EVERY:
@@ -412,10 +422,7 @@ class PlacedModels:
 
     def fix(self) -> str:
         """Whom the models are held for and how to free them (``claims.Owner``)."""
-        short = self.name.rsplit(".", 1)[-1]
-        return (f"it is held for the decorated function {self.name} (model=...): call "
-                f"{short}.remove() first, or drop every reference to that function (its "
-                f"models are given back when the garbage collector takes it: gc.collect())")
+        return _how_to_free(self.name)
 
     def abandon(self) -> None:
         """The decorated function was collected: give the models back now if that is safe,
@@ -460,8 +467,9 @@ class PlacedModels:
         try:
             _still_free(self)
             self._place_anew(resident)
-        finally:
-            release_kept()  # what the new pagers did not take of the old ones' memory
+        finally:  # what the new pagers did not take of the old ones' memory, unless the
+            if self.engine != CHUNK or self._choosing != TIMING:  # pagers come back soon
+                release_kept()
         self.resident = resident
         self.changes.placements += 1
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -64,10 +65,13 @@ def test_a_slow_link_and_a_cheap_host_part_chunk_the_model_and_run_faster_than_p
     data = torch.randn(32, 512)  # a small batch: the host computes 3 MiB of weights quickly
     with torch.no_grad():
         want = model(data)
-    with simulated_cuda(total_memory=DEVICE, bandwidth=0.03):
+    with simulated_cuda(total_memory=DEVICE, bandwidth=0.03) as sim:
         run = _decorated(model, 32)
         results = [run(data) for _ in range(3)]  # paged, chunked and timed, chosen
         placement = run.placement
+        # The pagers' pinned host copies, kept through the timed chunked call in case paging
+        # comes back, are given back once chunking is chosen.
+        assert sim.pinned_bytes == 0
         failed = run.stats.failed_attempts
         run.remove()
         assert _snapshot(model).keys() == before.keys()
@@ -623,3 +627,33 @@ def test_a_timed_call_that_ran_no_forward_leaves_the_choice_to_the_next_call(
         torch.testing.assert_close(result, want)
     assert placement["engine_choice"]["forwards_timed"] >= 1
     assert placement["engine"] == "chunk"
+
+
+def test_placing_again_reuses_the_registered_pinned_memory_and_remove_gives_it_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The host copies of 1 MiB and up are registered with CUDA at their size (see [Note:
+    # pinned memory at its size]); a placement that pages the model again takes the memory
+    # the last one let go of instead of registering it again, and what it does not take, and
+    # all of it at remove(), is given back.
+    model = _model()
+    data = torch.randn(512, 512)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100) as sim:
+        real = torch.cuda.cudart()
+        registered: list[int] = []
+        counting = types.SimpleNamespace(
+            cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
+            cudaHostUnregister=real.cudaHostUnregister, cudaGetLastError=real.cudaGetLastError)
+        with monkeypatch.context() as patches:
+            patches.setattr(torch.cuda, "cudart", lambda: counting)
+            run = _decorated(model, 512)
+            run(data)
+            first = len(registered)
+            for _ in range(3):
+                run(data)
+            placements = run.placement["placements"]
+            assert placements >= 2 and first > 0
+            assert len(registered) == first  # every placement after the first reused it
+            assert sim.pinned_bytes <= weights + 16 * 4096
+            run.remove()
+            assert sim.pinned_bytes == 0
