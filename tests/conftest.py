@@ -7,9 +7,11 @@ changes that), so none is skipped for lack of a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +65,34 @@ def tensors_on_cuda() -> int:
         if clear is not None:
             clear()
     return torch.cuda.memory_allocated()
+
+
+@contextlib.contextmanager
+def host_registrations() -> Iterator[list[tuple[str, int, int]]]:
+    """Within the block, each ``cudaHostRegister`` and ``cudaHostUnregister`` made through
+    ``torch.cuda.cudart()`` (the real runtime, or the simulated one inside a simulation),
+    listed as it is made: ``("register", current device, bytes)`` or ``("unregister",
+    current device, 0)``. ``cudaGetLastError`` passes through where torch's binding has
+    it. Enter it inside a simulation, and leave it before the simulation ends."""
+    real = torch.cuda.cudart()
+    calls: list[tuple[str, int, int]] = []
+
+    def register(ptr: int, size: int, flags: int) -> object:
+        calls.append(("register", torch.cuda.current_device(), size))
+        return real.cudaHostRegister(ptr, size, flags)
+
+    def unregister(ptr: int) -> object:
+        calls.append(("unregister", torch.cuda.current_device(), 0))
+        return real.cudaHostUnregister(ptr)
+
+    counting = types.SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=unregister,
+                                     cudaGetLastError=getattr(real, "cudaGetLastError", None))
+    original = torch.cuda.cudart
+    torch.cuda.cudart = lambda: counting  # type: ignore[assignment]
+    try:
+        yield calls
+    finally:
+        torch.cuda.cudart = original  # type: ignore[assignment]
 
 
 def hold_cached_blocks() -> list[torch.Tensor]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-import types
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 import torch
+from conftest import host_registrations
 from torch import nn
 
 from adaptmem import PlacementError, adaptive
@@ -629,31 +629,23 @@ def test_a_timed_call_that_ran_no_forward_leaves_the_choice_to_the_next_call(
     assert placement["engine"] == "chunk"
 
 
-def test_placing_again_reuses_the_registered_pinned_memory_and_remove_gives_it_back(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_placing_again_reuses_the_registered_pinned_memory_and_remove_gives_it_back() -> None:
     # The host copies of 1 MiB and up are registered with CUDA at their size (see [Note:
-    # pinned memory at its size]); a placement that pages the model again takes the memory
-    # the last one let go of instead of registering it again, and what it does not take, and
-    # all of it at remove(), is given back.
+    # pinned memory at its size]); a placement that pages the model again, after the timed
+    # chunked call too, takes the memory the last one let go of instead of registering it
+    # again, and what it does not take, and all of it at remove(), is given back.
     model = _model()
     data = torch.randn(512, 512)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     with simulated_cuda(total_memory=DEVICE, bandwidth=100) as sim:
-        real = torch.cuda.cudart()
-        registered: list[int] = []
-        counting = types.SimpleNamespace(
-            cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
-            cudaHostUnregister=real.cudaHostUnregister, cudaGetLastError=real.cudaGetLastError)
-        with monkeypatch.context() as patches:
-            patches.setattr(torch.cuda, "cudart", lambda: counting)
+        with host_registrations() as calls:
             run = _decorated(model, 512)
             run(data)
-            first = len(registered)
+            first = len(calls)
             for _ in range(3):
                 run(data)
-            placements = run.placement["placements"]
-            assert placements >= 2 and first > 0
-            assert len(registered) == first  # every placement after the first reused it
+            assert run.placement["placements"] >= 2 and first > 0
+            assert len(calls) == first  # every placement after the first reused it
             assert sim.pinned_bytes <= weights + 16 * 4096
             run.remove()
             assert sim.pinned_bytes == 0

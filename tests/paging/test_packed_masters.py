@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from conftest import REAL_CUDA
+from conftest import REAL_CUDA, host_registrations
 from torch import nn
 
 from adaptmem import adaptive
@@ -284,8 +284,7 @@ def test_a_state_dict_kept_past_remove_keeps_its_pinned_memory_until_it_goes() -
         assert sim.pinned_bytes == 0
 
 
-def test_placing_again_reuses_the_pinned_memory_the_last_placement_let_go(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_placing_again_reuses_the_pinned_memory_the_last_placement_let_go() -> None:
     # model= removes its pagers only to page the same model again (pinned_cache_kept): the
     # registered memory is kept for the new pagers, not unregistered and registered again
     # (seconds a GiB on a GPU); what they leave is given back by release_kept().
@@ -295,57 +294,41 @@ def test_placing_again_reuses_the_pinned_memory_the_last_placement_let_go(
     with torch.no_grad():
         expected = model(x)
     with simulated_cuda(devices=1, total_memory="64MiB") as sim, torch.no_grad():
-        real = torch.cuda.cudart()
-        registered: list[int] = []
-        counting = types.SimpleNamespace(
-            cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
-            cudaHostUnregister=real.cudaHostUnregister, cudaGetLastError=real.cudaGetLastError)
-        with monkeypatch.context() as patches:
-            patches.setattr(torch.cuda, "cudart", lambda: counting)
+        with host_registrations() as calls:
             pager = adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0)
-            held, first = sim.pinned_bytes, len(registered)
-            assert first == 3
+            held = sim.pinned_bytes
+            assert [c[0] for c in calls] == ["register"] * 3
             with pinned_cache_kept():
                 pager.remove()
             assert sim.pinned_bytes == held  # kept registered
             pager = adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0)
-            assert len(registered) == first and sim.pinned_bytes == held
+            assert len(calls) == 3 and sim.pinned_bytes == held
             assert torch.equal(model(x.cuda()).cpu(), expected)
             with pinned_cache_kept():
                 pager.remove()
             release_kept()
-            assert sim.pinned_bytes == 0
+            assert sim.pinned_bytes == 0 and len(calls) == 6
     assert torch.equal(model(x), expected)
 
 
 @pytest.mark.gpu
-def test_gpu_masters_are_registered_at_their_size_and_give_the_unpaged_output(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_masters_are_registered_at_their_size_and_give_the_unpaged_output() -> None:
     # The real runtime on a GPU (cudaHostRegister, then non_blocking copies from that
     # memory on the pager's side stream); the simulated one elsewhere.
     model, x = _over_a_power_of_two()
     expected = _expected(model, x)
-    real = torch.cuda.cudart()
-    registered: list[int] = []
-    unregistered: list[int] = []
-    counting = types.SimpleNamespace(  # torch's own binding may lack cudaGetLastError
-        cudaHostRegister=lambda p, n, f: registered.append(n) or real.cudaHostRegister(p, n, f),
-        cudaHostUnregister=lambda p: unregistered.append(p) or real.cudaHostUnregister(p),
-        cudaGetLastError=getattr(real, "cudaGetLastError", None))
-    with monkeypatch.context() as patches, torch.no_grad():
-        patches.setattr(torch.cuda, "cudart", lambda: counting)
+    with host_registrations() as calls, torch.no_grad():
         with adaptive.page(model, "cuda", unit_bytes=_LAYER, resident_bytes=0, prefetch=1):
-            assert len(registered) == 3 and all(n < 2**21 for n in registered)
+            assert [(c[0], c[2] < 2**21) for c in calls] == [("register", True)] * 3
             assert all(p.is_pinned() for p in model.parameters())
             for _ in range(3):
                 _check(model(x.cuda()).cpu(), expected)
         gc.collect()
-        assert len(unregistered) == 3
+        assert [c[0] for c in calls] == ["register"] * 3 + ["unregister"] * 3
     torch.testing.assert_close(model(x), expected.cpu())
 
 
-def test_pinned_masters_are_registered_with_the_pagers_device_current(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pinned_masters_are_registered_with_the_pagers_device_current() -> None:
     # The runtime registers with the thread's current device, making it a context if it had
     # none (hundreds of MiB on that GPU): a model paged to cuda:1 from a thread at cuda:0
     # registers, and unregisters, with cuda:1 current.
@@ -353,27 +336,12 @@ def test_pinned_masters_are_registered_with_the_pagers_device_current(
     with torch.no_grad():
         expected = model(x)
     with simulated_cuda(devices=2, total_memory="64MiB"), torch.no_grad():
-        real = torch.cuda.cudart()
-        current: list[tuple[str, int]] = []
-
-        def register(ptr: int, size: int, flags: int) -> int:
-            current.append(("register", torch.cuda.current_device()))
-            return real.cudaHostRegister(ptr, size, flags)
-
-        def unregister(ptr: int) -> int:
-            current.append(("unregister", torch.cuda.current_device()))
-            return real.cudaHostUnregister(ptr)
-
-        counting = types.SimpleNamespace(cudaHostRegister=register,
-                                         cudaHostUnregister=unregister,
-                                         cudaGetLastError=real.cudaGetLastError)
-        with monkeypatch.context() as patches:
-            patches.setattr(torch.cuda, "cudart", lambda: counting)
+        with host_registrations() as calls:
             with adaptive.page(model, "cuda:1", unit_bytes=_LAYER, resident_bytes=0):
                 assert torch.cuda.current_device() == 0
                 assert torch.equal(model(x.to("cuda:1")).cpu(), expected)
             gc.collect()
-        assert current == [("register", 1)] * 3 + [("unregister", 1)] * 3
+        assert [c[:2] for c in calls] == [("register", 1)] * 3 + [("unregister", 1)] * 3
 
 
 def test_a_region_retired_while_another_thread_holds_the_kept_list_does_not_wait() -> None:
