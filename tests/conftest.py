@@ -153,6 +153,20 @@ def _gpu_on_the_simulation(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def _no_pinned_memory_left_kept() -> Iterator[None]:
+    """A test that leaves registered pinned memory kept for reuse (a ``model=`` function
+    removed while timing a chunked call kept its pagers' memory for good) fails: the next
+    test would be handed memory registered with a simulation that has ended."""
+    from adaptmem._common import pinning
+
+    yield
+    if pinning._kept:
+        left = len(pinning._kept)
+        pinning.release_kept()
+        pytest.fail(f"{left} region(s) of registered pinned memory were left kept for reuse")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_free_memory_reading() -> None:
     """The default cache reads free memory anew at each test's first call. It keeps a reading
     for half a second, across tests too: the test before's (its patched free memory, or the

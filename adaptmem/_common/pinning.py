@@ -25,12 +25,15 @@ What torch's allocator did for its blocks is done here for the regions:
   the ``libcudart`` torch loaded; where neither is found nothing is registered.
 - The runtime registers with the thread's current device, making it a context if it had none
   (hundreds of MiB on that GPU). So a region is registered, and unregistered, with the
-  device its copies go to current, or one that has a context already.
+  device its first copies go to current, or one that has a context already; where no device
+  has one yet, torch's allocator pins.
 - torch's allocator holds a freed block until the copies reading it completed (by event).
-  A region has no such guard, so retiring one synchronizes its device first (a pager
-  dropped with a copy in flight; ``remove()`` has synchronized already).
-- Unregistering inside a CUDA graph capture would break it: a region let go of then is kept
-  until the next ``release_pinned()``. A region the driver refuses to unregister (for
+  A region has no such guard, and its registration is portable (a region kept and reused
+  may serve another device), so retiring one synchronizes every device that has a context
+  first (a pager dropped with a copy in flight; ``remove()`` has synchronized already).
+- Unregistering inside a CUDA graph capture would break it: a region let go of in the
+  capturing thread is kept until ``release_kept()`` (a capture in another thread is not
+  seen: drop paged models outside captures). A region the driver refuses to unregister (for
   another reason than CUDA being gone) stays mapped: its address mapped again would lie
   under a stale registration. A forked child forgets the kept regions (no registration
   carries over a fork).
@@ -217,8 +220,9 @@ def _call(device: int, name: str, *args: int) -> int:
 
 def _last_error() -> Callable[[], Any] | None:
     """``cudaGetLastError`` of the CUDA runtime torch uses (it clears the thread's last
-    error): torch's binding has it on some versions; else the ``libcudart`` torch loaded,
-    found among the process's mappings. None where neither is found."""
+    error): from torch's binding where it has it (the simulation's has; torch 2.14's has
+    not), else from the runtime torch links (``_find_libcudart``). None where neither is
+    found."""
     binding = getattr(torch.cuda.cudart(), "cudaGetLastError", None)
     if binding is not None:
         return binding  # type: ignore[no-any-return]
@@ -229,8 +233,28 @@ def _last_error() -> Callable[[], Any] | None:
 
 
 def _find_libcudart() -> Any:
-    """The ``libcudart`` torch loaded (the one for torch's CUDA version where two are
-    loaded), or None."""
+    """The CUDA runtime torch links: its symbols looked up through ``libtorch_cuda`` (the
+    library and then what it depends on, so torch's ``libcudart`` whatever its name), else
+    the one ``libcudart`` mapped in the process for torch's CUDA version; None (logged once)
+    where neither is found, and nothing is registered."""
+    found = _through_torch() or _mapped_libcudart()
+    if found is None:
+        logger.info("adaptmem: the CUDA runtime's cudaGetLastError was not found: pinned "
+                    "memory comes from torch's allocator, rounded up to powers of two")
+    return found
+
+
+def _through_torch() -> Any:
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
+    try:
+        library = ctypes.CDLL(path)
+        library.cudaGetLastError  # noqa: B018 - raises AttributeError where it is not found
+    except (OSError, AttributeError):
+        return None
+    return library
+
+
+def _mapped_libcudart() -> Any:
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "libcudart" in line}
@@ -253,16 +277,35 @@ def _unregister(region: Region) -> None:
     another reason than the memory not being registered or CUDA being gone, the memory
     stays mapped (leaked): unmapped, its address could be mapped again under a stale
     registration."""
-    with contextlib.suppress(Exception):
-        torch.cuda.synchronize(region.device)
+    _synchronize_all()
     error = _call(region.device, "cudaHostUnregister", region.address)
-    if error in (0, -1, _NOT_REGISTERED, _UNLOADING):
+    if error in (0, _NOT_REGISTERED, _UNLOADING) or (error == -1 and not _cuda_alive()):
         with contextlib.suppress(BufferError):  # still exported: unmapped when it goes
             region.memory.close()
     else:
         logger.debug("adaptmem: unregistering pinned memory failed (CUDA error %d); its "
                      "%d bytes stay mapped", error, len(region.memory))
         _leaked.append(region)
+
+
+def _synchronize_all() -> None:
+    """Wait for every device that has a context: the registration is portable, so a region
+    reused for another device than its first (or a restored storage, for any) may be read
+    by copies to any of them."""
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    with contextlib.suppress(Exception):  # CUDA gone: nothing to wait for
+        for index in range(torch.cuda.device_count()):
+            if has_context is None or has_context(index):
+                torch.cuda.synchronize(index)
+
+
+def _cuda_alive() -> bool:
+    """Whether the CUDA runtime can still be called (not after a simulation ended, at exit
+    or in a forked child): a call that raised then is no refusal to unregister."""
+    try:
+        return bool(torch.cuda.is_available()) and not torch.cuda._is_in_bad_fork()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _forget_in_child() -> None:

@@ -468,8 +468,8 @@ class PlacedModels:
             _still_free(self)
             self._place_anew(resident)
         finally:  # what the new pagers did not take of the old ones' memory, unless the
-            if self.engine != CHUNK or self._choosing != TIMING:  # pagers come back soon
-                release_kept()
+            if self.engine != CHUNK or self._choosing != TIMING or not self.handles:  # pagers
+                release_kept()  # come back soon
         self.resident = resident
         self.changes.placements += 1
 
@@ -507,9 +507,9 @@ class PlacedModels:
             if _holders.get(model) is self:
                 del _holders[model]
         self.resident = [0 for _ in self.models]
-        if forget_choice:
-            self.engine, self.choice, self._choosing = PAGE, None, None
-            self._untimed = 0
+        if forget_choice:  # for good: also the pagers' memory kept through a timed call
+            self.engine, self.choice, self._choosing, self._untimed = PAGE, None, None, 0
+            release_kept()
 
     def check_no_fakes(self) -> None:
         """Refuse models that an 'auto' trace left holding fake tensors (a lazy module or a

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .._common.devices import format_bytes, parse_size
+from .._common.pinning import release_kept
 from . import _active, _tensors
 from ._errors import SimulatedCudaError
 from ._state import SimState
@@ -101,6 +102,7 @@ class SimulatedCuda:
         state, tensors = self._state, self._tensors
         assert state is not None and tensors is not None
         try:
+            release_kept()  # registered here: no use once the simulated runtime is gone
             state.synchronize(None)
             state.stop()
         finally:

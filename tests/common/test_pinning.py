@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+import warnings
 
 import pytest
 import torch
@@ -73,10 +75,49 @@ def test_a_forked_child_forgets_the_kept_regions() -> None:
             del buffer
             gc.collect()
         assert len(pinning._kept) == 1
-        pid = os.fork()
+        held, forked = threading.Event(), threading.Event()
+
+        def hold() -> None:  # another thread holds the kept list's lock across the fork
+            with pinning._lock:
+                held.set()
+                forked.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        held.wait(10)
+        with warnings.catch_warnings():  # Python 3.12+: fork() of a multi-threaded process
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:  # the child: no registration carried over, nothing to give back
-            os._exit(0 if not pinning._kept and pinning._lock.acquire(timeout=1) else 1)
+            os._exit(0 if not pinning._kept and pinning._lock.acquire(timeout=5) else 1)
+        forked.set()
+        holder.join()
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         release_kept()
         assert not pinning._kept
+
+
+def test_retiring_a_region_waits_for_the_copies_still_reading_it() -> None:
+    # torch's allocator held a freed pinned block until its copies completed; a region is
+    # unregistered at once, so it waits for the device first (a paged model dropped with a
+    # prefetch in flight). The simulation reports unregistering under a copy in flight.
+    with simulated_cuda(bandwidth=0.01):  # 4 MiB at 10 MB/s: 0.4 s
+        buffer = pinned_empty(4 * 2**20)
+        on_device = buffer.to("cuda", non_blocking=True)
+        del buffer
+        gc.collect()
+        assert on_device.numel() == 4 * 2**20
+
+
+def test_the_cuda_runtime_torch_links_is_found_to_clear_a_failed_calls_error() -> None:
+    # Outside a simulation: torch's own binding has no cudaGetLastError, so the runtime's is
+    # looked up through libtorch_cuda (where this torch build has it).
+    from adaptmem._common import pinning
+
+    if not os.path.exists(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                       "libtorch_cuda.so")):
+        pytest.skip("a torch build without CUDA: nothing is registered")
+    runtime = pinning._find_libcudart()
+    assert runtime is not None
+    assert isinstance(runtime.cudaGetLastError(), int)  # clears; without a driver: 35

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -649,3 +650,23 @@ def test_placing_again_reuses_the_registered_pinned_memory_and_remove_gives_it_b
             assert sim.pinned_bytes <= weights + 16 * 4096
             run.remove()
             assert sim.pinned_bytes == 0
+
+
+@pytest.mark.parametrize("end", ["remove", "collected"])
+def test_a_function_ended_while_its_chunked_call_is_timed_gives_the_pinned_memory_back(
+        end: str) -> None:
+    # The pagers' memory is kept through the timed chunked call for paging to come back: a
+    # function removed (or collected) before the timing ended kept it pinned for good.
+    model = _model()
+    data = torch.randn(512, 512)
+    with simulated_cuda(total_memory=DEVICE, bandwidth=100) as sim:
+        run = _decorated(model, 512)
+        run(data)  # paged
+        run(data)  # chunked, timed: the choice comes at the next call
+        assert run.placement["engine"] == "chunk" and sim.pinned_bytes > 0
+        if end == "remove":
+            run.remove()
+        else:
+            del run
+            gc.collect()
+        assert sim.pinned_bytes == 0
