@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import numbers
 import operator
@@ -15,8 +14,6 @@ from typing import Any
 import torch
 
 from .tree import map_tensors
-
-logger = logging.getLogger("adaptmem")
 
 __all__ = [
     "resolve_device",

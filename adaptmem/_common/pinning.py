@@ -22,7 +22,7 @@ What torch's allocator did for its blocks is done here for the regions:
 - A failed runtime call leaves its error pending for the thread, and torch's next kernel
   launch raises it as its own (an "out of memory" that is not the kernel's). So each failed
   call is followed by ``cudaGetLastError``, from torch's binding where it has one, else from
-  the ``libcudart`` torch loaded; where neither is found nothing is registered.
+  the runtime ``libtorch_cuda`` links; where neither is found nothing is registered.
 - The runtime registers with the thread's current device, making it a context if it had none
   (hundreds of MiB on that GPU). So a region is registered, and unregistered, with the
   device its first copies go to current, or one that has a context already; where no device
@@ -233,41 +233,18 @@ def _last_error() -> Callable[[], Any] | None:
 
 
 def _find_libcudart() -> Any:
-    """The CUDA runtime torch links: its symbols looked up through ``libtorch_cuda`` (the
-    library and then what it depends on, so torch's ``libcudart`` whatever its name), else
-    the one ``libcudart`` mapped in the process for torch's CUDA version; None (logged once)
-    where neither is found, and nothing is registered."""
-    found = _through_torch() or _mapped_libcudart()
-    if found is None:
-        logger.info("adaptmem: the CUDA runtime's cudaGetLastError was not found: pinned "
-                    "memory comes from torch's allocator, rounded up to powers of two")
-    return found
-
-
-def _through_torch() -> Any:
+    """The CUDA runtime torch links, its symbols looked up through ``libtorch_cuda`` (the
+    library, then what it depends on: torch's ``libcudart``, whatever its file is named);
+    None (logged once) in a build without it, and then nothing is registered."""
     path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
     try:
         library = ctypes.CDLL(path)
         library.cudaGetLastError  # noqa: B018 - raises AttributeError where it is not found
     except (OSError, AttributeError):
+        logger.info("adaptmem: the CUDA runtime's cudaGetLastError was not found: pinned "
+                    "memory comes from torch's allocator, rounded up to powers of two")
         return None
     return library
-
-
-def _mapped_libcudart() -> Any:
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-    except OSError:
-        return None
-    major = (torch.version.cuda or "").split(".")[0]
-    ours = [p for p in paths if f"libcudart.so.{major}" in p] or list(paths)
-    if len(ours) != 1:
-        return None
-    try:
-        return ctypes.CDLL(ours[0])
-    except OSError:
-        return None
 
 
 def _unregister(region: Region) -> None:

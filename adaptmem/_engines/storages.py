@@ -29,7 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._common.pinning import pinned_empty
+from .._common.pinning import extent, pinned_empty
 
 __all__ = ["StorageLayout"]
 
@@ -140,9 +140,7 @@ class StorageLayout:
 
 def _extent(t: torch.Tensor) -> int:
     """Elements from the first to the last one ``t`` reaches in its storage."""
-    if not t.numel():
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return extent(t.shape, t.stride()) if t.numel() else 0
 
 
 def _weak(storage: Any) -> Any:

@@ -157,12 +157,15 @@ class SimState:
             return True
         return any(start <= ptr < start + size for start, size in self.registered.items())
 
+    def pinned_blocks(self) -> list[tuple[int, int]]:
+        """``(address, bytes)`` of each live storage torch's allocator pinned."""
+        peeks = ((ptr, f.peek()) for ptr, f in list(self.pinned.items()))
+        return [(ptr, peek[0].nbytes()) for ptr, peek in peeks if peek]
+
     def pinned_bytes(self) -> int:
         """Page-locked host memory in use: torch's pinned blocks at the power of two its host
         allocator rounds them up to, registered memory at its size."""
-        blocks = (f.peek() for f in list(self.pinned.values()))
-        held = sum(1 << (peek[0].nbytes() - 1).bit_length() for peek in blocks
-                   if peek and peek[0].nbytes())
+        held = sum(1 << (n - 1).bit_length() for _, n in self.pinned_blocks() if n)
         return held + sum(self.registered.values())
 
     def host_register(self, ptr: int, size: int, flags: int) -> int:
@@ -171,9 +174,8 @@ class SimState:
         runtime leaves it (see ``last_error``)."""
         if size <= 0:
             return self.failed(1)  # cudaErrorInvalidValue
-        blocks = [(p, f.peek()[0].nbytes()) for p, f in list(self.pinned.items()) if f.peek()]
         if any(start < ptr + size and ptr < start + length
-               for start, length in [*self.registered.items(), *blocks]):
+               for start, length in [*self.registered.items(), *self.pinned_blocks()]):
             return self.failed(712)  # cudaErrorHostMemoryAlreadyRegistered
         self.registered[ptr] = size
         return 0
